@@ -1,0 +1,5 @@
+import sys
+
+from pixeltriage.cli import main
+
+sys.exit(main())

@@ -1,0 +1,47 @@
+"""The engine's value types: what a host passes in (Memory) and gets back (Scores)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Union
+
+from PIL import Image
+
+ImageSource = Union[Image.Image, bytes, bytearray, str, os.PathLike]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One retrieved memory: an image (or a write-time cache key), its note, dialogue and session date.
+
+    `note=None` means "the cached note" for a memory given by `key`, and "" otherwise.
+    """
+
+    image: ImageSource | None = None
+    note: str | None = None
+    dialogue: str = ""
+    date: str = ""
+    key: str | None = None
+
+    def __post_init__(self):
+        if (self.image is None) == (self.key is None):
+            raise TypeError("Memory needs exactly one of image=... or key=...")
+
+
+@dataclass(frozen=True)
+class Scores:
+    """System One's outputs for one question.
+
+    p_vis: probability that answering needs any retrieved image's pixels.
+    gains: per memory, sigmoid(l_i - l_none) of the gain question (retrieval order).
+    relevance: per memory, its share of the relevance softmax over (memories + none).
+    relevance_none: the `none` share of that softmax.
+    """
+
+    p_vis: float
+    gains: list[float] = field(default_factory=list)
+    relevance: list[float] = field(default_factory=list)
+    relevance_none: float = 1.0
+
+    def __len__(self) -> int:
+        return len(self.gains)
