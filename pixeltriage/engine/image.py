@@ -1,0 +1,279 @@
+"""Memory images -> Qwen vision patches.
+
+open_image -> to_rgb -> make_thumbnail -> patchify, chained by `preprocess`. `patchify` reproduces
+transformers' `Qwen2VLImageProcessorPil` bit for bit on an RGB image: PIL BICUBIC resize of the
+uint8 image to the `smart_resize` size, rescale in float64 then cast to float32, normalize in
+float32, patches laid out in merge_size x merge_size blocks with the single frame repeated
+temporal_patch_size times.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+import struct
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, TiffImagePlugin, UnidentifiedImageError, WebPImagePlugin  # noqa: F401
+
+from pixeltriage.engine.config import ImageConfig
+from pixeltriage.errors import InvalidMemoryError
+
+# Refused before any pixel data is decoded: equal to PIL's own default `Image.MAX_IMAGE_PIXELS`
+# (about 9459 x 9459, ~268 MB as RGB), so PIL's bomb warning and this limit agree.
+MAX_IMAGE_PIXELS = 89_478_485
+
+# Formats Image.open may try. Keeps exotic decoders (EPS runs Ghostscript, FITS, PSD, ...) away from
+# untrusted bytes; MPO (multi-picture camera JPEGs) is reached through the JPEG opener. The TIFF and
+# WebP plugins are imported above so that PIL need not load every plugin to find them.
+IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
+
+PNG_COMPRESS_LEVEL = 6
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+_ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
+_INT_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")
+# PIL decoders raise any of these on malformed or hostile data.
+_DECODE_ERRORS = (
+    OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, TypeError, struct.error,
+    MemoryError, Image.DecompressionBombError, Image.DecompressionBombWarning,
+)
+
+
+def open_image(source, index: int | None = None, *, max_side: int | None = None) -> Image.Image:
+    """Open and fully decode one memory image; frame 0 of an animated image.
+
+    source: a PIL image, the encoded bytes, or a local file path (str / os.PathLike; URLs refused).
+    max_side: when given, JPEG bytes or files are decoded at a reduced DCT scale that keeps the long
+        side at least 2 * max_side (the thumbnail is made from it); PIL image sources are left as given.
+    Returns the decoded image in its own mode and size (at most MAX_IMAGE_PIXELS pixels).
+    Raises InvalidMemoryError(reason, index) for anything that is not a readable image.
+    """
+    if isinstance(source, Image.Image):
+        return _decode(source, "image", index, max_side=None)
+    if isinstance(source, (bytes, bytearray)):
+        if not source:
+            raise InvalidMemoryError("image bytes are empty", index)
+        return _open_stream(io.BytesIO(bytes(source)), f"image bytes ({len(source)} B)", index, max_side)
+    if isinstance(source, (str, os.PathLike)):
+        path = _local_path(source, index)
+        try:
+            with open(path, "rb") as f:
+                return _open_stream(f, path, index, max_side)
+        except OSError as e:
+            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from e
+    raise InvalidMemoryError(f"unsupported image source of type {type(source).__name__}; expected a PIL image, "
+                             f"bytes or a local file path", index)
+
+
+def _local_path(source, index: int | None) -> str:
+    path = os.fsdecode(os.fspath(source))
+    if _URL.match(path):
+        raise InvalidMemoryError(f"{path}: URLs are not accepted; pass a local file path or the image bytes", index)
+    if not path:
+        raise InvalidMemoryError("image path is empty", index)
+    if not os.path.exists(path):
+        raise InvalidMemoryError(f"{path}: image file not found", index)
+    if os.path.isdir(path):
+        raise InvalidMemoryError(f"{path}: is a directory, not an image file", index)
+    if not os.path.isfile(path):
+        raise InvalidMemoryError(f"{path}: not a regular file", index)
+    if os.path.getsize(path) == 0:
+        raise InvalidMemoryError(f"{path}: image file is empty (0 bytes)", index)
+    return path
+
+
+def _open_stream(fp, name: str, index: int | None, max_side: int | None) -> Image.Image:
+    try:
+        # PIL only warns between 1x and 2x its limit; make that a refusal like ours.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(fp, formats=IMAGE_FORMATS)
+    except UnidentifiedImageError as e:
+        raise InvalidMemoryError(f"{name}: not a recognised image (accepted formats: "
+                                 f"{', '.join(IMAGE_FORMATS)})", index) from e
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise InvalidMemoryError(f"{name}: refused as a possible decompression bomb ({e})", index) from e
+    except _DECODE_ERRORS as e:
+        raise InvalidMemoryError(f"{name}: cannot read image header ({e})", index) from e
+    return _decode(img, name, index, max_side)
+
+
+def _decode(img: Image.Image, name: str, index: int | None, max_side: int | None) -> Image.Image:
+    width, height = img.size
+    if width <= 0 or height <= 0:
+        raise InvalidMemoryError(f"{name}: image has zero size ({width}x{height})", index)
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidMemoryError(f"{name}: {width}x{height} = {width * height} pixels exceeds the limit of "
+                                 f"{MAX_IMAGE_PIXELS} (possible decompression bomb)", index)
+    if max_side is not None:
+        _draft(img, max_side)
+    try:
+        img.load()
+    except _DECODE_ERRORS as e:
+        raise InvalidMemoryError(f"{name}: cannot decode image ({e})", index) from e
+    return img
+
+
+def _draft(img: Image.Image, max_side: int) -> None:
+    # Only JPEG implements draft (the base class ignores it): DCT scaling by 1/2, 1/4 or 1/8.
+    width, height = img.size
+    scale = 2 * max_side / max(width, height)
+    if scale < 1:
+        img.draft("RGB", (max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale))))
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Apply the EXIF orientation, then convert any mode to RGB (alpha composited on white).
+
+    16-bit and "I" samples keep their top 8 bits (v >> 8, clipped to [0, 65535] first); "F" samples
+    are scaled by 255 when all lie in [0, 1], else clipped to [0, 255].
+    Returns a new RGB image of the displayed size [W', H'] (W and H swapped by 90 degree rotations).
+    """
+    return _convert_rgb(ImageOps.exif_transpose(img))
+
+
+def _convert_rgb(img: Image.Image) -> Image.Image:
+    if img.mode in _INT_MODES:
+        img = _int_to_gray(img)
+    elif img.mode == "F":
+        img = _float_to_gray(img)
+    elif img.mode == "La":
+        img = img.convert("LA")
+    if img.mode in _ALPHA_MODES or "transparency" in img.info:
+        return _composite_on_white(img)
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _int_to_gray(img: Image.Image) -> Image.Image:
+    samples = np.asarray(img).astype(np.int64)
+    return Image.fromarray((np.clip(samples, 0, 65535) >> 8).astype(np.uint8))
+
+
+def _float_to_gray(img: Image.Image) -> Image.Image:
+    samples = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+    if samples.min() >= 0.0 and samples.max() <= 1.0:
+        samples = samples * 255.0
+    return Image.fromarray(np.clip(np.rint(samples), 0, 255).astype(np.uint8))
+
+
+def _composite_on_white(img: Image.Image) -> Image.Image:
+    # The same compositing transformers' convert_to_rgb does, so RGBA inputs agree with it exactly.
+    rgba = img.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+def make_thumbnail(img: Image.Image, max_side: int = 336) -> Image.Image:
+    """Scale the longer side to max_side, keeping the aspect ratio; never upscale.
+
+    The short side is rounded half up (at least 1 px). Filter: PIL BICUBIC with reducing_gap=3.0
+    (a box-filter integer reduction first when shrinking more than 3x, then bicubic), deterministic.
+    Non-RGB inputs are converted with the mode rules of `to_rgb`; EXIF orientation is not applied here.
+    Returns an RGB image whose longer side is min(max_side, longer input side).
+    """
+    if max_side <= 0:
+        raise ValueError(f"max_side must be positive, got {max_side}")
+    img = _convert_rgb(img)
+    width, height = img.size
+    long_side = max(width, height)
+    if long_side <= max_side:
+        return img
+    size = (_scaled_side(width, max_side, long_side), _scaled_side(height, max_side, long_side))
+    return img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+
+
+def _scaled_side(side: int, max_side: int, long_side: int) -> int:
+    return max(1, (2 * side * max_side + long_side) // (2 * long_side))
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The Qwen2-VL target size: both sides multiples of factor, area within [min_pixels, max_pixels].
+
+    Same arithmetic as transformers' `smart_resize`. Raises ValueError for a non-positive side or an
+    aspect ratio above 200. Returns (resized_height, resized_width).
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got "
+                         f"{max(height, width) / min(height, width)} ({width}x{height})")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def patchify(img_rgb: Image.Image, cfg: ImageConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Resize, rescale, normalize and cut an RGB image into vision patches.
+
+    Returns pixel_values float32 [grid_h * grid_w, 3 * temporal_patch_size * patch_size**2] and
+    grid_thw = (1, grid_h, grid_w); rows are ordered in merge_size x merge_size blocks, each row is
+    [C, T, patch, patch] flattened.
+    """
+    if img_rgb.mode != "RGB":
+        raise ValueError(f"patchify needs an RGB image, got mode {img_rgb.mode!r}")
+    height, width = smart_resize(img_rgb.height, img_rgb.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    resized = img_rgb.resize((width, height), Image.Resampling.BICUBIC)
+    pixels = np.asarray(resized).transpose(2, 0, 1)  # [3, H, W] uint8
+    pixels = (pixels.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+    mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(cfg.image_std, dtype=np.float32)[:, None, None]
+    pixels = (pixels - mean) / std  # float32 arithmetic, as transformers' normalize
+    grid_h, grid_w = height // cfg.patch_size, width // cfg.patch_size
+    return _to_patches(torch.from_numpy(pixels), cfg), (1, grid_h, grid_w)
+
+
+def _to_patches(pixels: torch.Tensor, cfg: ImageConfig) -> torch.Tensor:
+    channels, height, width = pixels.shape
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    grid_h, grid_w = height // p, width // p
+    blocks = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
+    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
+    blocks = blocks.unsqueeze(5).expand(*blocks.shape[:5], t, p, p)  # one frame repeated t times
+    return blocks.reshape(grid_h * grid_w, channels * t * p * p).contiguous()
+
+
+def preprocess(source, cfg: ImageConfig, thumbnail_size: int = 336,
+               index: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One memory image -> (pixel_values float32 [N, 3 * T * patch**2], grid_thw (1, grid_h, grid_w)).
+
+    = patchify(make_thumbnail(to_rgb(open_image(source)), thumbnail_size), cfg). Every failure
+    (unreadable image, aspect ratio above 200, ...) is raised as InvalidMemoryError(reason, index).
+    """
+    img = open_image(source, index, max_side=thumbnail_size)
+    try:
+        return patchify(make_thumbnail(to_rgb(img), thumbnail_size), cfg)
+    except _DECODE_ERRORS as e:
+        raise InvalidMemoryError(f"{_describe(source)}: cannot preprocess image ({e})", index) from e
+
+
+def _describe(source) -> str:
+    if isinstance(source, (str, os.PathLike)):
+        return os.fsdecode(os.fspath(source))
+    if isinstance(source, (bytes, bytearray)):
+        return f"image bytes ({len(source)} B)"
+    return "image"
+
+
+def encode_png(img: Image.Image) -> bytes:
+    """Canonical PNG bytes of an image's pixels, as RGB: no metadata, fixed compression level.
+
+    Non-RGB images are converted with the mode rules of `to_rgb`; EXIF orientation is not applied
+    (metadata, EXIF included, is dropped). Same pixels -> same bytes for a given Pillow/zlib build.
+    """
+    rgb = _convert_rgb(img)
+    clean = Image.frombytes("RGB", rgb.size, rgb.tobytes())
+    buffer = io.BytesIO()
+    clean.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL, optimize=False)
+    return buffer.getvalue()

@@ -1,0 +1,363 @@
+"""Image loading, thumbnails and patches; patches compared with transformers' PIL Qwen2-VL processor."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from PIL import Image, ImageFile
+
+from pixeltriage.engine import image as image_mod
+from pixeltriage.engine.config import ImageConfig
+from pixeltriage.engine.image import (
+    encode_png,
+    make_thumbnail,
+    open_image,
+    patchify,
+    preprocess,
+    smart_resize,
+    to_rgb,
+)
+from pixeltriage.errors import InvalidMemoryError
+
+qwen_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MODES = ("RGB", "RGBA", "L", "P", "LA")
+
+
+def random_image(mode: str, size: tuple[int, int], seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    width, height = size
+    rgba = Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8))
+    if mode == "P":
+        return rgba.convert("RGB").quantize(64)
+    return rgba.convert(mode)
+
+
+def encoded(img: Image.Image, fmt: str, **params) -> bytes:
+    buffer = io.BytesIO()
+    img.save(buffer, format=fmt, **params)
+    return buffer.getvalue()
+
+
+def reference_processor(cfg: ImageConfig):
+    return qwen_pil.Qwen2VLImageProcessorPil(
+        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size, merge_size=cfg.merge_size,
+        image_mean=list(cfg.image_mean), image_std=list(cfg.image_std),
+        min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+    )
+
+
+def assert_matches_transformers(img: Image.Image, cfg: ImageConfig) -> None:
+    pixel_values, grid_thw = patchify(to_rgb(img) if img.mode != "RGB" else img, cfg)
+    ref = reference_processor(cfg)(images=img, return_tensors="np")
+    assert grid_thw == tuple(ref["image_grid_thw"][0].tolist())
+    assert pixel_values.dtype == torch.float32 and pixel_values.is_contiguous()
+    # Exact: same PIL resize, same float64 rescale, same float32 normalize.
+    np.testing.assert_array_equal(pixel_values.numpy(), ref["pixel_values"])
+
+
+# -- patches vs transformers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,size", [
+    ("RGBA", (64, 96)), ("L", (96, 64)), ("P", (500, 200)), ("RGB", (1, 1)), ("RGB", (336, 336)),
+    ("LA", (17, 333)), ("RGB", (333, 17)), ("RGB", (1000, 750)), ("RGB", (2, 300)),
+])
+def test_thumbnail_patches_match_transformers(mode, size):
+    thumbnail = make_thumbnail(to_rgb(random_image(mode, size)))
+    assert_matches_transformers(thumbnail, ImageConfig())
+
+
+def test_clip_mean_std_patch14_and_max_pixels_match_transformers():
+    cfg = ImageConfig(patch_size=14, min_pixels=28 * 28, max_pixels=128 * 128,
+                      image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD)
+    thumbnail = make_thumbnail(random_image("RGB", (640, 480), seed=3))
+    pixel_values, grid_thw = patchify(thumbnail, cfg)
+    assert pixel_values.shape[1] == 3 * 2 * 14 * 14
+    assert grid_thw[1] * grid_thw[2] * 14 * 14 <= cfg.max_pixels
+    assert_matches_transformers(thumbnail, cfg)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_alpha_compositing_matches_transformers(mode):
+    img = random_image(mode, (40, 30), seed=5)
+    if mode == "P":
+        img.info["transparency"] = 7
+    assert_matches_transformers(img, ImageConfig())
+
+
+def test_patch_layout():
+    cfg = ImageConfig(min_pixels=64 * 64, max_pixels=64 * 64, image_mean=(0.0,) * 3, image_std=(1.0,) * 3,
+                      rescale_factor=1.0)
+    values = np.arange(64 * 64, dtype=np.uint8).reshape(64, 64) % 251
+    img = Image.fromarray(np.stack([values] * 3, axis=-1))
+    pixel_values, grid_thw = patchify(img, cfg)
+    assert grid_thw == (1, 4, 4)
+    # Row 1 is the patch right of patch 0 (same 2x2 merge block); row 2 the one below patch 0.
+    first = pixel_values[:, : 16 * 16].reshape(16, 16, 16)
+    np.testing.assert_array_equal(first[1].numpy(), values[0:16, 16:32])
+    np.testing.assert_array_equal(first[2].numpy(), values[16:32, 0:16])
+    np.testing.assert_array_equal(first[4].numpy(), values[0:16, 32:48])
+    # Both temporal copies are the same frame.
+    rows = pixel_values.reshape(16, 3, 2, 256)
+    np.testing.assert_array_equal(rows[:, :, 0].numpy(), rows[:, :, 1].numpy())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([28, 32]),
+       st.integers(1, 100_000), st.integers(1, 3_000_000))
+def test_smart_resize_matches_transformers(height, width, factor, min_pixels, extra):
+    max_pixels = min_pixels + extra
+    try:
+        expected = qwen_pil.smart_resize(height, width, factor, min_pixels, max_pixels)
+    except ValueError:
+        with pytest.raises(ValueError):
+            smart_resize(height, width, factor, min_pixels, max_pixels)
+        return
+    assert smart_resize(height, width, factor, min_pixels, max_pixels) == expected
+
+
+def test_smart_resize_rejects_extreme_aspect():
+    with pytest.raises(ValueError, match="aspect ratio"):
+        smart_resize(1, 201, 32, 3136, 1_000_000)
+    with pytest.raises(ValueError):
+        smart_resize(0, 10, 32, 3136, 1_000_000)
+
+
+# -- thumbnails --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size,expected", [
+    ((1000, 750), (336, 252)), ((750, 1000), (252, 336)), ((337, 1), (336, 1)), ((1000, 1), (336, 1)),
+    ((2000, 3), (336, 1)), ((672, 673), (336, 336)), ((336, 100), (336, 100)), ((20, 10), (20, 10)),
+    ((1, 1), (1, 1)),
+])
+def test_thumbnail_size(size, expected):
+    thumbnail = make_thumbnail(Image.new("RGB", size, (10, 20, 30)))
+    assert thumbnail.size == expected
+    assert thumbnail.mode == "RGB"
+
+
+def test_thumbnail_never_upscales_and_converts():
+    img = random_image("L", (100, 50))
+    thumbnail = make_thumbnail(img, max_side=336)
+    assert thumbnail.size == (100, 50) and thumbnail.mode == "RGB"
+    assert make_thumbnail(Image.new("RGB", (500, 500)), max_side=64).size == (64, 64)
+    with pytest.raises(ValueError):
+        make_thumbnail(img, max_side=0)
+
+
+def test_thumbnail_is_deterministic():
+    img = random_image("RGB", (1200, 900), seed=9)
+    assert make_thumbnail(img).tobytes() == make_thumbnail(img.copy()).tobytes()
+
+
+# -- decoding and colour modes -----------------------------------------------------------------
+
+def test_exif_orientation_6_is_applied():
+    stored = Image.new("RGB", (40, 20), (255, 0, 0))
+    stored.paste((0, 0, 255), (20, 0, 40, 20))  # left red, right blue
+    exif = Image.Exif()
+    exif[0x0112] = 6  # displayed after rotating 90 degrees clockwise
+    img = to_rgb(open_image(encoded(stored, "JPEG", quality=95, exif=exif.tobytes())))
+    assert img.size == (20, 40)
+    top, bottom = img.getpixel((10, 5)), img.getpixel((10, 35))
+    assert top[0] > 200 and top[2] < 60
+    assert bottom[2] > 200 and bottom[0] < 60
+
+
+def test_transparent_pixels_become_white():
+    img = Image.new("RGBA", (4, 4), (255, 0, 0, 255))
+    img.putpixel((0, 0), (0, 0, 0, 0))
+    img.putpixel((1, 0), (0, 0, 0, 128))
+    rgb = to_rgb(open_image(encoded(img, "PNG")))
+    assert rgb.mode == "RGB"
+    assert rgb.getpixel((0, 0)) == (255, 255, 255)
+    assert rgb.getpixel((1, 0)) == (127, 127, 127)
+    assert rgb.getpixel((2, 2)) == (255, 0, 0)
+
+
+def test_palette_with_transparency():
+    img = Image.new("P", (4, 4), 1)
+    img.putpalette([0, 0, 0, 0, 255, 0] + [0] * (256 * 3 - 6))
+    img.putpixel((0, 0), 0)
+    opened = open_image(encoded(img, "PNG", transparency=0))
+    assert opened.mode == "P"
+    rgb = to_rgb(opened)
+    assert rgb.getpixel((0, 0)) == (255, 255, 255)
+    assert rgb.getpixel((3, 3)) == (0, 255, 0)
+
+
+def test_16_bit_png_keeps_top_bits():
+    samples = np.array([[0, 100 * 256 + 255, 65535, 256]], dtype=np.uint16)
+    opened = open_image(encoded(Image.fromarray(samples), "PNG"))
+    assert opened.mode.startswith("I")
+    rgb = to_rgb(opened)
+    assert [rgb.getpixel((x, 0)) for x in range(4)] == [(0, 0, 0), (100, 100, 100), (255, 255, 255), (1, 1, 1)]
+
+
+def test_cmyk_jpeg():
+    img = Image.new("CMYK", (16, 16), (0, 255, 255, 0))  # red
+    opened = open_image(encoded(img, "JPEG", quality=95))
+    assert opened.mode == "CMYK"
+    r, g, b = to_rgb(opened).getpixel((8, 8))
+    assert r > 230 and g < 30 and b < 30
+
+
+def test_animated_gif_first_frame(tmp_path):
+    frames = [Image.new("RGB", (8, 8), color) for color in ((255, 0, 0), (0, 255, 0), (0, 0, 255))]
+    path = tmp_path / "anim.gif"
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=50, loop=0)
+    for source in (path, str(path), path.read_bytes()):
+        assert to_rgb(open_image(source)).getpixel((4, 4)) == (255, 0, 0)
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "I", "I;16B", "F", "CMYK", "YCbCr", "HSV", "LAB", "La", "RGBa",
+                                  "PA", "RGBX"])
+def test_every_mode_converts_to_rgb(mode):
+    img = Image.new(mode, (5, 3))
+    rgb = to_rgb(img)
+    assert rgb.mode == "RGB" and rgb.size == (5, 3)
+
+
+def test_float_and_int_scaling():
+    unit = Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32))
+    assert [to_rgb(unit).getpixel((x, 0))[0] for x in range(3)] == [0, 128, 255]
+    wide = Image.fromarray(np.array([[-5.0, 100.0, 300.0]], dtype=np.float32))
+    assert [to_rgb(wide).getpixel((x, 0))[0] for x in range(3)] == [0, 100, 255]
+    ints = Image.fromarray(np.array([[-1, 512, 70000]], dtype=np.int32))
+    assert ints.mode == "I"
+    assert [to_rgb(ints).getpixel((x, 0))[0] for x in range(3)] == [0, 2, 255]
+
+
+def test_large_jpeg_is_drafted():
+    img = random_image("RGB", (2000, 1500), seed=1)
+    data = encoded(img, "JPEG", quality=80)
+    assert open_image(data).size == (2000, 1500)
+    drafted = open_image(data, max_side=336)
+    assert drafted.size == (1000, 750)  # DCT scale 1/2 keeps the long side >= 2 * 336
+    assert make_thumbnail(to_rgb(drafted)).size == (336, 252)
+
+
+def test_preprocess_same_for_every_source_kind(tmp_path):
+    img = random_image("RGBA", (700, 300), seed=2)
+    data = encoded(img, "PNG")
+    path = tmp_path / "memory.png"
+    path.write_bytes(data)
+    cfg = ImageConfig()
+    expected, grid = patchify(make_thumbnail(to_rgb(img)), cfg)
+    for source in (img, data, bytearray(data), path, str(path)):
+        pixel_values, grid_thw = preprocess(source, cfg, index=0)
+        assert grid_thw == grid == (1, 8, 20)
+        np.testing.assert_array_equal(pixel_values.numpy(), expected.numpy())
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def _png() -> bytes:
+    return encoded(random_image("RGB", (64, 64)), "PNG")
+
+
+def _jpeg() -> bytes:
+    return encoded(random_image("RGB", (64, 64)), "JPEG", quality=90)
+
+
+def _empty_file(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A tiny PNG whose IHDR claims width x height (1-bit grey); the pixel data is absent."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("make_source,needle", [
+    (lambda tmp: b"definitely not an image", "not a recognised image"),
+    (lambda tmp: b"", "empty"),
+    (lambda tmp: _png()[: len(_png()) // 2], "cannot decode"),
+    (lambda tmp: _png()[:40], "image bytes"),
+    (lambda tmp: _jpeg()[: len(_jpeg()) // 2], "cannot decode"),
+    (lambda tmp: str(tmp / "missing.png"), "missing.png: image file not found"),
+    (lambda tmp: tmp, "is a directory"),
+    (lambda tmp: "https://example.com/cat.png", "URLs are not accepted"),
+    (lambda tmp: "file:///etc/passwd", "URLs are not accepted"),
+    (lambda tmp: _empty_file(tmp / "empty.png"), "empty.png: image file is empty"),
+    (lambda tmp: 12345, "unsupported image source of type int"),
+    (lambda tmp: Image.new("RGB", (0, 0)), "zero size"),
+    (lambda tmp: encoded(Image.new("RGB", (8, 8)), "PCX"), "not a recognised image"),
+])
+def test_invalid_images_raise_with_index(tmp_path, make_source, needle):
+    source = make_source(tmp_path)
+    with pytest.raises(InvalidMemoryError) as info:
+        preprocess(source, ImageConfig(), index=7)
+    assert info.value.index == 7
+    assert needle in info.value.reason
+    assert str(info.value).startswith("memory 7: ")
+
+
+def test_extreme_aspect_ratio_raises_invalid_memory():
+    with pytest.raises(InvalidMemoryError, match="aspect ratio") as info:
+        preprocess(Image.new("RGB", (1000, 1)), ImageConfig(), index=3)
+    assert info.value.index == 3
+
+
+@pytest.mark.parametrize("width,height", [(30000, 30000), (10000, 10000)])
+def test_decompression_bomb_refused(width, height):
+    with pytest.raises(InvalidMemoryError, match="decompression bomb") as info:
+        open_image(_png_declaring(width, height), index=2)
+    assert info.value.index == 2
+
+
+def test_bomb_refused_before_decoding_even_without_pil_limit(monkeypatch, tmp_path):
+    def load_forbidden(self):
+        raise AssertionError("pixel data must not be decoded")
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load_forbidden)
+    path = tmp_path / "bomb.png"
+    path.write_bytes(_png_declaring(30000, 30000))
+    with pytest.raises(InvalidMemoryError, match=re.escape(f"{path}: 30000x30000")):
+        open_image(path, index=1)
+
+
+def test_own_pixel_limit_is_honoured(monkeypatch):
+    monkeypatch.setattr(image_mod, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(InvalidMemoryError, match="exceeds the limit of 100"):
+        open_image(encoded(Image.new("RGB", (20, 20)), "PNG"))
+    assert open_image(encoded(Image.new("RGB", (10, 10)), "PNG")).size == (10, 10)
+
+
+# -- canonical PNG -----------------------------------------------------------------------------
+
+def test_encode_png_is_canonical():
+    img = random_image("RGB", (33, 17), seed=4)
+    with_metadata = Image.open(io.BytesIO(encoded(img, "PNG", dpi=(300, 300), icc_profile=b"fake-icc")))
+    with_metadata.load()
+    assert "icc_profile" in with_metadata.info
+    data = encode_png(img)
+    assert data == encode_png(with_metadata) == encode_png(img.copy())
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    for chunk in (b"tEXt", b"iTXt", b"zTXt", b"pHYs", b"iCCP", b"eXIf", b"tIME"):
+        assert chunk not in data
+    decoded = Image.open(io.BytesIO(data))
+    assert decoded.mode == "RGB" and decoded.tobytes() == img.tobytes()
+    assert encode_png(img.convert("RGBA")) == data
+
+
+def test_path_like_sources(tmp_path):
+    path = Path(tmp_path) / "x.png"
+    path.write_bytes(encoded(Image.new("RGB", (3, 2), (1, 2, 3)), "PNG"))
+    assert open_image(path).size == open_image(str(path)).size == (3, 2)
