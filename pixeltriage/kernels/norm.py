@@ -1,0 +1,24 @@
+"""RMSNorm variants used by Qwen3.5, computed in float32 and cast back to the input dtype."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * (1 + w): the decoder's norms (weights stored centred at zero).
+
+    Output in `out_dtype` (default: x's dtype), so a float32 residual can feed low-precision matmuls.
+    """
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    return out.to(out_dtype or x.dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * norm(x) * silu(gate): the Gated DeltaNet output norm (plain weight, norm before gate)."""
+    dtype = gate.dtype
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * normed * F.silu(gate.float())).to(dtype)

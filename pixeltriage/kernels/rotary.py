@@ -1,0 +1,51 @@
+"""Rotary position embeddings: the text decoder's interleaved M-RoPE and the ViT's 2-D rotary."""
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def mrope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float, mrope_section: tuple[int, int, int]):
+    """Interleaved 3-D M-RoPE tables.
+
+    position_ids: [3, T] (temporal, height, width). Frequency j takes its angle from axis
+    (1 if j % 3 == 1 and j < 3*sec_h, 2 if j % 3 == 2 and j < 3*sec_w, else 0).
+    Returns cos, sin: [T, rotary_dim] float32.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device) / rotary_dim))
+    freqs = position_ids.float()[..., None] * inv_freq                # [3, T, rotary_dim/2]
+    index = torch.arange(rotary_dim // 2, device=position_ids.device)
+    axis = torch.zeros_like(index)
+    axis[(index % 3 == 1) & (index < 3 * mrope_section[1])] = 1
+    axis[(index % 3 == 2) & (index < 3 * mrope_section[2])] = 2
+    freqs = freqs.gather(0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim features of each head. x: [T, heads, head_dim]; cos/sin: [T, rotary_dim]."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def vision_rotary_cos_sin(hw_ids: torch.Tensor, head_dim: int, theta: float):
+    """2-D rotary for the ViT. hw_ids: [N, 2] (row, col) -> cos, sin: [N, head_dim] float32."""
+    spatial = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=hw_ids.device) / spatial))
+    freqs = hw_ids.float()[..., None] * inv_freq                      # [N, 2, head_dim/4]
+    freqs = freqs.flatten(1)                                          # [N, head_dim/2] = (h freqs, w freqs)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Full-width rotary in float32, cast back. x: [N, heads, head_dim]; cos/sin: [N, head_dim]."""
+    xf = x.float()
+    return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
