@@ -1,0 +1,118 @@
+"""System One's hybrid text decoder: Gated DeltaNet and gated full-attention layers, SwiGLU MLPs.
+
+Parameters live in the engine's fused layout (see `pixeltriage/weights/layout.py`); the forward
+returns the last decoder output before the final norm, which the head applies only at its rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pixeltriage.engine.config import FULL, TextConfig
+from pixeltriage.kernels.conv import causal_conv1d_silu
+from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule
+from pixeltriage.kernels.norm import rms_norm_gated, rms_norm_zero_centred
+from pixeltriage.kernels.rotary import apply_partial_rotary, mrope_cos_sin
+
+
+@dataclass
+class LinearAttentionWeights:
+    in_proj: torch.Tensor   # [conv_dim + value_dim + 2 * Hv, hidden]: qkv | z | b | a
+    conv: torch.Tensor      # [conv_dim, kernel]
+    A_log: torch.Tensor     # [Hv]
+    dt_bias: torch.Tensor   # [Hv]
+    norm: torch.Tensor      # [value_head_dim]
+    out_proj: torch.Tensor  # [hidden, value_dim]
+
+
+@dataclass
+class FullAttentionWeights:
+    qkv: torch.Tensor       # [heads * 2 * head_dim + 2 * kv_heads * head_dim, hidden]; per head: query | gate
+    q_norm: torch.Tensor    # [head_dim]
+    k_norm: torch.Tensor    # [head_dim]
+    o_proj: torch.Tensor    # [hidden, heads * head_dim]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: LinearAttentionWeights | FullAttentionWeights
+    gate_up: torch.Tensor   # [2 * ffn, hidden]: gate | up
+    down: torch.Tensor      # [hidden, ffn]
+
+
+@dataclass
+class TextWeights:
+    embed: torch.Tensor     # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor      # [hidden]
+
+
+def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig) -> torch.Tensor:
+    """x: [T, hidden] -> [T, hidden]."""
+    seq_len = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv, z, b, a = (x @ w.in_proj.t()).split([cfg.linear_conv_dim, cfg.linear_value_dim, hv, hv], dim=-1)
+    qkv = causal_conv1d_silu(qkv, w.conv)
+    q, k, v = qkv.split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+    q = l2_norm(q.float().view(seq_len, hk, dk))
+    k = l2_norm(k.float().view(seq_len, hk, dk))
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=1)
+        k = k.repeat_interleave(hv // hk, dim=1)
+    beta = b.float().sigmoid()
+    g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
+    o = chunk_gated_delta_rule(q, k, v.view(seq_len, hv, dv), g, beta).to(x.dtype)    # [T, Hv, dv]
+    o = rms_norm_gated(o, z.view(seq_len, hv, dv), w.norm, cfg.rms_norm_eps)
+    return o.reshape(seq_len, -1) @ w.out_proj.t()
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention with q/k RMSNorm, partial M-RoPE and a sigmoid output gate."""
+    seq_len = x.shape[0]
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qg, k, v = (x @ w.qkv.t()).split([nh * 2 * hd, nkv * hd, nkv * hd], dim=-1)
+    q, gate = qg.view(seq_len, nh, 2 * hd).chunk(2, dim=-1)
+    q = apply_partial_rotary(rms_norm_zero_centred(q, w.q_norm, cfg.rms_norm_eps), cos, sin)
+    k = apply_partial_rotary(rms_norm_zero_centred(k.view(seq_len, nkv, hd), w.k_norm, cfg.rms_norm_eps), cos, sin)
+    v = v.view(seq_len, nkv, hd)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=nh != nkv,
+    )                                                                  # [nh, T, hd]
+    o = o.transpose(0, 1).reshape(seq_len, nh * hd) * torch.sigmoid(gate.reshape(seq_len, nh * hd))
+    return o @ w.o_proj.t()
+
+
+def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ layer.down.t()
+
+
+def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: TextWeights,
+                    cfg: TextConfig) -> torch.Tensor:
+    """embeds: [T, hidden] (text embeddings with visual rows scattered in); position_ids: [3, T].
+
+    Returns the last layer's output [T, hidden] float32, before the final norm. The residual stream
+    is kept in float32 whatever the weights' dtype; matmuls run in the weights' dtype.
+    """
+    dtype = weights.embed.dtype
+    eps = cfg.rms_norm_eps
+    cos, sin = mrope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
+    h = embeds.float()
+    for kind, layer in zip(cfg.layer_types, weights.layers):
+        x = rms_norm_zero_centred(h, layer.input_norm, eps, dtype)
+        if kind == FULL:
+            h = h + gated_attention(x, layer.attn, cfg, cos, sin)
+        else:
+            h = h + gated_delta_net(x, layer.attn, cfg)
+        h = h + mlp(rms_norm_zero_centred(h, layer.post_norm, eps, dtype), layer)
+    return h

@@ -1,0 +1,125 @@
+"""System One's vision tower: patches -> ViT (full attention within each image) -> merged visual rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pixeltriage.engine.config import VisionConfig
+from pixeltriage.kernels.rotary import apply_rotary_float, vision_rotary_cos_sin
+
+
+@dataclass
+class VisionBlockWeights:
+    norm1_w: torch.Tensor
+    norm1_b: torch.Tensor
+    qkv_w: torch.Tensor     # [3 * hidden, hidden]
+    qkv_b: torch.Tensor
+    proj_w: torch.Tensor
+    proj_b: torch.Tensor
+    norm2_w: torch.Tensor
+    norm2_b: torch.Tensor
+    fc1_w: torch.Tensor
+    fc1_b: torch.Tensor
+    fc2_w: torch.Tensor
+    fc2_b: torch.Tensor
+
+
+@dataclass
+class VisionWeights:
+    patch_w: torch.Tensor   # [hidden, channels * temporal * patch * patch]
+    patch_b: torch.Tensor
+    pos_embed: torch.Tensor  # [num_position_embeddings, hidden]
+    blocks: list[VisionBlockWeights]
+    merger_norm_w: torch.Tensor
+    merger_norm_b: torch.Tensor
+    merger_fc1_w: torch.Tensor  # [hidden * merge^2, hidden * merge^2]
+    merger_fc1_b: torch.Tensor
+    merger_fc2_w: torch.Tensor  # [out_hidden, hidden * merge^2]
+    merger_fc2_b: torch.Tensor
+
+
+def block_order_coords(grid_h: int, grid_w: int, merge: int, device=None) -> torch.Tensor:
+    """(row, col) of each patch in the processor's order: merge x merge blocks, row-major. -> [h*w, 2]."""
+    rows = torch.arange(grid_h, device=device).view(grid_h // merge, merge, 1, 1).expand(-1, -1, grid_w // merge, merge)
+    cols = torch.arange(grid_w, device=device).view(1, 1, grid_w // merge, merge).expand(grid_h // merge, merge, -1, -1)
+    # [bh, mh, bw, mw] -> [bh, bw, mh, mw]
+    rows, cols = rows.permute(0, 2, 1, 3).reshape(-1), cols.permute(0, 2, 1, 3).reshape(-1)
+    return torch.stack([rows, cols], dim=-1)
+
+
+def interpolated_pos_embed(pos_embed: torch.Tensor, coords: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
+    """Bilinear (align_corners=True) resampling of the square learned table at each patch. -> [N, hidden]."""
+    side = int(pos_embed.shape[0] ** 0.5)
+
+    def taps(index: torch.Tensor, size: int):
+        src = index.float() * (side - 1) / max(size - 1, 1)
+        lo = src.floor()
+        frac = src - lo
+        lo = lo.long().clamp(0, side - 1)
+        return lo, (lo + 1).clamp(max=side - 1), 1 - frac, frac
+
+    r0, r1, wr0, wr1 = taps(coords[:, 0], grid_h)
+    c0, c1, wc0, wc1 = taps(coords[:, 1], grid_w)
+    table = pos_embed.float()
+    out = (table[r0 * side + c0] * (wr0 * wc0)[:, None] + table[r0 * side + c1] * (wr0 * wc1)[:, None]
+           + table[r1 * side + c0] * (wr1 * wc0)[:, None] + table[r1 * side + c1] * (wr1 * wc1)[:, None])
+    return out
+
+
+def vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]], weights: VisionWeights,
+                   cfg: VisionConfig) -> torch.Tensor:
+    """pixel_values: [P, patch_dim] for images with grids (t, h, w) in patches.
+
+    Returns merged visual rows [P / merge^2, out_hidden] in the weights' dtype.
+    """
+    dtype = weights.patch_w.dtype
+    device = pixel_values.device
+    merge = cfg.spatial_merge_size
+    coords, pos = [], []
+    for t, h, w in grid_thw:
+        c = block_order_coords(h, w, merge, device).repeat(t, 1)
+        coords.append(c)
+        pos.append(interpolated_pos_embed(weights.pos_embed, c, h, w))
+    coords_all = torch.cat(coords)
+    # The residual stream stays in float32; matmuls run in the weights' dtype.
+    x = F.linear(pixel_values.to(dtype), weights.patch_w, weights.patch_b).float() + torch.cat(pos)
+    cos, sin = vision_rotary_cos_sin(coords_all, cfg.head_dim, cfg.rope_theta)
+    lengths = [h * w for t, h, w in grid_thw for _ in range(t)]
+    for block in weights.blocks:
+        x = x + vision_attention(layer_norm(x, block.norm1_w, block.norm1_b, dtype), block, cfg, cos, sin, lengths)
+        y = layer_norm(x, block.norm2_w, block.norm2_b, dtype)
+        x = x + F.linear(gelu(F.linear(y, block.fc1_w, block.fc1_b), cfg.hidden_act), block.fc2_w, block.fc2_b)
+    x = layer_norm(x, weights.merger_norm_w, weights.merger_norm_b, dtype)
+    x = x.view(-1, cfg.hidden_size * cfg.merge_unit)
+    x = F.gelu(F.linear(x, weights.merger_fc1_w, weights.merger_fc1_b))
+    return F.linear(x, weights.merger_fc2_w, weights.merger_fc2_b)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """LayerNorm (eps 1e-6) of a float32 residual, in float32, cast for the next matmul."""
+    return F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), 1e-6).to(out_dtype)
+
+
+def gelu(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    return F.silu(x)
+
+
+def vision_attention(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConfig, cos: torch.Tensor,
+                     sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Full (non-causal) attention within each image. x: [N, hidden]."""
+    n = x.shape[0]
+    q, k, v = F.linear(x, block.qkv_w, block.qkv_b).view(n, 3, cfg.num_heads, cfg.head_dim).unbind(1)
+    q, k = apply_rotary_float(q, cos, sin), apply_rotary_float(k, cos, sin)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [heads, N, head_dim]
+    outs = [F.scaled_dot_product_attention(qi, ki, vi)
+            for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))]
+    o = torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1)
+    return F.linear(o, block.proj_w, block.proj_b)

@@ -1,0 +1,136 @@
+"""Checkpoint names -> the engine's fused parameter layout.
+
+The engine keeps, per Gated DeltaNet layer, one input projection (qkv | z | b | a); per attention
+layer one qkv projection (query+gate | key | value); per MLP one gate|up projection; the patch
+embedding as a matrix. Checkpoint names are this module's business only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pixeltriage.engine.config import FULL, ModelConfig
+from pixeltriage.engine.model import (
+    FullAttentionWeights,
+    LayerWeights,
+    LinearAttentionWeights,
+    TextWeights,
+)
+from pixeltriage.engine.vision import VisionBlockWeights, VisionWeights
+from pixeltriage.errors import CheckpointError
+from pixeltriage.weights.reader import TensorSource
+
+HEAD_DECISION = "head.decision.weight"
+HEAD_CANDIDATE = "head.candidate.weight"
+
+
+@dataclass
+class EngineWeights:
+    text: TextWeights
+    vision: VisionWeights
+    head_decision: torch.Tensor   # [D, hidden]
+    head_candidate: torch.Tensor  # [D, hidden]
+
+
+class _Taker:
+    """Takes tensors by checkpoint name, checks shapes, casts to the engine dtype."""
+
+    def __init__(self, source: TensorSource, dtype: torch.dtype, device: torch.device):
+        self.source, self.dtype, self.device = source, dtype, device
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        tensor = self.source.take(name, shape)
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{self.source.file_of(name)}: tensor '{name}' has dtype {tensor.dtype}, "
+                                  "expected a floating point dtype")
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def cat(self, names: list[str], shapes: list[tuple[int, ...]], dim: int = 0) -> torch.Tensor:
+        return torch.cat([self(n, s) for n, s in zip(names, shapes)], dim=dim)
+
+
+def build_engine_weights(source: TensorSource, cfg: ModelConfig, head_dim: int, dtype: torch.dtype,
+                         device: torch.device, text_prefix: str = "model.language_model.",
+                         vision_prefix: str = "model.visual.") -> EngineWeights:
+    """Consume every backbone and head tensor of `source` into the engine layout (then `source.finish()`)."""
+    take = _Taker(source, dtype, device)
+    text = _text_weights(take, cfg, text_prefix)
+    vision = _vision_weights(take, cfg, vision_prefix)
+    hidden = cfg.text.hidden_size
+    head_d = take(HEAD_DECISION, (head_dim, hidden), torch.float32)
+    head_c = take(HEAD_CANDIDATE, (head_dim, hidden), torch.float32)
+    source.finish()
+    return EngineWeights(text, vision, head_d, head_c)
+
+
+def _text_weights(take: _Taker, cfg: ModelConfig, prefix: str) -> TextWeights:
+    t = cfg.text
+    h, ffn = t.hidden_size, t.intermediate_size
+    layers = []
+    for i, kind in enumerate(t.layer_types):
+        p = f"{prefix}layers.{i}."
+        if kind == FULL:
+            nh, nkv, hd = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+            a = p + "self_attn."
+            attn = FullAttentionWeights(
+                qkv=take.cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                             [(nh * 2 * hd, h), (nkv * hd, h), (nkv * hd, h)]),
+                q_norm=take(a + "q_norm.weight", (hd,)),
+                k_norm=take(a + "k_norm.weight", (hd,)),
+                o_proj=take(a + "o_proj.weight", (h, nh * hd)),
+            )
+        else:
+            a = p + "linear_attn."
+            hv = t.linear_num_value_heads
+            attn = LinearAttentionWeights(
+                in_proj=take.cat(
+                    [a + "in_proj_qkv.weight", a + "in_proj_z.weight", a + "in_proj_b.weight", a + "in_proj_a.weight"],
+                    [(t.linear_conv_dim, h), (t.linear_value_dim, h), (hv, h), (hv, h)]),
+                conv=take(a + "conv1d.weight", (t.linear_conv_dim, 1, t.linear_conv_kernel_dim)).squeeze(1),
+                A_log=take(a + "A_log", (hv,), torch.float32),
+                dt_bias=take(a + "dt_bias", (hv,), torch.float32),
+                norm=take(a + "norm.weight", (t.linear_value_head_dim,)),
+                out_proj=take(a + "out_proj.weight", (h, t.linear_value_dim)),
+            )
+        layers.append(LayerWeights(
+            input_norm=take(p + "input_layernorm.weight", (h,)),
+            post_norm=take(p + "post_attention_layernorm.weight", (h,)),
+            attn=attn,
+            gate_up=take.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(ffn, h), (ffn, h)]),
+            down=take(p + "mlp.down_proj.weight", (h, ffn)),
+        ))
+    return TextWeights(
+        embed=take(prefix + "embed_tokens.weight", (t.vocab_size, h)),
+        layers=layers,
+        norm=take(prefix + "norm.weight", (h,)),
+    )
+
+
+def _vision_weights(take: _Taker, cfg: ModelConfig, prefix: str) -> VisionWeights:
+    v = cfg.vision
+    h, ffn, merged = v.hidden_size, v.intermediate_size, v.hidden_size * v.merge_unit
+    blocks = []
+    for i in range(v.depth):
+        p = f"{prefix}blocks.{i}."
+        blocks.append(VisionBlockWeights(
+            norm1_w=take(p + "norm1.weight", (h,)), norm1_b=take(p + "norm1.bias", (h,)),
+            qkv_w=take(p + "attn.qkv.weight", (3 * h, h)), qkv_b=take(p + "attn.qkv.bias", (3 * h,)),
+            proj_w=take(p + "attn.proj.weight", (h, h)), proj_b=take(p + "attn.proj.bias", (h,)),
+            norm2_w=take(p + "norm2.weight", (h,)), norm2_b=take(p + "norm2.bias", (h,)),
+            fc1_w=take(p + "mlp.linear_fc1.weight", (ffn, h)), fc1_b=take(p + "mlp.linear_fc1.bias", (ffn,)),
+            fc2_w=take(p + "mlp.linear_fc2.weight", (h, ffn)), fc2_b=take(p + "mlp.linear_fc2.bias", (h,)),
+        ))
+    patch_shape = (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    return VisionWeights(
+        patch_w=take(prefix + "patch_embed.proj.weight", patch_shape).reshape(h, -1),
+        patch_b=take(prefix + "patch_embed.proj.bias", (h,)),
+        pos_embed=take(prefix + "pos_embed.weight", (v.num_position_embeddings, h)),
+        blocks=blocks,
+        merger_norm_w=take(prefix + "merger.norm.weight", (h,)),
+        merger_norm_b=take(prefix + "merger.norm.bias", (h,)),
+        merger_fc1_w=take(prefix + "merger.linear_fc1.weight", (merged, merged)),
+        merger_fc1_b=take(prefix + "merger.linear_fc1.bias", (merged,)),
+        merger_fc2_w=take(prefix + "merger.linear_fc2.weight", (v.out_hidden_size, merged)),
+        merger_fc2_b=take(prefix + "merger.linear_fc2.bias", (v.out_hidden_size,)),
+    )
