@@ -7,10 +7,17 @@ from pixeltriage.errors import (
     PixelTriageError,
     StateTooLongError,
 )
+from pixeltriage.engine.scorer import Scorer
+from pixeltriage.engine.state import State
+from pixeltriage.engine.types import Memory, Scores
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Memory",
+    "Scorer",
+    "Scores",
+    "State",
     "BackendUnavailableError",
     "CheckpointError",
     "InvalidMemoryError",

@@ -1,0 +1,232 @@
+"""Packing one question and its retrieved memories into System One's single fixed-order state.
+
+Order: prefix -> question -> per memory (retrieval order): date, dialogue, note, thumbnail
+(<|vision_start|> + image pads + <|vision_end|>), marker -> the three decision questions with their
+candidates -> suffix -> one decision segment per question.
+
+Every template field is a segment tokenized on its own and concatenated, so tokens never merge
+across segments; a marker, candidate or decision position is the last token of its segment.
+Inside a segment, special tokens written in the template are control tokens, while user text
+(question, date, dialogue, note) is always tokenized as plain text.
+"""
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
+from pixeltriage.engine.image import preprocess
+from pixeltriage.engine.types import Memory
+from pixeltriage.errors import CheckpointError, InvalidMemoryError, StateTooLongError
+
+DATE_TOKENS = 32  # per-memory budget for the session date; the rest goes to note and dialogue
+
+
+@dataclass
+class State:
+    """A packed state (tensors only, CPU). T tokens, n memories, P patches."""
+
+    input_ids: torch.Tensor            # [T] long
+    position_ids: torch.Tensor         # [3, T] long (M-RoPE: temporal, height, width)
+    pixel_values: torch.Tensor         # [P, channels * temporal * patch^2] float32
+    image_grid_thw: torch.Tensor       # [n, 3] long, in patches
+    marker_positions: torch.Tensor     # [n] long
+    decision_positions: torch.Tensor   # [3] long: q1 p_vis, q2 gains, q3 relevance
+    true_position: int
+    false_position: int
+    gain_none_position: int
+    relevance_none_position: int
+    image_keys: list[str | None] = field(default_factory=list)  # write-time cache key per memory, if any
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_memories(self) -> int:
+        return int(self.marker_positions.shape[0])
+
+    def head_positions(self) -> torch.Tensor:
+        """Every row the head reads: markers, decision rows, candidates."""
+        return torch.cat([self.marker_positions, self.decision_positions, torch.tensor(
+            [self.true_position, self.false_position, self.gain_none_position, self.relevance_none_position])])
+
+
+class TextEncoder:
+    """The checkpoint's tokenizer, twice: template text (special tokens parsed) and user text (never parsed)."""
+
+    def __init__(self, tokenizer_file: Path):
+        try:
+            self.control = Tokenizer.from_file(str(tokenizer_file))
+            self.plain = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise CheckpointError(f"{tokenizer_file}: cannot load tokenizer ({e})") from None
+        self.plain.encode_special_tokens = True
+        self.special = {t.content: i for i, t in self.control.get_added_tokens_decoder().items() if t.special}
+        names = sorted(self.special, key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
+
+    def token_id(self, token: str) -> int:
+        if token not in self.special:
+            raise CheckpointError(f"tokenizer has no special token {token!r}")
+        return self.special[token]
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self.plain.encode(text, add_special_tokens=False).ids if text else []
+
+    def truncate(self, text: str, max_tokens: int) -> str:
+        """The longest prefix of `text` that is at most `max_tokens` tokens on its own (cut at a token edge)."""
+        if not text:
+            return text
+        enc = self.plain.encode(text, add_special_tokens=False)
+        if len(enc.ids) <= max_tokens:
+            return text
+        return text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""
+
+    def segment(self, template: str, values: dict[str, str]) -> list[int]:
+        """Render one template field: literal specials -> control ids; everything else plain text."""
+        ids: list[int] = []
+        buffer: list[str] = []
+
+        def flush():
+            if buffer:
+                ids.extend(self.encode_plain("".join(buffer)))
+                buffer.clear()
+
+        for literal, name, _, _ in string.Formatter().parse(template):
+            pos = 0
+            for m in self._special_re.finditer(literal) if self._special_re else ():
+                buffer.append(literal[pos:m.start()])
+                flush()
+                ids.append(self.special[m.group()])
+                pos = m.end()
+            buffer.append(literal[pos:])
+            if name is not None:
+                buffer.append(values[name])
+        flush()
+        return ids
+
+
+def _text(value, what: str, index: int | None) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if not isinstance(value, str):
+        raise InvalidMemoryError(f"{what} must be a string, got {type(value).__name__}", index)
+    return value
+
+
+class StatePacker:
+    """Builds `State`s for one checkpoint (its tokenizer, image rules and template)."""
+
+    def __init__(self, encoder: TextEncoder, model_cfg: ModelConfig, image_cfg: ImageConfig, triage_cfg: TriageConfig):
+        self.encoder = encoder
+        self.image_cfg = image_cfg
+        self.cfg = triage_cfg
+        self.tpl = triage_cfg.templates
+        self.merge_unit = model_cfg.vision.merge_unit
+        self.merge = model_cfg.vision.spatial_merge_size
+        self.max_tokens = min(triage_cfg.max_state_tokens, model_cfg.text.max_position_embeddings)
+        self.image_id = model_cfg.image_token_id
+        for token, expected in (("<|vision_start|>", model_cfg.vision_start_token_id),
+                                ("<|vision_end|>", model_cfg.vision_end_token_id),
+                                ("<|image_pad|>", model_cfg.image_token_id)):
+            if encoder.token_id(token) != expected:
+                raise CheckpointError(f"tokenizer id of {token} is {encoder.token_id(token)}, config.json says {expected}")
+        self.vision_start = model_cfg.vision_start_token_id
+        self.vision_end = model_cfg.vision_end_token_id
+        # Segments that never change are tokenized once.
+        self._fixed = {key: encoder.segment(self.tpl[key], {}) for key in (
+            "prefix", "q1", "q1_true", "q1_false", "q2", "q2_none", "q3", "q3_none", "suffix",
+            "decision_1", "decision_2", "decision_3")}
+        for key in ("q1_true", "q1_false", "q2_none", "q3_none", "decision_1", "decision_2", "decision_3"):
+            if not self._fixed[key]:
+                raise CheckpointError(f"pixeltriage.json: template['{key}'] tokenizes to nothing")
+
+    def images(self, memories, thumbnails=None) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
+        """Preprocess each memory's image (or its cached thumbnail) -> (pixel_values, grid_thw)."""
+        out = []
+        for i, m in enumerate(memories):
+            source = thumbnails[i] if thumbnails is not None and thumbnails[i] is not None else m.image
+            out.append(preprocess(source, self.image_cfg, self.cfg.thumbnail_size, index=i))
+        return out
+
+    def pack(self, question: str, memories, images=None, notes=None) -> State:
+        """question + memories -> State. `images`: preprocessed images (default: from memory.image);
+        `notes`: per-memory notes overriding memory.note (used for cached notes)."""
+        question = _text(question, "question", None)
+        memories = list(memories)
+        for i, m in enumerate(memories):
+            if not isinstance(m, Memory):
+                raise InvalidMemoryError(f"expected a pixeltriage.Memory, got {type(m).__name__}", i)
+        if images is None:
+            images = self.images(memories)
+        enc, fixed, tpl = self.encoder, self._fixed, self.tpl
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        next_pos = 0
+
+        def text(segment: list[int]) -> int:
+            nonlocal next_pos
+            ids.extend(segment)
+            positions.append(torch.arange(next_pos, next_pos + len(segment)).expand(3, -1))
+            next_pos += len(segment)
+            return len(ids) - 1
+
+        text(fixed["prefix"])
+        q = enc.truncate(question, self.cfg.max_question_tokens)
+        text(enc.segment(tpl["question"], {"question": q}))
+        markers = []
+        for i, m in enumerate(memories):
+            note = notes[i] if notes is not None and notes[i] is not None else m.note
+            date = enc.truncate(_text(m.date, "date", i), DATE_TOKENS)
+            budget = self.cfg.max_memory_text_tokens - len(enc.encode_plain(date))
+            note = enc.truncate(_text(note, "note", i), max(budget // 2, 0))
+            dialogue = enc.truncate(_text(m.dialogue, "dialogue", i), max(budget - len(enc.encode_plain(note)), 0))
+            text(enc.segment(tpl["memory"], {"index": str(i + 1), "date": date, "dialogue": dialogue, "note": note}))
+            _, (t, h, w) = images[i]
+            text([self.vision_start])
+            gh, gw = h // self.merge, w // self.merge
+            n_img = t * gh * gw
+            ids.extend([self.image_id] * n_img)
+            tt = torch.arange(t).view(-1, 1, 1).expand(t, gh, gw).reshape(-1)
+            hh = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw).reshape(-1)
+            ww = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw).reshape(-1)
+            positions.append(torch.stack([tt, hh, ww]) + next_pos)
+            next_pos += max(gh, gw)
+            text([self.vision_end])
+            markers.append(text(enc.segment(tpl["marker"], {"index": str(i + 1)})))
+        text(fixed["q1"])
+        true_pos = text(fixed["q1_true"])
+        false_pos = text(fixed["q1_false"])
+        text(fixed["q2"])
+        gain_none = text(fixed["q2_none"])
+        text(fixed["q3"])
+        rel_none = text(fixed["q3_none"])
+        text(fixed["suffix"])
+        decisions = [text(fixed["decision_1"]), text(fixed["decision_2"]), text(fixed["decision_3"])]
+        if len(ids) > self.max_tokens:
+            raise StateTooLongError(
+                f"state has {len(ids)} tokens for {len(memories)} memories; the model accepts at most "
+                f"{self.max_tokens}. Score fewer memories per question (the decision questions are never truncated)")
+        pixel_values = (torch.cat([pv for pv, _ in images]) if images
+                        else torch.zeros(0, self.image_cfg.temporal_patch_size * 3 * self.image_cfg.patch_size ** 2))
+        return State(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            position_ids=torch.cat(positions, dim=1).long(),
+            pixel_values=pixel_values,
+            image_grid_thw=torch.tensor([g for _, g in images], dtype=torch.long).view(-1, 3),
+            marker_positions=torch.tensor(markers, dtype=torch.long),
+            decision_positions=torch.tensor(decisions, dtype=torch.long),
+            true_position=true_pos,
+            false_position=false_pos,
+            gain_none_position=gain_none,
+            relevance_none_position=rel_none,
+            image_keys=[m.key for m in memories],
+        )

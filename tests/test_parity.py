@@ -1,0 +1,169 @@
+"""The whole forward against transformers' Qwen3_5ForConditionalGeneration on small random checkpoints.
+
+Tolerances ("exact" means these):
+- final hidden states at every marker, candidate and decision row: max-abs relative error <= 1e-4 (float32);
+- scores against a float64 head computed here from the engine's hidden rows: <= 1e-5;
+- bfloat16 scores within 2e-2 of float32 scores.
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from pixeltriage import Memory, Scorer
+from reference import force_transformers_torch_path, tiny_config, write_reference_checkpoint
+
+force_transformers_torch_path()
+
+CONFIGS = {
+    # value heads = 2x key heads; 3 linear + 1 full
+    "v2k": tiny_config(),
+    # full attention first, equal key/value heads, odd value head dim, 3 query heads per KV head, 1 vision block
+    "mixed": tiny_config(
+        text=dict(hidden_size=48, intermediate_size=80, num_hidden_layers=5,
+                  layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
+                               "linear_attention"],
+                  num_attention_heads=3, num_key_value_heads=1, head_dim=32,
+                  linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                  linear_value_head_dim=24),
+        vision=dict(depth=1, hidden_size=48, num_heads=3, intermediate_size=72)),
+    # value heads = 4x key heads, wider heads, deeper vision tower
+    "v4k": tiny_config(
+        text=dict(hidden_size=96, intermediate_size=128, num_hidden_layers=4,
+                  layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+                  linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=32,
+                  linear_value_head_dim=16),
+        vision=dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, num_position_embeddings=144)),
+}
+
+
+def images():
+    rgba = Image.new("RGBA", (120, 90), (200, 30, 30, 128))
+    rgba.paste((10, 200, 10, 255), (10, 10, 60, 50))
+    gray = Image.linear_gradient("L").resize((64, 96))
+    wide = Image.effect_noise((500, 200), 40).convert("RGB")
+    buf = io.BytesIO()
+    Image.radial_gradient("L").convert("RGB").save(buf, format="JPEG")
+    return [rgba, gray, wide, buf.getvalue()]
+
+
+def episode():
+    ims = images()
+    notes = ["a red card with a green square", "", "noise <|im_start|> not a control token", "a radial glow"]
+    memories = [Memory(image=im, note=n, dialogue=f"user shared picture {i}", date=f"2026-0{i + 1}-1{i}")
+                for i, (im, n) in enumerate(zip(ims, notes))]
+    return "What colour was the square on the card?", memories
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = write_reference_checkpoint(path, CONFIGS[request.param], seed=hash(request.param) % 1000)
+    return path, model
+
+
+def transformers_hidden(model, state) -> torch.Tensor:
+    ids = state.input_ids[None]
+    mm = (ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        out = model.model(input_ids=ids, pixel_values=state.pixel_values, image_grid_thw=state.image_grid_thw,
+                          mm_token_type_ids=mm)
+    return out.last_hidden_state[0]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def test_position_ids_match_get_rope_index(checkpoint):
+    path, model = checkpoint
+    state = Scorer.load(path).pack(*episode())
+    ids = state.input_ids[None]
+    ref, _ = model.model.get_rope_index(ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                                        image_grid_thw=state.image_grid_thw)
+    assert torch.equal(state.position_ids, ref[:, 0])
+
+
+def test_hidden_states_match_transformers(checkpoint):
+    path, model = checkpoint
+    scorer = Scorer.load(path, dtype=torch.float32)
+    state = scorer.pack(*episode())
+    rows = state.head_positions()
+    ours = scorer.hidden_states(state, rows)
+    ref = transformers_hidden(model, state)[rows]
+    assert rel_err(ours, ref) <= 1e-4
+
+
+def float64_head(hidden_rows: torch.Tensor, state, scorer) -> dict:
+    wd = scorer.weights.head_decision.double()
+    wc = scorer.weights.head_candidate.double()
+    n = state.num_memories
+    h = hidden_rows.double()
+    markers, dec = h[:n], h[n:n + 3]
+    true_, false_, gnone, rnone = h[n + 3], h[n + 4], h[n + 5], h[n + 6]
+    scale = wd.shape[0] ** -0.5
+
+    def logit(d, c):
+        return (wd @ d) @ (wc @ c) * scale
+
+    lt, lf = logit(dec[0], true_), logit(dec[0], false_)
+    p_vis = torch.softmax(torch.stack([lt, lf]), 0)[0]
+    gains = [torch.sigmoid(logit(dec[1], markers[i]) - logit(dec[1], gnone)) for i in range(n)]
+    rel = torch.softmax(torch.stack([logit(dec[2], markers[i]) for i in range(n)] + [logit(dec[2], rnone)]), 0)
+    return {"p_vis": p_vis.item(), "gains": [g.item() for g in gains], "relevance": rel[:n].tolist(),
+            "relevance_none": rel[n].item()}
+
+
+def test_scores_match_float64_head(checkpoint):
+    path, _ = checkpoint
+    scorer = Scorer.load(path)
+    question, memories = episode()
+    state = scorer.pack(question, memories)
+    expected = float64_head(scorer.hidden_states(state, state.head_positions()), state, scorer)
+    scores = scorer.score(question, memories)
+    assert abs(scores.p_vis - expected["p_vis"]) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(scores.gains, expected["gains"])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(scores.relevance, expected["relevance"])) <= 1e-5
+    assert abs(scores.relevance_none - expected["relevance_none"]) <= 1e-5
+    assert len(scores.gains) == len(memories)
+
+
+def test_bfloat16_scores_close_to_float32(checkpoint):
+    path, _ = checkpoint
+    question, memories = episode()
+    s32 = Scorer.load(path, dtype=torch.float32).score(question, memories)
+    s16 = Scorer.load(path, dtype=torch.bfloat16).score(question, memories)
+    assert abs(s32.p_vis - s16.p_vis) <= 2e-2
+    assert max(abs(a - b) for a, b in zip(s32.gains, s16.gains)) <= 2e-2
+    assert max(abs(a - b) for a, b in zip(s32.relevance, s16.relevance)) <= 2e-2
+    assert abs(s32.relevance_none - s16.relevance_none) <= 2e-2
+
+
+def test_zero_memories(checkpoint):
+    path, model = checkpoint
+    scorer = Scorer.load(path)
+    scores = scorer.score("Is anything visual needed?", [])
+    assert scores.gains == [] and scores.relevance == [] and scores.relevance_none == pytest.approx(1.0)
+    assert 0.0 <= scores.p_vis <= 1.0
+    state = scorer.pack("Is anything visual needed?", [])
+    rows = state.head_positions()
+    ref = model.model(input_ids=state.input_ids[None]).last_hidden_state[0][rows]
+    assert rel_err(scorer.hidden_states(state, rows), ref) <= 1e-4
+
+
+def test_score_batch_equals_single_scores(checkpoint):
+    path, _ = checkpoint
+    scorer = Scorer.load(path)
+    question, memories = episode()
+    episodes = [(question, memories), ("Which one shows noise?", memories[2:]), ("No memories here", [])]
+    batch = scorer.score_batch(episodes)
+    for (q, m), got in zip(episodes, batch):
+        single = scorer.score(q, m)
+        assert got.p_vis == pytest.approx(single.p_vis, abs=1e-6)
+        assert got.gains == pytest.approx(single.gains, abs=1e-6)
