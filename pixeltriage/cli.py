@@ -1,7 +1,7 @@
 """Command line: thin argument parsing over the library. `pixeltriage --help` lists the commands.
 
-Each subcommand lives in the module that owns its work and exposes
-`add_arguments(parser)` and `run(args) -> int`; this file only routes.
+Each subcommand lives in the module that owns its work, which exposes a function that adds its
+arguments and one that runs it; this file only routes.
 """
 from __future__ import annotations
 
@@ -10,12 +10,21 @@ import importlib
 import logging
 import sys
 
-# name -> (module, help). Modules are imported only when their command runs.
-COMMANDS: dict[str, tuple[str, str]] = {}
+# name -> (module, prefix, help): the module holds `add_{prefix}_arguments` and `run_{prefix}`
+# (`add_arguments` and `run` when the prefix is empty).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": ("pixeltriage.app", "demo", "score the built-in sample episode on the demo checkpoint"),
+    "score": ("pixeltriage.app", "score", "score an episode file and print the delivery decision"),
+    "init-demo": ("pixeltriage.weights.demo", "", "write a demo checkpoint with seeded random weights"),
+    "bench": ("pixeltriage.bench.cli", "", "benchmarks and cost reports"),
+}
 
 
-def _register(name: str, module: str, help_text: str) -> None:
-    COMMANDS[name] = (module, help_text)
+def _functions(module: str, prefix: str):
+    mod = importlib.import_module(module)
+    if prefix:
+        return getattr(mod, f"add_{prefix}_arguments"), getattr(mod, f"run_{prefix}")
+    return mod.add_arguments, mod.run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,10 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, prefix, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        add, run = _functions(module, prefix)
+        p.set_defaults(_run=run)
+        add(p)
     return parser
 
 
@@ -37,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from pixeltriage.errors import PixelTriageError
 
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        return int(args._run(args) or 0)
     except PixelTriageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

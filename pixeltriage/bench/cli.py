@@ -1,0 +1,18 @@
+"""`pixeltriage bench ...`: benchmark and cost-report subcommands."""
+from __future__ import annotations
+
+import argparse
+
+from pixeltriage.bench import cost
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    sub.required = True
+    p = sub.add_parser("cost", help="per-question TFLOP and visual tokens: System One + ours@k vs open-all prefill")
+    cost.add_cost_arguments(p)
+    p.set_defaults(_bench_run=cost.run_cost)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args._bench_run(args)
