@@ -1,0 +1,391 @@
+"""The write-time cache (Section 4.1): per stored image, a 336-px thumbnail and a short note.
+
+One SQLite file in WAL mode, safe to use from several threads (one connection per thread) and
+several processes at once (every write is one short `BEGIN IMMEDIATE` transaction, and waits
+for other writers up to `busy_timeout_ms`). A process killed mid-write leaves the last committed
+state: SQLite's transactions are atomic.
+
+Keys: the SHA-256 hex digest of the image's encoded bytes: of the bytes themselves for a bytes
+input, of the file's bytes for a path, and of `encode_png(img)` for a PIL image. The same
+picture given as a file and as a decoded PIL image therefore has two keys; a host keys its
+images one way. `image_key` computes a key without storing anything.
+
+Notes: `put` is idempotent. A second put of a stored image keeps its row; a non-empty note
+replaces the stored note (the latest note wins), and an empty note never erases one.
+
+Vision features (for the scorer): `put_features` / `get_features` store one tensor per
+(key, fingerprint), as safetensors bytes with a SHA-256 checksum. The fingerprint names what
+produced the features (vision weights and preprocessing), so stale features are never reused.
+A feature row that fails its checksum or does not decode is deleted and reported as missing
+(the scorer recomputes it), with a warning in the log.
+
+Errors: a missing key raises `CacheMissError` (a KeyError naming the key). A thumbnail row that
+fails its checksum or does not decode raises `CorruptEntryError` (a CacheMissError): the row is
+kept, since its note may be the only copy, and putting the image again repairs it.
+
+Schema (PRAGMA user_version = 1): images(key, thumbnail PNG, checksum, note)
+and features(key -> images.key ON DELETE CASCADE, fingerprint, safetensors bytes, checksum).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import os
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from PIL import Image
+
+from pixeltriage.engine.image import encode_png, make_thumbnail, open_image, to_rgb
+from pixeltriage.engine.types import ImageSource
+from pixeltriage.errors import InvalidMemoryError, PixelTriageError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+THUMBNAIL_SIDE = 336
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS images (
+    key        TEXT PRIMARY KEY,
+    thumbnail  BLOB NOT NULL,
+    checksum   TEXT NOT NULL,
+    note       TEXT NOT NULL DEFAULT '',
+    created    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS features (
+    key         TEXT NOT NULL REFERENCES images(key) ON DELETE CASCADE,
+    fingerprint TEXT NOT NULL,
+    data        BLOB NOT NULL,
+    checksum    TEXT NOT NULL,
+    created     REAL NOT NULL,
+    PRIMARY KEY (key, fingerprint)
+);
+"""
+
+
+class CacheMissError(PixelTriageError, KeyError):
+    """A key has no row in the cache (or no usable one). `key` is the key."""
+
+    def __init__(self, key: str, message: str | None = None):
+        self.key = key
+        self.message = message or f"image {key} is not in the cache; put it first"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CorruptEntryError(CacheMissError):
+    """A stored thumbnail fails its checksum or does not decode; put the image again."""
+
+
+def image_key(image: ImageSource) -> str:
+    """The cache key of an image: SHA-256 hex of its encoded bytes (see the module docstring)."""
+    return _key_and_data(image)[0]
+
+
+class Cache:
+    """The write-time cache in one SQLite file at `path` (created with its schema if missing)."""
+
+    def __init__(self, path: str | os.PathLike, *, busy_timeout_ms: int = 60_000):
+        self.path = Path(path)
+        self.busy_timeout_ms = int(busy_timeout_ms)
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._closed = False
+        self._create_schema()
+
+    # --- images --------------------------------------------------------------------------------
+
+    def put(self, image: ImageSource, note: str = "") -> str:
+        """Store the image's thumbnail and note; return its key. Idempotent (see module docstring)."""
+        if not isinstance(note, str):
+            raise TypeError(f"note must be a str, found {type(note).__name__}")
+        key, data = _key_and_data(image)
+        row = self._conn().execute("SELECT CAST(thumbnail AS BLOB), checksum, note FROM images WHERE key = ?",
+                                   (key,)).fetchone()
+        if row is not None and _sha256(row[0]) == row[1]:
+            if note and note != row[2]:
+                with self._write() as conn:
+                    conn.execute("UPDATE images SET note = ? WHERE key = ?", (note, key))
+            return key
+        # the same decode path as the scorer's preprocessing, so cached and fresh thumbnails agree
+        original = open_image(data if data is not None else image, max_side=THUMBNAIL_SIDE)
+        thumbnail = encode_png(make_thumbnail(to_rgb(original), THUMBNAIL_SIDE))
+        with self._write() as conn:
+            # an existing row (a corrupt thumbnail, or a concurrent put) keeps its note unless a new one is given
+            conn.execute(
+                "INSERT INTO images (key, thumbnail, checksum, note, created) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
+                "thumbnail = excluded.thumbnail, checksum = excluded.checksum, "
+                "note = CASE WHEN excluded.note != '' THEN excluded.note ELSE images.note END",
+                (key, thumbnail, _sha256(thumbnail), note, time.time()))
+        return key
+
+    def thumbnail(self, key: str) -> Image.Image:
+        """The stored 336-px thumbnail (RGB). CacheMissError if absent, CorruptEntryError if damaged."""
+        row = self._row(key, "CAST(thumbnail AS BLOB), checksum")
+        blob, checksum = row
+        if _sha256(blob) != checksum:
+            raise CorruptEntryError(key, f"thumbnail of {key} fails its checksum; put the image again")
+        try:
+            with Image.open(io.BytesIO(blob)) as img:
+                img.load()
+                return img.convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise CorruptEntryError(key, f"thumbnail of {key} does not decode ({e}); put the image again") from None
+
+    def note(self, key: str) -> str:
+        return self._row(key, "note")[0]
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        return self._conn().execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is not None
+
+    def __len__(self) -> int:
+        return self._conn().execute("SELECT COUNT(*) FROM images").fetchone()[0]
+
+    # --- vision features -----------------------------------------------------------------------
+
+    def put_features(self, key: str, fingerprint: str, features: "torch.Tensor") -> None:
+        """Store `features` for (key, fingerprint), replacing any row. The image must be in the cache."""
+        from safetensors.torch import save
+
+        _check_fingerprint(fingerprint)
+        data = save({"features": features.detach().to("cpu").contiguous()})
+        with self._write() as conn:
+            if conn.execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is None:
+                raise CacheMissError(key, f"image {key} is not in the cache; put it before its features")
+            conn.execute(
+                "INSERT OR REPLACE INTO features (key, fingerprint, data, checksum, created) "
+                "VALUES (?, ?, ?, ?, ?)", (key, fingerprint, data, _sha256(data), time.time()))
+
+    def get_features(self, key: str, fingerprint: str) -> "torch.Tensor | None":
+        """The stored features, or None when absent or corrupt (a corrupt row is deleted)."""
+        _check_fingerprint(fingerprint)
+        # CAST: a damaged row may hold another storage class; read whatever is there as bytes
+        row = self._conn().execute("SELECT CAST(data AS BLOB), checksum FROM features "
+                                   "WHERE key = ? AND fingerprint = ?", (key, fingerprint)).fetchone()
+        if row is None:
+            return None
+        data, checksum = row
+        features = _decode_features(data) if _sha256(data) == checksum else None
+        if features is None:
+            log.warning("cache %s: features of %s (%s) are corrupt; deleting the row", self.path, key, fingerprint)
+            with self._write() as conn:
+                # only the row read above: a concurrent writer may have replaced it since
+                conn.execute("DELETE FROM features WHERE key = ? AND fingerprint = ? AND checksum = ? "
+                             "AND CAST(data AS BLOB) = ?", (key, fingerprint, checksum, data))
+        return features
+
+    # --- the file --------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Row counts, payload bytes and on-disk bytes (database + WAL)."""
+        conn = self._conn()
+        images, thumb_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(thumbnail)), 0) FROM images").fetchone()
+        notes = conn.execute("SELECT COUNT(*) FROM images WHERE note != ''").fetchone()[0]
+        rows, feature_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM features").fetchone()
+        on_disk = sum(p.stat().st_size for p in (self.path, Path(f"{self.path}-wal")) if p.exists())
+        return {"path": str(self.path), "schema_version": SCHEMA_VERSION, "images": images,
+                "notes": notes, "feature_rows": rows, "thumbnail_bytes": thumb_bytes,
+                "feature_bytes": feature_bytes, "bytes": on_disk}
+
+    def integrity_check(self) -> str:
+        """SQLite's `PRAGMA integrity_check`: "ok" for a healthy file."""
+        return "\n".join(r[0] for r in self._conn().execute("PRAGMA integrity_check").fetchall())
+
+    def close(self) -> None:
+        """Close every connection this object opened (from any thread). Idempotent."""
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            conn.close()
+
+    def __enter__(self) -> "Cache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.path)!r})"
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._closed:
+            raise ValueError(f"cache {self.path} is closed")
+        if os.getpid() != self._pid:
+            # a forked child must not use the parent's connections: drop them without closing
+            with self._lock:
+                self._pid, self._connections, self._local = os.getpid(), [], threading.local()
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
+                                   isolation_level=None, check_same_thread=False)
+            conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            self._local.conn = conn
+            with self._lock:
+                self._connections.append(conn)
+        return conn
+
+    def _write(self) -> "_Transaction":
+        return _Transaction(self._conn())
+
+    def _row(self, key: str, columns: str) -> tuple:
+        row = self._conn().execute(f"SELECT {columns} FROM images WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            raise CacheMissError(key)
+        return row
+
+    def _create_schema(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._create_tables()
+        except sqlite3.DatabaseError as e:
+            self.close()
+            if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+                raise
+            raise PixelTriageError(f"{self.path}: not a usable cache database ({e})") from None
+
+    def _create_tables(self) -> None:
+        conn = self._conn()
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise PixelTriageError(f"cache {self.path}: cannot switch to WAL mode (journal_mode is {mode})")
+        with self._write() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise PixelTriageError(f"cache {self.path}: schema version {version} is newer than "
+                                       f"this version of pixeltriage reads ({SCHEMA_VERSION})")
+            if version == 0:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+class _Transaction:
+    """`BEGIN IMMEDIATE` ... `COMMIT`, or `ROLLBACK` on an exception: one short write."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.conn.execute("ROLLBACK")
+            return
+        try:
+            self.conn.execute("COMMIT")
+        except sqlite3.Error:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+
+
+def _key_and_data(image: ImageSource) -> tuple[str, bytes | None]:
+    """(key, the encoded bytes when the input was bytes or a file; None for a PIL image)."""
+    if isinstance(image, Image.Image):
+        return _sha256(encode_png(image)), None
+    if isinstance(image, (bytes, bytearray)):
+        data = bytes(image)
+    elif isinstance(image, (str, os.PathLike)):
+        try:
+            data = Path(image).read_bytes()
+        except OSError as e:
+            raise InvalidMemoryError(f"cannot read image file {os.fspath(image)!r}: {e.strerror}") from None
+    else:
+        raise InvalidMemoryError(f"an image must be a PIL image, bytes or a path, found {type(image).__name__}")
+    return _sha256(data), data
+
+
+def _decode_features(data: bytes) -> "torch.Tensor | None":
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(data)["features"]
+    except (SafetensorError, KeyError, ValueError, RuntimeError):
+        return None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_fingerprint(fingerprint: str) -> None:
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise ValueError(f"fingerprint must be a non-empty str, found {fingerprint!r}")
+
+
+# --- command line: `pixeltriage cache put DB IMAGES... [--notes FILE]`, `pixeltriage cache stats DB`
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="cache_command", metavar="ACTION")
+    sub.required = True
+    put = sub.add_parser("put", help="store thumbnails (and notes) of images",
+                         description="Store the 336-px thumbnail of each image, and its note, "
+                                     "and print 'KEY<TAB>PATH' per image.")
+    put.add_argument("db", help="cache file (created if missing)")
+    put.add_argument("images", nargs="+", help="image files")
+    put.add_argument("--notes", metavar="FILE",
+                     help="JSON object {image: note}; an image is matched by its path as given "
+                          "on the command line, else by its file name")
+    stats = sub.add_parser("stats", help="print the cache's counts and sizes as JSON")
+    stats.add_argument("db", help="cache file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cache_command == "stats":
+        if not Path(args.db).is_file():
+            raise PixelTriageError(f"{args.db}: no such cache file")
+        with Cache(args.db) as cache:
+            print(json.dumps(cache.stats(), indent=2))
+        return 0
+    notes = _read_notes(args.notes) if args.notes else {}
+    used = set()
+    with Cache(args.db) as cache:
+        for path in args.images:
+            name = path if path in notes else os.path.basename(path)
+            note = notes.get(name, "")
+            if name in notes:
+                used.add(name)
+            print(f"{cache.put(path, note)}\t{path}")
+    unused = sorted(set(notes) - used)
+    if unused:
+        print(f"warning: {len(unused)} notes match no image given, e.g. {unused[0]!r}", file=sys.stderr)
+    return 0
+
+
+def _read_notes(path: str) -> dict[str, str]:
+    try:
+        notes = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise PixelTriageError(f"{path}: cannot read notes file ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PixelTriageError(f"{path}: notes file is not valid JSON ({e})") from None
+    if not isinstance(notes, dict) or not all(isinstance(v, str) for v in notes.values()):
+        raise PixelTriageError(f"{path}: notes file must be a JSON object of strings {{image: note}}")
+    return notes

@@ -1,0 +1,395 @@
+import argparse
+import hashlib
+import io
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from pixeltriage.engine import cache as cache_module
+from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError, CorruptEntryError, image_key
+from pixeltriage.engine.image import encode_png, make_thumbnail, to_rgb
+from pixeltriage.errors import InvalidMemoryError, PixelTriageError
+
+REPO = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT = 600  # the interpreter start (torch import) can be slow on a loaded machine
+
+
+def noise_png(seed: int, size=(96, 64)) -> bytes:
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", size, rng.randbytes(size[0] * size[1] * 3))
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def cache(tmp_path):
+    with Cache(tmp_path / "cache.db") as c:
+        yield c
+
+
+def raw(path) -> sqlite3.Connection:
+    return sqlite3.connect(path, isolation_level=None)
+
+
+# --- images --------------------------------------------------------------------------------------
+
+def test_put_and_read_back(cache, tmp_path):
+    data = noise_png(1, size=(700, 400))
+    key = cache.put(data, note="a red mug")
+    assert key == hashlib.sha256(data).hexdigest() == image_key(data)
+    assert key in cache and len(cache) == 1
+    assert cache.note(key) == "a red mug"
+    thumb = cache.thumbnail(key)
+    assert thumb.mode == "RGB" and thumb.size == (336, 192)
+    expected = make_thumbnail(to_rgb(Image.open(io.BytesIO(data))), 336)
+    assert thumb.tobytes() == expected.tobytes()
+
+
+def test_keys_of_paths_and_pil_images(cache, tmp_path):
+    data = noise_png(2)
+    path = tmp_path / "photo.png"
+    path.write_bytes(data)
+    assert cache.put(path) == hashlib.sha256(data).hexdigest()
+    assert cache.put(str(path)) == hashlib.sha256(data).hexdigest()
+    img = Image.open(io.BytesIO(noise_png(3))).convert("RGB")
+    key = cache.put(img)
+    assert key == hashlib.sha256(encode_png(img)).hexdigest() == image_key(img)
+    assert len(cache) == 2
+    assert cache.thumbnail(key).tobytes() == img.tobytes()  # already below 336 px
+
+
+def test_put_is_idempotent_and_notes_follow_the_rule(cache):
+    data = noise_png(4)
+    key = cache.put(data, note="first")
+    assert cache.put(data) == key
+    assert cache.note(key) == "first"  # an empty note never erases
+    cache.put(data, note="second")
+    assert cache.note(key) == "second"  # the latest non-empty note wins
+    assert len(cache) == 1
+    assert cache.stats()["images"] == 1
+
+
+def test_missing_key(cache):
+    with pytest.raises(CacheMissError) as info:
+        cache.thumbnail("abc123")
+    assert isinstance(info.value, KeyError) and isinstance(info.value, PixelTriageError)
+    assert "abc123" in str(info.value) and info.value.key == "abc123"
+    with pytest.raises(KeyError, match="abc123"):
+        cache.note("abc123")
+    assert "abc123" not in cache and 5 not in cache
+
+
+def test_bad_images_raise_invalid_memory(cache, tmp_path):
+    with pytest.raises(InvalidMemoryError):
+        cache.put(b"not an image")
+    with pytest.raises(InvalidMemoryError):
+        cache.put(tmp_path / "missing.png")
+    with pytest.raises(InvalidMemoryError):
+        cache.put(12345)
+    assert len(cache) == 0
+
+
+def test_corrupt_thumbnail_is_a_cache_miss_and_put_repairs_it(cache):
+    data = noise_png(5)
+    key = cache.put(data, note="keep me")
+    with raw(cache.path) as conn:
+        conn.execute("UPDATE images SET thumbnail = ? WHERE key = ?", (b"\x89PNG garbage", key))
+    with pytest.raises(CorruptEntryError, match="put the image again"):
+        cache.thumbnail(key)
+    assert cache.note(key) == "keep me"
+    cache.put(data)
+    assert cache.thumbnail(key).size == (96, 64)
+    assert cache.note(key) == "keep me"
+    # a row with a matching checksum that still does not decode
+    bad = b"\x89PNG\r\n\x1a\n" + b"\x00" * 40
+    with raw(cache.path) as conn:
+        conn.execute("UPDATE images SET thumbnail = ?, checksum = ? WHERE key = ?",
+                     (bad, hashlib.sha256(bad).hexdigest(), key))
+    with pytest.raises(CorruptEntryError, match="does not decode"):
+        cache.thumbnail(key)
+    with raw(cache.path) as conn:
+        conn.execute("UPDATE images SET thumbnail = 'text' WHERE key = ?", (key,))
+    with pytest.raises(CorruptEntryError, match="checksum"):
+        cache.thumbnail(key)
+    cache.put(data)
+    assert cache.thumbnail(key).size == (96, 64)
+
+
+# --- schema --------------------------------------------------------------------------------------
+
+def test_schema_wal_and_version(cache):
+    with raw(cache.path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"images", "features"} <= tables
+    assert cache.integrity_check() == "ok"
+
+
+def test_reopen_keeps_rows_and_refuses_newer_schema(tmp_path):
+    path = tmp_path / "c.db"
+    with Cache(path) as c:
+        key = c.put(noise_png(6), note="n")
+    with Cache(path) as c:
+        assert c.note(key) == "n"
+    with raw(path) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(PixelTriageError, match="newer"):
+        Cache(path)
+
+
+def test_a_file_that_is_not_a_cache(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"just some text, not SQLite" * 100)
+    with pytest.raises(PixelTriageError, match="not a usable cache"):
+        Cache(path)
+
+
+def test_closed_cache_refuses(tmp_path):
+    c = Cache(tmp_path / "c.db")
+    c.close()
+    c.close()
+    with pytest.raises(ValueError, match="closed"):
+        len(c)
+
+
+# --- features ------------------------------------------------------------------------------------
+
+def test_features_round_trip(cache):
+    key = cache.put(noise_png(7))
+    assert cache.get_features(key, "vit-a") is None
+    feats = torch.randn(12, 8, dtype=torch.bfloat16)
+    cache.put_features(key, "vit-a", feats)
+    cache.put_features(key, "vit-b", torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(cache.get_features(key, "vit-a"), feats)
+    assert cache.get_features(key, "vit-a").dtype == torch.bfloat16
+    assert torch.equal(cache.get_features(key, "vit-b"), torch.arange(6.0).reshape(2, 3))
+    cache.put_features(key, "vit-a", torch.zeros(3))  # replaces
+    assert torch.equal(cache.get_features(key, "vit-a"), torch.zeros(3))
+    assert cache.stats()["feature_rows"] == 2
+    # a non-contiguous view is stored by value
+    base = torch.randn(4, 6)
+    cache.put_features(key, "view", base.t())
+    assert torch.equal(cache.get_features(key, "view"), base.t())
+
+
+def test_features_need_the_image(cache):
+    with pytest.raises(CacheMissError, match="put it before its features"):
+        cache.put_features("0" * 64, "vit", torch.zeros(2))
+    with pytest.raises(ValueError):
+        cache.get_features("0" * 64, "")
+    assert cache.get_features("0" * 64, "vit") is None
+
+
+@pytest.mark.parametrize("damage", ["flipped", "text", "undecodable", "wrong_name"])
+def test_corrupt_feature_rows_are_missing_then_recomputed(cache, damage):
+    from safetensors.torch import save
+
+    key = cache.put(noise_png(8))
+    cache.put_features(key, "vit", torch.ones(4))
+    if damage == "flipped":
+        with raw(cache.path) as conn:
+            data = bytearray(conn.execute("SELECT data FROM features").fetchone()[0])
+        data[-1] ^= 0xFF
+        update = ("UPDATE features SET data = ?", (bytes(data),))
+    elif damage == "text":  # not even a BLOB any more
+        update = ("UPDATE features SET data = 'garbage'", ())
+    elif damage == "undecodable":
+        junk = b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"
+        update = ("UPDATE features SET data = ?, checksum = ?", (junk, hashlib.sha256(junk).hexdigest()))
+    else:
+        other = save({"other": torch.ones(4)})
+        update = ("UPDATE features SET data = ?, checksum = ?", (other, hashlib.sha256(other).hexdigest()))
+    with raw(cache.path) as conn:
+        conn.execute(*update)
+    assert cache.get_features(key, "vit") is None
+    with raw(cache.path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM features").fetchone()[0] == 0  # deleted
+    cache.put_features(key, "vit", torch.full((4,), 2.0))  # the scorer recomputes and stores
+    assert torch.equal(cache.get_features(key, "vit"), torch.full((4,), 2.0))
+
+
+def test_deleting_an_image_cascades_to_features(cache):
+    key = cache.put(noise_png(9))
+    cache.put_features(key, "vit", torch.ones(2))
+    conn = cache._conn()
+    conn.execute("DELETE FROM images WHERE key = ?", (key,))
+    assert conn.execute("SELECT COUNT(*) FROM features").fetchone()[0] == 0
+
+
+# --- concurrency ---------------------------------------------------------------------------------
+
+def test_threads_share_one_cache(cache):
+    images = [noise_png(100 + i) for i in range(24)]
+    errors = []
+
+    def work(offset):
+        try:
+            for i in range(len(images)):
+                data = images[(i + offset) % len(images)]
+                key = cache.put(data, note=f"note {(i + offset) % len(images)}")
+                cache.thumbnail(key)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k * 6,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(cache) == len(images)
+    for i, data in enumerate(images):
+        assert cache.note(image_key(data)) == f"note {i}"
+
+
+WRITER = r"""
+import io, random, sys, time
+from pathlib import Path
+from PIL import Image
+from pixeltriage.engine.cache import Cache
+
+def noise_png(seed, size):
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", size, rng.randbytes(size[0] * size[1] * 3))
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+db, mode, worker, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+cache = Cache(db, busy_timeout_ms=120_000)
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.01)
+if mode == "pair":
+    shared = list(range(20))
+    own = list(range(1000 * (worker + 1), 1000 * (worker + 1) + 20))
+    seeds = [s for pair in zip(shared, own) for s in pair]
+    for seed in seeds:
+        key = cache.put(noise_png(seed, (64, 48)), note=f"seed {seed}")
+        print(key, flush=True)
+else:  # endless writer, killed by the test
+    seed = 0
+    while True:
+        key = cache.put(noise_png(seed, (900, 700)), note=f"seed {seed}")
+        print(key, flush=True)
+        seed += 1
+"""
+
+
+def _start_writer(tmp_path, db, mode, worker, go):
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, str(script), str(db), mode, str(worker), str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_ready(proc):
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise AssertionError(f"writer did not start: {line!r} {proc.stderr.read()}")
+
+
+def test_two_processes_write_same_and_different_images(tmp_path):
+    db, go = tmp_path / "shared.db", tmp_path / "go"
+    procs = [_start_writer(tmp_path, db, "pair", w, go) for w in range(2)]
+    for p in procs:
+        _wait_ready(p)
+    go.touch()
+    outputs = [p.communicate(timeout=SUBPROCESS_TIMEOUT) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err
+        assert "locked" not in err
+    keys = [set(out.split()) for out, _ in outputs]
+    assert len(keys[0] & keys[1]) == 20 and len(keys[0] | keys[1]) == 60
+    with Cache(db) as c:
+        assert len(c) == 60
+        assert c.integrity_check() == "ok"
+        for seed in list(range(20)) + list(range(1000, 1020)) + list(range(2000, 2020)):
+            key = image_key(noise_png(seed, (64, 48)))
+            assert c.note(key) == f"seed {seed}"
+            assert c.thumbnail(key).size == (64, 48)
+
+
+def test_kill_during_writes_leaves_a_consistent_cache(tmp_path):
+    db, go = tmp_path / "killed.db", tmp_path / "go"
+    proc = _start_writer(tmp_path, db, "endless", 0, go)
+    _wait_ready(proc)
+    go.touch()
+    returned = []
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+    while len(returned) < 8 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        returned.append(line.strip())
+    time.sleep(random.Random(0).uniform(0.0, 0.05))  # land somewhere inside the next put
+    proc.send_signal(signal.SIGKILL)
+    rest, err = proc.communicate(timeout=60)
+    returned += rest.split()  # puts that returned before the kill
+    assert proc.returncode == -signal.SIGKILL
+    assert len(returned) >= 8, err
+    with Cache(db) as c:
+        assert c.integrity_check() == "ok"
+        assert len(c) >= len(returned)
+        for seed, key in enumerate(returned):
+            assert c.note(key) == f"seed {seed}"
+            assert c.thumbnail(key).size == (336, 261)
+        c.put(noise_png(10_000), note="after")  # still writable
+        assert len(c) >= len(returned) + 1
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def _cli(argv):
+    parser = argparse.ArgumentParser(prog="pixeltriage cache")
+    cache_module.add_arguments(parser)
+    return cache_module.run(parser.parse_args(argv))
+
+
+def test_cli_put_and_stats(tmp_path, capsys):
+    a, b = tmp_path / "a.png", tmp_path / "sub" / "b.png"
+    b.parent.mkdir()
+    a.write_bytes(noise_png(20))
+    b.write_bytes(noise_png(21))
+    notes = tmp_path / "notes.json"
+    notes.write_text(json.dumps({"a.png": "note a", str(b): "note b", "zzz.png": "unused"}))
+    db = tmp_path / "cli.db"
+    assert _cli(["put", str(db), str(a), str(b), "--notes", str(notes)]) == 0
+    out, err = capsys.readouterr()
+    lines = [line.split("\t") for line in out.strip().splitlines()]
+    assert [path for _, path in lines] == [str(a), str(b)]
+    assert "1 notes match no image" in err
+    with Cache(db) as c:
+        assert c.note(lines[0][0]) == "note a" and c.note(lines[1][0]) == "note b"
+    assert _cli(["stats", str(db)]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["images"] == 2 and stats["notes"] == 2 and stats["feature_rows"] == 0
+    assert stats["bytes"] > 0 and stats["path"] == str(db)
+
+
+def test_cli_errors(tmp_path):
+    with pytest.raises(PixelTriageError, match="no such cache"):
+        _cli(["stats", str(tmp_path / "none.db")])
+    bad = tmp_path / "notes.json"
+    bad.write_text("[1, 2]")
+    img = tmp_path / "a.png"
+    img.write_bytes(noise_png(22))
+    with pytest.raises(PixelTriageError, match="JSON object"):
+        _cli(["put", str(tmp_path / "x.db"), str(img), "--notes", str(bad)])
+    with pytest.raises(SystemExit):
+        _cli([])
