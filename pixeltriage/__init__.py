@@ -7,6 +7,9 @@ from pixeltriage.errors import (
     PixelTriageError,
     StateTooLongError,
 )
+from pixeltriage.engine.cache import Cache
+from pixeltriage.engine.cost import cost_ratio, delivery_cost, visual_tokens
+from pixeltriage.engine.policy import RateGate, token_budget, top_k
 from pixeltriage.engine.scorer import Scorer
 from pixeltriage.engine.state import State
 from pixeltriage.engine.types import Memory, Scores
@@ -14,6 +17,13 @@ from pixeltriage.engine.types import Memory, Scores
 __version__ = "0.1.0"
 
 __all__ = [
+    "Cache",
+    "RateGate",
+    "cost_ratio",
+    "delivery_cost",
+    "token_budget",
+    "top_k",
+    "visual_tokens",
     "Memory",
     "Scorer",
     "Scores",
