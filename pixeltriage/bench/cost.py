@@ -1,0 +1,221 @@
+"""`pixeltriage bench cost`: prefill compute per question (System One + one answering call) against
+opening every retrieved image and against text proxies only, from the analytic model in
+`pixeltriage.bench.flops`.
+
+ours@k opens the first k retrieved images (the ranking; every image when fewer than k exist) and
+sends the rest as text proxies; its compute includes one System One forward over the question and
+the thumbnails of the retrieved images.
+
+Scenario presets (the paper's Sections 6.1 and 6.4; sizes not given there are stated as chosen):
+- dmv: 10 retrieved product photos of 1120x840 px, 1200 Qwen2.5-VL tokens each (the paper: ~12k
+  for all ten); 2450 prompt tokens besides the images' captions, 25 tokens per caption, an opened
+  image keeps its caption. System One state: 10 thumbnails + 1280 tokens = 2280 tokens.
+- m3exam: 4.2 retrieved images on average, taken as 4 images (probability 0.8) or 5 (0.2), of
+  960x720 px (884 Qwen2.5-VL tokens); 2400 prompt tokens, 15 tokens per image identifier and
+  caption, which an opened image replaces. System One state: the thumbnails + 1900 tokens
+  (2300 and 2400 tokens; the paper: 2.2k to 2.4k).
+- custom: --image-sizes, --text-tokens, --proxy-tokens, --keep-proxy, --state-text-tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pixeltriage.bench.flops import (
+    ANSWERING_MODELS,
+    SYSTEM_ONE_CONFIGS,
+    SYSTEM_ONE_HEAD_DIM,
+    THUMBNAIL_SIZE,
+    StateShape,
+    answering_model,
+    image_grid,
+    prefill_flops,
+    shape_from_config,
+    system_one_config,
+    system_one_flops,
+    total,
+    visual_tokens,
+)
+
+ImageSize = tuple[int, int]  # (width, height) in pixels
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """One possible retrieved set, with its probability within the scenario."""
+
+    weight: float
+    image_sizes: tuple[ImageSize, ...]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    retrievals: tuple[Retrieval, ...]
+    text_tokens: int        # answering prompt tokens besides images and their proxies
+    proxy_tokens: int       # one image's text proxy in the answering prompt
+    keep_proxy: bool        # an opened image keeps its proxy (True) or replaces it (False)
+    state_text_tokens: int  # System One state tokens besides the thumbnails
+
+    def __post_init__(self):
+        if not self.retrievals or abs(sum(r.weight for r in self.retrievals) - 1.0) > 1e-9:
+            raise ValueError(f"scenario {self.name!r}: retrieval weights must sum to 1")
+        if min(self.text_tokens, self.proxy_tokens, self.state_text_tokens) < 0:
+            raise ValueError(f"scenario {self.name!r}: token counts must be >= 0")
+        for r in self.retrievals:
+            if not r.image_sizes or r.weight < 0:
+                raise ValueError(f"scenario {self.name!r}: every retrieval needs images and a weight >= 0")
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "dmv": Scenario(
+        name="dmv", retrievals=(Retrieval(1.0, ((1120, 840),) * 10),),
+        text_tokens=2450, proxy_tokens=25, keep_proxy=True, state_text_tokens=1280),
+    "m3exam": Scenario(
+        name="m3exam",
+        retrievals=(Retrieval(0.8, ((960, 720),) * 4), Retrieval(0.2, ((960, 720),) * 5)),
+        text_tokens=2400, proxy_tokens=15, keep_proxy=False, state_text_tokens=1900),
+}
+
+
+def custom_scenario(image_sizes: Sequence[ImageSize], text_tokens: int, proxy_tokens: int = 20,
+                    keep_proxy: bool = False, state_text_tokens: int | None = None) -> Scenario:
+    """One retrieved set; the System One state defaults to 128 text tokens per memory."""
+    state_text = 128 * len(image_sizes) if state_text_tokens is None else state_text_tokens
+    return Scenario(name="custom", retrievals=(Retrieval(1.0, tuple(image_sizes)),), text_tokens=text_tokens,
+                    proxy_tokens=proxy_tokens, keep_proxy=keep_proxy, state_text_tokens=state_text)
+
+
+def _answer_tflop(model_name: str, scenario: Scenario, sizes: tuple[ImageSize, ...], opened: int) -> float:
+    kept = opened if scenario.keep_proxy else 0
+    text = scenario.text_tokens + scenario.proxy_tokens * (len(sizes) - opened + kept)
+    return total(prefill_flops(answering_model(model_name), text, sizes[:opened])).total / 1e12
+
+
+def _system_one_tflop(system_one: str, scenario: Scenario, sizes: tuple[ImageSize, ...],
+                      cached_vision: bool) -> float:
+    shape = shape_from_config(system_one_config(system_one))
+    grid = image_grid(THUMBNAIL_SIZE, THUMBNAIL_SIZE, shape.vision)
+    state = StateShape(text_tokens=scenario.state_text_tokens, image_grids=(grid,) * len(sizes))
+    parts = system_one_flops(shape, state, head_dim=SYSTEM_ONE_HEAD_DIM, cached_vision=cached_vision)
+    return total(parts).total / 1e12
+
+
+def cost_report(scenario: str | Scenario, answering: str, ks: Sequence[int], system_one: str = "2b",
+                cached_vision: bool = False) -> dict:
+    """Visual tokens and prefill TFLOP per question, as an expectation over the scenario's retrievals.
+
+    tflop.ours[k] = System One + the answering prefill with the first k images opened.
+    """
+    if isinstance(scenario, str) and scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; known: {sorted(SCENARIOS)}")
+    sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
+    model = answering_model(answering)
+    if not ks or min(ks) < 1:
+        raise ValueError(f"budgets k must be >= 1, found {list(ks)}")
+    vis = {"open_all": 0.0, "ours": {k: 0.0 for k in ks}}
+    tf = {"system_one": 0.0, "open_all": 0.0, "text_only": 0.0, "ours": {k: 0.0 for k in ks}}
+    for r in sc.retrievals:
+        sizes, n = r.image_sizes, len(r.image_sizes)
+        tokens = [visual_tokens(w, h, model.vision) for w, h in sizes]
+        s1 = _system_one_tflop(system_one, sc, sizes, cached_vision)
+        tf["system_one"] += r.weight * s1
+        tf["open_all"] += r.weight * _answer_tflop(answering, sc, sizes, n)
+        tf["text_only"] += r.weight * _answer_tflop(answering, sc, sizes, 0)
+        vis["open_all"] += r.weight * sum(tokens)
+        for k in ks:
+            opened = min(k, n)
+            vis["ours"][k] += r.weight * sum(tokens[:opened])
+            tf["ours"][k] += r.weight * (s1 + _answer_tflop(answering, sc, sizes, opened))
+    return {
+        "scenario": sc.name,
+        "answering": answering,
+        "system_one": f"{system_one}+cached-vision" if cached_vision else system_one,
+        "visual_tokens": {"open_all": round(vis["open_all"]),
+                          "ours": {str(k): round(v) for k, v in vis["ours"].items()}},
+        "tflop": {"system_one": round(tf["system_one"], 3), "open_all": round(tf["open_all"], 3),
+                  "text_only": round(tf["text_only"], 3),
+                  "ours": {str(k): round(v, 3) for k, v in tf["ours"].items()}},
+    }
+
+
+def format_report(report: dict) -> str:
+    tf, vis = report["tflop"], report["visual_tokens"]
+    open_all = tf["open_all"]
+    lines = [f"scenario {report['scenario']}, answering {report['answering']}, System One {report['system_one']}",
+             f"{'delivery':<22}{'visual tokens':>14}{'TFLOP':>10}{'vs open all':>13}",
+             f"{'System One alone':<22}{'-':>14}{tf['system_one']:>10.1f}{tf['system_one'] / open_all:>13.1%}",
+             f"{'text proxies only':<22}{0:>14}{tf['text_only']:>10.1f}{tf['text_only'] / open_all:>13.1%}",
+             f"{'open all':<22}{vis['open_all']:>14}{open_all:>10.1f}{1:>13.1%}"]
+    for k, value in tf["ours"].items():
+        lines.append(f"{'ours@' + k + ' (+System One)':<22}{vis['ours'][k]:>14}{value:>10.1f}{value / open_all:>13.1%}")
+    return "\n".join(lines)
+
+
+def _image_sizes(text: str) -> list[ImageSize]:
+    sizes = []
+    for item in text.split(","):
+        try:
+            width, height = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"image size {item!r} is not WIDTHxHEIGHT") from None
+        if width <= 0 or height <= 0:
+            raise argparse.ArgumentTypeError(f"image size {item!r} must be positive")
+        sizes.append((width, height))
+    return sizes
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        ks = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k {text!r} is not a comma-separated list of integers") from None
+    if min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"--k values must be >= 1, found {text!r}")
+    return ks
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="dmv")
+    parser.add_argument("--answering", choices=list(ANSWERING_MODELS), default="qwen2.5-vl-7b")
+    parser.add_argument("--system-one", choices=list(SYSTEM_ONE_CONFIGS), default="2b")
+    parser.add_argument("--k", type=_budgets, default=[1, 2, 3], help="budgets, e.g. 1,2,3")
+    parser.add_argument("--cached-vision", action="store_true",
+                        help="System One's vision tower outputs are cached at write time (its FLOPs are skipped)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    custom = parser.add_argument_group("custom scenario")
+    custom.add_argument("--image-sizes", type=_image_sizes, help="retrieved images, ranked: WxH,WxH,...")
+    custom.add_argument("--text-tokens", type=_non_negative, help="prompt tokens besides images and proxies")
+    custom.add_argument("--proxy-tokens", type=_non_negative, default=20, help="tokens of one text proxy")
+    custom.add_argument("--keep-proxy", action="store_true", help="an opened image keeps its text proxy")
+    custom.add_argument("--state-text-tokens", type=_non_negative,
+                        help="System One state tokens besides thumbnails (default: 128 per memory)")
+
+
+def run_cost(args: argparse.Namespace) -> int:
+    if args.scenario == "custom":
+        if args.image_sizes is None or args.text_tokens is None:
+            print("error: --scenario custom needs --image-sizes and --text-tokens", file=sys.stderr)
+            return 2
+        scenario = custom_scenario(args.image_sizes, args.text_tokens, args.proxy_tokens, args.keep_proxy,
+                                   args.state_text_tokens)
+    else:
+        scenario = SCENARIOS[args.scenario]
+    report = cost_report(scenario, args.answering, args.k, args.system_one, args.cached_vision)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+# The router's per-command convention.
+add_arguments = add_cost_arguments
+run = run_cost
