@@ -1,5 +1,6 @@
 """The main job through the CLI: score an episode file, and the demo."""
 import json
+import os
 import subprocess
 import sys
 
@@ -43,7 +44,7 @@ def test_score_table_and_bad_episode(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_module_and_demo(tmp_path):
-    env = {"PIXELTRIAGE_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "pixeltriage", "demo"], capture_output=True, text=True, env=env,
                          timeout=900)
     assert out.returncode == 0, out.stderr
