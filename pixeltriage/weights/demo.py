@@ -44,7 +44,7 @@ HEAD_KEYS = ("head.decision.weight", "head.candidate.weight")
 MAX_SHARD_BYTES = 2 * 1024 ** 3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
-# The largest multiple of patch*merge = 32 near a 336-px thumbnail, so the image rules never shrink it.
+# 352 is the first multiple of patch*merge (32) above 336: a 336-px thumbnail is never shrunk.
 _MAX_PIXELS = 352 * 352
 
 
@@ -242,6 +242,9 @@ def _shard(specs: list[TensorSpec], dtype: torch.dtype, max_bytes: int) -> list[
 def _write_backbone(directory: Path, specs: list[TensorSpec], dtype: torch.dtype, seed: int, scratch: _Scratch,
                     progress: bool) -> None:
     shards = _shard(specs, dtype, MAX_SHARD_BYTES)
+    if progress:
+        total = sum(s.numel for s in specs)
+        print(f"writing {total:,} backbone parameters ({dtype}) in {len(shards)} file(s)", file=sys.stderr, flush=True)
     if len(shards) == 1:
         _write_safetensors(directory / "model.safetensors", specs, dtype, seed, scratch)
         return
@@ -297,6 +300,7 @@ def write_demo_checkpoint(path: str | os.PathLike, preset: str = "tiny", seed: i
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary directory
         _write_files(staging, p, seed, resolved, progress)
         os.rename(staging, path)  # atomic; replaces an empty directory
     except BaseException:
