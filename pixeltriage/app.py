@@ -53,7 +53,8 @@ def decision_report(question: str, memories: list[Memory], scores: Scores, k: in
     return report
 
 
-def print_report(report: dict, out=sys.stdout) -> None:
+def print_report(report: dict, out=None) -> None:
+    out = sys.stdout if out is None else out
     print(f"question: {report['question']}", file=out)
     gate = "" if report["gate_open"] else "   (rate gate closed: answer from text)"
     print(f"p_vis = {report['p_vis']:.4f}{gate}", file=out)
