@@ -1,3 +1,11 @@
+import os
+
+# Triton decorates its kernels when their module is first imported, and transformers imports it (through
+# flash-linear-attention) before any test module runs: on a machine without CUDA the Triton kernels can only run
+# in the interpreter, so it has to be switched on here, before anything imports triton.
+if not os.path.exists("/dev/nvidiactl") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import shutil
 
 import pytest
