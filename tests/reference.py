@@ -47,8 +47,11 @@ def tiny_config(text: dict | None = None, vision: dict | None = None, vocab_size
     return dict(text_config=text_cfg, vision_config=vision_cfg)
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter random, norm weights included, at scales that keep activations sane."""
+def randomize_(model: torch.nn.Module, seed: int, residual_scale: float = 1.0) -> None:
+    """Every parameter random, norm weights included, at scales that keep activations sane.
+
+    `residual_scale` multiplies the text layers' projections back into the residual stream (attention o_proj,
+    Gated DeltaNet out_proj, MLP down_proj), as GPT-2's scaled residual init does with 1/sqrt(2 * layers)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -71,11 +74,13 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 scale = 1.0 / fan_in ** 0.5 if p.dim() > 1 else 0.05
                 if "patch_embed" in name and p.dim() > 1:
                     scale = 1.0 / (p[0].numel() ** 0.5)
+                if "language_model" in name and any(s in name for s in ("o_proj", "out_proj", "down_proj")):
+                    scale *= residual_scale
                 p.copy_(scale * torch.randn(p.shape, generator=gen))
 
 
 def write_reference_checkpoint(path: Path, config_kwargs: dict, seed: int = 0, head_dim: int = 16,
-                               shards: bool = False) -> "torch.nn.Module":
+                               shards: bool = False, residual_scale: float = 1.0) -> "torch.nn.Module":
     """A complete System One checkpoint written by transformers' save_pretrained. Returns the model (float32)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
@@ -89,7 +94,7 @@ def write_reference_checkpoint(path: Path, config_kwargs: dict, seed: int = 0, h
                         vision_end_token_id=special["<|vision_end|>"])
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(cfg).float().eval()
-    randomize_(model, seed)
+    randomize_(model, seed, residual_scale)
     model.save_pretrained(path, max_shard_size="200KB" if shards else "5GB")
     hidden = config_kwargs["text_config"]["hidden_size"]
     gen = torch.Generator().manual_seed(seed + 1)

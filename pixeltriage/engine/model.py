@@ -66,7 +66,7 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig)
         k = k.repeat_interleave(hv // hk, dim=1)
     beta = b.float().sigmoid()
     g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
-    o = chunk_gated_delta_rule(q, k, v.view(seq_len, hv, dv), g, beta).to(x.dtype)    # [T, Hv, dv]
+    o = chunk_gated_delta_rule(q, k, v.float().view(seq_len, hv, dv), g, beta)         # [T, Hv, dv] float32
     o = rms_norm_gated(o, z.view(seq_len, hv, dv), w.norm, cfg.rms_norm_eps)
     return o.reshape(seq_len, -1) @ w.out_proj.t()
 

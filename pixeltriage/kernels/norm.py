@@ -17,8 +17,11 @@ def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """w * norm(x) * silu(gate): the Gated DeltaNet output norm (plain weight, norm before gate)."""
+    """w * norm(x) * silu(gate): the Gated DeltaNet output norm (plain weight, norm before gate).
+
+    Computed in float32 end to end and returned in the gate's dtype. x is the gated delta rule's output, often
+    tiny (rms ~1e-2) and scaled up here by its reciprocal rms, so it should arrive unrounded (float32)."""
     dtype = gate.dtype
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (weight * normed * F.silu(gate.float())).to(dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed * F.silu(gate.float())).to(dtype)
