@@ -1,10 +1,14 @@
 """The Scorer: owns the loaded checkpoint and runs memories -> state -> forward -> head -> Scores."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import os
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -13,10 +17,13 @@ from pixeltriage.engine.model import decoder_forward
 from pixeltriage.engine.state import State, StatePacker, TextEncoder
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.engine.vision import vision_forward
-from pixeltriage.errors import CheckpointError, NonFiniteScoreError
-from pixeltriage.kernels.head import HeadOutput, decision_head_reference, final_norm_rows
+from pixeltriage.errors import CheckpointError, InvalidMemoryError, NonFiniteScoreError
+from pixeltriage.kernels.head import HeadOutput, decision_head, final_norm_rows, resolve_head_backend
 from pixeltriage.weights.layout import EngineWeights
 from pixeltriage.weights.loader import load_checkpoint
+
+if TYPE_CHECKING:
+    from pixeltriage.engine.cache import Cache
 
 log = logging.getLogger(__name__)
 
@@ -32,25 +39,43 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 class Scorer:
-    """System One for one checkpoint. Thread-safe: `score` may be called from many threads at once."""
+    """System One for one checkpoint. Thread-safe: `score` may be called from many threads at once.
+
+    With a write-time `cache` (pixeltriage.Cache), memories may be given by cache key, every image is read as its
+    cached 336-px thumbnail (an image given by value is put into the cache first), and the vision tower's output
+    is stored per (image key, `vision_fingerprint`), so a later question with the same memory skips the ViT for it.
+    """
 
     def __init__(self, model_cfg: ModelConfig, image_cfg: ImageConfig, triage_cfg: TriageConfig,
-                 encoder: TextEncoder, weights: EngineWeights, device: torch.device, dtype: torch.dtype):
+                 encoder: TextEncoder, weights: EngineWeights, device: torch.device, dtype: torch.dtype,
+                 cache: "Cache | None" = None, head_backend: str = "auto"):
         self.model_config = model_cfg
         self.image_config = image_cfg
         self.triage_config = triage_cfg
         self.weights = weights
         self.device = device
         self.dtype = dtype
+        self.cache = cache
+        self.head_backend = resolve_head_backend(head_backend, device)
         self.packer = StatePacker(encoder, model_cfg, image_cfg, triage_cfg)
+        self.vision_counts = {"cached": 0, "computed": 0}   # images whose ViT output was reused / computed
+        self._fingerprint: str | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: torch.dtype | str = torch.float32) -> "Scorer":
-        """Load a System One checkpoint directory (see README: checkpoint format)."""
+             dtype: torch.dtype | str = torch.float32, *, cache: "Cache | None" = None,
+             head_backend: str = "auto") -> "Scorer":
+        """Load a System One checkpoint directory (see README: checkpoint format).
+
+        cache: a `pixeltriage.Cache` for thumbnails, notes and vision features (see the class docstring).
+        head_backend: "auto" (the fused Triton head on CUDA when Triton is installed, else torch), "triton" or
+        "torch"; an unavailable choice raises BackendUnavailableError here, not at the first score.
+        """
         path = Path(path)
         device = torch.device(device)
         dtype = parse_dtype(dtype)
+        resolve_head_backend(head_backend, device)
         if not path.is_dir():
             raise CheckpointError(f"{path}: checkpoint directory not found")
         model_cfg = ModelConfig.from_file(path / "config.json")
@@ -61,21 +86,101 @@ class Scorer:
             raise CheckpointError(f"{tokenizer}: file not found")
         encoder = TextEncoder(tokenizer)
         weights = load_checkpoint(path, model_cfg, triage_cfg.head_dim, dtype, device)
-        return cls(model_cfg, image_cfg, triage_cfg, encoder, weights, device, dtype)
+        return cls(model_cfg, image_cfg, triage_cfg, encoder, weights, device, dtype, cache, head_backend)
 
     # -- state ---------------------------------------------------------------------------------
     def pack(self, question: str, memories: Sequence[Memory]) -> State:
         """Build the single fixed-order state for one question (see `pixeltriage.engine.state`)."""
-        return self.packer.pack(question, memories)
+        memories = list(memories)
+        if self.cache is None:
+            for i, m in enumerate(memories):
+                if isinstance(m, Memory) and m.key is not None:
+                    raise InvalidMemoryError("given by cache key, but the Scorer has no cache "
+                                             "(Scorer.load(..., cache=Cache(PATH)))", i)
+            return self.packer.pack(question, memories)
+        keys, thumbnails, notes = [], [], []
+        for i, m in enumerate(memories):
+            if not isinstance(m, Memory):
+                raise InvalidMemoryError(f"expected a pixeltriage.Memory, got {type(m).__name__}", i)
+            key, thumbnail = self._cached_thumbnail(m, i)
+            keys.append(key)
+            thumbnails.append(thumbnail)
+            notes.append(self.cache.note(key) if m.note is None else m.note)
+        images = self.packer.images(memories, thumbnails)
+        state = self.packer.pack(question, memories, images=images, notes=notes)
+        state.image_keys = keys
+        return state
+
+    def _cached_thumbnail(self, memory: Memory, index: int):
+        from pixeltriage.engine.cache import CacheMissError, CorruptEntryError
+
+        cache = self.cache
+        if memory.key is None:
+            key = cache.put(memory.image)       # idempotent; (re)writes a missing or damaged thumbnail
+            return key, cache.thumbnail(key)
+        try:
+            return memory.key, cache.thumbnail(memory.key)
+        except CorruptEntryError as e:
+            raise InvalidMemoryError(f"{e}; the cache ({cache.path}) cannot rebuild it without the image", index) from None
+        except CacheMissError:
+            raise InvalidMemoryError(f"key {memory.key!r} is not in the cache {cache.path}", index) from None
+
+    @property
+    def vision_fingerprint(self) -> str:
+        """SHA-256 over everything that decides the vision tower's output for a thumbnail: the vision weights as
+        loaded (dtype included), the vision config, the image preprocessing and the thumbnail size."""
+        with self._lock:
+            if self._fingerprint is None:
+                h = hashlib.sha256(b"pixeltriage-vision-features-v1")
+                meta = {"vision": dataclasses.asdict(self.model_config.vision), "image": self.image_config.to_dict(),
+                        "thumbnail": self.triage_config.thumbnail_size, "dtype": str(self.dtype)}
+                h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+                for tensor in _tensors(self.weights.vision):
+                    t = tensor.detach().to("cpu").contiguous()
+                    h.update(str((t.dtype, tuple(t.shape))).encode())
+                    h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                self._fingerprint = h.hexdigest()
+            return self._fingerprint
 
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
     def visual_rows(self, state: State) -> torch.Tensor:
-        """The merged vision-tower output for every image of the state: [num_image_tokens, hidden]."""
+        """The merged vision-tower output for every image of the state: [num_image_tokens, hidden].
+
+        With a cache, images whose features are stored for this model's fingerprint skip the ViT; the others run
+        through it together in one call and are stored."""
+        hidden = self.model_config.text.hidden_size
         if state.num_memories == 0:
-            return torch.zeros(0, self.model_config.text.hidden_size, dtype=self.dtype, device=self.device)
+            return torch.zeros(0, hidden, dtype=self.dtype, device=self.device)
         grids = [tuple(g) for g in state.image_grid_thw.tolist()]
-        return vision_forward(state.pixel_values.to(self.device), grids, self.weights.vision, self.model_config.vision)
+        keys = state.image_keys if len(state.image_keys) == len(grids) else [None] * len(grids)
+        if self.cache is None or not any(keys):
+            self.vision_counts["computed"] += len(grids)
+            return vision_forward(state.pixel_values.to(self.device), grids, self.weights.vision,
+                                  self.model_config.vision)
+        merge2 = self.model_config.vision.spatial_merge_size ** 2
+        rows = [t * h * w // merge2 for t, h, w in grids]
+        fingerprint = self.vision_fingerprint
+        features: list[torch.Tensor | None] = []
+        for key, n in zip(keys, rows):
+            f = self.cache.get_features(key, fingerprint) if key else None
+            if f is not None and (tuple(f.shape) != (n, hidden) or f.dtype != self.dtype):
+                log.warning("cache %s: features of %s have shape %s %s, expected (%d, %d) %s; recomputing",
+                            self.cache.path, key, tuple(f.shape), f.dtype, n, hidden, self.dtype)
+                f = None
+            features.append(f)
+        missing = [i for i, f in enumerate(features) if f is None]
+        if missing:
+            patches = state.pixel_values.split([t * h * w for t, h, w in grids])
+            computed = vision_forward(torch.cat([patches[i] for i in missing]).to(self.device),
+                                      [grids[i] for i in missing], self.weights.vision, self.model_config.vision)
+            for i, f in zip(missing, computed.split([rows[i] for i in missing])):
+                features[i] = f
+                if keys[i]:
+                    self.cache.put_features(keys[i], fingerprint, f)
+        self.vision_counts["cached"] += len(grids) - len(missing)
+        self.vision_counts["computed"] += len(missing)
+        return torch.cat([f.to(self.device) for f in features])
 
     @torch.inference_mode()
     def last_hidden(self, state: State, visual: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,13 +224,25 @@ class Scorer:
             counts.append(counts[-1] + s.num_memories)
             offset += s.num_tokens
         dev = self.device
-        out = decision_head_reference(
-            torch.cat(hidden), self.weights.text.norm, self.model_config.text.rms_norm_eps,
+        out = decision_head(
+            self.head_backend, torch.cat(hidden), self.weights.text.norm, self.model_config.text.rms_norm_eps,
             self.weights.head_decision, self.weights.head_candidate,
             torch.stack(decision).to(dev), torch.stack(binary).to(dev), torch.stack(none).to(dev),
             torch.cat(markers).to(dev), torch.tensor(counts, device=dev),
         )
         return _to_scores(out, counts)
+
+
+def _tensors(obj):
+    """Every tensor of a weights dataclass, in field order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
 
 
 def _to_scores(out: HeadOutput, counts: list[int]) -> list[Scores]:
