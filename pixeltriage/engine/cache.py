@@ -23,8 +23,9 @@ Errors: a missing key raises `CacheMissError` (a KeyError naming the key). A thu
 fails its checksum or does not decode raises `CorruptEntryError` (a CacheMissError): the row is
 kept, since its note may be the only copy, and putting the image again repairs it.
 
-Schema (PRAGMA user_version = 1): images(key, thumbnail PNG, checksum, note)
-and features(key -> images.key ON DELETE CASCADE, fingerprint, safetensors bytes, checksum).
+Schema (PRAGMA user_version = 2): images(key, thumbnail PNG, checksum, note, width, height: the original
+image's displayed size, for visual-token costs) and features(key -> images.key ON DELETE CASCADE, fingerprint,
+safetensors bytes, checksum). A version-1 file gains the two size columns on open (NULL for its old rows).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from pixeltriage.engine.image import encode_png, make_thumbnail, open_image, to_rgb
+from pixeltriage.engine.image import display_size, encode_png, make_thumbnail, open_image, to_rgb
 from pixeltriage.engine.types import ImageSource
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
 
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 THUMBNAIL_SIDE = 336
 
 _SCHEMA = """
@@ -61,7 +62,9 @@ CREATE TABLE IF NOT EXISTS images (
     thumbnail  BLOB NOT NULL,
     checksum   TEXT NOT NULL,
     note       TEXT NOT NULL DEFAULT '',
-    created    REAL NOT NULL
+    created    REAL NOT NULL,
+    width      INTEGER,
+    height     INTEGER
 );
 CREATE TABLE IF NOT EXISTS features (
     key         TEXT NOT NULL REFERENCES images(key) ON DELETE CASCADE,
@@ -123,16 +126,19 @@ class Cache:
                     conn.execute("UPDATE images SET note = ? WHERE key = ?", (note, key))
             return key
         # the same decode path as the scorer's preprocessing, so cached and fresh thumbnails agree
-        original = open_image(data if data is not None else image, max_side=THUMBNAIL_SIDE)
+        source = data if data is not None else image
+        width, height = display_size(source)
+        original = open_image(source, max_side=THUMBNAIL_SIDE)
         thumbnail = encode_png(make_thumbnail(to_rgb(original), THUMBNAIL_SIDE))
         with self._write() as conn:
             # an existing row (a corrupt thumbnail, or a concurrent put) keeps its note unless a new one is given
             conn.execute(
-                "INSERT INTO images (key, thumbnail, checksum, note, created) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
+                "INSERT INTO images (key, thumbnail, checksum, note, created, width, height) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
                 "thumbnail = excluded.thumbnail, checksum = excluded.checksum, "
+                "width = excluded.width, height = excluded.height, "
                 "note = CASE WHEN excluded.note != '' THEN excluded.note ELSE images.note END",
-                (key, thumbnail, _sha256(thumbnail), note, time.time()))
+                (key, thumbnail, _sha256(thumbnail), note, time.time(), width, height))
         return key
 
     def thumbnail(self, key: str) -> Image.Image:
@@ -150,6 +156,11 @@ class Cache:
 
     def note(self, key: str) -> str:
         return self._row(key, "note")[0]
+
+    def size(self, key: str) -> tuple[int, int] | None:
+        """The original image's displayed (width, height); None for rows written by schema version 1."""
+        width, height = self._row(key, "width, height")
+        return None if width is None or height is None else (int(width), int(height))
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
@@ -280,6 +291,10 @@ class Cache:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
+            elif version == 1:
+                conn.execute("ALTER TABLE images ADD COLUMN width INTEGER")
+                conn.execute("ALTER TABLE images ADD COLUMN height INTEGER")
+            if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 

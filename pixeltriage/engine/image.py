@@ -69,6 +69,41 @@ def open_image(source, index: int | None = None, *, max_side: int | None = None)
                              f"bytes or a local file path", index)
 
 
+def display_size(source, index: int | None = None) -> tuple[int, int]:
+    """(width, height) of the image as displayed (EXIF orientation applied), read from its header only: what an
+    answering model's processor sees, for visual-token costs. Errors as `open_image`."""
+    if isinstance(source, Image.Image):
+        return _oriented_size(source)
+    if isinstance(source, (bytes, bytearray)):
+        if not source:
+            raise InvalidMemoryError("image bytes are empty", index)
+        stream, name = io.BytesIO(bytes(source)), f"image bytes ({len(source)} B)"
+    elif isinstance(source, (str, os.PathLike)):
+        name = _local_path(source, index)
+        try:
+            stream = open(name, "rb")
+        except OSError as e:
+            raise InvalidMemoryError(f"{name}: cannot read file ({e.strerror or e})", index) from e
+    else:
+        raise InvalidMemoryError(f"unsupported image source of type {type(source).__name__}; expected a PIL image, "
+                                 f"bytes or a local file path", index)
+    with stream:
+        try:
+            with Image.open(stream) as img:
+                return _oriented_size(img)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            raise InvalidMemoryError(f"{name}: not a readable image ({e})", index) from None
+
+
+def _oriented_size(img: Image.Image) -> tuple[int, int]:
+    width, height = img.size
+    try:
+        orientation = img.getexif().get(0x0112, 1)
+    except Exception:  # a damaged EXIF block: PIL's exif_transpose would ignore it too
+        orientation = 1
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
 def _local_path(source, index: int | None) -> str:
     path = os.fsdecode(os.fspath(source))
     if _URL.match(path):
