@@ -6,32 +6,29 @@ import json
 import sys
 import time
 
-from PIL import Image
-
 from pixeltriage.engine.cost import delivery_cost
-from pixeltriage.engine.image import open_image
+from pixeltriage.engine.image import display_size
 from pixeltriage.engine.policy import RateGate, top_k
 from pixeltriage.engine.scorer import DTYPES, Scorer
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.episode import load_episodes, sample_episode
 
 
-def image_size(memory: Memory, index: int) -> tuple[int, int] | None:
-    """The original image's (width, height), read from its header; None for cache-key memories."""
+def image_size(memory: Memory, index: int, cache=None) -> tuple[int, int] | None:
+    """The original image's displayed (width, height), from its header or, for a cache-key memory, from the
+    cache; None when unknown."""
     if memory.image is None:
-        return None
-    if isinstance(memory.image, Image.Image):
-        return memory.image.size
-    return open_image(memory.image, index).size
+        return cache.size(memory.key) if cache is not None and memory.key in cache else None
+    return display_size(memory.image, index)
 
 
 def decision_report(question: str, memories: list[Memory], scores: Scores, k: int, gate: RateGate | None,
-                    answering: str = "qwen2.5-vl") -> dict:
+                    answering: str = "qwen2.5-vl", cache=None) -> dict:
     opened = top_k(scores, k)
     gate_open = gate.opens(scores.p_vis) if gate is not None else True
     if not gate_open:
         opened = [False] * len(opened)
-    sizes = [image_size(m, i) for i, m in enumerate(memories)]
+    sizes = [image_size(m, i, cache) for i, m in enumerate(memories)]
     known = [s for s in sizes if s is not None]
     report = {
         "question": question,
@@ -78,20 +75,30 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate-rate", type=float, default=None,
                    help="open images only for questions whose p_vis ranks in this top fraction of the stream")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--cache", metavar="DB", default=None,
+                   help="write-time cache file (pixeltriage cache put): memories may be given by key, thumbnails "
+                        "are read from it and vision-tower outputs are stored in it for later questions")
     p.add_argument("--json", action="store_true", help="print one JSON object per episode")
 
 
 def run_score(args: argparse.Namespace) -> int:
-    scorer = Scorer.load(args.checkpoint, dtype=args.dtype)
+    from pixeltriage.engine.cache import Cache
+
     episodes = load_episodes(args.episode)
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
-    for question, memories in episodes:
-        report = decision_report(question, memories, scorer.score(question, memories), args.k, gate)
-        if args.json:
-            print(json.dumps(report))
-        else:
-            print_report(report)
-            print()
+    cache = Cache(args.cache) if args.cache else None
+    try:
+        scorer = Scorer.load(args.checkpoint, dtype=args.dtype, cache=cache)
+        for question, memories in episodes:
+            report = decision_report(question, memories, scorer.score(question, memories), args.k, gate, cache=cache)
+            if args.json:
+                print(json.dumps(report))
+            else:
+                print_report(report)
+                print()
+    finally:
+        if cache is not None:
+            cache.close()
     return 0
 
 
