@@ -182,3 +182,12 @@ def test_version_1_cache_gains_size_columns(tmp_path):
         assert c.size(key) == (50, 20)
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+
+
+def test_delivery_api_is_exported_from_the_package():
+    import pixeltriage
+
+    for name in ("Cache", "top_k", "RateGate", "token_budget", "retrieval_order", "random_policy", "downsize_all",
+                 "visual_tokens", "delivery_cost", "cost_ratio", "pixel_host_messages", "text_host_messages",
+                 "stamp_tag"):
+        assert name in pixeltriage.__all__ and callable(getattr(pixeltriage, name))
