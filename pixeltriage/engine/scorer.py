@@ -65,8 +65,12 @@ class Scorer:
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
              dtype: torch.dtype | str = torch.float32, *, cache: "Cache | None" = None,
-             head_backend: str = "auto") -> "Scorer":
+             head_backend: str = "auto", adapter: str | os.PathLike | None = None) -> "Scorer":
         """Load a System One checkpoint directory (see README: checkpoint format).
+
+        Weights in transformers' layout or Valen's export layout (auto-detected). adapter: a PEFT LoRA adapter
+        directory merged at load; by default one is used when the checkpoint directory itself holds
+        `adapter_config.json`.
 
         cache: a `pixeltriage.Cache` for thumbnails, notes and vision features (see the class docstring).
         head_backend: "auto" (the fused Triton head on CUDA when Triton is installed, else torch), "triton" or
@@ -85,7 +89,10 @@ class Scorer:
         if not tokenizer.is_file():
             raise CheckpointError(f"{tokenizer}: file not found")
         encoder = TextEncoder(tokenizer)
-        weights = load_checkpoint(path, model_cfg, triage_cfg.head_dim, dtype, device)
+        if adapter is None and (path / "adapter_config.json").is_file():
+            adapter = path
+        weights = load_checkpoint(path, model_cfg, triage_cfg.head_dim, dtype, device,
+                                  Path(adapter) if adapter is not None else None)
         return cls(model_cfg, image_cfg, triage_cfg, encoder, weights, device, dtype, cache, head_backend)
 
     # -- state ---------------------------------------------------------------------------------

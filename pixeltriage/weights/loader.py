@@ -13,16 +13,43 @@ from pixeltriage.weights.reader import TensorSource, weight_files
 HEAD_FILE = "decision_head.safetensors"
 
 
+LAYOUTS = {
+    # name: (text prefix, vision prefix)
+    "transformers": ("model.language_model.", "model.visual."),
+    "valen": ("backbone.language_model.", "backbone.visual."),
+}
+
+
+def detect_layout(names: list[str], where: Path) -> str:
+    """Which key layout the checkpoint uses: transformers' (`model.language_model.*`, `model.visual.*`) or
+    Valen's export (`backbone.language_model.*`, `backbone.visual.*`). Both or neither -> CheckpointError."""
+    found = [layout for layout, (text, _) in LAYOUTS.items() if any(n.startswith(text) for n in names)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise CheckpointError(f"{where}: no backbone tensors found (expected keys under 'model.language_model.' "
+                              "(transformers) or 'backbone.language_model.' (Valen export))")
+    raise CheckpointError(f"{where}: ambiguous layout: holds both 'model.language_model.*' and "
+                          "'backbone.language_model.*' tensors")
+
+
 def load_checkpoint(directory: Path, cfg: ModelConfig, head_dim: int, dtype: torch.dtype,
-                    device: torch.device) -> EngineWeights:
-    """Backbone shards (+ decision_head.safetensors when present) -> EngineWeights; all or nothing."""
+                    device: torch.device, adapter: Path | None = None) -> EngineWeights:
+    """Backbone shards (+ decision_head.safetensors when present, + a LoRA adapter merged at read) ->
+    EngineWeights in the engine's fused layout; all or nothing."""
+    from pixeltriage.weights.adapter import LoraAdapter
+
     files = weight_files(directory)
     head = directory / HEAD_FILE
     if head.is_file():
         files.append(head)
-    source = TensorSource(files)
+    lora = LoraAdapter(adapter) if adapter is not None else None
+    source = TensorSource(files, adapter=lora)
     try:
-        weights = build_engine_weights(source, cfg, head_dim, dtype, device)
+        text_prefix, vision_prefix = LAYOUTS[detect_layout(source.names(), directory)]
+        if lora is not None:
+            lora.bind(source.names())
+        weights = build_engine_weights(source, cfg, head_dim, dtype, device, text_prefix, vision_prefix)
     finally:
         source.close()
     check_finite(weights)

@@ -21,7 +21,8 @@ SKIPPED = re.compile(r"^(lm_head\.weight|mtp\..*|model\.mtp\..*)$")
 class TensorSource:
     """Names -> tensors across one or more safetensors files; tracks which names were consumed."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], adapter=None):
+        self.adapter = adapter          # a LoraAdapter merged into tensors as they are taken, or None
         self._files: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
         self._consumed: set[str] = set()
@@ -60,7 +61,7 @@ class TensorSource:
         except (SafetensorError, RuntimeError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read tensor '{name}': {e}") from None
         self._consumed.add(name)
-        return tensor
+        return self.adapter.apply(name, tensor) if self.adapter is not None else tensor
 
     def finish(self) -> None:
         """Every tensor must have been consumed or be deliberately skipped."""
@@ -73,6 +74,8 @@ class TensorSource:
             shown = ", ".join(f"'{n}' ({self._files[n].name})" for n in sorted(unknown)[:8])
             more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
             raise CheckpointError(f"unknown tensors in checkpoint: {shown}{more}")
+        if self.adapter is not None:
+            self.adapter.finish()
 
     def close(self) -> None:
         self._handles.clear()
