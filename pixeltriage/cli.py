@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("pixeltriage.app", "demo", "score the built-in sample episode on the demo checkpoint"),
     "score": ("pixeltriage.app", "score", "score an episode file and print the delivery decision"),
     "init-demo": ("pixeltriage.weights.demo", "", "write a demo checkpoint with seeded random weights"),
+    "pack": ("pixeltriage.weights.packed", "", "write a checkpoint as one packed safetensors file (adapter merged)"),
     "cache": ("pixeltriage.engine.cache", "", "write-time cache: put images with notes, show stats"),
     "bench": ("pixeltriage.bench.cli", "", "benchmarks and cost reports"),
 }

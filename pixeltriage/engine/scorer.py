@@ -60,6 +60,7 @@ class Scorer:
         self.packer = StatePacker(encoder, model_cfg, image_cfg, triage_cfg)
         self.vision_counts = {"cached": 0, "computed": 0}   # images whose ViT output was reused / computed
         self._fingerprint: str | None = None
+        self.checkpoint_fingerprint: str | None = None     # the packed file's content fingerprint, when packed
         self._lock = threading.Lock()
 
     @classmethod
@@ -80,8 +81,11 @@ class Scorer:
         device = torch.device(device)
         dtype = parse_dtype(dtype)
         resolve_head_backend(head_backend, device)
+        check_device_dtype(device, dtype, path)
+        if path.is_file():
+            return cls._load_packed(path, device, dtype, cache, head_backend, adapter)
         if not path.is_dir():
-            raise CheckpointError(f"{path}: checkpoint directory not found")
+            raise CheckpointError(f"{path}: checkpoint directory (or packed file) not found")
         model_cfg = ModelConfig.from_file(path / "config.json")
         image_cfg = ImageConfig.from_file(path / "preprocessor_config.json")
         triage_cfg = TriageConfig.from_file(path / "pixeltriage.json")
@@ -94,6 +98,24 @@ class Scorer:
         weights = load_checkpoint(path, model_cfg, triage_cfg.head_dim, dtype, device,
                                   Path(adapter) if adapter is not None else None)
         return cls(model_cfg, image_cfg, triage_cfg, encoder, weights, device, dtype, cache, head_backend)
+
+    @classmethod
+    def _load_packed(cls, path: Path, device, dtype, cache, head_backend, adapter) -> "Scorer":
+        from pixeltriage.weights.loader import check_finite
+        from pixeltriage.weights.packed import PackedCheckpoint
+
+        if adapter is not None:
+            raise CheckpointError(f"{path}: a packed checkpoint has its adapter merged already; merge another at "
+                                  "pack time (pixeltriage pack SRC DST --adapter DIR)")
+        packed = PackedCheckpoint(path)
+        encoder = TextEncoder(json_text=packed.tokenizer_json, source=f"{path} (embedded tokenizer)")
+        weights = packed.weights(dtype, device)
+        check_finite(weights)
+        scorer = cls(packed.model_config, packed.image_config, packed.triage_config, encoder, weights, device, dtype,
+                     cache, head_backend)
+        scorer._fingerprint = packed.vision_fingerprint(dtype)
+        scorer.checkpoint_fingerprint = packed.fingerprint
+        return scorer
 
     # -- state ---------------------------------------------------------------------------------
     def pack(self, question: str, memories: Sequence[Memory]) -> State:
@@ -138,15 +160,8 @@ class Scorer:
         loaded (dtype included), the vision config, the image preprocessing and the thumbnail size."""
         with self._lock:
             if self._fingerprint is None:
-                h = hashlib.sha256(b"pixeltriage-vision-features-v1")
-                meta = {"vision": dataclasses.asdict(self.model_config.vision), "image": self.image_config.to_dict(),
-                        "thumbnail": self.triage_config.thumbnail_size, "dtype": str(self.dtype)}
-                h.update(json.dumps(meta, sort_keys=True, default=str).encode())
-                for tensor in _tensors(self.weights.vision):
-                    t = tensor.detach().to("cpu").contiguous()
-                    h.update(str((t.dtype, tuple(t.shape))).encode())
-                    h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-                self._fingerprint = h.hexdigest()
+                self._fingerprint = vision_fingerprint(self.weights, self.model_config, self.image_config,
+                                                       self.triage_config)
             return self._fingerprint
 
     # -- forward -------------------------------------------------------------------------------
@@ -238,6 +253,39 @@ class Scorer:
             torch.cat(markers).to(dev), torch.tensor(counts, device=dev),
         )
         return _to_scores(out, counts)
+
+
+def check_device_dtype(device: torch.device, dtype: torch.dtype, path: Path) -> None:
+    """A device/dtype pair the machine cannot run is an error at load, naming the checkpoint."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError(f"{path}: cannot load onto {device}: CUDA is not available here")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise CheckpointError(f"{path}: {torch.cuda.get_device_name(device)} cannot run bfloat16; "
+                                  "load with dtype=torch.float16 or torch.float32")
+    elif device.type == "cpu":
+        try:
+            torch.ones(2, 2, dtype=dtype) @ torch.ones(2, 2, dtype=dtype)
+        except RuntimeError as e:
+            raise CheckpointError(f"{path}: this CPU build of torch cannot run {dtype} matmuls ({e})") from None
+    else:
+        raise CheckpointError(f"{path}: device type {device.type!r} is not supported (cpu or cuda)")
+
+
+def vision_fingerprint(weights: EngineWeights, model_cfg: ModelConfig, image_cfg: ImageConfig,
+                       triage_cfg: TriageConfig) -> str:
+    """SHA-256 over the vision weights as loaded (dtype included), the vision config, the image rules and the
+    thumbnail size: what keys cached vision features."""
+    dtypes = {t.dtype for t in _tensors(weights.vision)}
+    h = hashlib.sha256(b"pixeltriage-vision-features-v1")
+    meta = {"vision": dataclasses.asdict(model_cfg.vision), "image": image_cfg.to_dict(),
+            "thumbnail": triage_cfg.thumbnail_size, "dtype": sorted(str(d) for d in dtypes)}
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    for tensor in _tensors(weights.vision):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _tensors(obj):

@@ -60,12 +60,19 @@ class State:
 class TextEncoder:
     """The checkpoint's tokenizer, twice: template text (special tokens parsed) and user text (never parsed)."""
 
-    def __init__(self, tokenizer_file: Path):
+    def __init__(self, tokenizer_file: Path | None = None, *, json_text: str | None = None, source: str = ""):
+        """From a tokenizer.json file, or from its text (`json_text`, e.g. embedded in a packed checkpoint)."""
+        if (tokenizer_file is None) == (json_text is None):
+            raise TypeError("TextEncoder needs exactly one of tokenizer_file or json_text")
+        source = source or str(tokenizer_file)
         try:
-            self.control = Tokenizer.from_file(str(tokenizer_file))
-            self.plain = Tokenizer.from_file(str(tokenizer_file))
+            if json_text is not None:
+                self.control, self.plain = Tokenizer.from_str(json_text), Tokenizer.from_str(json_text)
+            else:
+                self.control = Tokenizer.from_file(str(tokenizer_file))
+                self.plain = Tokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise CheckpointError(f"{tokenizer_file}: cannot load tokenizer ({e})") from None
+            raise CheckpointError(f"{source}: cannot load tokenizer ({e})") from None
         self.plain.encode_special_tokens = True
         self.special = {t.content: i for i, t in self.control.get_added_tokens_decoder().items() if t.special}
         names = sorted(self.special, key=len, reverse=True)

@@ -23,6 +23,8 @@ from pixeltriage.weights.reader import TensorSource
 
 HEAD_DECISION = "head.decision.weight"
 HEAD_CANDIDATE = "head.candidate.weight"
+# engine fields kept in float32 whatever the engine dtype (the decay parameters feed exp/softplus; the head is fp32)
+FLOAT32_FIELDS = frozenset({"A_log", "dt_bias", "head_decision", "head_candidate"})
 
 
 @dataclass

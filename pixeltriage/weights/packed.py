@@ -1,0 +1,316 @@
+"""The packed checkpoint: one safetensors file in the engine's fused layout, ready to map and run.
+
+`pixeltriage pack SRC DST [--adapter DIR] [--dtype bfloat16]` loads a checkpoint directory the usual way (either
+key layout, LoRA merged, fused, cast) and writes every engine tensor under its engine name (`text.layers.3.attn.
+in_proj`, `vision.blocks.0.qkv_w`, `head_decision`, ...). The safetensors metadata carries everything else a
+Scorer needs, so the file stands alone:
+
+    format = "pixeltriage-packed", format_version = "1", dtype
+    config, preprocessor_config, pixeltriage, tokenizer (+ tokenizer_config): the source files' JSON text
+    structure: the weight dataclasses' shape (class names and fields), to rebuild EngineWeights
+    fingerprint: SHA-256 over every tensor (name, dtype, shape, bytes) and the embedded configs
+    vision_fingerprint: the key of cached vision features for this model at this dtype
+
+Loading maps the file (copy-on-write) and views each tensor in place: at the packed dtype nothing is copied or
+transposed; another dtype costs one cast per tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pixeltriage.engine import model as model_mod
+from pixeltriage.engine import vision as vision_mod
+from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
+from pixeltriage.errors import CheckpointError
+from pixeltriage.weights import layout as layout_mod
+
+FORMAT = "pixeltriage-packed"
+FORMAT_VERSION = "1"
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_CLASSES = {cls.__name__: cls for cls in (
+    layout_mod.EngineWeights, model_mod.TextWeights, model_mod.LayerWeights, model_mod.LinearAttentionWeights,
+    model_mod.FullAttentionWeights, vision_mod.VisionWeights, vision_mod.VisionBlockWeights)}
+
+
+def is_packed(path: Path) -> bool:
+    return path.is_file()
+
+
+# -- EngineWeights <-> flat tensors ---------------------------------------------------------------------------
+
+def flatten(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], object]:
+    """(name -> tensor in a fixed order, a JSON-able structure that `unflatten` turns back into `obj`)."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix.rstrip("."): obj}, None
+    if isinstance(obj, list):
+        tensors, items = {}, []
+        for i, item in enumerate(obj):
+            t, s = flatten(item, f"{prefix}{i}.")
+            tensors.update(t)
+            items.append(s)
+        return tensors, {"list": items}
+    if dataclasses.is_dataclass(obj):
+        name = type(obj).__name__
+        if name not in _CLASSES:
+            raise TypeError(f"cannot pack a {name}")
+        tensors, fields = {}, {}
+        for f in dataclasses.fields(obj):
+            t, s = flatten(getattr(obj, f.name), f"{prefix}{f.name}.")
+            tensors.update(t)
+            fields[f.name] = s
+        return tensors, {"class": name, "fields": fields}
+    raise TypeError(f"cannot pack a {type(obj).__name__}")
+
+
+def unflatten(structure, tensors: dict[str, torch.Tensor], prefix: str = "", source: str = ""):
+    if structure is None:
+        name = prefix.rstrip(".")
+        if name not in tensors:
+            raise CheckpointError(f"{source}: packed file lacks tensor '{name}'")
+        return tensors[name]
+    if not isinstance(structure, dict):
+        raise CheckpointError(f"{source}: malformed 'structure' metadata at '{prefix}'")
+    if "list" in structure:
+        return [unflatten(s, tensors, f"{prefix}{i}.", source) for i, s in enumerate(structure["list"])]
+    cls = _CLASSES.get(structure.get("class"))
+    if cls is None:
+        raise CheckpointError(f"{source}: unknown class {structure.get('class')!r} in 'structure' metadata")
+    fields = structure.get("fields", {})
+    expected = [f.name for f in dataclasses.fields(cls)]
+    if sorted(fields) != sorted(expected):
+        raise CheckpointError(f"{source}: {cls.__name__} fields {sorted(fields)} differ from {sorted(expected)}")
+    return cls(**{k: unflatten(fields[k], tensors, f"{prefix}{k}.", source) for k in expected})
+
+
+# -- writing ------------------------------------------------------------------------------------------------
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def content_fingerprint(tensors: dict[str, torch.Tensor], texts: dict[str, str]) -> str:
+    h = hashlib.sha256(b"pixeltriage-packed-v1")
+    for key in sorted(texts):
+        h.update(f"{key}={len(texts[key])}:".encode())
+        h.update(texts[key].encode())
+    for name, t in tensors.items():
+        h.update(f"{name}|{_DTYPES[t.dtype]}|{list(t.shape)}|".encode())
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+def pack_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                    dtype: torch.dtype = torch.bfloat16, progress: bool = False) -> dict:
+    """Write the packed file `dst` from the checkpoint directory `src`; returns its metadata (no tensors)."""
+    from pixeltriage.engine.scorer import Scorer, vision_fingerprint
+
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: checkpoint directory not found")
+    if dst.exists() and dst.is_dir():
+        raise CheckpointError(f"{dst}: is a directory; the packed checkpoint is a single file")
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"cannot pack to {dtype}; choose one of {sorted(str(d) for d in _DTYPES)}")
+    _say(progress, f"loading {src}" + (f" with adapter {adapter}" if adapter else "") + f" as {dtype}")
+    scorer = Scorer.load(src, dtype=dtype, adapter=adapter)
+    tensors, structure = flatten(scorer.weights)
+    texts = {"config": (src / "config.json").read_text(encoding="utf-8"),
+             "preprocessor_config": (src / "preprocessor_config.json").read_text(encoding="utf-8"),
+             "pixeltriage": (src / "pixeltriage.json").read_text(encoding="utf-8"),
+             "tokenizer": (src / "tokenizer.json").read_text(encoding="utf-8")}
+    if (src / "tokenizer_config.json").is_file():
+        texts["tokenizer_config"] = (src / "tokenizer_config.json").read_text(encoding="utf-8")
+    _say(progress, f"fingerprinting {len(tensors)} tensors")
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": _DTYPES[dtype],
+                "structure": json.dumps(structure, separators=(",", ":")),
+                "fingerprint": content_fingerprint(tensors, texts),
+                "vision_fingerprint": vision_fingerprint(scorer.weights, scorer.model_config, scorer.image_config,
+                                                         scorer.triage_config),
+                **texts}
+    _write(dst, tensors, metadata, progress)
+    return {k: v for k, v in metadata.items() if k not in texts and k != "structure"}
+
+
+def _write(dst: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], progress: bool) -> None:
+    """A valid safetensors file (no holes between tensors) whose tensors can all be viewed in place: the data
+    starts 64-byte aligned and wider dtypes come first, so every offset is a multiple of its element size."""
+    order = sorted(tensors, key=lambda n: -tensors[n].element_size())
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % 64)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.tmp-", dir=dst.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            bar = _progress(progress, offset, dst.name)
+            for name in order:
+                data = _tensor_bytes(tensors[name])
+                f.write(data)
+                bar(len(data))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dst)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
+    _say(progress, f"wrote {dst} ({(8 + len(blob) + offset) / 2**20:,.1f} MiB)")
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+
+class PackedCheckpoint:
+    """A packed file, mapped: its configs, tokenizer text, fingerprints and engine weights."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        header, self._data_start = _read_header(self.path)
+        meta = header.pop("__metadata__", None) or {}
+        if meta.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path}: not a packed System One checkpoint (metadata format "
+                                  f"{meta.get('format')!r}); pass a checkpoint directory or a file written by "
+                                  "`pixeltriage pack`")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{self.path}: packed format version {meta.get('format_version')!r} is not "
+                                  f"supported (this version reads {FORMAT_VERSION})")
+        for key in ("config", "preprocessor_config", "pixeltriage", "tokenizer", "structure", "fingerprint", "dtype"):
+            if key not in meta:
+                raise CheckpointError(f"{self.path}: packed metadata lacks '{key}'")
+        self.metadata = meta
+        self.header = header
+        try:
+            self.model_config = ModelConfig.from_dict(json.loads(meta["config"]), f"{self.path}:config")
+            self.image_config = ImageConfig.from_dict(json.loads(meta["preprocessor_config"]),
+                                                      f"{self.path}:preprocessor_config")
+            self.triage_config = TriageConfig.from_dict(json.loads(meta["pixeltriage"]), f"{self.path}:pixeltriage")
+            self.structure = json.loads(meta["structure"])
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{self.path}: packed metadata is not valid JSON ({e})") from None
+        self.fingerprint = meta["fingerprint"]
+        self.dtype = _FROM_NAME.get(meta["dtype"])
+        if self.dtype is None:
+            raise CheckpointError(f"{self.path}: packed dtype {meta['dtype']!r} unknown")
+
+    @property
+    def tokenizer_json(self) -> str:
+        return self.metadata["tokenizer"]
+
+    def vision_fingerprint(self, dtype: torch.dtype) -> str | None:
+        return self.metadata.get("vision_fingerprint") if dtype == self.dtype else None
+
+    def weights(self, dtype: torch.dtype, device: torch.device):
+        """EngineWeights viewing the mapped file (copy-on-write) at the packed dtype; cast per tensor otherwise.
+        The fields the layout keeps in float32 (`layout.FLOAT32_FIELDS`) stay float32."""
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        raw = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))      # keeps `buf` alive through its base
+        tensors = {}
+        for name, info in self.header.items():
+            t_dtype = _FROM_NAME.get(info.get("dtype"))
+            begin, end = (self._data_start + o for o in info["data_offsets"])
+            shape = tuple(info["shape"])
+            if t_dtype is None or end > size or begin > end:
+                raise CheckpointError(f"{self.path}: tensor '{name}' has a bad entry (dtype {info.get('dtype')}, "
+                                      f"bytes {begin}..{end} of a {size}-byte file); the file is truncated or corrupt")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * t_dtype.itemsize
+            if end - begin != nbytes:
+                raise CheckpointError(f"{self.path}: tensor '{name}' spans {end - begin} bytes, its shape {list(shape)} "
+                                      f"needs {nbytes}")
+            view = raw[begin:end]
+            t = view.view(t_dtype).view(shape) if begin % t_dtype.itemsize == 0 else \
+                view.clone().view(t_dtype).view(shape)
+            target = torch.float32 if name.rsplit(".", 1)[-1] in layout_mod.FLOAT32_FIELDS else dtype
+            tensors[name] = t if (t.dtype == target and device.type == "cpu") else t.to(device=device, dtype=target)
+        return unflatten(self.structure, tensors, source=str(self.path))
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: file too short to be safetensors ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 256 * 2**20):
+                raise CheckpointError(f"{path}: safetensors header of {n} bytes does not fit the {size}-byte file")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not an object")
+    return header, 8 + n
+
+
+# -- command line: `pixeltriage pack SRC DST [--adapter DIR] [--dtype bfloat16]` ------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("src", help="checkpoint directory (transformers or Valen layout)")
+    parser.add_argument("dst", help="packed file to write (replaced atomically if it exists)")
+    parser.add_argument("--adapter", metavar="DIR", default=None,
+                        help="PEFT LoRA adapter directory to merge (default: one inside SRC, if any)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def run(args) -> int:
+    from pixeltriage.engine.scorer import parse_dtype
+
+    info = pack_checkpoint(args.src, args.dst, adapter=args.adapter, dtype=parse_dtype(args.dtype),
+                           progress=not args.quiet)
+    print(json.dumps({"path": str(args.dst), **info}, indent=2))
+    return 0
+
+
+def _say(on: bool, message: str) -> None:
+    if on:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _progress(on: bool, total: int, label: str):
+    if not on:
+        return lambda n: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda n: None
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {label}", file=sys.stderr, leave=True)
+
+    def update(n: int) -> None:
+        bar.update(n)
+        if bar.n >= total:
+            bar.close()
+    return update
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return True

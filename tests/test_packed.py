@@ -1,0 +1,135 @@
+"""The packed checkpoint (`pixeltriage pack`): one valid safetensors file, mapped in place, identical scores."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pixeltriage import Scorer
+from pixeltriage.cli import main
+from pixeltriage.episode import sample_episode
+from pixeltriage.errors import CheckpointError
+from pixeltriage.weights.packed import pack_checkpoint
+from test_weights_layouts import DOWN, lora_pair, write_adapter
+
+
+@pytest.fixture(scope="module")
+def episode():
+    return sample_episode()
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_checkpoint, tmp_path_factory):
+    out = {}
+    root = tmp_path_factory.mktemp("packed")
+    for dtype in (torch.float32, torch.bfloat16):
+        out[dtype] = root / f"tiny-{dtype}.safetensors"
+        pack_checkpoint(tiny_checkpoint, out[dtype], dtype=dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_and_directory_give_identical_scores(tiny_checkpoint, packed, episode, dtype):
+    assert Scorer.load(packed[dtype], dtype=dtype).score(*episode) == \
+        Scorer.load(tiny_checkpoint, dtype=dtype).score(*episode)
+
+
+def test_a_float32_pack_loads_at_bfloat16_like_the_directory(tiny_checkpoint, packed, episode):
+    assert Scorer.load(packed[torch.float32], dtype=torch.bfloat16).score(*episode) == \
+        Scorer.load(tiny_checkpoint, dtype=torch.bfloat16).score(*episode)
+
+
+def test_the_file_is_plain_safetensors_with_embedded_configs(tiny_checkpoint, packed):
+    with safe_open(str(packed[torch.bfloat16]), "pt") as f:
+        meta = f.metadata()
+        names = list(f.keys())
+        assert f.get_tensor("text.embed").dtype == torch.bfloat16
+        assert f.get_tensor("head_decision").dtype == torch.float32
+    assert meta["format"] == "pixeltriage-packed" and meta["dtype"] == "BF16"
+    assert json.loads(meta["config"]) == json.loads((tiny_checkpoint / "config.json").read_text())
+    assert json.loads(meta["pixeltriage"]) == json.loads((tiny_checkpoint / "pixeltriage.json").read_text())
+    assert meta["tokenizer"] == (tiny_checkpoint / "tokenizer.json").read_text()
+    assert len(meta["fingerprint"]) == 64
+    assert "text.layers.0.attn.in_proj" in names and "vision.blocks.0.qkv_w" in names
+
+
+def test_loading_at_the_packed_dtype_copies_nothing(packed):
+    scorer = Scorer.load(packed[torch.bfloat16], dtype=torch.bfloat16)
+    w = scorer.weights
+    tensors = [w.text.embed, w.text.norm, w.text.layers[0].attn.in_proj, w.text.layers[-1].down,
+               w.vision.patch_w, w.vision.blocks[0].qkv_w, w.head_decision]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(storages) == 1                                    # all views of the one mapped file
+    assert w.vision.patch_w.is_contiguous() and w.text.layers[0].attn.in_proj.is_contiguous()
+
+
+def test_fingerprints_are_stable_and_follow_the_content(tiny_checkpoint, packed, tmp_path):
+    again = pack_checkpoint(tiny_checkpoint, tmp_path / "again.safetensors", dtype=torch.bfloat16)
+    assert again["fingerprint"] == Scorer.load(packed[torch.bfloat16], dtype=torch.bfloat16).checkpoint_fingerprint
+    from pixeltriage.engine.config import ModelConfig
+
+    text = ModelConfig.from_file(tiny_checkpoint / "config.json").text
+    a, b = lora_pair(text.hidden_size, text.intermediate_size, 4, seed=0)
+    adapter = write_adapter(tmp_path / "adapter", {f"{DOWN}.lora_A.weight": a, f"{DOWN}.lora_B.weight": b})
+    merged = pack_checkpoint(tiny_checkpoint, tmp_path / "merged.safetensors", adapter=adapter, dtype=torch.bfloat16)
+    assert merged["fingerprint"] != again["fingerprint"]
+    assert merged["vision_fingerprint"] == again["vision_fingerprint"]      # the adapter touched no vision weight
+
+
+def test_adapter_merged_at_pack_time(tiny_checkpoint, tmp_path, episode):
+    from pixeltriage.engine.config import ModelConfig
+
+    text = ModelConfig.from_file(tiny_checkpoint / "config.json").text
+    a, b = lora_pair(text.hidden_size, text.intermediate_size, 4, seed=1)
+    adapter = write_adapter(tmp_path / "adapter", {f"{DOWN}.lora_A.weight": a, f"{DOWN}.lora_B.weight": b})
+    pack_checkpoint(tiny_checkpoint, tmp_path / "p.safetensors", adapter=adapter, dtype=torch.float32)
+    assert Scorer.load(tmp_path / "p.safetensors").score(*episode) == \
+        Scorer.load(tiny_checkpoint, adapter=adapter).score(*episode)
+    with pytest.raises(CheckpointError, match="adapter merged already"):
+        Scorer.load(tmp_path / "p.safetensors", adapter=adapter)
+
+
+def test_packed_vision_fingerprint_matches_a_computed_one(packed):
+    scorer = Scorer.load(packed[torch.float32])
+    stored = scorer.vision_fingerprint
+    scorer._fingerprint = None
+    assert scorer.vision_fingerprint == stored
+
+
+def test_truncated_or_foreign_files_are_clear_errors(tiny_checkpoint, packed, tmp_path):
+    data = packed[torch.float32].read_bytes()
+    for name, blob, message in [
+        ("truncated.safetensors", data[: len(data) // 2], "truncated or corrupt"),
+        ("short.safetensors", data[:5], "too short"),
+        ("garbage.safetensors", b"\xff" * 64, "does not fit"),
+    ]:
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(CheckpointError, match=name):
+            Scorer.load(tmp_path / name)
+        with pytest.raises(CheckpointError, match=message):
+            Scorer.load(tmp_path / name)
+    with pytest.raises(CheckpointError, match="not a packed System One checkpoint"):
+        Scorer.load(tiny_checkpoint / "model.safetensors")
+
+
+def test_pack_refuses_bad_targets(tiny_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match="is a directory"):
+        pack_checkpoint(tiny_checkpoint, tmp_path)
+    with pytest.raises(CheckpointError, match="checkpoint directory not found"):
+        pack_checkpoint(tmp_path / "nothing", tmp_path / "x.safetensors")
+    assert not list(tmp_path.glob(".*tmp*"))                       # nothing half-written left behind
+
+
+def test_a_device_that_cannot_run_is_an_error_naming_the_checkpoint(tiny_checkpoint):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(CheckpointError, match=f"{tiny_checkpoint}.*CUDA is not available"):
+        Scorer.load(tiny_checkpoint, device="cuda")
+
+
+def test_pack_cli(tiny_checkpoint, tmp_path, capsys, episode):
+    dst = tmp_path / "cli.safetensors"
+    assert main(["pack", str(tiny_checkpoint), str(dst), "--dtype", "float32", "--quiet"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["path"] == str(dst) and info["dtype"] == "F32"
+    assert Scorer.load(dst).score(*episode) == Scorer.load(tiny_checkpoint).score(*episode)
