@@ -75,12 +75,13 @@ def test_missing_head(tiny_copy):
         Scorer.load(tiny_copy)
 
 
-def test_nan_weight(tiny_copy):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_weight(tiny_copy, bad):
     name = "model.language_model.norm.weight"
 
     def edit(t):
         t[name] = t[name].clone()
-        t[name][3] = float("nan")
+        t[name][3] = bad
 
     _rewrite(tiny_copy / "model.safetensors", edit)
     with pytest.raises(CheckpointError, match="NaN"):
