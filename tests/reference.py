@@ -7,22 +7,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pixeltriage.bench.hf import force_transformers_torch_path  # noqa: F401  (re-exported for the tests)
 from pixeltriage.engine.config import ImageConfig, TriageConfig
 from pixeltriage.weights.tokenizer import build_tokenizer, save_tokenizer, special_token_ids
-
-
-def force_transformers_torch_path() -> None:
-    """With flash-linear-attention installed, transformers binds Qwen3.5's gated-delta and conv functions
-    to fla at import time, even on the CPU where fla cannot run. Rebind the module globals to the
-    plain torch functions they wrap."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                 "causal_conv1d_update"):
-        fn = getattr(m, name)
-        while hasattr(fn, "__wrapped__"):
-            fn = fn.__wrapped__
-        setattr(m, name, fn)
 
 
 SPECIAL_BASE = 1000  # tiny tokenizers put Qwen's special tokens from this id on
