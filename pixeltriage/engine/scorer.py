@@ -14,6 +14,7 @@ import torch
 
 from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.engine.model import decoder_forward
+from pixeltriage.engine.profiling import stage
 from pixeltriage.engine.state import State, StatePacker, TextEncoder
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.engine.vision import vision_forward
@@ -225,11 +226,15 @@ class Scorer:
     # -- scoring -------------------------------------------------------------------------------
     def score(self, question: str, memories: Sequence[Memory]) -> Scores:
         """p_vis, per-memory gains and relevance for one question and its retrieved memories."""
-        return self.score_states([self.pack(question, memories)])[0]
+        with stage("pack"):
+            state = self.pack(question, memories)
+        return self.score_states([state])[0]
 
     def score_batch(self, episodes: Sequence[tuple[str, Sequence[Memory]]]) -> list[Scores]:
         """Score several (question, memories) episodes; results in input order."""
-        return self.score_states([self.pack(q, m) for q, m in episodes])
+        with stage("pack"):
+            states = [self.pack(q, m) for q, m in episodes]
+        return self.score_states(states)
 
     @torch.inference_mode()
     def score_states(self, states: Sequence[State]) -> list[Scores]:
@@ -245,14 +250,18 @@ class Scorer:
             markers.append(s.marker_positions + offset)
             counts.append(counts[-1] + s.num_memories)
             offset += s.num_tokens
+        with stage("head"):
+            out = self._head(hidden, decision, binary, none, markers, counts)
+        return _to_scores(out, counts)
+
+    def _head(self, hidden, decision, binary, none, markers, counts) -> HeadOutput:
         dev = self.device
-        out = decision_head(
+        return decision_head(
             self.head_backend, torch.cat(hidden), self.weights.text.norm, self.model_config.text.rms_norm_eps,
             self.weights.head_decision, self.weights.head_candidate,
             torch.stack(decision).to(dev), torch.stack(binary).to(dev), torch.stack(none).to(dev),
             torch.cat(markers).to(dev), torch.tensor(counts, device=dev),
         )
-        return _to_scores(out, counts)
 
 
 def check_device_dtype(device: torch.device, dtype: torch.dtype, path: Path) -> None:
