@@ -22,7 +22,7 @@ test: venv
 	$(PY) -m pytest -q
 
 bench: venv
-	$(PY) -m pytest -q -m bench --benchmark-enable --benchmark-only tests/bench
+	$(PY) -m pytest -q -o addopts="" -m bench --benchmark-only --benchmark-columns=min,median,max,rounds tests/bench
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .benchmarks

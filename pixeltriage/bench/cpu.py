@@ -1,0 +1,155 @@
+"""`pixeltriage bench cpu`: the engine against transformers' eager Qwen3.5 on the same checkpoint and state.
+
+One run, one process: builds (or reuses) the demo checkpoint of a preset, packs one realistic state (10 memories,
+each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up to ~2.3k tokens in all), then prints
+    engine median   Scorer.score_states on that state (vision + decoder + head), warm-up excluded;
+    transformers    Qwen3_5Model forward on the same input ids, pixels and grids (its torch path forced);
+    speed-up, the machine's GEMM rate measured in the same run, and the fraction of it the engine achieves
+    (analytic FLOPs of the forward from pixeltriage.bench.flops / engine median);
+    a per-stage breakdown of the engine (vision, gated_delta, attention, mlp, head).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+from PIL import Image, ImageDraw
+
+WORDS = ("the market stall had orchids in painted pots and a vendor who talked about watering them twice a week "
+         "while a cat slept by the crates of lemons and someone asked about the price of the blue vase").split()
+
+
+def bench_image(index: int, size: int = 336) -> Image.Image:
+    img = Image.new("RGB", (size, size), ((37 * index) % 256, (91 * index) % 256, (53 * index) % 256))
+    draw = ImageDraw.Draw(img)
+    for j in range(8):
+        x, y = (index * 41 + j * 67) % size, (index * 29 + j * 83) % size
+        draw.ellipse((x, y, x + 60, y + 40), fill=((x * 3) % 256, (y * 5) % 256, (j * 30) % 256))
+    return img
+
+
+def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300):
+    """A question and `num_memories` memories whose packed state has about `target_tokens` tokens."""
+    from pixeltriage.engine.types import Memory
+
+    question = "Which of the photos I shared shows the blue vase, and what colour was the orchid's pot?"
+
+    def episode(words_per_memory: int):
+        return question, [Memory(image=bench_image(i), note=f"photo {i + 1} from the market",
+                                 dialogue=" ".join(WORDS[(i + j) % len(WORDS)] for j in range(words_per_memory)),
+                                 date=f"2026-03-{i + 1:02d}") for i in range(num_memories)]
+
+    lo, hi = 0, 400
+    while lo < hi:                                         # the most words that stay within target_tokens
+        mid = (lo + hi + 1) // 2
+        if packer.pack(*episode(mid)).num_tokens <= target_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return episode(lo)
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """Achieved FLOP/s of an n x n x n matmul in `dtype` on this CPU (median)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    t = statistics.median(timed(lambda: a @ b, repeats, warmup=2))
+    return 2 * n ** 3 / t
+
+
+def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
+               target_tokens: int = 2300, transformers_repeats: int | None = None, progress=print) -> dict:
+    from pixeltriage.bench.flops import Flops, StateShape, system_one_flops, total
+    from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
+    from pixeltriage.engine import profiling
+    from pixeltriage.engine.scorer import Scorer, parse_dtype
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    torch_dtype = parse_dtype(dtype)
+    path = demo_checkpoint(preset)
+    progress(f"checkpoint {path}; {torch.get_num_threads()} threads")
+    scorer = Scorer.load(path, dtype=torch_dtype)
+    question, mems = bench_episode(scorer.packer, memories, target_tokens)
+    state = scorer.pack(question, mems)
+    merge2 = scorer.model_config.vision.spatial_merge_size ** 2
+    image_tokens = int(state.image_grid_thw.prod(-1).sum()) // merge2
+    shape = StateShape(text_tokens=state.num_tokens - image_tokens,
+                       image_grids=tuple(tuple(g) for g in state.image_grid_thw.tolist()))
+    flops = total(system_one_flops(scorer.model_config, shape, scorer.triage_config.head_dim, causal="half"))
+
+    progress(f"state: {state.num_tokens} tokens, {state.num_memories} memories; timing the engine")
+    stage_runs = []
+
+    def engine():
+        with profiling.record() as stages:
+            scorer.score_states([state])
+        stage_runs.append(dict(stages))
+    engine_times = timed(engine, repeats)
+    stage_runs = stage_runs[1:]                                   # drop the warm-up
+    stages = {k: statistics.median(r.get(k, 0.0) for r in stage_runs) for k in stage_runs[0]}
+
+    progress("timing transformers (torch path)")
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    force_transformers_torch_path()
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch_dtype).eval()
+    hf_times = timed(lambda: transformers_hidden(model, state), transformers_repeats or max(2, repeats // 2))
+    del model
+
+    progress("measuring the GEMM rate")
+    rate = gemm_rate(torch_dtype)
+    engine_s, hf_s = statistics.median(engine_times), statistics.median(hf_times)
+    achieved = flops.total / engine_s
+    return {
+        "preset": preset, "dtype": dtype, "threads": torch.get_num_threads(), "tokens": state.num_tokens,
+        "memories": state.num_memories, "engine_s": engine_s, "transformers_s": hf_s, "speedup": hf_s / engine_s,
+        "engine_times": engine_times, "transformers_times": hf_times,
+        "tflop": flops.total / 1e12, "gemm_tflops": rate / 1e12, "achieved_tflops": achieved / 1e12,
+        "fraction_of_gemm": achieved / rate, "stages_s": stages,
+    }
+
+
+def print_table(r: dict, out=None) -> None:
+    out = sys.stdout if out is None else out
+    print(f"bench cpu: preset {r['preset']}, {r['dtype']}, {r['threads']} threads; state {r['tokens']} tokens, "
+          f"{r['memories']} memories; {r['tflop']:.3f} TFLOP per forward", file=out)
+    print(f"  engine        median {r['engine_s'] * 1e3:9.1f} ms", file=out)
+    print(f"  transformers  median {r['transformers_s'] * 1e3:9.1f} ms   (torch path, same state)", file=out)
+    print(f"  speed-up      {r['speedup']:.2f}x", file=out)
+    print(f"  GEMM rate     {r['gemm_tflops']:.3f} TFLOP/s measured; engine achieves {r['achieved_tflops']:.3f} "
+          f"TFLOP/s = {100 * r['fraction_of_gemm']:.0f}% of it", file=out)
+    print("  engine stages (median ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages_s"].items()),
+          file=out)
+
+
+def add_cpu_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="bench-small", choices=["tiny", "bench-small", "2b"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--repeats", type=int, default=5, help="timed engine runs after one warm-up (default 5)")
+    p.add_argument("--memories", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=2300, help="target state length (default 2300)")
+    p.add_argument("--json", action="store_true")
+
+
+def run_cpu(args: argparse.Namespace) -> int:
+    r = cpu_report(args.preset, args.dtype, args.repeats, args.memories, args.tokens,
+                   progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(json.dumps(r, indent=2) if args.json else "", end="\n" if args.json else "")
+    if not args.json:
+        print_table(r)
+    return 0
