@@ -122,22 +122,28 @@ class Scorer:
     def pack(self, question: str, memories: Sequence[Memory]) -> State:
         """Build the single fixed-order state for one question (see `pixeltriage.engine.state`)."""
         memories = list(memories)
-        if self.cache is None:
-            for i, m in enumerate(memories):
-                if isinstance(m, Memory) and m.key is not None:
-                    raise InvalidMemoryError("given by cache key, but the Scorer has no cache "
-                                             "(Scorer.load(..., cache=Cache(PATH)))", i)
-            return self.packer.pack(question, memories)
-        keys, thumbnails, notes = [], [], []
         for i, m in enumerate(memories):
             if not isinstance(m, Memory):
                 raise InvalidMemoryError(f"expected a pixeltriage.Memory, got {type(m).__name__}", i)
-            key, thumbnail = self._cached_thumbnail(m, i)
-            keys.append(key)
-            thumbnails.append(thumbnail)
-            notes.append(self.cache.note(key) if m.note is None else m.note)
-        images = self.packer.images(memories, thumbnails)
-        state = self.packer.pack(question, memories, images=images, notes=notes)
+        if self.cache is None:
+            for i, m in enumerate(memories):
+                if m.key is not None:
+                    raise InvalidMemoryError("given by cache key, but the Scorer has no cache "
+                                             "(Scorer.load(..., cache=Cache(PATH)))", i)
+            with stage("preprocess"):
+                images = self.packer.images(memories)
+            with stage("pack"):
+                return self.packer.pack(question, memories, images=images)
+        keys, thumbnails, notes = [], [], []
+        with stage("preprocess"):
+            for i, m in enumerate(memories):
+                key, thumbnail = self._cached_thumbnail(m, i)
+                keys.append(key)
+                thumbnails.append(thumbnail)
+                notes.append(self.cache.note(key) if m.note is None else m.note)
+            images = self.packer.images(memories, thumbnails)
+        with stage("pack"):
+            state = self.packer.pack(question, memories, images=images, notes=notes)
         state.image_keys = keys
         return state
 
@@ -226,15 +232,11 @@ class Scorer:
     # -- scoring -------------------------------------------------------------------------------
     def score(self, question: str, memories: Sequence[Memory]) -> Scores:
         """p_vis, per-memory gains and relevance for one question and its retrieved memories."""
-        with stage("pack"):
-            state = self.pack(question, memories)
-        return self.score_states([state])[0]
+        return self.score_states([self.pack(question, memories)])[0]
 
     def score_batch(self, episodes: Sequence[tuple[str, Sequence[Memory]]]) -> list[Scores]:
         """Score several (question, memories) episodes; results in input order."""
-        with stage("pack"):
-            states = [self.pack(q, m) for q, m in episodes]
-        return self.score_states(states)
+        return self.score_states([self.pack(q, m) for q, m in episodes])
 
     @torch.inference_mode()
     def score_states(self, states: Sequence[State]) -> list[Scores]:
