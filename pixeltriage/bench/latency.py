@@ -1,0 +1,368 @@
+"""`pixeltriage bench latency`: per-question latency of System One over a stream of episodes, against the
+answering model's prefill with all images opened vs ours@k, on the same device in the same run.
+
+    pixeltriage bench latency [--preset tiny|bench-small|2b] [--device cpu|cuda] [--dtype ...] [--batch N]
+                              [--questions Q] [--k 1,2] [--answering-scale tiny|small|7b] [--profile DIR]
+                              [--plot out.png] [--json]
+
+System One: a seeded stream of Q questions, each with 0-20 memories of varied image sizes (photos, screenshots,
+scans) and dialogue text; latency = `Scorer.score` end to end (preprocessing, packing, forward, head), warm-up
+questions excluded; p50/p90/p99 at batch 1, and per batch of N with `score_batch` (questions/s).
+
+Answering prefill: transformers' Qwen2.5-VL architecture (`Qwen2_5_VLForConditionalGeneration`, random weights)
+at the stated `--answering-scale` (the real 7B does not fit a CPU run; `7b` is its public shape), fed one of the
+stream's 10-memory episodes through transformers' own Qwen2-VL image processor: every image opened (open-all),
+or only the k highest-gain ones with a short text proxy for the rest (ours@k), timed as one forward each.
+
+`--profile DIR`: a torch profiler trace (DIR/trace.json, chrome://tracing) of a few System One questions and a
+per-stage table (preprocess, pack, vision, gated_delta, attention, mlp, head) with each stage's analytic FLOPs,
+achieved TFLOP/s, and its fraction of the GEMM rate measured in the run and of the device's peak (A100 312,
+H100/H200 989 dense bf16 TFLOP/s) when the device is one of those.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
+         (720, 1280), (512, 384)]
+PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
+ANSWERING_SCALES = {
+    # text: hidden, layers, heads, kv heads, ffn; vision: depth, hidden, heads, ffn
+    "tiny": dict(text=(256, 4, 4, 2, 704), vision=(4, 256, 4, 512)),
+    "small": dict(text=(1024, 8, 8, 2, 2816), vision=(8, 640, 10, 1280)),
+    "7b": dict(text=(3584, 28, 28, 4, 18944), vision=(32, 1280, 16, 3420)),
+}
+PROXY_WORDS = 30
+
+
+def _image(rng: random.Random, size: tuple[int, int]) -> Image.Image:
+    img = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
+    draw = ImageDraw.Draw(img)
+    for _ in range(5):
+        x, y = rng.randrange(size[0]), rng.randrange(size[1])
+        draw.rectangle((x, y, x + size[0] // 4, y + size[1] // 5), fill=tuple(rng.randrange(256) for _ in range(3)))
+    return img
+
+
+def stream(num_questions: int, seed: int = 0, max_memories: int = 20):
+    """Seeded episodes: 0..max_memories memories each, varied image sizes and dialogue lengths."""
+    from pixeltriage.bench.cpu import WORDS
+    from pixeltriage.engine.types import Memory
+
+    rng = random.Random(seed)
+    out = []
+    for q in range(num_questions):
+        n = rng.randint(0, max_memories)
+        memories = [Memory(image=_image(rng, rng.choice(SIZES)), note=f"picture {i + 1}",
+                           dialogue=" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))),
+                           date=f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}") for i in range(n)]
+        out.append((f"question {q}: which picture shows the {rng.choice(WORDS)}?", memories))
+    return out
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+
+    def pct(p: float) -> float:
+        if not xs:
+            return float("nan")
+        i = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
+        return xs[i]
+    return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "mean": statistics.fmean(xs) if xs else float("nan")}
+
+
+def _sync(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+
+
+def system_one_latency(scorer, episodes, batch: int, warmup: int = 2) -> dict:
+    sync = _sync(scorer.device) or (lambda: None)
+    for q, m in episodes[:warmup]:
+        scorer.score(q, m)
+    timed = episodes[warmup:]
+    single = []
+    for q, m in timed:
+        sync()
+        t0 = time.perf_counter()
+        scorer.score(q, m)
+        sync()
+        single.append(time.perf_counter() - t0)
+    out = {"batch_1": {**percentiles(single), "questions": len(single), "questions_per_s": len(single) / sum(single)}}
+    if batch > 1:
+        batches = [timed[i:i + batch] for i in range(0, len(timed) - batch + 1, batch)]
+        lat = []
+        for b in batches:
+            sync()
+            t0 = time.perf_counter()
+            scorer.score_batch(b)
+            sync()
+            lat.append(time.perf_counter() - t0)
+        out[f"batch_{batch}"] = {**percentiles(lat), "batches": len(lat),
+                                 "questions_per_s": batch * len(lat) / sum(lat) if lat else float("nan")}
+    return out
+
+
+def answering_model(scale: str, device: torch.device, dtype: torch.dtype):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    (h, layers, heads, kv, ffn), (depth, vh, vheads, vffn) = ANSWERING_SCALES[scale]["text"], \
+        ANSWERING_SCALES[scale]["vision"]
+    half = h // heads // 2
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=8192, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=65536,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section},
+                         bos_token_id=8004, eos_token_id=8005),
+        vision_config=dict(depth=depth, hidden_size=vh, intermediate_size=vffn, num_heads=vheads, out_hidden_size=h,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[i for i in range(depth) if i % 8 == 7] or [depth - 1]),
+        image_token_id=8000, video_token_id=8001, vision_start_token_id=8002, vision_end_token_id=8003)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).to(device=device, dtype=dtype).eval()
+    return model, cfg
+
+
+def _prefill_inputs(cfg, images: list[Image.Image], opened: list[bool], text_tokens: int, device, dtype):
+    """input ids / pixels for one answering call: question text, then per memory its image (when opened) or a
+    PROXY_WORDS-token text proxy."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    proc = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 3136, "longest_edge": 12845056})
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 7000, (text_tokens,), generator=g)]
+    shown = [im for im, o in zip(images, opened) if o]
+    grids = None
+    pixels = None
+    if shown:
+        out = proc(images=shown, return_tensors="pt")
+        pixels, grids = out["pixel_values"].to(device=device, dtype=dtype), out["image_grid_thw"].to(device)
+    k = 0
+    for o in opened:
+        if o:
+            n = int(grids[k].prod()) // 4
+            ids += [torch.tensor([cfg.vision_start_token_id]), torch.full((n,), cfg.image_token_id),
+                    torch.tensor([cfg.vision_end_token_id])]
+            k += 1
+        else:
+            ids.append(torch.randint(0, 7000, (PROXY_WORDS,), generator=g))
+    input_ids = torch.cat(ids)[None].to(device)
+    kwargs = {"pixel_values": pixels, "image_grid_thw": grids} if shown else {}
+    return input_ids, kwargs
+
+
+@torch.inference_mode()
+def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2, text_tokens: int = 64) -> dict:
+    input_ids, kwargs = _prefill_inputs(cfg, images, opened, text_tokens, device, dtype)
+    sync = _sync(device) or (lambda: None)
+    model.model(input_ids=input_ids, **kwargs)           # warm-up
+    ts = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        model.model(input_ids=input_ids, **kwargs)
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return {"tokens": int(input_ids.shape[1]), "visual_tokens": int((input_ids == cfg.image_token_id).sum()),
+            "seconds": statistics.median(ts)}
+
+
+def profile_stages(scorer, episodes, out_dir: Path, gemm_tflops: float) -> dict:
+    """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
+    from pixeltriage.bench.flops import StateShape, decision_head_flops, full_attention_flops, ffn_flops, \
+        linear_attention_flops, shape_from_config, vision_flops
+    from pixeltriage.engine import profiling
+    from pixeltriage.engine.config import FULL
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = shape_from_config(scorer.model_config)
+    lang = shape.language
+    flops: dict[str, float] = {}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if scorer.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof, profiling.record(sync=_sync(scorer.device)) as stages:
+        for q, m in episodes:
+            state = scorer.pack(q, m)
+            scorer.score_states([state])
+            grids = tuple(tuple(g) for g in state.image_grid_thw.tolist())
+            t = state.num_tokens
+            n_full = scorer.model_config.text.layer_types.count(FULL)
+            n_lin = len(scorer.model_config.text.layer_types) - n_full
+            for name, f in (("vision", vision_flops(shape.vision, grids) if grids else None),
+                            ("attention", n_full * full_attention_flops(lang, t) if n_full else None),
+                            ("gated_delta", n_lin * linear_attention_flops(lang, t) if n_lin else None),
+                            ("mlp", len(lang.layer_types) * ffn_flops(lang, t)),
+                            ("head", decision_head_flops(lang.hidden_size, scorer.triage_config.head_dim,
+                                                         state.num_memories))):
+                if f is not None:
+                    flops[name] = flops.get(name, 0.0) + f.total
+    trace = out_dir / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    peak = device_peak_tflops(scorer.device)
+    rows = {}
+    for name, seconds in stages.items():
+        f = flops.get(name, 0.0)
+        tflops = f / seconds / 1e12 if seconds and f else 0.0
+        rows[name] = {"seconds": seconds, "tflop": f / 1e12, "tflops": tflops,
+                      "of_gemm": tflops / gemm_tflops if gemm_tflops else None,
+                      "mfu": tflops / peak if peak else None}
+    total_s = sum(stages.values())
+    total_f = sum(flops.values())
+    rows["total"] = {"seconds": total_s, "tflop": total_f / 1e12, "tflops": total_f / total_s / 1e12,
+                     "of_gemm": total_f / total_s / 1e12 / gemm_tflops if gemm_tflops else None,
+                     "mfu": total_f / total_s / 1e12 / peak if peak else None}
+    return {"trace": str(trace), "questions": len(episodes), "stages": rows, "peak_tflops": peak}
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questions=24, ks=(1, 2),
+                   answering_scale="tiny", profile: str | None = None, seed: int = 0, progress=print) -> dict:
+    from pixeltriage.bench.cpu import gemm_rate
+    from pixeltriage.engine.policy import top_k
+    from pixeltriage.engine.scorer import Scorer, parse_dtype
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    dev, tdtype = torch.device(device), parse_dtype(dtype)
+    scorer = Scorer.load(demo_checkpoint(preset), device=dev, dtype=tdtype)
+    episodes = stream(questions + 2, seed)
+    progress(f"System One ({preset}, {dtype}, {dev}): {questions} questions after 2 warm-up, batch 1 and {batch}")
+    report = {"preset": preset, "device": str(dev), "dtype": dtype, "threads": torch.get_num_threads(),
+              "system_one": system_one_latency(scorer, episodes, batch)}
+    # the answering model on one 10-memory episode of the stream
+    rng = random.Random(seed + 1)
+    images = [_image(rng, rng.choice(SIZES)) for _ in range(10)]
+    from pixeltriage.engine.types import Memory
+
+    scores = scorer.score("which picture shows the receipt?", [Memory(image=im) for im in images])
+    progress(f"answering prefill: Qwen2.5-VL architecture at scale '{answering_scale}', 10 images")
+    model, cfg = answering_model(answering_scale, dev, tdtype)
+    answering = {"scale": answering_scale, "shape": ANSWERING_SCALES[answering_scale],
+                 "open_all": prefill_latency(model, cfg, images, [True] * 10, dev, tdtype)}
+    for k in ks:
+        answering[f"ours@{k}"] = prefill_latency(model, cfg, images, top_k(scores, k), dev, tdtype)
+    report["answering"] = answering
+    s1 = report["system_one"]["batch_1"]["p50"]
+    report["per_question_s"] = {"open_all": answering["open_all"]["seconds"],
+                                **{f"ours@{k}": s1 + answering[f"ours@{k}"]["seconds"] for k in ks}}
+    del model
+    if profile:
+        progress("measuring the GEMM rate and profiling")
+        gemm = gemm_rate(tdtype) / 1e12 if dev.type == "cpu" else _cuda_gemm_tflops(dev, tdtype)
+        report["gemm_tflops"] = gemm
+        report["profile"] = profile_stages(scorer, episodes[2:2 + min(4, questions)], Path(profile), gemm)
+    return report
+
+
+def _cuda_gemm_tflops(device, dtype, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize(device)
+    return 10 * 2 * n ** 3 / (time.perf_counter() - t0) / 1e12
+
+
+def print_report(r: dict, out=None) -> None:
+    out = sys.stdout if out is None else out
+    print(f"bench latency: System One {r['preset']} ({r['dtype']}, {r['device']}, {r['threads']} threads)", file=out)
+    for name, row in r["system_one"].items():
+        print(f"  {name:<8} p50 {row['p50'] * 1e3:8.1f} ms  p90 {row['p90'] * 1e3:8.1f} ms  p99 "
+              f"{row['p99'] * 1e3:8.1f} ms  {row['questions_per_s']:.2f} questions/s", file=out)
+    a = r["answering"]
+    t, v = a["shape"]["text"], a["shape"]["vision"]
+    print(f"answering prefill: Qwen2.5-VL architecture, random weights, scale '{a['scale']}' (text {t[0]} x {t[1]} "
+          f"layers, vision {v[0]} x {v[1]}), one 10-image episode:", file=out)
+    for name in [k for k in a if k not in ("scale", "shape")]:
+        row = a[name]
+        total = r["per_question_s"][name]
+        extra = f"  + System One p50 = {total * 1e3:8.1f} ms" if name != "open_all" else ""
+        print(f"  {name:<9} {row['visual_tokens']:6d} visual / {row['tokens']:6d} tokens  prefill "
+              f"{row['seconds'] * 1e3:8.1f} ms{extra}", file=out)
+    if "profile" in r:
+        p = r["profile"]
+        print(f"profile ({p['questions']} questions; trace {p['trace']}); GEMM rate {r['gemm_tflops']:.3f} TFLOP/s"
+              + (f", peak {p['peak_tflops']} TFLOP/s" if p["peak_tflops"] else ""), file=out)
+        print(f"  {'stage':<12} {'ms':>9} {'TFLOP':>8} {'TFLOP/s':>8} {'of GEMM':>8} {'MFU':>6}", file=out)
+        for name, row in p["stages"].items():
+            gem = f"{100 * row['of_gemm']:.0f}%" if row["of_gemm"] is not None and row["tflop"] else "-"
+            mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None and row["tflop"] else "-"
+            print(f"  {name:<12} {row['seconds'] * 1e3:9.1f} {row['tflop']:8.4f} {row['tflops']:8.3f} {gem:>8} "
+                  f"{mfu:>6}", file=out)
+
+
+def plot(r: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from pixeltriage.errors import PixelTriageError
+        raise PixelTriageError("--plot needs matplotlib: pip install 'pixeltriage[plot]'") from None
+    from pixeltriage.bench.cost import cost_report
+
+    names = list(r["per_question_s"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(names, [r["per_question_s"][n] * 1e3 for n in names], color=["#999"] + ["#2a7"] * (len(names) - 1))
+    ax1.set_ylabel("ms per question (measured)")
+    ax1.set_title(f"latency, answering scale '{r['answering']['scale']}'")
+    ks = [int(n.split("@")[1]) for n in names if n.startswith("ours@")]
+    cost = cost_report("dmv", "qwen2.5-vl-7b", ks)
+    tf = [cost["tflop"]["open_all"]] + [cost["tflop"]["ours"][str(k)] for k in ks]
+    ax2.bar(names, tf, color=["#999"] + ["#2a7"] * len(ks))
+    ax2.set_ylabel("TFLOP per question (analytic)")
+    ax2.set_title("DMV scenario, Qwen2.5-VL-7B")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_latency_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=["tiny", "bench-small", "2b"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--batch", type=int, default=4, help="batch size of the batched run (default 4)")
+    p.add_argument("--questions", type=int, default=24, help="timed questions (default 24)")
+    p.add_argument("--k", default="1,2", help="budgets for ours@k (default 1,2)")
+    p.add_argument("--answering-scale", default="tiny", choices=sorted(ANSWERING_SCALES))
+    p.add_argument("--profile", metavar="DIR", default=None, help="write a profiler trace and a per-stage table")
+    p.add_argument("--plot", metavar="PNG", default=None, help="draw latency and TFLOP (needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    ks = tuple(int(k) for k in args.k.split(",") if k.strip())
+    r = latency_report(args.preset, args.device, dtype, args.batch, args.questions, ks, args.answering_scale,
+                       args.profile, args.seed, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(r, indent=2, default=str))
+    else:
+        print_report(r)
+    if args.plot:
+        plot(r, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0

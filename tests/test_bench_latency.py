@@ -1,0 +1,51 @@
+"""`pixeltriage bench latency`: the stream, the percentiles and one small end-to-end report (never a timing)."""
+import json
+
+import pytest
+
+from pixeltriage.bench import latency
+from pixeltriage.cli import main
+
+
+def test_stream_is_seeded_and_varied():
+    a, b = latency.stream(12, seed=3), latency.stream(12, seed=3)
+    assert [(q, len(m), [x.image.size for x in m]) for q, m in a] == [(q, len(m), [x.image.size for x in m]) for q, m in b]
+    counts = [len(m) for _, m in a]
+    assert min(counts) >= 0 and max(counts) <= 20 and len(set(counts)) > 3
+
+
+def test_percentiles():
+    p = latency.percentiles([float(i) for i in range(1, 101)])
+    assert (p["p50"], p["p90"], p["p99"]) == (51.0, 90.0, 99.0)
+    assert latency.percentiles([2.0])["p99"] == 2.0
+
+
+def test_report_end_to_end(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tiny_checkpoint.parent.parent / "cache"))
+    monkeypatch.setattr(latency, "SIZES", [(64, 64), (96, 64), (56, 112)])     # small images: a quick run
+    args = ["bench", "latency", "--questions", "3", "--batch", "2", "--k", "1", "--profile", str(tmp_path / "prof"),
+            "--json"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    s1 = r["system_one"]
+    assert s1["batch_1"]["questions"] == 3 and s1["batch_2"]["batches"] == 1
+    assert s1["batch_1"]["p50"] <= s1["batch_1"]["p99"]
+    ans = r["answering"]
+    assert ans["open_all"]["visual_tokens"] > ans["ours@1"]["visual_tokens"] > 0
+    stages = r["profile"]["stages"]
+    assert {"preprocess", "pack", "vision", "mlp", "head", "total"} <= set(stages)
+    assert stages["mlp"]["tflop"] > 0 and stages["total"]["seconds"] > 0
+    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
+
+
+def test_plot_needs_matplotlib_or_draws(tmp_path):
+    r = {"per_question_s": {"open_all": 1.0, "ours@1": 0.2}, "answering": {"scale": "tiny"}}
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from pixeltriage.errors import PixelTriageError
+        with pytest.raises(PixelTriageError, match="matplotlib"):
+            latency.plot(r, str(tmp_path / "p.png"))
+        return
+    latency.plot(r, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
