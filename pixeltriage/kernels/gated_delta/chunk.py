@@ -13,7 +13,7 @@ import torch.nn.functional as F
 # Without the cut, strong decays (g of -10 to -40 per token is common) fill the chunk with subnormal floats, which
 # x86 CPUs process ~10-100x slower: the layer ran 3.5x slower for no difference in the result.
 LOG_DECAY_CUTOFF = -30.0
-_TINY = 1e-30
+_TINY = 1e-18
 
 
 def _decay(log_decay: torch.Tensor) -> torch.Tensor:
@@ -51,19 +51,20 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
     gamma = g.cumsum(-1)                                              # [H, N, C] log decay from chunk start
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = _decay((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")))  # [H, N, C, C]
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    decay = diff.masked_fill_(~causal | (diff < LOG_DECAY_CUTOFF), float("-inf")).exp_()   # [H, N, C, C]
     gamma_exp = _decay(gamma)
 
     k_beta = k * beta[..., None]
-    strictly_lower = (k_beta @ k.transpose(-1, -2)) * decay
-    strictly_lower = strictly_lower.tril(-1)
+    strictly_lower = ((k_beta @ k.transpose(-1, -2)) * decay).tril_(-1)
+    # T = (I + strictly_lower)^-1, explicitly: solving against the 64-column identity and then two batched
+    # matmuls is ~2.5x cheaper on the CPU than solving against the 256 columns [v * beta | k_beta * decay]
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
-    ut = torch.linalg.solve_triangular(
-        eye + strictly_lower, torch.cat([v * beta[..., None], k_beta * gamma_exp[..., None]], dim=-1),
-        upper=False, unitriangular=True,
-    )
-    ut.masked_fill_(ut.abs() < _TINY, 0.0)        # the solve's products of decays underflow: zero, not subnormal
-    u, w = ut.split([v_dim, k_dim], dim=-1)                           # [H, N, C, V], [H, N, C, K]
+    t_inv = torch.linalg.solve_triangular(eye + strictly_lower, eye.expand_as(strictly_lower), upper=False,
+                                          unitriangular=True)
+    t_inv.masked_fill_(t_inv.abs() < _TINY, 0.0)  # products of decays underflow: zero, not subnormal
+    u = t_inv @ (v * beta[..., None])                                 # [H, N, C, V]
+    w = t_inv @ (k_beta * gamma_exp[..., None])                       # [H, N, C, K]
     q = q * scale
     intra = (q @ k.transpose(-1, -2)) * decay                         # [H, N, C, C], causal incl. diagonal
     k_to_end = k * _decay(gamma[..., -1:] - gamma)[..., None]
@@ -72,6 +73,7 @@ def chunk_gated_delta_rule(
     # entering chunk n: everything but S_n is batched over chunks, and the sequential loop keeps two small
     # matmuls per chunk (the new values and the state update); the outputs come from one batched matmul after it.
     q_state = q * gamma_exp[..., None] - intra @ w                    # [H, N, C, K]
+    q_state.masked_fill_(q_state.abs() < _TINY, 0.0)                  # the difference can cancel into subnormals
     out = intra @ u                                                   # [H, N, C, V]
     states = q.new_empty(num_heads, num_chunks, k_dim, v_dim)
     state = q.new_zeros(num_heads, k_dim, v_dim)
