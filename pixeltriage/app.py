@@ -114,7 +114,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     path = demo_checkpoint(args.preset, args.seed)
-    print(f"demo checkpoint ({args.preset}, seed {args.seed}): {path}")
+    print(f"demo checkpoint ({args.preset}, seed {args.seed}): {path} (ready in {time.perf_counter() - t0:.1f} s)")
     scorer = Scorer.load(path, dtype=args.dtype)
     question, memories = sample_episode(args.seed)
     state = scorer.pack(question, memories)

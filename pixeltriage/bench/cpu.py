@@ -74,8 +74,8 @@ def gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
 
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
                target_tokens: int = 2300, transformers_repeats: int | None = None, progress=print) -> dict:
-    from pixeltriage.bench.flops import Flops, StateShape, system_one_flops, total
-    from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
+    from pixeltriage.bench.flops import StateShape, system_one_flops, total
+    from pixeltriage.bench.hf import force_transformers_torch_path
     from pixeltriage.engine import profiling
     from pixeltriage.engine.scorer import Scorer, parse_dtype
     from pixeltriage.weights.demo import demo_checkpoint
@@ -107,9 +107,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     from transformers import Qwen3_5ForConditionalGeneration
 
     force_transformers_torch_path()
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch_dtype).eval()
-    hf_times = timed(lambda: transformers_hidden(model, state), transformers_repeats or max(2, repeats // 2))
-    del model
+    hf_times = _time_transformers(Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch_dtype).eval(),
+                                  state, transformers_repeats or max(2, repeats // 2))
 
     progress("measuring the GEMM rate")
     rate = gemm_rate(torch_dtype)
@@ -122,6 +121,12 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "tflop": flops.total / 1e12, "gemm_tflops": rate / 1e12, "achieved_tflops": achieved / 1e12,
         "fraction_of_gemm": achieved / rate, "stages_s": stages,
     }
+
+
+def _time_transformers(model, state, repeats: int) -> list[float]:
+    from pixeltriage.bench.hf import transformers_hidden
+
+    return timed(lambda: transformers_hidden(model, state), repeats)
 
 
 def print_table(r: dict, out=None) -> None:

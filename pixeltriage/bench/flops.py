@@ -23,11 +23,11 @@ Conventions:
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pixeltriage.engine.config import FULL, LINEAR, ModelConfig
+from pixeltriage.engine.image import smart_resize  # the Qwen processors' resize, one implementation
 
 CHUNK_SIZE = 64
 CAUSAL_CONVENTIONS = ("half", "dense")
@@ -150,28 +150,6 @@ class StateShape:
 
     def num_tokens(self, merge_unit: int) -> int:
         return self.text_tokens + self.image_tokens(merge_unit)
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """The Qwen processors' resize: both sides multiples of `factor`, area within [min, max] pixels.
-
-    Python's round() rounds halves to even, as the processors do: 336 / 32 = 10.5 -> 320 px.
-    """
-    if min(height, width) <= 0:
-        raise ValueError(f"image size must be positive, found {width}x{height}")
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio of {width}x{height} exceeds 200")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def image_grid(width: int, height: int, vision: VisionShape) -> Grid:

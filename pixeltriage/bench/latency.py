@@ -179,7 +179,7 @@ def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2,
 
 def profile_stages(scorer, episodes, out_dir: Path, gemm_tflops: float) -> dict:
     """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
-    from pixeltriage.bench.flops import StateShape, decision_head_flops, full_attention_flops, ffn_flops, \
+    from pixeltriage.bench.flops import decision_head_flops, ffn_flops, full_attention_flops, \
         linear_attention_flops, shape_from_config, vision_flops
     from pixeltriage.engine import profiling
     from pixeltriage.engine.config import FULL
