@@ -83,6 +83,10 @@ class Scorer:
         dtype = parse_dtype(dtype)
         resolve_head_backend(head_backend, device)
         check_device_dtype(device, dtype, path)
+        if device.type == "cpu":
+            from pixeltriage.engine.cpu_memory import tune_malloc
+
+            tune_malloc()
         if path.is_file():
             return cls._load_packed(path, device, dtype, cache, head_backend, adapter)
         if not path.is_dir():
