@@ -42,17 +42,19 @@ def chunk_gated_delta_rule(
     num_chunks = (seq_len + pad) // c
 
     def chunked(x: torch.Tensor) -> torch.Tensor:
-        # [T, H, ...] -> [H, N, C, ...] float32; zero padding leaves the state untouched (k = 0, beta = 0, g = 0).
-        x = x.float().transpose(0, 1)
+        # [T, H, ...] -> [N, H, C, ...] float32, chunk-major so that each chunk's slice is contiguous; zero
+        # padding leaves the state untouched (k = 0, beta = 0, g = 0).
+        x = x.float()
         if pad:
-            x = F.pad(x, (0, 0, 0, pad) if x.dim() == 3 else (0, pad))
-        return x.reshape(num_heads, num_chunks, c, *x.shape[2:])
+            x = F.pad(x, (0, 0, 0, 0, 0, pad) if x.dim() == 3 else (0, 0, 0, pad))
+        x = x.view(num_chunks, c, num_heads, *x.shape[2:]).transpose(1, 2)
+        return x.contiguous()
 
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
-    gamma = g.cumsum(-1)                                              # [H, N, C] log decay from chunk start
+    gamma = g.cumsum(-1)                                              # [N, H, C] log decay from chunk start
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     diff = gamma[..., :, None] - gamma[..., None, :]
-    decay = diff.masked_fill_(~causal | (diff < LOG_DECAY_CUTOFF), float("-inf")).exp_()   # [H, N, C, C]
+    decay = diff.masked_fill_(~causal | (diff < LOG_DECAY_CUTOFF), float("-inf")).exp_()   # [N, H, C, C]
     gamma_exp = _decay(gamma)
 
     k_beta = k * beta[..., None]
@@ -63,25 +65,23 @@ def chunk_gated_delta_rule(
     t_inv = torch.linalg.solve_triangular(eye + strictly_lower, eye.expand_as(strictly_lower), upper=False,
                                           unitriangular=True)
     t_inv.masked_fill_(t_inv.abs() < _TINY, 0.0)  # products of decays underflow: zero, not subnormal
-    u = t_inv @ (v * beta[..., None])                                 # [H, N, C, V]
-    w = t_inv @ (k_beta * gamma_exp[..., None])                       # [H, N, C, K]
+    u = t_inv @ (v * beta[..., None])                                 # [N, H, C, V]
+    w = t_inv @ (k_beta * gamma_exp[..., None])                       # [N, H, C, K]
     q = q * scale
-    intra = (q @ k.transpose(-1, -2)) * decay                         # [H, N, C, C], causal incl. diagonal
-    k_to_end = k * _decay(gamma[..., -1:] - gamma)[..., None]
-    chunk_decay = gamma_exp[..., -1][..., None, None]                 # [H, N, 1, 1]
+    intra = (q @ k.transpose(-1, -2)) * decay                         # [N, H, C, C], causal incl. diagonal
+    k_to_end_t = (k * _decay(gamma[..., -1:] - gamma)[..., None]).transpose(-1, -2).contiguous()  # [N, H, K, C]
+    chunk_decay = gamma_exp[..., -1][..., None, None]                 # [N, H, 1, 1]
     # out_n = q_n' S_n + intra_n (u_n - w_n S_n) = (q_n' - intra_n w_n) S_n + intra_n u_n, with S_n the state
     # entering chunk n: everything but S_n is batched over chunks, and the sequential loop keeps two small
-    # matmuls per chunk (the new values and the state update); the outputs come from one batched matmul after it.
-    q_state = q * gamma_exp[..., None] - intra @ w                    # [H, N, C, K]
+    # matmuls per chunk (the new values and the state update, written in place into the states buffer); the
+    # outputs come from one batched matmul after it.
+    q_state = q * gamma_exp[..., None] - intra @ w                    # [N, H, C, K]
     q_state.masked_fill_(q_state.abs() < _TINY, 0.0)                  # the difference can cancel into subnormals
-    out = intra @ u                                                   # [H, N, C, V]
-    states = q.new_empty(num_heads, num_chunks, k_dim, v_dim)
-    state = q.new_zeros(num_heads, k_dim, v_dim)
-    k_to_end_t = k_to_end.transpose(-1, -2)
+    out = intra @ u                                                   # [N, H, C, V]
+    states = q.new_empty(num_chunks + 1, num_heads, k_dim, v_dim)     # states[n]: the state entering chunk n
+    states[0].zero_()
     for n in range(num_chunks):
-        states[:, n] = state
-        v_new = u[:, n] - w[:, n] @ state
-        state = torch.baddbmm(state * chunk_decay[:, n], k_to_end_t[:, n], v_new)
-        state.masked_fill_(state.abs() < _TINY, 0.0)                  # decayed history: zero, not subnormal
-    out += q_state @ states
-    return out.reshape(num_heads, -1, v_dim)[:, :seq_len].transpose(0, 1)
+        v_new = torch.baddbmm(u[n], w[n], states[n], beta=1, alpha=-1)
+        torch.baddbmm(states[n] * chunk_decay[n], k_to_end_t[n], v_new, out=states[n + 1])
+    out += q_state @ states[:num_chunks]
+    return out.transpose(1, 2).reshape(num_chunks * c, num_heads, v_dim)[:seq_len]
