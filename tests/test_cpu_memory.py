@@ -17,3 +17,27 @@ def test_applied_once_on_linux_glibc_and_opt_out():
     if sys.platform.startswith("linux"):
         assert on == ["True", "True"]
     assert run("0") == ["False", "False"]
+
+
+def test_cuda_dispatch_refuses_slow_fallbacks_unless_allowed():
+    import pytest
+
+    from pixeltriage.engine.scorer import cuda_implementations
+    from pixeltriage.errors import BackendUnavailableError
+
+    fast = cuda_implementations("auto", False, fla_ok=True, triton_ok=True)
+    assert fast["gated_delta"].startswith("fla") and fast["head"] == "triton"
+    with pytest.raises(BackendUnavailableError, match="flash-linear-attention.*allow_slow=True"):
+        cuda_implementations("auto", False, fla_ok=False, triton_ok=True)
+    slow = cuda_implementations("auto", True, fla_ok=False, triton_ok=False)
+    assert slow["gated_delta"] == "torch chunked (slow)" and slow["head"] == "torch"
+
+
+def test_cpu_path_never_imports_gpu_kernels(tiny_checkpoint):
+    """Loading and scoring on the CPU imports neither Triton nor fla (nor transformers, which pulls Triton in)."""
+    code = ("import sys; from pixeltriage import Scorer; from pixeltriage.episode import sample_episode; "
+            f"Scorer.load({str(tiny_checkpoint)!r}).score(*sample_episode()); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'fla', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -67,9 +67,27 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig)
         k = k.repeat_interleave(hv // hk, dim=1)
     beta = b.float().sigmoid()
     g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
-    o = chunk_gated_delta_rule(q, k, v.float().view(seq_len, hv, dv), g, beta)         # [T, Hv, dv] float32
+    v = v.view(seq_len, hv, dv)
+    if x.device.type == "cuda" and _use_fla():
+        from pixeltriage.kernels.gated_delta.fla import chunk_gated_delta_rule_fla
+
+        o = chunk_gated_delta_rule_fla(q, k, v, g, beta)                                # [T, Hv, dv] float32
+    else:
+        o = chunk_gated_delta_rule(q, k, v.float(), g, beta)                           # [T, Hv, dv] float32
     o = rms_norm_gated(o, z.view(seq_len, hv, dv), w.norm, cfg.rms_norm_eps)
     return o.reshape(seq_len, -1) @ w.out_proj.t()
+
+
+_FLA: dict[str, bool] = {}
+
+
+def _use_fla() -> bool:
+    """flash-linear-attention's kernels on CUDA when importable (checked once)."""
+    if "ok" not in _FLA:
+        from pixeltriage.kernels.gated_delta import fla
+
+        _FLA["ok"] = fla.available()
+    return _FLA["ok"]
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

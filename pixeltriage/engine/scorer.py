@@ -67,7 +67,8 @@ class Scorer:
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
              dtype: torch.dtype | str = torch.float32, *, cache: "Cache | None" = None,
-             head_backend: str = "auto", adapter: str | os.PathLike | None = None) -> "Scorer":
+             head_backend: str = "auto", adapter: str | os.PathLike | None = None,
+             allow_slow: bool = False) -> "Scorer":
         """Load a System One checkpoint directory (see README: checkpoint format).
 
         Weights in transformers' layout or Valen's export layout (auto-detected). adapter: a PEFT LoRA adapter
@@ -77,12 +78,16 @@ class Scorer:
         cache: a `pixeltriage.Cache` for thumbnails, notes and vision features (see the class docstring).
         head_backend: "auto" (the fused Triton head on CUDA when Triton is installed, else torch), "triton" or
         "torch"; an unavailable choice raises BackendUnavailableError here, not at the first score.
+        allow_slow: on CUDA, the fast kernels (flash-linear-attention's gated delta rule, Triton) are required
+        unless this is True; scores never silently come from a slower path.
         """
         path = Path(path)
         device = torch.device(device)
         dtype = parse_dtype(dtype)
         resolve_head_backend(head_backend, device)
         check_device_dtype(device, dtype, path)
+        if device.type == "cuda":
+            log.info("CUDA implementations: %s", cuda_implementations(head_backend, allow_slow))
         if device.type == "cpu":
             from pixeltriage.engine.cpu_memory import tune_malloc
 
@@ -268,6 +273,26 @@ class Scorer:
             torch.stack(decision).to(dev), torch.stack(binary).to(dev), torch.stack(none).to(dev),
             torch.cat(markers).to(dev), torch.tensor(counts, device=dev),
         )
+
+
+def cuda_implementations(head_backend: str, allow_slow: bool, fla_ok: bool | None = None,
+                         triton_ok: bool | None = None) -> dict[str, str]:
+    """Which implementation each op takes on CUDA; BackendUnavailableError when a fast one is missing and
+    `allow_slow` is False (transformers, in the same case, silently falls back to torch and shifts scores)."""
+    from pixeltriage.errors import BackendUnavailableError
+    from pixeltriage.kernels.gated_delta import fla
+    from pixeltriage.kernels.head import _triton_installed
+
+    fla_ok = fla.available() if fla_ok is None else fla_ok
+    triton_ok = _triton_installed() if triton_ok is None else triton_ok
+    missing = [name for name, ok in (("flash-linear-attention", fla_ok), ("triton", triton_ok)) if not ok]
+    if missing and not allow_slow:
+        raise BackendUnavailableError(f"CUDA needs {' and '.join(missing)} for its fast kernels (pip install "
+                                      "'pixeltriage[gpu]'); pass allow_slow=True to run the torch fallbacks")
+    head = head_backend if head_backend != "auto" else ("triton" if triton_ok else "torch")
+    return {"gated_delta": "fla chunk_gated_delta_rule" if fla_ok else "torch chunked (slow)",
+            "conv1d": "torch shifted multiply-adds", "attention": "torch SDPA (flash / memory-efficient)",
+            "vision_attention": "torch SDPA per image", "head": head}
 
 
 def check_device_dtype(device: torch.device, dtype: torch.dtype, path: Path) -> None:

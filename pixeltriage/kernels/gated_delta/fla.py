@@ -1,0 +1,30 @@
+"""The CUDA path of the gated delta rule: flash-linear-attention's chunked Triton kernels.
+
+Imported only when a CUDA forward asks for it; the CPU path never imports fla or Triton.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def available() -> bool:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception:  # ImportError, or a Triton that cannot initialise
+        return False
+    return True
+
+
+def chunk_gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, scale: float | None = None,
+                               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `chunk.chunk_gated_delta_rule` (q, k L2-normalised, [T, H, K]; v [T, H, V]; g, beta
+    [T, H]) -> [T, H, V] float32. `cu_seqlens` (int32/int64 [B + 1]) runs several sequences packed along T."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    dtype = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    o, _ = chunk_gated_delta_rule(
+        q.to(dtype)[None], k.to(dtype)[None], v.to(dtype)[None], g.float()[None], beta.to(dtype)[None],
+        scale=scale, initial_state=None, output_final_state=False, cu_seqlens=cu_seqlens,
+    )
+    return o[0].float()
