@@ -1,0 +1,195 @@
+"""One script that checks and times the CUDA path, for a short session on a GPU machine:
+
+    python -m pixeltriage.bench.gpu_check [--out DIR]
+
+(a) correctness: the CUDA forward against the CPU float32 forward on the tiny and bench-small demo checkpoints,
+    one realistic 10-memory state each: bfloat16 scores within 2e-2, float32 scores within 1e-4;
+(b) speed on the 2b preset with 10 memories (~2.3k tokens): per-question p50/p99 at batch 1 with the vision tower
+    run and with cached vision features, and questions/s at batch 32 (CUDA events, warm-up excluded);
+(c) MFU: the analytic FLOPs of those forwards against a bf16 GEMM rate measured in the same run, and against the
+    device's dense bf16 peak (A100 312, H100/H200 989 TFLOP/s).
+
+Writes everything as JSON to DIR/gpu_check.json (DIR defaults to $OUT when set) and prints a summary. Runs on the
+CPU too (`--device cpu --parity-presets tiny --timing-preset tiny`), which is how its logic is tested in CI;
+only a run on a GPU gives GPU figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def _timer(device: torch.device):
+    """fn -> seconds, with CUDA events on a GPU and perf_counter on the CPU."""
+    if device.type == "cuda":
+        def run(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end) / 1e3
+        return run
+
+    def run_cpu(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return run_cpu
+
+
+def _times(device, fn, iters: int, warmup: int = 3) -> list[float]:
+    timer = _timer(device)
+    for _ in range(warmup):
+        fn()
+    return [timer(fn) for _ in range(iters)]
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
+
+
+def max_diff(a, b) -> float:
+    pairs = [(a.p_vis, b.p_vis), (a.relevance_none, b.relevance_none), *zip(a.gains, b.gains),
+             *zip(a.relevance, b.relevance)]
+    return max(abs(x - y) for x, y in pairs)
+
+
+def parity(presets, device: torch.device, progress) -> dict:
+    from pixeltriage.bench.cpu import bench_episode
+    from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    out = {}
+    for preset in presets:
+        path = demo_checkpoint(preset)
+        reference = Scorer.load(path, dtype=torch.float32)
+        episode = bench_episode(reference.packer)
+        expected = reference.score(*episode)
+        for name, tol in TOLERANCE.items():
+            progress(f"parity {preset} {name} on {device}")
+            got = Scorer.load(path, device=device, dtype=getattr(torch, name)).score(*episode)
+            diff = max_diff(got, expected)
+            out[f"{preset}/{name}"] = {"max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol}
+    return out
+
+
+def gemm_tflops(device: torch.device, dtype=torch.bfloat16) -> float:
+    n = 8192 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    t = statistics.median(_times(device, lambda: a @ a, 10 if device.type == "cuda" else 3, warmup=2))
+    return 2 * n ** 3 / t / 1e12
+
+
+def timing(preset: str, device: torch.device, iters: int, batch: int, progress) -> dict:
+    from pixeltriage.bench.cpu import bench_episode
+    from pixeltriage.bench.flops import StateShape, system_one_flops, total
+    from pixeltriage.bench.latency import device_peak_tflops
+    from pixeltriage.engine.cache import Cache
+    from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    dtype = torch.bfloat16
+    path = demo_checkpoint(preset)
+    progress(f"timing {preset} on {device}: loading")
+    scorer = Scorer.load(path, device=device, dtype=dtype)
+    question, memories = bench_episode(scorer.packer)
+    state = scorer.pack(question, memories)
+    per_q = _times(device, lambda: scorer.score_states([state]), iters)
+    end_to_end = _times(device, lambda: scorer.score(question, memories), max(3, iters // 3))
+
+    with tempfile.TemporaryDirectory() as tmp, Cache(Path(tmp) / "cache.db") as cache:
+        cached = Scorer.load(path, device=device, dtype=dtype, cache=cache)
+        cstate = cached.pack(question, memories)
+        cached.score_states([cstate])                                      # stores the vision features
+        per_q_cached = _times(device, lambda: cached.score_states([cstate]), iters)
+        cached_share = cached.vision_counts
+
+    states = [scorer.pack(f"{question} ({i})", memories) for i in range(batch)]
+    batch_times = _times(device, lambda: scorer.score_states(states), max(2, iters // 5), warmup=1)
+
+    merge2 = scorer.model_config.vision.spatial_merge_size ** 2
+    image_tokens = int(state.image_grid_thw.prod(-1).sum()) // merge2
+    shape = StateShape(text_tokens=state.num_tokens - image_tokens,
+                       image_grids=tuple(tuple(g) for g in state.image_grid_thw.tolist()))
+    head_dim = scorer.triage_config.head_dim
+    flops = total(system_one_flops(scorer.model_config, shape, head_dim)).total
+    flops_cached = total(system_one_flops(scorer.model_config, shape, head_dim, cached_vision=True)).total
+    progress("measuring the GEMM rate")
+    gemm = gemm_tflops(device)
+    peak = device_peak_tflops(device)
+    p50, p50c = statistics.median(per_q), statistics.median(per_q_cached)
+    batch_s = statistics.median(batch_times)
+
+    def rate(f, s):
+        achieved = f / s / 1e12
+        return {"tflops": achieved, "of_gemm": achieved / gemm, "mfu": achieved / peak if peak else None}
+    return {
+        "preset": preset, "dtype": "bfloat16", "tokens": state.num_tokens, "memories": state.num_memories,
+        "batch_1": {"p50_ms": p50 * 1e3, "p99_ms": _pct(per_q, 99) * 1e3, "iters": iters,
+                    **rate(flops, p50)},
+        "batch_1_end_to_end": {"p50_ms": statistics.median(end_to_end) * 1e3},
+        "batch_1_cached_vision": {"p50_ms": p50c * 1e3, "p99_ms": _pct(per_q_cached, 99) * 1e3,
+                                  "vision_counts": cached_share, **rate(flops_cached, p50c)},
+        f"batch_{batch}": {"seconds": batch_s, "questions_per_s": batch / batch_s, **rate(flops * batch, batch_s)},
+        "tflop_per_question": flops / 1e12, "tflop_per_question_cached": flops_cached / 1e12,
+        "gemm_tflops": gemm, "peak_tflops": peak,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pixeltriage.bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default: $OUT)")
+    p.add_argument("--parity-presets", default="tiny,bench-small")
+    p.add_argument("--timing-preset", default="2b")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--batch", type=int, default=32)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here", file=sys.stderr)
+        return 2
+
+    def progress(msg):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__}
+    for mod in ("triton", "fla"):
+        try:
+            result[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            result[mod] = f"unavailable ({type(e).__name__}: {e})"
+    t0 = time.perf_counter()
+    try:
+        result["parity"] = parity([x for x in args.parity_presets.split(",") if x], device, progress)
+        result["timing"] = timing(args.timing_preset, device, args.iters, args.batch, progress)
+    except Exception as e:  # noqa: BLE001 - a partial result is still written
+        import traceback
+
+        result["error"] = traceback.format_exc()
+        progress(f"failed: {type(e).__name__}: {e}")
+    result["wall_s"] = time.perf_counter() - t0
+    text = json.dumps(result, indent=2, default=str)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_check.json").write_text(text)
+    print(text)
+    ok = "error" not in result and all(v["ok"] for v in result.get("parity", {}).values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
