@@ -68,7 +68,9 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig)
     beta = b.float().sigmoid()
     g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
     v = v.view(seq_len, hv, dv)
-    if x.device.type == "cuda" and _use_fla():
+    # fla's Triton kernels take bf16/fp16 (their fp32 dots may run as TF32); a float32 forward on CUDA stays on
+    # the exact torch chunked path, so float32 remains the reference on every device
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and _use_fla():
         from pixeltriage.kernels.gated_delta.fla import chunk_gated_delta_rule_fla
 
         o = chunk_gated_delta_rule_fla(q, k, v, g, beta)                                # [T, Hv, dv] float32

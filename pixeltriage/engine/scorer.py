@@ -290,7 +290,8 @@ def cuda_implementations(head_backend: str, allow_slow: bool, fla_ok: bool | Non
         raise BackendUnavailableError(f"CUDA needs {' and '.join(missing)} for its fast kernels (pip install "
                                       "'pixeltriage[gpu]'); pass allow_slow=True to run the torch fallbacks")
     head = head_backend if head_backend != "auto" else ("triton" if triton_ok else "torch")
-    return {"gated_delta": "fla chunk_gated_delta_rule" if fla_ok else "torch chunked (slow)",
+    return {"gated_delta": ("fla chunk_gated_delta_rule (bf16/fp16; float32 runs the exact torch chunked path)"
+                            if fla_ok else "torch chunked (slow)"),
             "conv1d": "torch shifted multiply-adds", "attention": "torch SDPA (flash / memory-efficient)",
             "vision_attention": "torch SDPA per image", "head": head}
 
