@@ -38,7 +38,10 @@ def tune_malloc() -> bool:
             log.debug("malloc tuning disabled by PIXELTRIAGE_MALLOC_TUNING")
         elif sys.platform.startswith("linux"):
             try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                try:
+                    libc = ctypes.CDLL("libc.so.6")
+                except OSError:                         # find_library runs ldconfig: only when needed
+                    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
                 mallopt = libc.mallopt
                 mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
                 applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
