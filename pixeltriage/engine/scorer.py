@@ -123,7 +123,7 @@ class Scorer:
         check_finite(weights)
         scorer = cls(packed.model_config, packed.image_config, packed.triage_config, encoder, weights, device, dtype,
                      cache, head_backend)
-        scorer._fingerprint = packed.vision_fingerprint(dtype)
+        scorer._fingerprint = packed.vision_fingerprint(dtype) if device.type == "cpu" else None  # CPU-computed
         scorer.checkpoint_fingerprint = packed.fingerprint
         return scorer
 
@@ -173,11 +173,12 @@ class Scorer:
     @property
     def vision_fingerprint(self) -> str:
         """SHA-256 over everything that decides the vision tower's output for a thumbnail: the vision weights as
-        loaded (dtype included), the vision config, the image preprocessing and the thumbnail size."""
+        loaded (dtype included), the vision config, the image preprocessing, the thumbnail size and the device
+        type (a CPU and a GPU round differently, so neither reuses the other's features)."""
         with self._lock:
             if self._fingerprint is None:
                 self._fingerprint = vision_fingerprint(self.weights, self.model_config, self.image_config,
-                                                       self.triage_config)
+                                                       self.triage_config, self.device.type)
             return self._fingerprint
 
     # -- forward -------------------------------------------------------------------------------
@@ -314,12 +315,12 @@ def check_device_dtype(device: torch.device, dtype: torch.dtype, path: Path) -> 
 
 
 def vision_fingerprint(weights: EngineWeights, model_cfg: ModelConfig, image_cfg: ImageConfig,
-                       triage_cfg: TriageConfig) -> str:
-    """SHA-256 over the vision weights as loaded (dtype included), the vision config, the image rules and the
-    thumbnail size: what keys cached vision features."""
+                       triage_cfg: TriageConfig, device_type: str = "cpu") -> str:
+    """SHA-256 over the vision weights as loaded (dtype included), the vision config, the image rules, the
+    thumbnail size and the device type: what keys cached vision features."""
     dtypes = {t.dtype for t in _tensors(weights.vision)}
     h = hashlib.sha256(b"pixeltriage-vision-features-v1")
-    meta = {"vision": dataclasses.asdict(model_cfg.vision), "image": image_cfg.to_dict(),
+    meta = {"device": device_type, "vision": dataclasses.asdict(model_cfg.vision), "image": image_cfg.to_dict(),
             "thumbnail": triage_cfg.thumbnail_size, "dtype": sorted(str(d) for d in dtypes)}
     h.update(json.dumps(meta, sort_keys=True, default=str).encode())
     for tensor in _tensors(weights.vision):

@@ -9,7 +9,7 @@ Scorer needs, so the file stands alone:
     config, preprocessor_config, pixeltriage, tokenizer (+ tokenizer_config): the source files' JSON text
     structure: the weight dataclasses' shape (class names and fields), to rebuild EngineWeights
     fingerprint: SHA-256 over every tensor (name, dtype, shape, bytes) and the embedded configs
-    vision_fingerprint: the key of cached vision features for this model at this dtype
+    vision_fingerprint: the key of cached vision features for this model at this dtype on the CPU
 
 Loading maps the file (copy-on-write) and views each tensor in place: at the packed dtype nothing is copied or
 transposed; another dtype costs one cast per tensor.
