@@ -36,3 +36,74 @@ def test_strong_decays_stay_exact(seq_len):
     decay = -torch.rand(seq_len, h, generator=g) * 40              # down to e^-40 per token: subnormals without the cut
     beta = torch.rand(seq_len, h, generator=g)
     assert rel(chunk_gated_delta_rule(q, k, v, decay, beta), recurrent_gated_delta_rule(q, k, v, decay, beta)) <= 1e-5
+
+
+# -- varlen: several sequences packed along T ----------------------------------------------------------------
+
+def _rand_inputs(seq_len, h=2, dk=8, dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(seq_len, h, dk, generator=g), dim=-1)
+    k = F.normalize(torch.randn(seq_len, h, dk, generator=g), dim=-1)
+    v = torch.randn(seq_len, h, dv, generator=g)
+    decay = -torch.rand(seq_len, h, generator=g) * 3
+    beta = torch.rand(seq_len, h, generator=g)
+    return q, k, v, decay, beta
+
+
+@pytest.mark.parametrize("lengths", [[5, 70, 0, 64, 1], [200], [63, 65]])
+def test_varlen_delta_rule_equals_separate_sequences(lengths):
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    q, k, v, decay, beta = _rand_inputs(bounds[-1], seed=len(lengths))
+    packed = chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=bounds)
+    for b, e in zip(bounds, bounds[1:]):
+        if e > b:
+            alone = recurrent_gated_delta_rule(q[b:e], k[b:e], v[b:e], decay[b:e], beta[b:e])
+            assert rel(packed[b:e], alone) <= 1e-5
+
+
+def test_varlen_rejects_bad_boundaries():
+    q, k, v, decay, beta = _rand_inputs(10)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=[0, 4, 3, 10])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=[0, 9])
+
+
+def test_varlen_conv_equals_separate_sequences():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(40, 12, generator=g), torch.randn(12, 4, generator=g)
+    bounds = [0, 2, 2, 17, 40]
+    packed = causal_conv1d_silu(x, w, bounds)
+    for b, e in zip(bounds, bounds[1:]):
+        if e > b:
+            assert torch.equal(packed[b:e], causal_conv1d_silu(x[b:e], w))
+
+
+def test_packed_forward_rows_equal_each_state_alone(tiny_checkpoint):
+    from PIL import Image
+
+    from pixeltriage import Memory, Scorer
+
+    scorer = Scorer.load(tiny_checkpoint)
+    states = [scorer.pack("first?", [Memory(image=Image.new("RGB", (64, 96), (9, 9, 9)), note="a")]),
+              scorer.pack("no memories at all", []),
+              scorer.pack("third, longer question with more words in it?",
+                          [Memory(image=Image.new("RGB", (96, 64), (200, 9, 9))),
+                           Memory(image=Image.new("RGB", (32, 32), (9, 200, 9)), dialogue="hello " * 30)])]
+    packed = scorer.last_hidden_packed(states)
+    offset = 0
+    for s in states:
+        alone = scorer.last_hidden(s)
+        assert rel(packed[offset:offset + s.num_tokens], alone) <= 1e-5
+        offset += s.num_tokens
+    # a token budget smaller than the batch splits it into several varlen forwards, same scores
+    episodes = [("q1?", [Memory(image=Image.new("RGB", (64, 64)))]), ("q2?", []),
+                ("q3?", [Memory(image=Image.new("RGB", (40, 80), (1, 2, 3)))])]
+    whole = scorer.score_batch(episodes)
+    scorer.max_batch_tokens = 60
+    assert len(scorer._token_groups([scorer.pack(q, m) for q, m in episodes])) == 3
+    split = scorer.score_batch(episodes)
+    for a, b in zip(whole, split):
+        assert a.p_vis == pytest.approx(b.p_vis, abs=1e-6) and a.gains == pytest.approx(b.gains, abs=1e-6)

@@ -52,13 +52,14 @@ class TextWeights:
     norm: torch.Tensor      # [hidden]
 
 
-def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig) -> torch.Tensor:
-    """x: [T, hidden] -> [T, hidden]."""
+def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
+                    cu_seqlens: list[int] | None = None) -> torch.Tensor:
+    """x: [T, hidden] -> [T, hidden]; cu_seqlens: boundaries of sequences packed along T (varlen)."""
     seq_len = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv, z, b, a = (x @ w.in_proj.t()).split([cfg.linear_conv_dim, cfg.linear_value_dim, hv, hv], dim=-1)
-    qkv = causal_conv1d_silu(qkv, w.conv)
+    qkv = causal_conv1d_silu(qkv, w.conv, cu_seqlens)
     q, k, v = qkv.split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
     q = l2_norm(q.float().view(seq_len, hk, dk))
     k = l2_norm(k.float().view(seq_len, hk, dk))
@@ -73,9 +74,10 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig)
     if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and _use_fla():
         from pixeltriage.kernels.gated_delta.fla import chunk_gated_delta_rule_fla
 
-        o = chunk_gated_delta_rule_fla(q, k, v, g, beta)                                # [T, Hv, dv] float32
+        cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
+        o = chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu)                # [T, Hv, dv] float32
     else:
-        o = chunk_gated_delta_rule(q, k, v.float(), g, beta)                           # [T, Hv, dv] float32
+        o = chunk_gated_delta_rule(q, k, v.float(), g, beta, cu_seqlens=cu_seqlens)    # [T, Hv, dv] float32
     o = rms_norm_gated(o, z.view(seq_len, hv, dv), w.norm, cfg.rms_norm_eps)
     return o.reshape(seq_len, -1) @ w.out_proj.t()
 
@@ -97,8 +99,9 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, cos: torch.Tensor,
-                    sin: torch.Tensor) -> torch.Tensor:
-    """Causal grouped-query attention with q/k RMSNorm, partial M-RoPE and a sigmoid output gate."""
+                    sin: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:
+    """Causal grouped-query attention with q/k RMSNorm, partial M-RoPE and a sigmoid output gate; with
+    cu_seqlens, causal within each packed sequence only."""
     seq_len = x.shape[0]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg, k, v = (x @ w.qkv.t()).split([nh * 2 * hd, nkv * hd, nkv * hd], dim=-1)
@@ -108,10 +111,14 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
     v = v.view(seq_len, nkv, hd)
     # 4-D inputs: with a batch dimension SDPA takes its fused (flash) CPU kernel; 3-D inputs fall back to the
     # math path, which materialises the [heads, T, T] scores (10x slower at T = 2.3k in bf16)
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
-        enable_gqa=nh != nkv,
-    )[0]                                                               # [nh, T, hd]
+    q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    bounds = [0, seq_len] if cu_seqlens is None else cu_seqlens
+    o = torch.cat([
+        F.scaled_dot_product_attention(q[:, :, b:e], k[:, :, b:e], v[:, :, b:e], is_causal=True,
+                                       enable_gqa=nh != nkv)[0]
+        for b, e in zip(bounds, bounds[1:]) if e > b
+    ], dim=1) if len(bounds) > 2 else F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=nh != nkv)[0]              # [nh, T, hd]
     o = o.transpose(0, 1).reshape(seq_len, nh * hd) * torch.sigmoid(gate.reshape(seq_len, nh * hd))
     return o @ w.o_proj.t()
 
@@ -122,8 +129,10 @@ def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
 
 
 def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: TextWeights,
-                    cfg: TextConfig) -> torch.Tensor:
+                    cfg: TextConfig, cu_seqlens: list[int] | None = None) -> torch.Tensor:
     """embeds: [T, hidden] (text embeddings with visual rows scattered in); position_ids: [3, T].
+    cu_seqlens: [0, t1, ..., T] when several independent states are packed along T (varlen): attention,
+    conv and the delta rule never cross a boundary, so each state's rows equal its own forward.
 
     Returns the last layer's output [T, hidden] float32, before the final norm. The residual stream
     is kept in float32 whatever the weights' dtype; matmuls run in the weights' dtype.
@@ -136,10 +145,11 @@ def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: T
         if kind == FULL:
             with stage("attention"):
                 h = h + gated_attention(rms_norm_zero_centred(h, layer.input_norm, eps, dtype), layer.attn, cfg,
-                                        cos, sin)
+                                        cos, sin, cu_seqlens)
         else:
             with stage("gated_delta"):
-                h = h + gated_delta_net(rms_norm_zero_centred(h, layer.input_norm, eps, dtype), layer.attn, cfg)
+                h = h + gated_delta_net(rms_norm_zero_centred(h, layer.input_norm, eps, dtype), layer.attn, cfg,
+                                        cu_seqlens)
         with stage("mlp"):
             h = h + mlp(rms_norm_zero_centred(h, layer.post_norm, eps, dtype), layer)
     return h

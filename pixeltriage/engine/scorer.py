@@ -60,6 +60,7 @@ class Scorer:
         self.head_backend = resolve_head_backend(head_backend, device)
         self.packer = StatePacker(encoder, model_cfg, image_cfg, triage_cfg)
         self.vision_counts = {"cached": 0, "computed": 0}   # images whose ViT output was reused / computed
+        self.max_batch_tokens = 32768    # score_batch packs states into varlen forwards of at most this many tokens
         self._fingerprint: str | None = None
         self.checkpoint_fingerprint: str | None = None     # the packed file's content fingerprint, when packed
         self._lock = threading.Lock()
@@ -221,16 +222,34 @@ class Scorer:
         self.vision_counts["computed"] += len(missing)
         return torch.cat([f.to(self.device) for f in features])
 
-    @torch.inference_mode()
-    def last_hidden(self, state: State, visual: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder's last output, before the final norm: [T, hidden] in the engine dtype."""
+    def _embeds(self, state: State, visual: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with the vision tower's rows scattered into the image placeholders: [T, hidden] fp32."""
         input_ids = state.input_ids.to(self.device)
         embeds = self.weights.text.embed.index_select(0, input_ids).float()
         if state.num_memories:
             visual = self.visual_rows(state) if visual is None else visual
             image_mask = input_ids == self.model_config.image_token_id
             embeds[image_mask] = visual.float()
-        return decoder_forward(embeds, state.position_ids.to(self.device), self.weights.text, self.model_config.text)
+        return embeds
+
+    @torch.inference_mode()
+    def last_hidden(self, state: State, visual: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's last output, before the final norm: [T, hidden] float32."""
+        return decoder_forward(self._embeds(state, visual), state.position_ids.to(self.device), self.weights.text,
+                               self.model_config.text)
+
+    @torch.inference_mode()
+    def last_hidden_packed(self, states: Sequence[State]) -> torch.Tensor:
+        """Several states in one varlen forward (packed along the token axis, no attention, conv or recurrence
+        across them): the concatenation of their `last_hidden` rows, [sum T, hidden] float32."""
+        if len(states) == 1:
+            return self.last_hidden(states[0])
+        bounds = [0]
+        for s in states:
+            bounds.append(bounds[-1] + s.num_tokens)
+        embeds = torch.cat([self._embeds(s) for s in states])
+        positions = torch.cat([s.position_ids for s in states], dim=1).to(self.device)
+        return decoder_forward(embeds, positions, self.weights.text, self.model_config.text, cu_seqlens=bounds)
 
     @torch.inference_mode()
     def hidden_states(self, state: State, positions: torch.Tensor) -> torch.Tensor:
@@ -254,8 +273,9 @@ class Scorer:
             return []
         hidden, offset = [], 0
         decision, binary, none, markers, counts = [], [], [], [], [0]
+        for group in self._token_groups(states):
+            hidden.append(self.last_hidden_packed(group))
         for s in states:
-            hidden.append(self.last_hidden(s))
             decision.append(s.decision_positions + offset)
             binary.append(torch.tensor([s.true_position, s.false_position]) + offset)
             none.append(torch.tensor([s.gain_none_position, s.relevance_none_position]) + offset)
@@ -265,6 +285,18 @@ class Scorer:
         with stage("head"):
             out = self._head(hidden, decision, binary, none, markers, counts)
         return _to_scores(out, counts)
+
+    def _token_groups(self, states: Sequence[State]) -> list[list[State]]:
+        """Consecutive states packed into varlen forwards of at most `max_batch_tokens` tokens each."""
+        groups: list[list[State]] = [[]]
+        tokens = 0
+        for s in states:
+            if groups[-1] and tokens + s.num_tokens > self.max_batch_tokens:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(s)
+            tokens += s.num_tokens
+        return groups
 
     def _head(self, hidden, decision, binary, none, markers, counts) -> HeadOutput:
         dev = self.device

@@ -5,13 +5,21 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:
     """x: [T, C]; weight: [C, W] -> silu(sum_j x[t - W + 1 + j] * w[:, j]): [T, C] float32.
+
+    cu_seqlens: [0, t1, ..., T] for several sequences packed along T: no sequence sees another's tokens.
 
     W shifted multiply-adds in the tokens-major layout the projection produced: no transposes, no padded copy
     (F.conv1d wants [C, T] and spent 2.4x longer on the layout changes than on the arithmetic). Accumulated and
     returned in float32: its outputs feed the L2 norms of q and k and the delta rule, all float32.
     """
+    if cu_seqlens is not None and len(cu_seqlens) > 2:
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        for b, e in zip(cu_seqlens, cu_seqlens[1:]):
+            if e > b:
+                out[b:e] = causal_conv1d_silu(x[b:e], weight)
+        return out
     width = weight.shape[1]
     xf, w = x.float(), weight.float()
     y = xf * w[:, width - 1]

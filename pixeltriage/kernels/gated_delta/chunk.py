@@ -29,26 +29,44 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     scale: float | None = None,
     chunk_size: int = 64,
+    cu_seqlens: list[int] | None = None,
 ) -> torch.Tensor:
     """Same contract as `naive.recurrent_gated_delta_rule`.
 
     q, k: [T, H, K] L2-normalised; v: [T, H, V]; g (log decay), beta: [T, H]. Returns [T, H, V] float32.
+    cu_seqlens: [0, t1, t1 + t2, ..., T] to run several independent sequences packed along T (varlen): each is
+    padded to whole chunks on its own and the state restarts from zero at each sequence's first chunk.
     """
     seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
     scale = k_dim ** -0.5 if scale is None else scale
     c = chunk_size
-    pad = (-seq_len) % c
-    num_chunks = (seq_len + pad) // c
+    bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
+    if bounds[0] != 0 or bounds[-1] != seq_len or any(b > e for b, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to {seq_len}, got {bounds}")
+    segments = [(b, e) for b, e in zip(bounds, bounds[1:]) if e > b]
+    seg_chunks = [-(-(e - b) // c) for b, e in segments]
+    num_chunks = sum(seg_chunks)
+    starts = set()
+    n0 = 0
+    for n in seg_chunks:
+        starts.add(n0)
+        n0 += n
 
     def chunked(x: torch.Tensor) -> torch.Tensor:
-        # [T, H, ...] -> [N, H, C, ...] float32, chunk-major so that each chunk's slice is contiguous; zero
-        # padding leaves the state untouched (k = 0, beta = 0, g = 0).
+        # [T, H, ...] -> [N, H, C, ...] float32, chunk-major so that each chunk's slice is contiguous; each
+        # sequence is zero-padded to whole chunks, which leaves the state untouched (k = 0, beta = 0, g = 0).
         x = x.float()
-        if pad:
-            x = F.pad(x, (0, 0, 0, 0, 0, pad) if x.dim() == 3 else (0, 0, 0, pad))
-        x = x.view(num_chunks, c, num_heads, *x.shape[2:]).transpose(1, 2)
+        pieces = []
+        for (b, e), n in zip(segments, seg_chunks):
+            piece, pad = x[b:e], n * c - (e - b)
+            pieces.append(F.pad(piece, (0, 0, 0, 0, 0, pad) if x.dim() == 3 else (0, 0, 0, pad)) if pad else piece)
+        x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        x = x.reshape(num_chunks, c, num_heads, *x.shape[2:]).transpose(1, 2)
         return x.contiguous()
+
+    if num_chunks == 0:
+        return q.new_zeros(seq_len, num_heads, v_dim, dtype=torch.float32)
 
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
     gamma = g.cumsum(-1)                                              # [N, H, C] log decay from chunk start
@@ -79,9 +97,18 @@ def chunk_gated_delta_rule(
     q_state.masked_fill_(q_state.abs() < _TINY, 0.0)                  # the difference can cancel into subnormals
     out = intra @ u                                                   # [N, H, C, V]
     states = q.new_empty(num_chunks + 1, num_heads, k_dim, v_dim)     # states[n]: the state entering chunk n
-    states[0].zero_()
     for n in range(num_chunks):
+        if n in starts:
+            states[n].zero_()                                         # a new sequence starts from no memory
         v_new = torch.baddbmm(u[n], w[n], states[n], beta=1, alpha=-1)
         torch.baddbmm(states[n] * chunk_decay[n], k_to_end_t[n], v_new, out=states[n + 1])
     out += q_state @ states[:num_chunks]
-    return out.transpose(1, 2).reshape(num_chunks * c, num_heads, v_dim)[:seq_len]
+    out = out.transpose(1, 2).reshape(num_chunks * c, num_heads, v_dim)
+    if len(segments) == 1 and segments[0] == (0, seq_len):
+        return out[:seq_len]
+    result = out.new_zeros(seq_len, num_heads, v_dim)
+    n0 = 0
+    for (b, e), n in zip(segments, seg_chunks):
+        result[b:e] = out[n0 * c:n0 * c + (e - b)]
+        n0 += n
+    return result
