@@ -228,8 +228,10 @@ class Scorer:
         embeds = self.weights.text.embed.index_select(0, input_ids).float()
         if state.num_memories:
             visual = self.visual_rows(state) if visual is None else visual
-            image_mask = input_ids == self.model_config.image_token_id
-            embeds[image_mask] = visual.float()
+            # placeholder rows found on the host (the state lives there): a boolean-mask scatter on the device
+            # would synchronise it to count the mask
+            rows = (state.input_ids == self.model_config.image_token_id).nonzero().squeeze(1).to(self.device)
+            embeds.index_copy_(0, rows, visual.float())
         return embeds
 
     @torch.inference_mode()
