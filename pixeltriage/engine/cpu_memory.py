@@ -1,10 +1,11 @@
 """glibc malloc settings for CPU inference, applied once per process when a Scorer loads onto the CPU.
 
-The forward allocates and frees many tensors of 1-32 MiB per layer. glibc serves a large block with a fresh
+The forward allocates and frees many tensors of 1-100 MiB per layer. glibc serves a large block with a fresh
 mmap and unmaps it on free, so every such tensor pays page faults on first touch, and returns heap memory to the
-OS as soon as 128 KiB lie free at its top. Raising the mmap threshold to its maximum (32 MiB, the ceiling glibc's
-own adaptive threshold reaches) and keeping up to 1 GiB of freed heap makes the same buffers come back warm:
-measured on the bench-small Gated DeltaNet layer, the delta rule 250 -> 200 ms and the conv 97 -> 60 ms.
+OS as soon as 128 KiB lie free at its top. Serving every block from the heap (no mmap: M_MMAP_MAX = 0, the
+threshold at its 32 MiB ceiling for good measure) and keeping up to 1 GiB of freed heap makes the same buffers
+come back warm: measured on the bench-small Gated DeltaNet layer, the delta rule 250 -> 200 ms and the conv
+97 -> 60 ms; at the 2b shape the conv (56 MiB blocks, above any mmap threshold) 100 -> 44-65 ms.
 The cost is that freed memory stays with the process (RSS holds its high-water mark, up to 1 GiB more).
 
 Opt out with PIXELTRIAGE_MALLOC_TUNING=0 (e.g. when the host tunes malloc itself, or preloads jemalloc).
@@ -20,7 +21,7 @@ import threading
 
 log = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 MMAP_THRESHOLD = 32 * 2 ** 20
 TRIM_THRESHOLD = 2 ** 30
 
@@ -44,8 +45,9 @@ def tune_malloc() -> bool:
                     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
                 mallopt = libc.mallopt
                 mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-                applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-                    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+                applied = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+                           and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+                           and bool(mallopt(M_MMAP_MAX, 0)))
             except (OSError, AttributeError) as e:     # not glibc (musl has no mallopt), or no libc found
                 log.debug("malloc tuning unavailable: %s", e)
         _state["applied"] = applied
