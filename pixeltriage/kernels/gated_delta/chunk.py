@@ -101,7 +101,8 @@ def chunk_gated_delta_rule(
         if n in starts:
             states[n].zero_()                                         # a new sequence starts from no memory
         v_new = torch.baddbmm(u[n], w[n], states[n], beta=1, alpha=-1)
-        torch.baddbmm(states[n] * chunk_decay[n], k_to_end_t[n], v_new, out=states[n + 1])
+        torch.mul(states[n], chunk_decay[n], out=states[n + 1])
+        states[n + 1].baddbmm_(k_to_end_t[n], v_new)
     out += q_state @ states[:num_chunks]
     out = out.transpose(1, 2).reshape(num_chunks * c, num_heads, v_dim)
     if len(segments) == 1 and segments[0] == (0, seq_len):
