@@ -88,12 +88,17 @@ class TextEncoder:
 
     def truncate(self, text: str, max_tokens: int) -> str:
         """The longest prefix of `text` that is at most `max_tokens` tokens on its own (cut at a token edge)."""
+        return self.truncate_counted(text, max_tokens)[0]
+
+    def truncate_counted(self, text: str, max_tokens: int) -> tuple[str, int]:
+        """`truncate`, plus the token count of the kept text, without encoding it again unless it was cut."""
         if not text:
-            return text
+            return text, 0
         enc = self.plain.encode(text, add_special_tokens=False)
         if len(enc.ids) <= max_tokens:
-            return text
-        return text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""
+            return text, len(enc.ids)
+        kept = text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""
+        return kept, len(self.encode_plain(kept))
 
     def segment(self, template: str, values: dict[str, str]) -> list[int]:
         """Render one template field: literal specials -> control ids; everything else plain text."""
@@ -199,10 +204,10 @@ class StatePacker:
         markers = []
         for i, m in enumerate(memories):
             note = notes[i] if notes is not None and notes[i] is not None else m.note
-            date = enc.truncate(_text(m.date, "date", i), DATE_TOKENS)
-            budget = self.cfg.max_memory_text_tokens - len(enc.encode_plain(date))
-            note = enc.truncate(_text(note, "note", i), max(budget // 2, 0))
-            dialogue = enc.truncate(_text(m.dialogue, "dialogue", i), max(budget - len(enc.encode_plain(note)), 0))
+            date, date_tokens = enc.truncate_counted(_text(m.date, "date", i), DATE_TOKENS)
+            budget = self.cfg.max_memory_text_tokens - date_tokens
+            note, note_tokens = enc.truncate_counted(_text(note, "note", i), max(budget // 2, 0))
+            dialogue = enc.truncate(_text(m.dialogue, "dialogue", i), max(budget - note_tokens, 0))
             text(enc.segment(tpl["memory"], {"index": str(i + 1), "date": date, "dialogue": dialogue, "note": note}))
             _, (t, h, w) = images[i]
             text([self.vision_start])
