@@ -273,19 +273,26 @@ class Scorer:
     def score_states(self, states: Sequence[State]) -> list[Scores]:
         if not states:
             return []
-        hidden, offset = [], 0
-        decision, binary, none, markers, counts = [], [], [], [], [0]
+        # Only the head's rows leave each forward: per state, in `State.head_positions` order, its n markers, the
+        # 3 decision rows, then true, false and the two `none` candidates (n + 7 rows).
+        rows, decision, binary, none, markers, counts = [], [], [], [], [], [0]
+        base = 0
         for group in self._token_groups(states):
-            hidden.append(self.last_hidden_packed(group))
-        for s in states:
-            decision.append(s.decision_positions + offset)
-            binary.append(torch.tensor([s.true_position, s.false_position]) + offset)
-            none.append(torch.tensor([s.gain_none_position, s.relevance_none_position]) + offset)
-            markers.append(s.marker_positions + offset)
-            counts.append(counts[-1] + s.num_memories)
-            offset += s.num_tokens
+            hidden = self.last_hidden_packed(group)
+            index, token_offset = [], 0
+            for s in group:
+                n = s.num_memories
+                index.append(s.head_positions() + token_offset)
+                markers.append(torch.arange(base, base + n))
+                decision.append(torch.arange(base + n, base + n + 3))
+                binary.append(torch.tensor([base + n + 3, base + n + 4]))
+                none.append(torch.tensor([base + n + 5, base + n + 6]))
+                counts.append(counts[-1] + n)
+                base += n + 7
+                token_offset += s.num_tokens
+            rows.append(hidden.index_select(0, torch.cat(index).to(self.device)))
         with stage("head"):
-            out = self._head(hidden, decision, binary, none, markers, counts)
+            out = self._head(torch.cat(rows), decision, binary, none, markers, counts)
         return _to_scores(out, counts)
 
     def _token_groups(self, states: Sequence[State]) -> list[list[State]]:
@@ -303,7 +310,7 @@ class Scorer:
     def _head(self, hidden, decision, binary, none, markers, counts) -> HeadOutput:
         dev = self.device
         return decision_head(
-            self.head_backend, torch.cat(hidden), self.weights.text.norm, self.model_config.text.rms_norm_eps,
+            self.head_backend, hidden, self.weights.text.norm, self.model_config.text.rms_norm_eps,
             self.weights.head_decision, self.weights.head_candidate,
             torch.stack(decision).to(dev), torch.stack(binary).to(dev), torch.stack(none).to(dev),
             torch.cat(markers).to(dev), torch.tensor(counts, device=dev),
