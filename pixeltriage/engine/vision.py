@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from pixeltriage.engine.config import VisionConfig
 from pixeltriage.engine.profiling import stage
+from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.rotary import apply_rotary_float, vision_rotary_cos_sin
 
 
@@ -125,8 +126,6 @@ def vision_attention(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConf
     n = x.shape[0]
     q, k, v = F.linear(x, block.qkv_w, block.qkv_b).view(n, 3, cfg.num_heads, cfg.head_dim).unbind(1)
     q, k = apply_rotary_float(q, cos, sin), apply_rotary_float(k, cos, sin)
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [heads, N, head_dim]
-    outs = [F.scaled_dot_product_attention(qi[None], ki[None], vi[None])[0]      # 4-D: the fused CPU kernel
-            for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))]
-    o = torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1)
+    o = segment_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths, causal=False)
+    o = o.transpose(0, 1).reshape(n, -1)
     return F.linear(o, block.proj_w, block.proj_b)
