@@ -361,3 +361,14 @@ def test_path_like_sources(tmp_path):
     path = Path(tmp_path) / "x.png"
     path.write_bytes(encoded(Image.new("RGB", (3, 2), (1, 2, 3)), "PNG"))
     assert open_image(path).size == open_image(str(path)).size == (3, 2)
+
+
+def test_display_size_accepts_and_refuses_what_open_image_does(tmp_path):
+    refused = [encoded(Image.new("RGB", (8, 8)), "PCX"), b"", "https://example.com/a.png", str(tmp_path / "no.png")]
+    for source in refused:
+        with pytest.raises(InvalidMemoryError) as a:
+            image_mod.open_image(source, index=4)
+        with pytest.raises(InvalidMemoryError) as b:
+            image_mod.display_size(source, index=4)
+        assert a.value.reason == b.value.reason and b.value.index == 4
+    assert image_mod.display_size(encoded(Image.new("RGB", (30, 20)), "PNG")) == (30, 20)

@@ -8,6 +8,7 @@ temporal_patch_size times.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -54,45 +55,40 @@ def open_image(source, index: int | None = None, *, max_side: int | None = None)
     """
     if isinstance(source, Image.Image):
         return _decode(source, "image", index, max_side=None)
-    if isinstance(source, (bytes, bytearray)):
-        if not source:
-            raise InvalidMemoryError("image bytes are empty", index)
-        return _open_stream(io.BytesIO(bytes(source)), f"image bytes ({len(source)} B)", index, max_side)
-    if isinstance(source, (str, os.PathLike)):
-        path = _local_path(source, index)
-        try:
-            with open(path, "rb") as f:
-                return _open_stream(f, path, index, max_side)
-        except OSError as e:
-            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from e
-    raise InvalidMemoryError(f"unsupported image source of type {type(source).__name__}; expected a PIL image, "
-                             f"bytes or a local file path", index)
+    with _opened(source, index) as (img, name):
+        return _decode(img, name, index, max_side)
 
 
 def display_size(source, index: int | None = None) -> tuple[int, int]:
     """(width, height) of the image as displayed (EXIF orientation applied), read from its header only: what an
-    answering model's processor sees, for visual-token costs. Errors as `open_image`."""
+    answering model's processor sees, for visual-token costs. Accepts and refuses what `open_image` does."""
     if isinstance(source, Image.Image):
         return _oriented_size(source)
+    with _opened(source, index) as (img, _):
+        return _oriented_size(img)
+
+
+@contextlib.contextmanager
+def _opened(source, index: int | None):
+    """Bytes or a local path -> (the PIL image with only its header read, a name for messages); the file stays
+    open inside the block. The one place that checks the source, the path and the format allow-list."""
     if isinstance(source, (bytes, bytearray)):
         if not source:
             raise InvalidMemoryError("image bytes are empty", index)
-        stream, name = io.BytesIO(bytes(source)), f"image bytes ({len(source)} B)"
-    elif isinstance(source, (str, os.PathLike)):
-        name = _local_path(source, index)
+        name = f"image bytes ({len(source)} B)"
+        yield _open_stream(io.BytesIO(bytes(source)), name, index), name
+        return
+    if isinstance(source, (str, os.PathLike)):
+        path = _local_path(source, index)
         try:
-            stream = open(name, "rb")
+            f = open(path, "rb")
         except OSError as e:
-            raise InvalidMemoryError(f"{name}: cannot read file ({e.strerror or e})", index) from e
-    else:
-        raise InvalidMemoryError(f"unsupported image source of type {type(source).__name__}; expected a PIL image, "
-                                 f"bytes or a local file path", index)
-    with stream:
-        try:
-            with Image.open(stream) as img:
-                return _oriented_size(img)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise InvalidMemoryError(f"{name}: not a readable image ({e})", index) from None
+            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from e
+        with f:
+            yield _open_stream(f, path, index), path
+        return
+    raise InvalidMemoryError(f"unsupported image source of type {type(source).__name__}; expected a PIL image, "
+                             f"bytes or a local file path", index)
 
 
 def _oriented_size(img: Image.Image) -> tuple[int, int]:
@@ -121,7 +117,7 @@ def _local_path(source, index: int | None) -> str:
     return path
 
 
-def _open_stream(fp, name: str, index: int | None, max_side: int | None) -> Image.Image:
+def _open_stream(fp, name: str, index: int | None) -> Image.Image:
     try:
         # PIL only warns between 1x and 2x its limit; make that a refusal like ours.
         with warnings.catch_warnings():
@@ -134,7 +130,7 @@ def _open_stream(fp, name: str, index: int | None, max_side: int | None) -> Imag
         raise InvalidMemoryError(f"{name}: refused as a possible decompression bomb ({e})", index) from e
     except _DECODE_ERRORS as e:
         raise InvalidMemoryError(f"{name}: cannot read image header ({e})", index) from e
-    return _decode(img, name, index, max_side)
+    return img
 
 
 def _decode(img: Image.Image, name: str, index: int | None, max_side: int | None) -> Image.Image:
