@@ -191,3 +191,14 @@ def test_delivery_api_is_exported_from_the_package():
                  "visual_tokens", "delivery_cost", "cost_ratio", "pixel_host_messages", "text_host_messages",
                  "stamp_tag"):
         assert name in pixeltriage.__all__ and callable(getattr(pixeltriage, name))
+
+
+def test_a_checkpoint_with_another_thumbnail_size_refuses_the_cache(tiny_copy, cache):
+    from pixeltriage import CheckpointError
+
+    cfg = json.loads((tiny_copy / "pixeltriage.json").read_text())
+    cfg["state"]["thumbnail_size"] = 224
+    (tiny_copy / "pixeltriage.json").write_text(json.dumps(cfg))
+    Scorer.load(tiny_copy)                                            # fine without a cache
+    with pytest.raises(CheckpointError, match="thumbnail_size is 224.*336-px"):
+        Scorer.load(tiny_copy, cache=cache)

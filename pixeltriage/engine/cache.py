@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from pixeltriage.engine.image import display_size, encode_png, make_thumbnail, open_image, to_rgb
+from pixeltriage.engine.image import display_size, encode_png
+from pixeltriage.engine.image import thumbnail as make_image_thumbnail
 from pixeltriage.engine.types import ImageSource
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
 
@@ -125,11 +126,10 @@ class Cache:
                 with self._write() as conn:
                     conn.execute("UPDATE images SET note = ? WHERE key = ?", (note, key))
             return key
-        # the same decode path as the scorer's preprocessing, so cached and fresh thumbnails agree
+        # the scorer's own thumbnail recipe, so cached and fresh thumbnails agree
         source = data if data is not None else image
         width, height = display_size(source)
-        original = open_image(source, max_side=THUMBNAIL_SIDE)
-        thumbnail = encode_png(make_thumbnail(to_rgb(original), THUMBNAIL_SIDE))
+        thumbnail = encode_png(make_image_thumbnail(source, THUMBNAIL_SIDE))
         with self._write() as conn:
             # an existing row (a corrupt thumbnail, or a concurrent put) keeps its note unless a new one is given
             conn.execute(

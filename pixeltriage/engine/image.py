@@ -279,12 +279,22 @@ def preprocess(source, cfg: ImageConfig, thumbnail_size: int = 336,
                index: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One memory image -> (pixel_values float32 [N, 3 * T * patch**2], grid_thw (1, grid_h, grid_w)).
 
-    = patchify(make_thumbnail(to_rgb(open_image(source)), thumbnail_size), cfg). Every failure
-    (unreadable image, aspect ratio above 200, ...) is raised as InvalidMemoryError(reason, index).
+    = patchify(thumbnail(source, thumbnail_size), cfg). Every failure (unreadable image, aspect ratio above
+    200, ...) is raised as InvalidMemoryError(reason, index).
     """
-    img = open_image(source, index, max_side=thumbnail_size)
+    thumb = thumbnail(source, thumbnail_size, index)
     try:
-        return patchify(make_thumbnail(to_rgb(img), thumbnail_size), cfg)
+        return patchify(thumb, cfg)
+    except _DECODE_ERRORS as e:
+        raise InvalidMemoryError(f"{_describe(source)}: cannot preprocess image ({e})", index) from e
+
+
+def thumbnail(source, side: int = 336, index: int | None = None) -> Image.Image:
+    """The RGB thumbnail System One reads: decoded (JPEG at a reduced scale), oriented, converted to RGB, the
+    longer side scaled to `side`. The one recipe for fresh and write-time-cached thumbnails."""
+    img = open_image(source, index, max_side=side)
+    try:
+        return make_thumbnail(to_rgb(img), side)
     except _DECODE_ERRORS as e:
         raise InvalidMemoryError(f"{_describe(source)}: cannot preprocess image ({e})", index) from e
 

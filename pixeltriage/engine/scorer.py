@@ -56,6 +56,13 @@ class Scorer:
         self.weights = weights
         self.device = device
         self.dtype = dtype
+        if cache is not None:
+            from pixeltriage.engine.cache import THUMBNAIL_SIDE
+
+            if triage_cfg.thumbnail_size != THUMBNAIL_SIDE:
+                raise CheckpointError(f"pixeltriage.json: state.thumbnail_size is {triage_cfg.thumbnail_size}, but the "
+                                      f"write-time cache keeps {THUMBNAIL_SIDE}-px thumbnails; rescaling them would "
+                                      "not give the thumbnails this checkpoint was trained on")
         self.cache = cache
         self.head_backend = resolve_head_backend(head_backend, device)
         self.packer = StatePacker(encoder, model_cfg, image_cfg, triage_cfg)
