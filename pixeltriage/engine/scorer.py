@@ -165,12 +165,15 @@ class Scorer:
         return state
 
     def _cached_thumbnail(self, memory: Memory, index: int):
-        from pixeltriage.engine.cache import CacheMissError, CorruptEntryError
+        from pixeltriage.engine.cache import CacheMissError, CorruptEntryError, image_key
 
         cache = self.cache
         if memory.key is None:
-            key = cache.put(memory.image)       # idempotent; (re)writes a missing or damaged thumbnail
-            return key, cache.thumbnail(key)
+            key = image_key(memory.image)
+            try:
+                return key, cache.thumbnail(key)            # the common case: one read, one checksum, one decode
+            except CacheMissError:                          # absent or damaged: put (re)writes it
+                return cache.put(memory.image), cache.thumbnail(key)
         try:
             return memory.key, cache.thumbnail(memory.key)
         except CorruptEntryError as e:
