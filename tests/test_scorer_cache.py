@@ -202,3 +202,11 @@ def test_a_checkpoint_with_another_thumbnail_size_refuses_the_cache(tiny_copy, c
     Scorer.load(tiny_copy)                                            # fine without a cache
     with pytest.raises(CheckpointError, match="thumbnail_size is 224.*336-px"):
         Scorer.load(tiny_copy, cache=cache)
+
+
+def test_unreadable_images_name_the_memory_with_a_cache_too(tiny_checkpoint, cache, tmp_path):
+    scorer = Scorer.load(tiny_checkpoint, cache=cache)
+    for bad in (b"not an image", str(tmp_path / "missing.png")):
+        with pytest.raises(InvalidMemoryError) as info:
+            scorer.score(QUESTION, [by_value()[0], Memory(image=bad)])
+        assert info.value.index == 1

@@ -169,11 +169,16 @@ class Scorer:
 
         cache = self.cache
         if memory.key is None:
-            key = image_key(memory.image)
             try:
-                return key, cache.thumbnail(key)            # the common case: one read, one checksum, one decode
-            except CacheMissError:                          # absent or damaged: put (re)writes it
-                return cache.put(memory.image), cache.thumbnail(key)
+                key = image_key(memory.image)
+                try:
+                    return key, cache.thumbnail(key)        # the common case: one read, one checksum, one decode
+                except CacheMissError:                      # absent or damaged: put (re)writes it
+                    return cache.put(memory.image), cache.thumbnail(key)
+            except InvalidMemoryError as e:                 # the cache names no memory: this one is `index`
+                if e.index is not None:
+                    raise
+                raise InvalidMemoryError(e.reason, index) from None
         try:
             return memory.key, cache.thumbnail(memory.key)
         except CorruptEntryError as e:
