@@ -117,9 +117,9 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"demo checkpoint ({args.preset}, seed {args.seed}): {path} (ready in {time.perf_counter() - t0:.1f} s)")
     scorer = Scorer.load(path, dtype=args.dtype)
     question, memories = sample_episode(args.seed)
-    state = scorer.pack(question, memories)
     t1 = time.perf_counter()
-    scores = scorer.score(question, memories)
+    state = scorer.pack(question, memories)
+    scores = scorer.score_states([state])[0]
     t2 = time.perf_counter()
     print(f"state: {state.num_tokens} tokens, {state.num_memories} memories, "
           f"{int(state.image_grid_thw.prod(-1).sum()) if state.num_memories else 0} patches; "

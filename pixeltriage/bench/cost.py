@@ -215,7 +215,3 @@ def run_cost(args: argparse.Namespace) -> int:
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
-
-# The router's per-command convention.
-add_arguments = add_cost_arguments
-run = run_cost

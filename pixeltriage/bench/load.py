@@ -88,11 +88,13 @@ def weights_bytes(directory: Path, itemsize: int) -> int:
     """The loaded weights' size: every loaded parameter (not lm_head / mtp) at `itemsize` bytes."""
     from safetensors import safe_open
 
+    from pixeltriage.weights.reader import SKIPPED
+
     total = 0
     for f in sorted(directory.glob("*.safetensors")):
         with safe_open(str(f), "pt") as handle:
             for name in handle.keys():
-                if name == "lm_head.weight" or name.startswith("mtp."):
+                if SKIPPED.match(name):                     # never loaded (lm_head, mtp.*)
                     continue
                 n = 1
                 for d in handle.get_slice(name).get_shape():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -384,6 +384,3 @@ class TriageConfig:
             "template": self.templates,
         }
 
-
-def config_to_json(obj) -> str:
-    return json.dumps(asdict(obj), sort_keys=True)

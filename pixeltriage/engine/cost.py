@@ -93,7 +93,7 @@ def delivery_cost(delivery: Sequence[bool], image_sizes: Sequence[tuple[int, int
                   model: str | TokenRule = "qwen2.5-vl") -> int:
     """c(d) = sum_i d_i * tau(x_i). `image_sizes` are (width, height) in retrieval order."""
     rule = token_rule(model)
-    opened = _check_delivery(delivery, len(image_sizes))
+    opened = check_delivery(delivery, len(image_sizes))
     return sum(rule.tokens(size) for size, is_open in zip(image_sizes, opened) if is_open)
 
 
@@ -101,7 +101,7 @@ def cost_ratio(delivery: Sequence[bool], image_sizes: Sequence[tuple[int, int]],
                model: str | TokenRule = "qwen2.5-vl") -> float:
     """c(d) / c(1): the cost relative to opening every retrieved image; 0.0 when nothing was retrieved."""
     rule = token_rule(model)
-    opened = _check_delivery(delivery, len(image_sizes))
+    opened = check_delivery(delivery, len(image_sizes))
     all_tokens = [rule.tokens(size) for size in image_sizes]
     total = sum(all_tokens)
     if total == 0:
@@ -125,9 +125,10 @@ def _check_size(image_size) -> tuple[int, int]:
     return width, height
 
 
-def _check_delivery(delivery: Sequence[bool], n: int) -> list[bool]:
+def check_delivery(delivery: Sequence[bool], n: int) -> list[bool]:
+    """A delivery (one open/closed flag per retrieved memory) as bools; ValueError for a wrong length or value."""
     if len(delivery) != n:
-        raise ValueError(f"delivery has {len(delivery)} entries for {n} images")
+        raise ValueError(f"delivery has {len(delivery)} entries for {n} memories")
     opened = []
     for i, d in enumerate(delivery):
         if d not in (0, 1):  # True/False/0/1 only

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 
 from PIL import Image, ImageDraw, ImageFont
 
+from pixeltriage.engine.cost import check_delivery
 from pixeltriage.engine.image import open_image, to_rgb
 from pixeltriage.engine.types import ImageSource, Memory
 from pixeltriage.errors import InvalidMemoryError
@@ -77,7 +78,7 @@ def pixel_host_messages(question: str, memories: Sequence[Memory], delivery: Seq
     not empty, "Caption: <note>" (left out for an opened memory with replace_caption, and when
     the note is empty), then its image when delivery[i] is true. The question comes last.
     """
-    opened = _check_delivery(delivery, memories)
+    opened = check_delivery(delivery, len(memories))
     seen = _seen_labels(memories, seen_ordinals, store_size, [True] * len(memories)) if seen_time \
         else [""] * len(memories)
     content: list[dict] = [_text(_intro(tag_images and any(opened), _uses_ordinals(memories, seen_time)))]
@@ -110,7 +111,7 @@ def text_host_messages(host_text_messages: Sequence[dict], memories: Sequence[Me
     i is the memory's retrieval position, as in the host's own listing. With nothing opened the
     copy is returned unchanged.
     """
-    opened = _check_delivery(delivery, memories)
+    opened = check_delivery(delivery, len(memories))
     messages = copy.deepcopy(list(host_text_messages))  # images are not in text messages
     if not any(opened):
         return messages
@@ -199,15 +200,6 @@ def _image(memory: Memory, index: int, images: Mapping[str, ImageSource] | None,
     elif isinstance(source, os.PathLike):
         source = os.fspath(source)
     return {"type": "image", "image": source}
-
-
-def _check_delivery(delivery: Sequence[bool], memories: Sequence[Memory]) -> list[bool]:
-    if len(delivery) != len(memories):
-        raise ValueError(f"delivery has {len(delivery)} entries for {len(memories)} memories")
-    for i, d in enumerate(delivery):
-        if d not in (0, 1):
-            raise ValueError(f"delivery[{i}] must be 0/1 or a bool, found {d!r}")
-    return [bool(d) for d in delivery]
 
 
 def _text(text: str) -> dict:

@@ -51,7 +51,7 @@ class LoraAdapter:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{config_path}: not a valid adapter config ({e})") from None
-        self.config_path, self.weights_path = config_path, weights_path
+        self.weights_path = weights_path
         self._check_config(config)
         self.rank = int(config["r"])
         self.alpha = float(config.get("lora_alpha", self.rank))

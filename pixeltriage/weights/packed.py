@@ -16,6 +16,7 @@ transposed; another dtype costs one cast per tensor.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -42,10 +43,6 @@ _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 _CLASSES = {cls.__name__: cls for cls in (
     layout_mod.EngineWeights, model_mod.TextWeights, model_mod.LayerWeights, model_mod.LinearAttentionWeights,
     model_mod.FullAttentionWeights, vision_mod.VisionWeights, vision_mod.VisionBlockWeights)}
-
-
-def is_packed(path: Path) -> bool:
-    return path.is_file()
 
 
 # -- EngineWeights <-> flat tensors ---------------------------------------------------------------------------
@@ -173,7 +170,7 @@ def _write(dst: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         os.chmod(tmp, 0o644)
         os.replace(tmp, dst)
     except BaseException:
-        with _suppress():
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     _say(progress, f"wrote {dst} ({(8 + len(blob) + offset) / 2**20:,.1f} MiB)")
@@ -306,11 +303,3 @@ def _progress(on: bool, total: int, label: str):
         if bar.n >= total:
             bar.close()
     return update
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return True
