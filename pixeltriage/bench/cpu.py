@@ -14,11 +14,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from typing import Callable
 
 import torch
 from PIL import Image, ImageDraw
+
+from pixeltriage.bench.timing import gemm_tflops, timed
 
 WORDS = ("the market stall had orchids in painted pots and a vendor who talked about watering them twice a week "
          "while a cat slept by the crates of lemons and someone asked about the price of the blue vase").split()
@@ -54,28 +54,10 @@ def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300):
     return episode(lo)
 
 
-def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """Achieved FLOP/s of an n x n x n matmul in `dtype` on this CPU (median)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    t = statistics.median(timed(lambda: a @ b, repeats, warmup=2))
-    return 2 * n ** 3 / t
-
-
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
                target_tokens: int = 2300, transformers_repeats: int | None = None, progress=print) -> dict:
-    from pixeltriage.bench.flops import StateShape, system_one_flops, total
-    from pixeltriage.bench.hf import force_transformers_torch_path
+    from pixeltriage.bench.flops import state_shape, system_one_flops, total
+    from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
     from pixeltriage.engine import profiling
     from pixeltriage.engine.scorer import Scorer, parse_dtype
     from pixeltriage.weights.demo import demo_checkpoint
@@ -86,11 +68,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     scorer = Scorer.load(path, dtype=torch_dtype)
     question, mems = bench_episode(scorer.packer, memories, target_tokens)
     state = scorer.pack(question, mems)
-    merge2 = scorer.model_config.vision.spatial_merge_size ** 2
-    image_tokens = int(state.image_grid_thw.prod(-1).sum()) // merge2
-    shape = StateShape(text_tokens=state.num_tokens - image_tokens,
-                       image_grids=tuple(tuple(g) for g in state.image_grid_thw.tolist()))
-    flops = total(system_one_flops(scorer.model_config, shape, scorer.triage_config.head_dim, causal="half"))
+    shape = state_shape(state, scorer.model_config.vision.merge_unit)
+    flops = total(system_one_flops(scorer.model_config, shape, scorer.triage_config.head_dim))
 
     progress(f"state: {state.num_tokens} tokens, {state.num_memories} memories; timing the engine")
     stage_runs = []
@@ -107,11 +86,11 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     from transformers import Qwen3_5ForConditionalGeneration
 
     force_transformers_torch_path()
-    hf_times = _time_transformers(Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch_dtype).eval(),
-                                  state, transformers_repeats or max(2, repeats // 2))
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch_dtype).eval()
+    hf_times = timed(lambda: transformers_hidden(model, state), transformers_repeats or max(2, repeats // 2))
 
     progress("measuring the GEMM rate")
-    rate = gemm_rate(torch_dtype)
+    rate = gemm_tflops(dtype=torch_dtype) * 1e12
     engine_s, hf_s = statistics.median(engine_times), statistics.median(hf_times)
     achieved = flops.total / engine_s
     return {
@@ -121,12 +100,6 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "tflop": flops.total / 1e12, "gemm_tflops": rate / 1e12, "achieved_tflops": achieved / 1e12,
         "fraction_of_gemm": achieved / rate, "stages_s": stages,
     }
-
-
-def _time_transformers(model, state, repeats: int) -> list[float]:
-    from pixeltriage.bench.hf import transformers_hidden
-
-    return timed(lambda: transformers_hidden(model, state), repeats)
 
 
 def print_table(r: dict, out=None) -> None:
@@ -154,7 +127,8 @@ def add_cpu_arguments(p: argparse.ArgumentParser) -> None:
 def run_cpu(args: argparse.Namespace) -> int:
     r = cpu_report(args.preset, args.dtype, args.repeats, args.memories, args.tokens,
                    progress=lambda s: print(s, file=sys.stderr, flush=True))
-    print(json.dumps(r, indent=2) if args.json else "", end="\n" if args.json else "")
-    if not args.json:
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
         print_table(r)
     return 0

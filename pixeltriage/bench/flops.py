@@ -290,6 +290,13 @@ def shape_from_config(cfg: ModelConfig, name: str = "system-one", min_pixels: in
     return ModelShape(name=name, language=language, vision=vision)
 
 
+def state_shape(state, merge_unit: int) -> StateShape:
+    """The shape of an engine `State` (pixeltriage.engine.state): its text tokens and image grids."""
+    grids = tuple(tuple(g) for g in state.image_grid_thw.tolist())
+    image_tokens = sum(t * h * w for t, h, w in grids) // merge_unit
+    return StateShape(text_tokens=state.num_tokens - image_tokens, image_grids=grids)
+
+
 def system_one_flops(model: ModelConfig | ModelShape, state: StateShape, head_dim: int = 256,
                      cached_vision: bool = False, causal: str = "half",
                      num_memories: int | None = None) -> dict[str, Flops]:

@@ -26,38 +26,9 @@ from pathlib import Path
 
 import torch
 
+from pixeltriage.bench.timing import gemm_tflops, percentiles, timed
+
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
-
-
-def _timer(device: torch.device):
-    """fn -> seconds, with CUDA events on a GPU and perf_counter on the CPU."""
-    if device.type == "cuda":
-        def run(fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end) / 1e3
-        return run
-
-    def run_cpu(fn):
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    return run_cpu
-
-
-def _times(device, fn, iters: int, warmup: int = 3) -> list[float]:
-    timer = _timer(device)
-    for _ in range(warmup):
-        fn()
-    return [timer(fn) for _ in range(iters)]
-
-
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
 
 def max_diff(a, b) -> float:
@@ -85,16 +56,9 @@ def parity(presets, device: torch.device, progress) -> dict:
     return out
 
 
-def gemm_tflops(device: torch.device, dtype=torch.bfloat16) -> float:
-    n = 8192 if device.type == "cuda" else 2048
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    t = statistics.median(_times(device, lambda: a @ a, 10 if device.type == "cuda" else 3, warmup=2))
-    return 2 * n ** 3 / t / 1e12
-
-
 def timing(preset: str, device: torch.device, iters: int, batch: int, progress) -> dict:
     from pixeltriage.bench.cpu import bench_episode
-    from pixeltriage.bench.flops import StateShape, system_one_flops, total
+    from pixeltriage.bench.flops import state_shape, system_one_flops, total
     from pixeltriage.bench.latency import device_peak_tflops
     from pixeltriage.engine.cache import Cache
     from pixeltriage.engine.scorer import Scorer
@@ -106,28 +70,25 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
     scorer = Scorer.load(path, device=device, dtype=dtype)
     question, memories = bench_episode(scorer.packer)
     state = scorer.pack(question, memories)
-    per_q = _times(device, lambda: scorer.score_states([state]), iters)
-    end_to_end = _times(device, lambda: scorer.score(question, memories), max(3, iters // 3))
+    per_q = timed(lambda: scorer.score_states([state]), iters, warmup=3, device=device)
+    end_to_end = timed(lambda: scorer.score(question, memories), max(3, iters // 3), warmup=3, device=device)
 
     with tempfile.TemporaryDirectory() as tmp, Cache(Path(tmp) / "cache.db") as cache:
         cached = Scorer.load(path, device=device, dtype=dtype, cache=cache)
         cstate = cached.pack(question, memories)
         cached.score_states([cstate])                                      # stores the vision features
-        per_q_cached = _times(device, lambda: cached.score_states([cstate]), iters)
+        per_q_cached = timed(lambda: cached.score_states([cstate]), iters, warmup=3, device=device)
         cached_share = cached.vision_counts
 
     states = [scorer.pack(f"{question} ({i})", memories) for i in range(batch)]
-    batch_times = _times(device, lambda: scorer.score_states(states), max(2, iters // 5), warmup=1)
+    batch_times = timed(lambda: scorer.score_states(states), max(2, iters // 5), warmup=1, device=device)
 
-    merge2 = scorer.model_config.vision.spatial_merge_size ** 2
-    image_tokens = int(state.image_grid_thw.prod(-1).sum()) // merge2
-    shape = StateShape(text_tokens=state.num_tokens - image_tokens,
-                       image_grids=tuple(tuple(g) for g in state.image_grid_thw.tolist()))
+    shape = state_shape(state, scorer.model_config.vision.merge_unit)
     head_dim = scorer.triage_config.head_dim
     flops = total(system_one_flops(scorer.model_config, shape, head_dim)).total
     flops_cached = total(system_one_flops(scorer.model_config, shape, head_dim, cached_vision=True)).total
     progress("measuring the GEMM rate")
-    gemm = gemm_tflops(device)
+    gemm = gemm_tflops(device, dtype)
     peak = device_peak_tflops(device)
     p50, p50c = statistics.median(per_q), statistics.median(per_q_cached)
     batch_s = statistics.median(batch_times)
@@ -137,10 +98,10 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
         return {"tflops": achieved, "of_gemm": achieved / gemm, "mfu": achieved / peak if peak else None}
     return {
         "preset": preset, "dtype": "bfloat16", "tokens": state.num_tokens, "memories": state.num_memories,
-        "batch_1": {"p50_ms": p50 * 1e3, "p99_ms": _pct(per_q, 99) * 1e3, "iters": iters,
+        "batch_1": {"p50_ms": p50 * 1e3, "p99_ms": percentiles(per_q)["p99"] * 1e3, "iters": iters,
                     **rate(flops, p50)},
         "batch_1_end_to_end": {"p50_ms": statistics.median(end_to_end) * 1e3},
-        "batch_1_cached_vision": {"p50_ms": p50c * 1e3, "p99_ms": _pct(per_q_cached, 99) * 1e3,
+        "batch_1_cached_vision": {"p50_ms": p50c * 1e3, "p99_ms": percentiles(per_q_cached)["p99"] * 1e3,
                                   "vision_counts": cached_share, **rate(flops_cached, p50c)},
         f"batch_{batch}": {"seconds": batch_s, "questions_per_s": batch / batch_s, **rate(flops * batch, batch_s)},
         "tflop_per_question": flops / 1e12, "tflop_per_question_cached": flops_cached / 1e12,

@@ -26,11 +26,12 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
+
+from pixeltriage.bench.timing import gemm_tflops, percentiles, timed
 
 SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
          (720, 1280), (512, 384)]
@@ -69,43 +70,20 @@ def stream(num_questions: int, seed: int = 0, max_memories: int = 20):
     return out
 
 
-def percentiles(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-
-    def pct(p: float) -> float:
-        if not xs:
-            return float("nan")
-        i = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
-        return xs[i]
-    return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "mean": statistics.fmean(xs) if xs else float("nan")}
-
-
 def _sync(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def system_one_latency(scorer, episodes, batch: int, warmup: int = 2) -> dict:
-    sync = _sync(scorer.device) or (lambda: None)
+    dev = scorer.device
     for q, m in episodes[:warmup]:
         scorer.score(q, m)
-    timed = episodes[warmup:]
-    single = []
-    for q, m in timed:
-        sync()
-        t0 = time.perf_counter()
-        scorer.score(q, m)
-        sync()
-        single.append(time.perf_counter() - t0)
+    rest = episodes[warmup:]
+    single = [timed(lambda: scorer.score(q, m), 1, warmup=0, device=dev)[0] for q, m in rest]
     out = {"batch_1": {**percentiles(single), "questions": len(single), "questions_per_s": len(single) / sum(single)}}
     if batch > 1:
-        batches = [timed[i:i + batch] for i in range(0, len(timed) - batch + 1, batch)]
-        lat = []
-        for b in batches:
-            sync()
-            t0 = time.perf_counter()
-            scorer.score_batch(b)
-            sync()
-            lat.append(time.perf_counter() - t0)
+        batches = [rest[i:i + batch] for i in range(0, len(rest) - batch + 1, batch)]
+        lat = [timed(lambda: scorer.score_batch(b), 1, warmup=0, device=dev)[0] for b in batches]
         out[f"batch_{batch}"] = {**percentiles(lat), "batches": len(lat),
                                  "questions_per_s": batch * len(lat) / sum(lat) if lat else float("nan")}
     return out
@@ -164,29 +142,19 @@ def _prefill_inputs(cfg, images: list[Image.Image], opened: list[bool], text_tok
 @torch.inference_mode()
 def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2, text_tokens: int = 64) -> dict:
     input_ids, kwargs = _prefill_inputs(cfg, images, opened, text_tokens, device, dtype)
-    sync = _sync(device) or (lambda: None)
-    model.model(input_ids=input_ids, **kwargs)           # warm-up
-    ts = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        model.model(input_ids=input_ids, **kwargs)
-        sync()
-        ts.append(time.perf_counter() - t0)
+    ts = timed(lambda: model.model(input_ids=input_ids, **kwargs), repeats, warmup=1, device=device)
     return {"tokens": int(input_ids.shape[1]), "visual_tokens": int((input_ids == cfg.image_token_id).sum()),
             "seconds": statistics.median(ts)}
 
 
 def profile_stages(scorer, episodes, out_dir: Path, gemm_tflops: float) -> dict:
     """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
-    from pixeltriage.bench.flops import decision_head_flops, ffn_flops, full_attention_flops, \
-        linear_attention_flops, shape_from_config, vision_flops
+    from pixeltriage.bench.flops import shape_from_config, state_shape, system_one_flops
     from pixeltriage.engine import profiling
-    from pixeltriage.engine.config import FULL
 
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = shape_from_config(scorer.model_config)
-    lang = shape.language
+    stage_of = {"full_attention": "attention", "linear_attention": "gated_delta", "ffn": "mlp"}  # flops -> stages
     flops: dict[str, float] = {}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if scorer.device.type == "cuda":
@@ -195,18 +163,10 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_tflops: float) -> dict:
         for q, m in episodes:
             state = scorer.pack(q, m)
             scorer.score_states([state])
-            grids = tuple(tuple(g) for g in state.image_grid_thw.tolist())
-            t = state.num_tokens
-            n_full = scorer.model_config.text.layer_types.count(FULL)
-            n_lin = len(scorer.model_config.text.layer_types) - n_full
-            for name, f in (("vision", vision_flops(shape.vision, grids) if grids else None),
-                            ("attention", n_full * full_attention_flops(lang, t) if n_full else None),
-                            ("gated_delta", n_lin * linear_attention_flops(lang, t) if n_lin else None),
-                            ("mlp", len(lang.layer_types) * ffn_flops(lang, t)),
-                            ("head", decision_head_flops(lang.hidden_size, scorer.triage_config.head_dim,
-                                                         state.num_memories))):
-                if f is not None:
-                    flops[name] = flops.get(name, 0.0) + f.total
+            parts = system_one_flops(shape, state_shape(state, shape.vision.merge_unit),
+                                     scorer.triage_config.head_dim)
+            for name, f in parts.items():
+                flops[stage_of.get(name, name)] = flops.get(stage_of.get(name, name), 0.0) + f.total
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
     peak = device_peak_tflops(scorer.device)
@@ -237,7 +197,6 @@ def device_peak_tflops(device: torch.device) -> float | None:
 
 def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questions=24, ks=(1, 2),
                    answering_scale="tiny", profile: str | None = None, seed: int = 0, progress=print) -> dict:
-    from pixeltriage.bench.cpu import gemm_rate
     from pixeltriage.engine.policy import top_k
     from pixeltriage.engine.scorer import Scorer, parse_dtype
     from pixeltriage.weights.demo import demo_checkpoint
@@ -267,22 +226,10 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
     del model
     if profile:
         progress("measuring the GEMM rate and profiling")
-        gemm = gemm_rate(tdtype) / 1e12 if dev.type == "cpu" else _cuda_gemm_tflops(dev, tdtype)
+        gemm = gemm_tflops(dev, tdtype)
         report["gemm_tflops"] = gemm
         report["profile"] = profile_stages(scorer, episodes[2:2 + min(4, questions)], Path(profile), gemm)
     return report
-
-
-def _cuda_gemm_tflops(device, dtype, n: int = 8192) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize(device)
-    return 10 * 2 * n ** 3 / (time.perf_counter() - t0) / 1e12
 
 
 def print_report(r: dict, out=None) -> None:
