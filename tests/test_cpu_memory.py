@@ -25,11 +25,11 @@ def test_cuda_dispatch_refuses_slow_fallbacks_unless_allowed():
     from pixeltriage.engine.scorer import cuda_implementations
     from pixeltriage.errors import BackendUnavailableError
 
-    fast = cuda_implementations("auto", False, fla_ok=True, triton_ok=True)
+    fast = cuda_implementations("triton", False, fla_ok=True, triton_ok=True)
     assert fast["gated_delta"].startswith("fla") and fast["head"] == "triton"
     with pytest.raises(BackendUnavailableError, match="flash-linear-attention.*allow_slow=True"):
-        cuda_implementations("auto", False, fla_ok=False, triton_ok=True)
-    slow = cuda_implementations("auto", True, fla_ok=False, triton_ok=False)
+        cuda_implementations("triton", False, fla_ok=False, triton_ok=True)
+    slow = cuda_implementations("torch", True, fla_ok=False, triton_ok=False)
     assert slow["gated_delta"] == "torch chunked (slow)" and slow["head"] == "torch"
 
 

@@ -92,10 +92,10 @@ class Scorer:
         path = Path(path)
         device = torch.device(device)
         dtype = parse_dtype(dtype)
-        resolve_head_backend(head_backend, device)
+        head = resolve_head_backend(head_backend, device)      # an unavailable choice fails before any loading
         check_device_dtype(device, dtype, path)
         if device.type == "cuda":
-            log.info("CUDA implementations: %s", cuda_implementations(head_backend, allow_slow))
+            log.info("CUDA implementations: %s", cuda_implementations(head, allow_slow))
         if device.type == "cpu":
             from pixeltriage.engine.cpu_memory import tune_malloc
 
@@ -332,10 +332,11 @@ class Scorer:
         )
 
 
-def cuda_implementations(head_backend: str, allow_slow: bool, fla_ok: bool | None = None,
+def cuda_implementations(head: str, allow_slow: bool, fla_ok: bool | None = None,
                          triton_ok: bool | None = None) -> dict[str, str]:
-    """Which implementation each op takes on CUDA; BackendUnavailableError when a fast one is missing and
-    `allow_slow` is False (transformers, in the same case, silently falls back to torch and shifts scores)."""
+    """Which implementation each op takes on CUDA (`head`: the resolved head backend); BackendUnavailableError
+    when a fast one is missing and `allow_slow` is False (transformers, in the same case, silently falls back to
+    torch and shifts scores)."""
     from pixeltriage.errors import BackendUnavailableError
     from pixeltriage.kernels.gated_delta import fla
     from pixeltriage.kernels.head import _triton_installed
@@ -346,7 +347,6 @@ def cuda_implementations(head_backend: str, allow_slow: bool, fla_ok: bool | Non
     if missing and not allow_slow:
         raise BackendUnavailableError(f"CUDA needs {' and '.join(missing)} for its fast kernels (pip install "
                                       "'pixeltriage[gpu]'); pass allow_slow=True to run the torch fallbacks")
-    head = head_backend if head_backend != "auto" else ("triton" if triton_ok else "torch")
     return {"gated_delta": ("fla chunk_gated_delta_rule (bf16/fp16; float32 runs the exact torch chunked path)"
                             if fla_ok else "torch chunked (slow)"),
             "conv1d": "torch shifted multiply-adds", "attention": "torch SDPA (flash / memory-efficient)",
