@@ -16,13 +16,13 @@ in a write-time cache (`--cache DB`). `note`, `dialogue` and `date` are optional
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from pixeltriage.engine.config import read_json
 from pixeltriage.engine.types import Memory
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
 
@@ -36,12 +36,7 @@ MEMORY_FIELDS = {"image", "key", "note", "dialogue", "date"}
 
 def load_episodes(path: str | Path) -> list[tuple[str, list[Memory]]]:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EpisodeError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EpisodeError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path, EpisodeError, (dict, list))
     items = data if isinstance(data, list) else [data]
     return [parse_episode(item, path.parent, f"{path}[{i}]" if isinstance(data, list) else str(path))
             for i, item in enumerate(items)]

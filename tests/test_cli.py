@@ -49,3 +49,8 @@ def test_module_and_demo(tmp_path):
                          timeout=900)
     assert out.returncode == 0, out.stderr
     assert "p_vis" in out.stdout and "k=1 opens memories" in out.stdout and "meaningless" in out.stdout
+
+
+def test_an_episode_path_that_is_a_directory_is_a_clear_error(tiny_checkpoint, tmp_path, capsys):
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(tmp_path)]) == 2
+    assert f"{tmp_path}: cannot read" in capsys.readouterr().err

@@ -395,12 +395,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_notes(path: str) -> dict[str, str]:
-    try:
-        notes = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise PixelTriageError(f"{path}: cannot read notes file ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PixelTriageError(f"{path}: notes file is not valid JSON ({e})") from None
-    if not isinstance(notes, dict) or not all(isinstance(v, str) for v in notes.values()):
+    from pixeltriage.engine.config import read_json
+
+    notes = read_json(path, PixelTriageError)
+    if not all(isinstance(v, str) for v in notes.values()):
         raise PixelTriageError(f"{path}: notes file must be a JSON object of strings {{image: note}}")
     return notes

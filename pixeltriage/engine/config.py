@@ -18,17 +18,24 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 
 
-def read_json(path: str | os.PathLike) -> dict:
+def read_json(path: str | os.PathLike, error: type[Exception] = CheckpointError,
+              kind: type | tuple[type, ...] = dict) -> Any:
+    """A JSON file's value, checked to be a `kind`; every failure (missing, a directory, unreadable, not JSON,
+    the wrong kind) is an `error` naming the file."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
+    except FileNotFoundError:
+        raise error(f"{path}: file not found") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, kind):
+        names = {dict: "object", list: "array", str: "string"}
+        expected = " or ".join(names.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise error(f"{path}: expected a JSON {expected}, found {type(data).__name__}")
     return data
 
 
