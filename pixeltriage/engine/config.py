@@ -325,9 +325,10 @@ class TriageConfig:
     max_memory_text_tokens: int = 256
     max_state_tokens: int = 16384
     template: tuple[tuple[str, str], ...] = field(default_factory=lambda: tuple(DEFAULT_TEMPLATE.items()))
+    source: str = field(default="pixeltriage.json", compare=False, repr=False)   # named in error messages
 
     def __post_init__(self):
-        src = "pixeltriage.json"
+        src = self.source
         tpl = dict(self.template)
         missing = sorted(set(DEFAULT_TEMPLATE) - set(tpl))
         unknown = sorted(set(tpl) - set(DEFAULT_TEMPLATE))
@@ -362,17 +363,15 @@ class TriageConfig:
         state = d.get("state", {})
         template = dict(DEFAULT_TEMPLATE)
         template.update(d.get("template", {}))
-        try:
-            return cls(
-                head_dim=head.get("dim", 256),
-                thumbnail_size=state.get("thumbnail_size", 336),
-                max_question_tokens=state.get("max_question_tokens", 512),
-                max_memory_text_tokens=state.get("max_memory_text_tokens", 256),
-                max_state_tokens=state.get("max_state_tokens", 16384),
-                template=tuple(template.items()),
-            )
-        except CheckpointError as e:
-            raise CheckpointError(str(e).replace("pixeltriage.json", source, 1)) from None
+        return cls(
+            head_dim=head.get("dim", 256),
+            thumbnail_size=state.get("thumbnail_size", 336),
+            max_question_tokens=state.get("max_question_tokens", 512),
+            max_memory_text_tokens=state.get("max_memory_text_tokens", 256),
+            max_state_tokens=state.get("max_state_tokens", 16384),
+            template=tuple(template.items()),
+            source=source,
+        )
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "TriageConfig":
