@@ -36,6 +36,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Q
 
 from pixeltriage.engine.config import FULL, LINEAR, ImageConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
+from pixeltriage.weights.reader import safetensors_header
 from pixeltriage.weights.tokenizer import (QWEN_FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_tokenizer, save_tokenizer,
                                            special_token_ids)
 
@@ -43,7 +44,6 @@ TIED_KEY = "lm_head.weight"
 HEAD_KEYS = ("head.decision.weight", "head.candidate.weight")
 MAX_SHARD_BYTES = 2 * 1024 ** 3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
 # 352 is the first multiple of patch*merge (32) above 336: a 336-px thumbnail is never shrunk.
 _MAX_PIXELS = 352 * 352
 
@@ -115,7 +115,7 @@ def _resolve_dtype(preset: Preset, dtype: str | torch.dtype | None) -> torch.dty
     if dtype is None:
         return preset.dtype
     resolved = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if resolved not in _SAFETENSORS_DTYPES:
+    if resolved not in DTYPES.values():
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     return resolved
 
@@ -210,18 +210,9 @@ class _Scratch:
 
 def _write_safetensors(path: Path, specs: list[TensorSpec], dtype: torch.dtype, seed: int, scratch: _Scratch) -> None:
     """Stream tensors into one safetensors file: header first, then each tensor as it is drawn."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec in specs:
-        nbytes = spec.numel * dtype.itemsize
-        header[spec.name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(spec.shape),
-                             "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
+    prefix, _ = safetensors_header([(spec.name, dtype, spec.shape) for spec in specs], {"format": "pt"})
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        f.write(prefix)
         for spec in specs:
             f.write(scratch.tensor_bytes(spec, seed))
 

@@ -35,10 +35,11 @@ from pixeltriage.engine import vision as vision_mod
 from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
 from pixeltriage.weights import layout as layout_mod
+from pixeltriage.weights.reader import SAFETENSORS_DTYPES, safetensors_header
 
 FORMAT = "pixeltriage-packed"
 FORMAT_VERSION = "1"
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPES = SAFETENSORS_DTYPES
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 _CLASSES = {cls.__name__: cls for cls in (
     layout_mod.EngineWeights, model_mod.TextWeights, model_mod.LayerWeights, model_mod.LinearAttentionWeights,
@@ -145,21 +146,13 @@ def _write(dst: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     """A valid safetensors file (no holes between tensors) whose tensors can all be viewed in place: the data
     starts 64-byte aligned and wider dtypes come first, so every offset is a multiple of its element size."""
     order = sorted(tensors, key=lambda n: -tensors[n].element_size())
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % 64)
+    prefix, offset = safetensors_header([(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in order], metadata,
+                                        align=64)
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.tmp-", dir=dst.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
+            f.write(prefix)
             bar = _progress(progress, offset, dst.name)
             for name in order:
                 data = _tensor_bytes(tensors[name])
@@ -173,7 +166,7 @@ def _write(dst: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _say(progress, f"wrote {dst} ({(8 + len(blob) + offset) / 2**20:,.1f} MiB)")
+    _say(progress, f"wrote {dst} ({(len(prefix) + offset) / 2**20:,.1f} MiB)")
 
 
 # -- reading ------------------------------------------------------------------------------------------------

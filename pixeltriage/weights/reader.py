@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import struct
 from pathlib import Path
 
 import torch
@@ -16,6 +17,27 @@ log = logging.getLogger(__name__)
 
 # Present in real checkpoints, deliberately never loaded: System One computes no vocabulary logits.
 SKIPPED = re.compile(r"^(lm_head\.weight|mtp\..*|model\.mtp\..*)$")
+# The dtypes the engine reads and writes, by their safetensors names.
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def safetensors_header(entries, metadata: dict[str, str] | None = None, align: int = 8) -> tuple[bytes, int]:
+    """The prefix of a safetensors file (8-byte length + JSON header) for tensors written back to back, in order.
+
+    entries: (name, dtype, shape) per tensor. The header is space-padded so the data starts at a multiple of
+    `align` bytes. Returns (prefix, total data bytes)."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape in entries:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % align)
+    return struct.pack("<Q", len(blob)) + blob, offset
 
 
 class TensorSource:
