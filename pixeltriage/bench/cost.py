@@ -28,10 +28,8 @@ from pixeltriage.bench.flops import (
     ANSWERING_MODELS,
     SYSTEM_ONE_CONFIGS,
     SYSTEM_ONE_HEAD_DIM,
-    THUMBNAIL_SIZE,
-    StateShape,
     answering_model,
-    image_grid,
+    paper_state,
     prefill_flops,
     shape_from_config,
     system_one_config,
@@ -89,17 +87,14 @@ def custom_scenario(image_sizes: Sequence[ImageSize], text_tokens: int, proxy_to
                     proxy_tokens=proxy_tokens, keep_proxy=keep_proxy, state_text_tokens=state_text)
 
 
-def _answer_tflop(model_name: str, scenario: Scenario, sizes: tuple[ImageSize, ...], opened: int) -> float:
+def _answer_tflop(model, scenario: Scenario, sizes: tuple[ImageSize, ...], opened: int) -> float:
     kept = opened if scenario.keep_proxy else 0
     text = scenario.text_tokens + scenario.proxy_tokens * (len(sizes) - opened + kept)
-    return total(prefill_flops(answering_model(model_name), text, sizes[:opened])).total / 1e12
+    return total(prefill_flops(model, text, sizes[:opened])).total / 1e12
 
 
-def _system_one_tflop(system_one: str, scenario: Scenario, sizes: tuple[ImageSize, ...],
-                      cached_vision: bool) -> float:
-    shape = shape_from_config(system_one_config(system_one))
-    grid = image_grid(THUMBNAIL_SIZE, THUMBNAIL_SIZE, shape.vision)
-    state = StateShape(text_tokens=scenario.state_text_tokens, image_grids=(grid,) * len(sizes))
+def _system_one_tflop(shape, scenario: Scenario, sizes: tuple[ImageSize, ...], cached_vision: bool) -> float:
+    state = paper_state(len(sizes), text_tokens=scenario.state_text_tokens, vision=shape.vision)
     parts = system_one_flops(shape, state, head_dim=SYSTEM_ONE_HEAD_DIM, cached_vision=cached_vision)
     return total(parts).total / 1e12
 
@@ -118,18 +113,19 @@ def cost_report(scenario: str | Scenario, answering: str, ks: Sequence[int], sys
         raise ValueError(f"budgets k must be >= 1, found {list(ks)}")
     vis = {"open_all": 0.0, "ours": {k: 0.0 for k in ks}}
     tf = {"system_one": 0.0, "open_all": 0.0, "text_only": 0.0, "ours": {k: 0.0 for k in ks}}
+    s1_shape = shape_from_config(system_one_config(system_one))
     for r in sc.retrievals:
         sizes, n = r.image_sizes, len(r.image_sizes)
         tokens = [visual_tokens(w, h, model.vision) for w, h in sizes]
-        s1 = _system_one_tflop(system_one, sc, sizes, cached_vision)
+        s1 = _system_one_tflop(s1_shape, sc, sizes, cached_vision)
         tf["system_one"] += r.weight * s1
-        tf["open_all"] += r.weight * _answer_tflop(answering, sc, sizes, n)
-        tf["text_only"] += r.weight * _answer_tflop(answering, sc, sizes, 0)
+        tf["open_all"] += r.weight * _answer_tflop(model, sc, sizes, n)
+        tf["text_only"] += r.weight * _answer_tflop(model, sc, sizes, 0)
         vis["open_all"] += r.weight * sum(tokens)
         for k in ks:
             opened = min(k, n)
             vis["ours"][k] += r.weight * sum(tokens[:opened])
-            tf["ours"][k] += r.weight * (s1 + _answer_tflop(answering, sc, sizes, opened))
+            tf["ours"][k] += r.weight * (s1 + _answer_tflop(model, sc, sizes, opened))
     return {
         "scenario": sc.name,
         "answering": answering,
