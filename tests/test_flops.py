@@ -263,3 +263,18 @@ def test_answering_presets_match_their_parameter_counts():
             per_token -= num_linear * 2 * tokens * lang.linear_conv_dim * lang.linear_conv_kernel_dim
         active = per_token / tokens / 2 + 2 * lang.vocab_size * lang.hidden_size
         assert abs(active - params) < 0.05 * params, f"{name}: {active / 1e9:.2f}B active"
+
+
+def test_the_2b_flop_preset_is_the_2b_demo_checkpoint_shape():
+    """The FLOP model's System One and the demo generator's 2b preset are written separately; keep them equal
+    (the demo caps max_position_embeddings, which no FLOP depends on)."""
+    import dataclasses
+
+    from pixeltriage.engine.config import ModelConfig
+    from pixeltriage.weights.demo import hf_config
+
+    flop_cfg = dataclasses.asdict(F.system_one_config("2b"))
+    demo_cfg = dataclasses.asdict(ModelConfig.from_dict(hf_config("2b").to_dict()))
+    for cfg in (flop_cfg, demo_cfg):
+        cfg["text"].pop("max_position_embeddings")
+    assert flop_cfg == demo_cfg
