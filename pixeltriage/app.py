@@ -18,7 +18,14 @@ def image_size(memory: Memory, index: int, cache=None) -> tuple[int, int] | None
     """The original image's displayed (width, height), from its header or, for a cache-key memory, from the
     cache; None when unknown."""
     if memory.image is None:
-        return cache.size(memory.key) if cache is not None and memory.key in cache else None
+        if cache is None:
+            return None
+        from pixeltriage.engine.cache import CacheMissError
+
+        try:
+            return cache.size(memory.key)
+        except CacheMissError:
+            return None
     return display_size(memory.image, index)
 
 
