@@ -76,7 +76,7 @@ def print_report(report: dict, out=None) -> None:
 
 
 def add_score_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="System One checkpoint directory")
+    p.add_argument("--checkpoint", required=True, help="System One checkpoint directory or packed file")
     p.add_argument("--episode", required=True, help="episode JSON file (see README)")
     p.add_argument("--k", type=int, default=2, help="open the k memories with the highest gain (default 2)")
     p.add_argument("--gate-rate", type=float, default=None,
@@ -86,6 +86,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
                    help="write-time cache file (pixeltriage cache put): memories may be given by key, thumbnails "
                         "are read from it and vision-tower outputs are stored in it for later questions")
     p.add_argument("--json", action="store_true", help="print one JSON object per episode")
+    p.add_argument("--verify", action="store_true",
+                   help="read every weight of a packed checkpoint at load (NaN/Inf, fingerprint); directories "
+                        "are always checked")
 
 
 def run_score(args: argparse.Namespace) -> int:
@@ -95,7 +98,7 @@ def run_score(args: argparse.Namespace) -> int:
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     cache = Cache(args.cache) if args.cache else None
     try:
-        scorer = Scorer.load(args.checkpoint, dtype=args.dtype, cache=cache)
+        scorer = Scorer.load(args.checkpoint, dtype=args.dtype, cache=cache, verify=args.verify or None)
         for question, memories in episodes:
             report = decision_report(question, memories, scorer.score(question, memories), args.k, gate, cache=cache)
             if args.json:

@@ -34,7 +34,8 @@ def test_table():
     row = {"load_s": 1.0, "first_s": 2.0, "peak_rss": 2**30, "peak_rss_over_weights": 1.1}
     report = {"preset": "tiny", "dtype": "bfloat16", "repeats": 1, "weights_bytes": 2**30,
               "methods": {m: dict(row) for m in load.METHODS}, "first_score_speedup_vs_transformers": 1.0,
-              "first_score_speedup_vs_directory": 1.0, "load_speedup_vs_directory": 1.0}
+              "first_score_speedup_vs_directory": 1.0, "load_speedup_vs_directory": 1.0,
+              "load_speedup_vs_transformers": 1.0}
     buf = io.StringIO()
     load.print_table(report, buf)
     assert "packed" in buf.getvalue() and "transformers" in buf.getvalue()

@@ -112,6 +112,44 @@ def test_truncated_or_foreign_files_are_clear_errors(tiny_checkpoint, packed, tm
         Scorer.load(tiny_checkpoint / "model.safetensors")
 
 
+def _patch_tensor(path, name, edit):
+    """Overwrite tensor `name` of the safetensors file at `path` in place through `edit(flat float32 view)`."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    info = json.loads(data[8:8 + n])[name]
+    begin, end = (8 + n + o for o in info["data_offsets"])
+    assert info["dtype"] == "F32"
+    t = torch.frombuffer(data, dtype=torch.float32, offset=begin, count=(end - begin) // 4)
+    edit(t)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_damaged_value_is_caught_by_verify_and_never_scored(packed, tmp_path, episode, bad):
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(packed[torch.float32].read_bytes())
+    _patch_tensor(damaged, "text.norm", lambda t: t.__setitem__(3, bad))
+    question, memories = episode
+    scorer = Scorer.load(damaged)                       # values are not read by default: it maps, fast
+    from pixeltriage.errors import NonFiniteScoreError
+
+    with pytest.raises(NonFiniteScoreError):
+        scorer.score(question, memories[:2])
+    with pytest.raises(CheckpointError, match=r"damaged\.safetensors: tensor .*text.*norm contains NaN or Inf"):
+        Scorer.load(damaged, verify=True)
+
+
+def test_verify_catches_a_finite_change_by_its_fingerprint(packed, tmp_path):
+    Scorer.load(packed[torch.float32], verify=True)                # the file as written passes
+    changed = tmp_path / "changed.safetensors"
+    changed.write_bytes(packed[torch.float32].read_bytes())
+    _patch_tensor(changed, "text.norm", lambda t: t.__setitem__(0, t[0] + 0.25))
+    with pytest.raises(CheckpointError, match="changed.safetensors: contents do not match the fingerprint"):
+        Scorer.load(changed, verify=True)
+
+
 def test_pack_refuses_bad_targets(tiny_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="is a directory"):
         pack_checkpoint(tiny_checkpoint, tmp_path)
@@ -133,3 +171,14 @@ def test_pack_cli(tiny_checkpoint, tmp_path, capsys, episode):
     info = json.loads(capsys.readouterr().out)
     assert info["path"] == str(dst) and info["dtype"] == "F32"
     assert Scorer.load(dst).score(*episode) == Scorer.load(tiny_checkpoint).score(*episode)
+
+
+def test_score_cli_verify_names_the_damaged_file(packed, tmp_path, capsys):
+    from test_cli import write_episode
+
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(packed[torch.float32].read_bytes())
+    _patch_tensor(damaged, "text.norm", lambda t: t.__setitem__(0, float("nan")))
+    episode = write_episode(tmp_path)
+    assert main(["score", "--checkpoint", str(damaged), "--episode", str(episode), "--verify"]) == 2
+    assert "damaged.safetensors: tensor" in capsys.readouterr().err

@@ -34,9 +34,9 @@ def detect_layout(names: list[str], where: Path) -> str:
 
 
 def load_checkpoint(directory: Path, cfg: ModelConfig, head_dim: int, dtype: torch.dtype,
-                    device: torch.device, adapter: Path | None = None) -> EngineWeights:
+                    device: torch.device, adapter: Path | None = None, verify: bool = True) -> EngineWeights:
     """Backbone shards (+ decision_head.safetensors when present, + a LoRA adapter merged at read) ->
-    EngineWeights in the engine's fused layout; all or nothing."""
+    EngineWeights in the engine's fused layout; all or nothing. verify: NaN/Inf anywhere is an error."""
     from pixeltriage.weights.adapter import LoraAdapter
 
     files = weight_files(directory)
@@ -52,18 +52,20 @@ def load_checkpoint(directory: Path, cfg: ModelConfig, head_dim: int, dtype: tor
         weights = build_engine_weights(source, cfg, head_dim, dtype, device, text_prefix, vision_prefix)
     finally:
         source.close()
-    check_finite(weights)
+    if verify:
+        check_finite(weights, directory)
     return weights
 
 
-def check_finite(weights: EngineWeights) -> None:
+def check_finite(weights: EngineWeights, source: str | Path = "") -> None:
     """NaN/Inf anywhere in the weights is an error at load, not a silent mis-score later."""
     def walk(obj, name):
         if isinstance(obj, torch.Tensor):
             if obj.is_floating_point() and obj.numel() and not torch.isfinite(torch.stack(torch.aminmax(obj))).all():
                 # aminmax propagates NaN and exposes +-Inf in one pass without temporaries (isfinite is ~15x
                 # slower on bf16 and allocates a mask the size of the tensor)
-                raise CheckpointError(f"tensor {name} contains NaN or Inf")
+                raise CheckpointError(f"{source}: tensor {name} contains NaN or Inf" if source else
+                                      f"tensor {name} contains NaN or Inf")
         elif isinstance(obj, list):
             for i, item in enumerate(obj):
                 walk(item, f"{name}[{i}]")
