@@ -15,13 +15,14 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("seq_len,width", [(1, 4), (3, 4), (4, 4), (97, 4), (50, 2), (20, 1)])
+@pytest.mark.parametrize("seq_len,width", [(1, 4), (3, 4), (4, 4), (97, 4), (50, 2), (20, 1), (200, 6)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_matches_reference(seq_len, width, dtype):
+@pytest.mark.parametrize("block_rows", [1, 2, 3, 5, 64])      # blocks shorter than the kernel, awkward remainders
+def test_conv_matches_reference(seq_len, width, dtype, block_rows):
     g = torch.Generator().manual_seed(seq_len * 10 + width)
     x = torch.randn(seq_len, 24, generator=g).to(dtype)
     w = torch.randn(24, width, generator=g).to(dtype)
-    out = causal_conv1d_silu(x, w)
+    out = causal_conv1d_silu(x, w, block_rows=block_rows)
     assert out.dtype == torch.float32 and out.shape == (seq_len, 24)
     assert rel(out, causal_conv1d_silu_reference(x, w)) <= 1e-6
 
