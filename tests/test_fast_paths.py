@@ -108,3 +108,42 @@ def test_packed_forward_rows_equal_each_state_alone(tiny_checkpoint):
     split = scorer.score_batch(episodes)
     for a, b in zip(whole, split):
         assert a.p_vis == pytest.approx(b.p_vis, abs=1e-6) and a.gains == pytest.approx(b.gains, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 3, 16), (50, 2, 4, 64), (1, 1, 2)])
+def test_rotary_matches_reference(dtype, shape):
+    from pixeltriage.kernels.rotary import apply_rotary_float, apply_rotary_float_reference
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g).to(dtype)
+    angle = torch.randn(shape[0], shape[-1], generator=g) * 3
+    got, want = apply_rotary_float(x, angle.cos(), angle.sin()), apply_rotary_float_reference(x, angle.cos(), angle.sin())
+    assert got.dtype == dtype and got.shape == x.shape
+    # float32: one rounding apart at most (a multiply-add against a multiply then an add); bf16: at most one
+    # bf16 step where that float32 difference straddles a rounding boundary
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    assert rel(got.float(), want.float()) <= tol
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "silu", "quick_gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_linear_activation_matches_reference(act, dtype, bias):
+    """The oneDNN epilogue against F.linear + activation, both against float64: the fused one is never further
+    from float64 than the reference plus one rounding of the output (it rounds once, the reference twice)."""
+    from pixeltriage.kernels.linear import linear_act, linear_act_reference
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(300, 96, generator=g)
+    w = torch.randn(200, 96, generator=g) * 0.2
+    b = torch.randn(200, generator=g) if bias else None
+    exact = linear_act_reference(x.double(), w.double(), None if b is None else b.double(), act)
+    cast = lambda t: None if t is None else t.to(dtype)
+    got = linear_act(cast(x), cast(w), cast(b), act)
+    want = linear_act_reference(cast(x), cast(w), cast(b), act)
+    assert got.dtype == dtype and got.shape == (300, 200)
+    step = 1e-6 if dtype == torch.float32 else 2 ** -8
+    assert rel(got.double(), exact) <= rel(want.double(), exact) + step
+    with pytest.raises(ValueError, match="unknown activation"):
+        linear_act(x, w, b, "relu6")

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pixeltriage.engine.config import VisionConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
+from pixeltriage.kernels.linear import linear_act
 from pixeltriage.kernels.rotary import apply_rotary_float, vision_rotary_cos_sin
 
 
@@ -98,10 +99,10 @@ def _vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, i
     for block in weights.blocks:
         x = x + vision_attention(layer_norm(x, block.norm1_w, block.norm1_b, dtype), block, cfg, cos, sin, lengths)
         y = layer_norm(x, block.norm2_w, block.norm2_b, dtype)
-        x = x + F.linear(gelu(F.linear(y, block.fc1_w, block.fc1_b), cfg.hidden_act), block.fc2_w, block.fc2_b)
+        x = x + F.linear(linear_act(y, block.fc1_w, block.fc1_b, cfg.hidden_act), block.fc2_w, block.fc2_b)
     x = layer_norm(x, weights.merger_norm_w, weights.merger_norm_b, dtype)
     x = x.view(-1, cfg.hidden_size * cfg.merge_unit)
-    x = F.gelu(F.linear(x, weights.merger_fc1_w, weights.merger_fc1_b))
+    x = linear_act(x, weights.merger_fc1_w, weights.merger_fc1_b, "gelu")
     return F.linear(x, weights.merger_fc2_w, weights.merger_fc2_b)
 
 
@@ -110,22 +111,13 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out_dt
     return F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), 1e-6).to(out_dtype)
 
 
-def gelu(x: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "gelu_pytorch_tanh":
-        return F.gelu(x, approximate="tanh")
-    if act == "gelu":
-        return F.gelu(x)
-    if act == "quick_gelu":
-        return x * torch.sigmoid(1.702 * x)
-    return F.silu(x)
-
-
 def vision_attention(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConfig, cos: torch.Tensor,
                      sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Full (non-causal) attention within each image. x: [N, hidden]."""
     n = x.shape[0]
-    q, k, v = F.linear(x, block.qkv_w, block.qkv_b).view(n, 3, cfg.num_heads, cfg.head_dim).unbind(1)
-    q, k = apply_rotary_float(q, cos, sin), apply_rotary_float(k, cos, sin)
+    qkv = F.linear(x, block.qkv_w, block.qkv_b).view(n, 3, cfg.num_heads, cfg.head_dim)
+    q, k = apply_rotary_float(qkv[:, :2], cos, sin).unbind(1)   # q and k in one pass
+    v = qkv[:, 2]
     o = segment_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths, causal=False)
     o = o.transpose(0, 1).reshape(n, -1)
     return F.linear(o, block.proj_w, block.proj_b)

@@ -46,6 +46,24 @@ def vision_rotary_cos_sin(hw_ids: torch.Tensor, head_dim: int, theta: float):
 
 
 def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Full-width rotary in float32, cast back. x: [N, heads, head_dim]; cos/sin: [N, head_dim]."""
+    """Full-width rotary in float32, cast back: x * cos + rotate_half(x) * sin.
+    x: [N, ..., head_dim] (e.g. [N, heads, head_dim], or q and k together as [N, 2, heads, head_dim]);
+    cos/sin: [N, head_dim], broadcast over x's middle dimensions.
+
+    rotate_half's negated concatenation is never built: each half takes its partner half times the matching
+    half of sin, negated for the first, with one multiply-add in place (3 passes over x instead of 6).
+    """
+    half = x.shape[-1] // 2
+    cos, sin = (t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[-1]) for t in (cos, sin))
     xf = x.float()
-    return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
+    out = xf * cos
+    out[..., :half].addcmul_(xf[..., half:], sin[..., :half], value=-1.0)
+    out[..., half:].addcmul_(xf[..., :half], sin[..., half:])
+    return out.to(x.dtype)
+
+
+def apply_rotary_float_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' formula: (x * cos + rotate_half(x) * sin) in float32, cast back."""
+    cos, sin = (t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[-1]) for t in (cos, sin))
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
