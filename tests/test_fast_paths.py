@@ -39,6 +39,24 @@ def test_strong_decays_stay_exact(seq_len):
     assert rel(chunk_gated_delta_rule(q, k, v, decay, beta), recurrent_gated_delta_rule(q, k, v, decay, beta)) <= 1e-5
 
 
+def test_strided_inputs_and_infinite_decays():
+    """The layer hands v over as a column slice of the conv output, and a decay can be -inf (A_log large):
+    the result equals the reference on contiguous copies, the -inf steps erase the state exactly."""
+    g = torch.Generator().manual_seed(11)
+    seq_len, h, dk, dv = 150, 2, 8, 6
+    wide = torch.randn(seq_len, h * (dk + dv) + 5, generator=g)
+    v = wide[:, 5:5 + h * dv].view(seq_len, h, dv)                  # row stride wider than the tensor
+    assert not v.is_contiguous()
+    q = F.normalize(torch.randn(seq_len, h, dk, generator=g), dim=-1)
+    k = F.normalize(torch.randn(seq_len, h, dk, generator=g), dim=-1)
+    decay = -torch.rand(seq_len, h, generator=g) * 2
+    decay[[3, 64, 100]] = -float("inf")
+    beta = torch.rand(seq_len, h, generator=g)
+    got = chunk_gated_delta_rule(q, k, v, decay, beta)
+    assert torch.isfinite(got).all()
+    assert rel(got, recurrent_gated_delta_rule(q, k, v.contiguous(), decay, beta)) <= 1e-5
+
+
 # -- varlen: several sequences packed along T ----------------------------------------------------------------
 
 def _rand_inputs(seq_len, h=2, dk=8, dv=6, seed=0):
