@@ -165,3 +165,19 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias):
     assert rel(got.double(), exact) <= rel(want.double(), exact) + step
     with pytest.raises(ValueError, match="unknown activation"):
         linear_act(x, w, b, "relu6")
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype):
+    from pixeltriage.kernels.norm import rms_norm_gated, rms_norm_gated_reference
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 3, 24, generator=g) * 1e-2                  # the delta rule's output is small
+    gate = torch.randn(70, 3, 24, generator=g).to(gate_dtype)
+    w = torch.rand(24, generator=g)
+    x0, gate0 = x.clone(), gate.clone()
+    got = rms_norm_gated(x, gate, w, 1e-6)
+    want = rms_norm_gated_reference(x, gate, w, 1e-6)
+    assert got.dtype == gate_dtype
+    assert rel(got.float(), want.float()) <= (1e-6 if gate_dtype == torch.float32 else 2 ** -8)
+    assert torch.equal(x, x0) and torch.equal(gate, gate0)
