@@ -14,7 +14,7 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[i
     W shifted multiply-adds in the tokens-major layout the projection produced: no transposes, no padded copy
     (F.conv1d wants [C, T] and spent 2.4x longer on the layout changes than on the arithmetic). Accumulated and
     returned in float32: its outputs feed the L2 norms of q and k and the delta rule, all float32.
-    The rows go `block_rows` at a time (64 x 6144 float32 = 1.5 MiB, within a core's L2): each block's float32
+    On the CPU the rows go `block_rows` at a time (64 x 6144 float32 = 1.5 MiB, within a core's L2): each block's float32
     copy of x (with the W - 1 rows before it) and its output stay in cache through the W passes, which made the
     bench-small conv 2.5x faster (60 -> 24 ms) than whole-sequence passes that stream 56 MiB from memory each.
     """
@@ -26,6 +26,8 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[i
         return out
     seq_len, channels = x.shape
     width = weight.shape[1]
+    if x.device.type != "cpu":                # blocks pay for caches; on a GPU they would only add launches
+        block_rows = max(seq_len, 1)
     taps = weight.float().t().contiguous()                            # [W, C]: tap j's weights contiguous
     out = torch.empty(seq_len, channels, dtype=torch.float32, device=x.device)
     window = torch.empty(min(block_rows, seq_len) + width - 1, channels, dtype=torch.float32, device=x.device)
