@@ -96,10 +96,10 @@ def _vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, i
     x = F.linear(pixel_values.to(dtype), weights.patch_w, weights.patch_b).float() + torch.cat(pos)
     cos, sin = vision_rotary_cos_sin(coords_all, cfg.head_dim, cfg.rope_theta)
     lengths = [h * w for t, h, w in grid_thw for _ in range(t)]
-    for block in weights.blocks:
-        x = x + vision_attention(layer_norm(x, block.norm1_w, block.norm1_b, dtype), block, cfg, cos, sin, lengths)
+    for block in weights.blocks:                      # x is this function's own float32 residual: updated in place
+        x += vision_attention(layer_norm(x, block.norm1_w, block.norm1_b, dtype), block, cfg, cos, sin, lengths)
         y = layer_norm(x, block.norm2_w, block.norm2_b, dtype)
-        x = x + F.linear(linear_act(y, block.fc1_w, block.fc1_b, cfg.hidden_act), block.fc2_w, block.fc2_b)
+        x += F.linear(linear_act(y, block.fc1_w, block.fc1_b, cfg.hidden_act), block.fc2_w, block.fc2_b)
     x = layer_norm(x, weights.merger_norm_w, weights.merger_norm_b, dtype)
     x = x.view(-1, cfg.hidden_size * cfg.merge_unit)
     x = linear_act(x, weights.merger_fc1_w, weights.merger_fc1_b, "gelu")
