@@ -16,6 +16,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeyp
     t = r["timing"]
     assert t["batch_1_cached_vision"]["vision_counts"]["cached"] >= 10
     assert t["batch_2"]["questions_per_s"] > 0 and t["tflop_per_question_cached"] < t["tflop_per_question"]
+    g = t["batch_1_cuda_graphs"]                                # on the CPU: the padded static path, eagerly
+    assert g["ok"] and not g["captured"] and g["max_abs_diff_vs_eager"] <= 1e-5 and g["replays"]["graph"] >= 4
     capsys.readouterr()
 
 

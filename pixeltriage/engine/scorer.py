@@ -27,6 +27,7 @@ from pixeltriage.weights.loader import load_checkpoint
 
 if TYPE_CHECKING:
     from pixeltriage.engine.cache import Cache
+    from pixeltriage.engine.graphs import DecoderGraphs
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,15 @@ class Scorer:
         self.max_batch_tokens = 32768 if device.type == "cuda" else 4096
         self._fingerprint: str | None = None
         self.checkpoint_fingerprint: str | None = None     # the packed file's content fingerprint, when packed
+        self.graphs: "DecoderGraphs | None" = None         # enable_cuda_graphs()
         self._lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
              dtype: torch.dtype | str = torch.float32, *, cache: "Cache | None" = None,
              head_backend: str = "auto", adapter: str | os.PathLike | None = None,
-             allow_slow: bool = False, verify: bool | None = None) -> "Scorer":
+             allow_slow: bool = False, verify: bool | None = None,
+             cuda_graphs: bool | Sequence[int] = False) -> "Scorer":
         """Load a System One checkpoint directory (see README: checkpoint format).
 
         Weights in transformers' layout or Valen's export layout (auto-detected). adapter: a PEFT LoRA adapter
@@ -97,9 +100,27 @@ class Scorer:
         pass through the conversion anyway); no for a packed file (checked when written; its header and sizes are
         still checked, and scores are never returned non-finite), where True also re-hashes the file against its
         fingerprint.
+        cuda_graphs: on CUDA, capture the decoder as CUDA graphs at load (True: `graphs.DEFAULT_BUCKETS` of state
+        length; or the bucket lengths), replayed by single-question scoring; see `enable_cuda_graphs`.
         """
+        if cuda_graphs and torch.device(device).type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, not {device!r}")
         with _gc_paused():
-            return cls._load(Path(path), device, dtype, cache, head_backend, adapter, allow_slow, verify)
+            scorer = cls._load(Path(path), device, dtype, cache, head_backend, adapter, allow_slow, verify)
+        if cuda_graphs:
+            scorer.enable_cuda_graphs(None if cuda_graphs is True else cuda_graphs)
+        return scorer
+
+    def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool | None = None) -> None:
+        """Capture the text decoder once per bucket of state length (static buffers, one shared memory pool); a
+        single question whose state fits a bucket then replays it, a longer one runs eagerly, batches of several
+        questions (varlen) stay eager. Takes a few seconds per bucket. capture=False runs the same padded static
+        path eagerly (the CPU; tests)."""
+        from pixeltriage.engine.graphs import DEFAULT_BUCKETS, DecoderGraphs
+
+        self.graphs = DecoderGraphs(self.weights.text, self.model_config.text, self.device,
+                                    DEFAULT_BUCKETS if buckets is None else buckets, capture)
+        log.info("decoder CUDA graphs: buckets %s (captured: %s)", list(self.graphs.buckets), self.graphs.capture)
 
     @classmethod
     def _load(cls, path: Path, device, dtype, cache, head_backend, adapter, allow_slow, verify) -> "Scorer":
@@ -265,8 +286,10 @@ class Scorer:
     @torch.inference_mode()
     def last_hidden(self, state: State, visual: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's last output, before the final norm: [T, hidden] float32."""
-        return decoder_forward(self._embeds(state, visual), state.position_ids.to(self.device), self.weights.text,
-                               self.model_config.text)
+        embeds, positions = self._embeds(state, visual), state.position_ids.to(self.device)
+        if self.graphs is not None:
+            return self.graphs.run(embeds, positions)
+        return decoder_forward(embeds, positions, self.weights.text, self.model_config.text)
 
     @torch.inference_mode()
     def last_hidden_packed(self, states: Sequence[State]) -> torch.Tensor:

@@ -19,9 +19,10 @@ def mrope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float, mro
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device) / rotary_dim))
     freqs = position_ids.float()[..., None] * inv_freq                # [3, T, rotary_dim/2]
     index = torch.arange(rotary_dim // 2, device=position_ids.device)
-    axis = torch.zeros_like(index)
-    axis[(index % 3 == 1) & (index < 3 * mrope_section[1])] = 1
-    axis[(index % 3 == 2) & (index < 3 * mrope_section[2])] = 2
+    # torch.where, not a boolean-mask assignment: that counts the mask on the host (a device sync, and no CUDA
+    # graph can capture it)
+    axis = torch.where((index % 3 == 1) & (index < 3 * mrope_section[1]), 1,
+                       torch.where((index % 3 == 2) & (index < 3 * mrope_section[2]), 2, 0))
     freqs = freqs.gather(0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()

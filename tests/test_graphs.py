@@ -1,0 +1,72 @@
+"""The decoder's bucketed static path (what CUDA graphs capture), run eagerly on the CPU against the plain forward.
+
+Tolerance (float32): rows of a state padded to its bucket within 1e-5 relative of the unpadded forward (the same
+causal arithmetic; only reduction orders may differ), scores within 1e-5.
+"""
+import pytest
+import torch
+
+from pixeltriage import Scorer
+from pixeltriage.engine.graphs import DecoderGraphs
+from pixeltriage.engine.model import decoder_forward
+from pixeltriage.episode import sample_episode
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def scorer(tiny_checkpoint):
+    return Scorer.load(tiny_checkpoint)
+
+
+def test_padded_bucket_rows_equal_the_plain_forward(scorer):
+    question, memories = sample_episode()
+    state = scorer.pack(question, memories)
+    embeds, positions = scorer._embeds(state), state.position_ids
+    want = decoder_forward(embeds, positions, scorer.weights.text, scorer.model_config.text)
+    t = state.num_tokens
+    graphs = DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", buckets=(t // 2, t + 37, 4 * t),
+                           capture=False)
+    assert graphs.bucket(t) == t + 37
+    got = graphs.run(embeds, positions)
+    assert got.shape == want.shape and rel(got, want) <= 1e-5
+    # the static buffers now hold this state; a shorter one must not see its leftovers
+    short = scorer.pack(question, memories[:1])
+    e2, p2 = scorer._embeds(short), short.position_ids
+    assert rel(graphs.run(e2, p2), decoder_forward(e2, p2, scorer.weights.text, scorer.model_config.text)) <= 1e-5
+    assert graphs.replays == {"graph": 2, "eager": 0}
+
+
+def test_states_above_the_largest_bucket_run_eagerly(scorer):
+    state = scorer.pack(*sample_episode())
+    embeds, positions = scorer._embeds(state), state.position_ids
+    graphs = DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", buckets=(16,), capture=False)
+    got = graphs.run(embeds, positions)
+    assert torch.equal(got, decoder_forward(embeds, positions, scorer.weights.text, scorer.model_config.text))
+    assert graphs.replays == {"graph": 0, "eager": 1}
+
+
+def test_scorer_with_the_static_path_scores_the_same(tiny_checkpoint):
+    question, memories = sample_episode()
+    plain = Scorer.load(tiny_checkpoint)
+    static = Scorer.load(tiny_checkpoint)
+    static.enable_cuda_graphs(buckets=(256, 1024, 4096), capture=False)
+    for mems in (memories, memories[:1], []):
+        a, b = plain.score(question, mems), static.score(question, mems)
+        pairs = [(a.p_vis, b.p_vis), (a.relevance_none, b.relevance_none), *zip(a.gains, b.gains),
+                 *zip(a.relevance, b.relevance)]
+        assert max(abs(x - y) for x, y in pairs) <= 1e-5
+    assert static.graphs.replays["graph"] == 3
+
+
+def test_graphs_need_cuda_and_sane_buckets(tiny_checkpoint, scorer):
+    with pytest.raises(ValueError, match="CUDA device"):
+        Scorer.load(tiny_checkpoint, cuda_graphs=True)
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", capture=True)
+    with pytest.raises(ValueError, match="positive"):
+        DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", buckets=(0, 64), capture=False)
+    with pytest.raises(ValueError, match="positive"):
+        DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", buckets=(), capture=False)
