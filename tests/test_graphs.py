@@ -70,3 +70,17 @@ def test_graphs_need_cuda_and_sane_buckets(tiny_checkpoint, scorer):
         DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", buckets=(0, 64), capture=False)
     with pytest.raises(ValueError, match="positive"):
         DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", buckets=(), capture=False)
+
+
+def test_profiling_pauses_inside_a_block():
+    from pixeltriage.engine import profiling
+
+    with profiling.record() as stages:
+        with profiling.stage("a"):
+            pass
+        with profiling.paused():
+            with profiling.stage("b"):
+                pass
+        with profiling.stage("c"):
+            pass
+    assert set(stages) == {"a", "c"}

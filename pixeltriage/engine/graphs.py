@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from pixeltriage.engine import profiling
 from pixeltriage.engine.config import TextConfig
 from pixeltriage.engine.model import TextWeights, decoder_forward
 
@@ -55,6 +56,10 @@ class DecoderGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        with profiling.paused():                           # a recording stage would synchronize mid-capture
+            self._capture_buckets()
+
+    def _capture_buckets(self) -> None:
         pool = None
         for t_b in reversed(self.buckets):
             self._forward(t_b)                             # warm-up outside the capture: autotuning, imports

@@ -46,3 +46,14 @@ def record(sync: Callable[[], None] | None = None) -> Iterator[dict[str, float]]
         yield sink
     finally:
         _local.sink, _local.sync = previous
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """No stage of this thread records inside the block (e.g. while a CUDA graph captures: no synchronize)."""
+    previous = getattr(_local, "sink", None), getattr(_local, "sync", None)
+    _local.sink, _local.sync = None, None
+    try:
+        yield
+    finally:
+        _local.sink, _local.sync = previous
