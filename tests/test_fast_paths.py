@@ -181,3 +181,21 @@ def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype):
     assert got.dtype == gate_dtype
     assert rel(got.float(), want.float()) <= (1e-6 if gate_dtype == torch.float32 else 2 ** -8)
     assert torch.equal(x, x0) and torch.equal(gate, gate0)
+
+
+def test_fused_linear_falls_back_once_when_onednn_refuses(monkeypatch, caplog):
+    from pixeltriage.kernels import linear
+
+    def refuse(*args):
+        raise RuntimeError("no such primitive here")
+
+    class Ops:
+        _linear_pointwise = staticmethod(refuse)
+
+    monkeypatch.setattr(linear, "_STATE", {"ok": True})
+    monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    with caplog.at_level("WARNING"):
+        got = linear.linear_act(x, w, None, "gelu")
+    assert torch.equal(got, linear.linear_act_reference(x, w, None, "gelu"))
+    assert linear._STATE["ok"] is False and "unavailable" in caplog.text

@@ -8,8 +8,12 @@ post-op for, a torch build without oneDNN) it is the reference.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # activation name (transformers' hidden_act) -> oneDNN post-op (attr, algorithm)
 _POST_OPS = {"gelu_pytorch_tanh": ("gelu", "tanh"), "gelu": ("gelu", "none"), "silu": ("swish", "")}
@@ -39,7 +43,11 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if (act in _POST_OPS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype) and _fused_available()):
         attr, algorithm = _POST_OPS[act]
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+        try:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+        except RuntimeError as e:      # a oneDNN build without this primitive for the CPU/dtype: the reference,
+            _STATE["ok"] = False       # which differs by one rounding of the output, from now on
+            log.warning("oneDNN fused linear + %s unavailable (%s); using F.linear + activation", act, e)
     return linear_act_reference(x, weight, bias, act)
 
 
