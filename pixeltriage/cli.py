@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "score": ("pixeltriage.app", "score", "score an episode file and print the delivery decision"),
     "init-demo": ("pixeltriage.weights.demo", "", "write a demo checkpoint with seeded random weights"),
     "pack": ("pixeltriage.weights.packed", "", "write a checkpoint as one packed safetensors file (adapter merged)"),
+    "verify": ("pixeltriage.weights.packed", "verify", "read every weight of a packed file or checkpoint directory: "
+               "NaN/Inf, and a packed file's bytes against its fingerprint"),
     "cache": ("pixeltriage.engine.cache", "", "write-time cache: put images with notes, show stats"),
     "bench": ("pixeltriage.bench.cli", "", "benchmarks and cost reports"),
 }

@@ -182,3 +182,18 @@ def test_score_cli_verify_names_the_damaged_file(packed, tmp_path, capsys):
     episode = write_episode(tmp_path)
     assert main(["score", "--checkpoint", str(damaged), "--episode", str(episode), "--verify"]) == 2
     assert "damaged.safetensors: tensor" in capsys.readouterr().err
+
+
+def test_verify_cli(tiny_checkpoint, packed, tmp_path, capsys):
+    assert main(["verify", str(packed[torch.bfloat16])]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["ok"] and info["kind"] == "packed" and info["dtype"] == "BF16"
+    assert main(["verify", str(tiny_checkpoint)]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == "directory"
+    changed = tmp_path / "changed.safetensors"
+    changed.write_bytes(packed[torch.float32].read_bytes())
+    _patch_tensor(changed, "text.norm", lambda t: t.__setitem__(1, t[1] * 2))
+    assert main(["verify", str(changed)]) == 2
+    assert "changed.safetensors: contents do not match" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "missing")]) == 2
+    assert "not found" in capsys.readouterr().err

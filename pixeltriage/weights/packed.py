@@ -293,6 +293,29 @@ def run(args) -> int:
     return 0
 
 
+# -- command line: `pixeltriage verify PATH` ---------------------------------------------------------------------
+
+def add_verify_arguments(parser) -> None:
+    parser.add_argument("path", help="packed file (every value read, bytes checked against its fingerprint) or "
+                                     "checkpoint directory (loaded with every value checked)")
+
+
+def run_verify(args) -> int:
+    path = Path(args.path)
+    if path.is_file():
+        packed = PackedCheckpoint(path)
+        packed.verify()
+        info = {"path": str(path), "ok": True, "kind": "packed", "dtype": packed.metadata["dtype"],
+                "fingerprint": packed.fingerprint}
+    else:
+        from pixeltriage.engine.scorer import Scorer
+
+        Scorer.load(path, verify=True)
+        info = {"path": str(path), "ok": True, "kind": "directory"}
+    print(json.dumps(info, indent=2))
+    return 0
+
+
 def _say(on: bool, message: str) -> None:
     if on:
         print(message, file=sys.stderr, flush=True)
