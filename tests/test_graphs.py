@@ -32,7 +32,9 @@ def test_padded_bucket_rows_equal_the_plain_forward(scorer):
     assert graphs.bucket(t) == t + 37
     got = graphs.run(embeds, positions)
     assert got.shape == want.shape and rel(got, want) <= 1e-5
-    # the static buffers now hold this state; a shorter one must not see its leftovers
+    # a shorter state next: whatever the buffers hold beyond it (here NaN) must be cleared, not computed with
+    graphs.embeds.fill_(float("nan"))
+    graphs.out.fill_(float("nan"))
     short = scorer.pack(question, memories[:1])
     e2, p2 = scorer._embeds(short), short.position_ids
     assert rel(graphs.run(e2, p2), decoder_forward(e2, p2, scorer.weights.text, scorer.model_config.text)) <= 1e-5

@@ -9,11 +9,17 @@ graph replays them all with one launch.
 decoder takes them), position ids [3, T_max] and the output [T_max, hidden] float32; bucket T_b's graph reads
 and writes their first T_b rows. `run(embeds, position_ids)` copies a state of T <= T_b tokens into the first T
 rows, zeroes rows T..T_b, replays the smallest bucket that fits and returns a copy of the first T output rows.
-Every op of the decoder is causal along the tokens (attention, the conv, the delta rule), so rows < T never see
-the padding. States longer than the largest bucket run eagerly.
+Every op of the decoder is causal along the tokens (attention, the conv, the delta rule): masked entries reach
+rows < T only multiplied by zero, so the padding leaves them as they are provided it is finite, which is why
+rows T..T_b are zeroed on every run rather than left holding the previous state. States longer than the largest
+bucket run eagerly.
 
 Each bucket is captured once (largest first, all sharing one memory pool, as nano-vllm does) right after one
-eager run of the same shapes, so that Triton's autotuning and every lazy import happen outside the capture.
+eager run of the same shapes, so that Triton's autotuning and every lazy import happen outside the capture;
+capture and replay run under the scorer's device (not the current one). Capture before serving: it takes a
+few seconds per bucket. Runs are serialised by a lock, and each run's stream waits on the previous run's
+completion event, so threads on different CUDA streams cannot overwrite a replay's buffers mid-flight.
+A replay records no per-stage profile (the decoder's stages run inside the graph).
 With `capture=False` (the CPU, and the tests) the same padded static path runs eagerly.
 """
 from __future__ import annotations
@@ -48,8 +54,10 @@ class DecoderGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = {"graph": 0, "eager": 0}            # how each run went (a long state runs eagerly)
         self._lock = threading.Lock()                      # one run at a time: the buffers are shared
+        self._done: torch.cuda.Event | None = None         # the last run's completion, on its stream
         if self.capture:
-            self._capture_all()
+            with torch.cuda.device(self.device):
+                self._capture_all()
 
     def _forward(self, t_b: int) -> None:
         self.out[:t_b] = decoder_forward(self.embeds[:t_b], self.positions[:, :t_b], self.weights, self.cfg)
@@ -65,7 +73,8 @@ class DecoderGraphs:
             self._forward(t_b)                             # warm-up outside the capture: autotuning, imports
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA work of other threads during the capture is theirs, not an error of this capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._forward(t_b)
             if pool is None:
                 pool = graph.pool()
@@ -85,13 +94,26 @@ class DecoderGraphs:
             self.replays["eager"] += 1
             return decoder_forward(embeds, position_ids, self.weights, self.cfg)
         with self._lock:
-            self.embeds[:num_tokens].copy_(embeds)
-            self.embeds[num_tokens:t_b].zero_()
-            self.positions[:, :num_tokens].copy_(position_ids)
-            self.positions[:, num_tokens:t_b].zero_()
-            if self.capture:
-                self.graphs[t_b].replay()
-            else:
-                self._forward(t_b)
-            self.replays["graph"] += 1
-            return self.out[:num_tokens].clone()
+            if not self.capture:
+                return self._run(embeds, position_ids, t_b)
+            with torch.cuda.device(self.device):
+                stream = torch.cuda.current_stream(self.device)
+                if self._done is not None:
+                    stream.wait_event(self._done)          # a previous run on another stream has finished
+                out = self._run(embeds, position_ids, t_b)
+                self._done = torch.cuda.Event()
+                self._done.record(stream)
+                return out
+
+    def _run(self, embeds: torch.Tensor, position_ids: torch.Tensor, t_b: int) -> torch.Tensor:
+        num_tokens = embeds.shape[0]
+        self.embeds[:num_tokens].copy_(embeds)
+        self.embeds[num_tokens:t_b].zero_()
+        self.positions[:, :num_tokens].copy_(position_ids)
+        self.positions[:, num_tokens:t_b].zero_()
+        if self.capture:
+            self.graphs[t_b].replay()
+        else:
+            self._forward(t_b)
+        self.replays["graph"] += 1
+        return self.out[:num_tokens].clone()
