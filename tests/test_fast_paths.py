@@ -147,7 +147,7 @@ def test_rotary_matches_reference(dtype, shape):
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "silu", "quick_gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_linear_activation_matches_reference(act, dtype, bias):
+def test_fused_linear_activation_matches_reference(act, dtype, bias, monkeypatch):
     """The oneDNN epilogue against F.linear + activation, both against float64: the fused one is never further
     from float64 than the reference plus one rounding of the output (it rounds once, the reference twice)."""
     from pixeltriage.kernels.linear import linear_act, linear_act_reference
@@ -158,13 +158,19 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias):
     b = torch.randn(200, generator=g) if bias else None
     exact = linear_act_reference(x.double(), w.double(), None if b is None else b.double(), act)
     cast = lambda t: None if t is None else t.to(dtype)
-    got = linear_act(cast(x), cast(w), cast(b), act)
     want = linear_act_reference(cast(x), cast(w), cast(b), act)
+    from pixeltriage.kernels import linear
+
+    calls = []
+    monkeypatch.setattr(linear, "linear_act_reference", lambda *a: calls.append(a) or linear_act_reference(*a))
+    got = linear_act(cast(x), cast(w), cast(b), act)
+    fused = act in linear._POST_OPS and linear._fused_available(dtype)
+    assert len(calls) == (0 if fused else 1)             # the path under test is the one that ran
     assert got.dtype == dtype and got.shape == (300, 200)
     step = 1e-6 if dtype == torch.float32 else 2 ** -8
     assert rel(got.double(), exact) <= rel(want.double(), exact) + step
     with pytest.raises(ValueError, match="unknown activation"):
-        linear_act(x, w, b, "relu6")
+        linear.linear_act(x, w, b, "relu6")
 
 
 @pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
@@ -192,7 +198,7 @@ def test_fused_linear_falls_back_once_when_onednn_refuses(monkeypatch, caplog):
     class Ops:
         _linear_pointwise = staticmethod(refuse)
 
-    monkeypatch.setattr(linear, "_STATE", {"ok": True})
+    monkeypatch.setattr(linear, "_STATE", {"ok": True, "bf16": True})
     monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
     x, w = torch.randn(5, 8), torch.randn(3, 8)
     with caplog.at_level("WARNING"):

@@ -28,20 +28,22 @@ def activation(name: str):
     return _ACTIVATIONS[name]
 
 
-def _fused_available() -> bool:
+def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
     if "ok" not in _STATE:
         try:
             _STATE["ok"] = bool(torch.backends.mkldnn.is_available()) and \
                 hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            # oneDNN builds bf16 primitives only on CPUs with bf16 support (AVX-512 BF16 / AMX, some aarch64)
+            _STATE["bf16"] = _STATE["ok"] and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         except (AttributeError, RuntimeError):
-            _STATE["ok"] = False
-    return _STATE["ok"]
+            _STATE["ok"] = _STATE["bf16"] = False
+    return _STATE["ok"] and (dtype != torch.bfloat16 or _STATE.get("bf16", False))
 
 
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
     if (act in _POST_OPS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype) and _fused_available()):
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype) and _fused_available(x.dtype)):
         attr, algorithm = _POST_OPS[act]
         try:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
