@@ -127,17 +127,28 @@ def _patch_tensor(path, name, edit):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_damaged_value_is_caught_by_verify_and_never_scored(packed, tmp_path, episode, bad):
+def test_a_damaged_small_tensor_is_caught_at_every_load(packed, tmp_path, bad):
     damaged = tmp_path / "damaged.safetensors"
     damaged.write_bytes(packed[torch.float32].read_bytes())
     _patch_tensor(damaged, "text.norm", lambda t: t.__setitem__(3, bad))
-    question, memories = episode
-    scorer = Scorer.load(damaged)                       # values are not read by default: it maps, fast
+    with pytest.raises(CheckpointError, match=r"damaged\.safetensors: tensor .*text.*norm contains NaN or Inf"):
+        Scorer.load(damaged)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_damaged_matrix_is_caught_by_verify_and_never_scored(packed, tmp_path, episode, bad, monkeypatch):
+    from pixeltriage.engine import scorer as scorer_mod
     from pixeltriage.errors import NonFiniteScoreError
 
+    monkeypatch.setattr(scorer_mod, "SMALL_TENSOR", 1000)          # the tiny model's matrices count as large
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(packed[torch.float32].read_bytes())
+    _patch_tensor(damaged, "text.layers.0.gate_up", lambda t: t.__setitem__(7, bad))
+    question, memories = episode
+    scorer = Scorer.load(damaged)                       # the matrices are not read by default: it maps, fast
     with pytest.raises(NonFiniteScoreError):
         scorer.score(question, memories[:2])
-    with pytest.raises(CheckpointError, match=r"damaged\.safetensors: tensor .*text.*norm contains NaN or Inf"):
+    with pytest.raises(CheckpointError, match=r"damaged\.safetensors: tensor .*gate_up contains NaN or Inf"):
         Scorer.load(damaged, verify=True)
 
 
@@ -197,3 +208,14 @@ def test_verify_cli(tiny_checkpoint, packed, tmp_path, capsys):
     assert "changed.safetensors: contents do not match" in capsys.readouterr().err
     assert main(["verify", str(tmp_path / "missing")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_verify_catches_a_vision_fingerprint_that_is_not_the_weights(packed, tmp_path):
+    data = packed[torch.float32].read_bytes()
+    stored = Scorer.load(packed[torch.float32]).vision_fingerprint.encode()
+    assert data.count(stored) == 1
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(data.replace(stored, stored[::-1]))         # same length: the header stays valid
+    Scorer.load(forged)                                             # structure intact: loads
+    with pytest.raises(CheckpointError, match="forged.safetensors: its vision_fingerprint does not match"):
+        Scorer.load(forged, verify=True)

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+SMALL_TENSOR = 1 << 20     # elements: the weights a packed load reads on every load (all but the matrices)
+
+
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -97,9 +100,9 @@ class Scorer:
         allow_slow: on CUDA, the fast kernels (flash-linear-attention's gated delta rule, Triton) are required
         unless this is True; scores never silently come from a slower path.
         verify: read every weight value at load, NaN/Inf being an error. Default: yes for a directory (its values
-        pass through the conversion anyway); no for a packed file (checked when written; its header and sizes are
-        still checked, and scores are never returned non-finite), where True also re-hashes the file against its
-        fingerprint.
+        pass through the conversion anyway); for a packed file only the tensors of at most 2^20 elements (checked
+        when written; its header and sizes are still checked, and scores are never returned non-finite), where
+        True reads them all and re-hashes the file against its fingerprint.
         cuda_graphs: on CUDA, capture the decoder as CUDA graphs at load (True: `graphs.DEFAULT_BUCKETS` of state
         length; or the bucket lengths), replayed by single-question scoring; see `enable_cuda_graphs`.
         """
@@ -114,8 +117,8 @@ class Scorer:
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool | None = None) -> None:
         """Capture the text decoder once per bucket of state length (static buffers, one shared memory pool); a
         single question whose state fits a bucket then replays it, a longer one runs eagerly, batches of several
-        questions (varlen) stay eager. Takes a few seconds per bucket. capture=False runs the same padded static
-        path eagerly (the CPU; tests)."""
+        questions (varlen) stay eager. Takes a few seconds per bucket: call it before serving. capture=False runs
+        the same padded static path eagerly (the CPU; tests)."""
         from pixeltriage.engine.graphs import DEFAULT_BUCKETS, DecoderGraphs
 
         self.graphs = DecoderGraphs(self.weights.text, self.model_config.text, self.device,
@@ -153,6 +156,7 @@ class Scorer:
 
     @classmethod
     def _load_packed(cls, path: Path, device, dtype, cache, head_backend, adapter, verify: bool) -> "Scorer":
+        from pixeltriage.weights.loader import check_finite
         from pixeltriage.weights.packed import PackedCheckpoint
 
         if adapter is not None:
@@ -163,6 +167,10 @@ class Scorer:
             packed.verify()
         encoder = TextEncoder(json_text=packed.tokenizer_json, source=f"{path} (embedded tokenizer)")
         weights = packed.weights(dtype, device)
+        if not verify:
+            # the small tensors are read anyway (microseconds): a non-finite A_log or dt_bias would not show as a
+            # NaN score (an infinite decay is a valid, if wrong, decay), so they are checked at every load
+            check_finite(weights, path, max_numel=SMALL_TENSOR)
         scorer = cls(packed.model_config, packed.image_config, packed.triage_config, encoder, weights, device, dtype,
                      cache, head_backend)
         scorer._fingerprint = packed.vision_fingerprint(dtype) if device.type == "cpu" else None  # CPU-computed
@@ -391,7 +399,8 @@ def cuda_implementations(head: str, allow_slow: bool, fla_ok: bool | None = None
 
 @contextlib.contextmanager
 def _gc_paused():
-    """No cyclic garbage collection while loading. Decoding the weights' headers allocates thousands of dicts,
+    """No cyclic garbage collection while loading (process-wide: gc.disable is global; the previous state is
+    restored after, collection merely postponed). Decoding the weights' headers allocates thousands of dicts,
     which triggers full collections over everything the process holds (torch alone is ~170k objects): measured
     ~90 ms of a ~110 ms packed load. Loading creates no reference cycles worth collecting."""
     was_enabled = gc.isenabled()

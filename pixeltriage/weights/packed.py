@@ -214,8 +214,10 @@ class PackedCheckpoint:
         return self.metadata.get("vision_fingerprint") if dtype == self.dtype else None
 
     def verify(self) -> None:
-        """Read every value once: NaN/Inf anywhere, or bytes that no longer hash to the fingerprint written at pack
-        time (the file was modified or damaged since), is a CheckpointError naming the file."""
+        """Read every value once: NaN/Inf anywhere, bytes that no longer hash to the fingerprint written at pack
+        time (the file was modified or damaged since), or a vision_fingerprint that is not its vision weights', is
+        a CheckpointError naming the file. (It checks the file as it is now: one modified after this check is
+        mapped as modified.)"""
         from pixeltriage.weights.loader import check_finite
 
         weights = self.weights(self.dtype, torch.device("cpu"))
@@ -225,6 +227,13 @@ class PackedCheckpoint:
         if content_fingerprint(tensors, texts) != self.fingerprint:
             raise CheckpointError(f"{self.path}: contents do not match the fingerprint written at pack time; the file "
                                   "was modified or damaged after packing (pack it again)")
+        from pixeltriage.engine.scorer import vision_fingerprint
+
+        stored = self.metadata.get("vision_fingerprint")     # keys cached vision features: it must be this model's
+        if stored is not None and stored != vision_fingerprint(weights, self.model_config, self.image_config,
+                                                               self.triage_config):
+            raise CheckpointError(f"{self.path}: its vision_fingerprint does not match its vision weights; cached "
+                                  "vision features would be looked up under the wrong key (pack it again)")
 
     def weights(self, dtype: torch.dtype, device: torch.device):
         """EngineWeights viewing the mapped file (copy-on-write) at the packed dtype; cast per tensor otherwise.
