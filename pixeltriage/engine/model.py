@@ -14,7 +14,7 @@ from pixeltriage.engine.config import FULL, TextConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.conv import causal_conv1d_silu
-from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule
+from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule, fla
 from pixeltriage.kernels.norm import rms_norm_gated, rms_norm_zero_centred
 from pixeltriage.kernels.rotary import apply_partial_rotary, mrope_cos_sin
 
@@ -54,8 +54,9 @@ class TextWeights:
 
 
 def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
-                    cu_seqlens: list[int] | None = None) -> torch.Tensor:
-    """x: [T, hidden] -> [T, hidden]; cu_seqlens: boundaries of sequences packed along T (varlen)."""
+                    cu_seqlens: list[int] | None = None, cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, hidden] -> [T, hidden]; cu_seqlens: boundaries of sequences packed along T (varlen), and the same
+    as a tensor on x's device for fla's kernels (built once per forward by `decoder_forward`)."""
     seq_len = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -65,39 +66,24 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     # leave their (2 * Hv-column) projection in float32, never rounded to bf16. On the parity checkpoints this
     # alone took the bf16-vs-float32 score gap from 0.021 to 0.004 where it was largest.
     b, a = (x.float() @ w.in_proj[n_main:].float().t()).split([hv, hv], dim=-1)
-    qkv = causal_conv1d_silu(qkv, w.conv, cu_seqlens)
+    qkv = causal_conv1d_silu(qkv, w.conv, cu_seqlens)                 # float32
     q, k, v = qkv.split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-    q = l2_norm(q.float().view(seq_len, hk, dk))
-    k = l2_norm(k.float().view(seq_len, hk, dk))
+    q = l2_norm(q.view(seq_len, hk, dk))
+    k = l2_norm(k.view(seq_len, hk, dk))
     if hv != hk:
         q = q.repeat_interleave(hv // hk, dim=1)
         k = k.repeat_interleave(hv // hk, dim=1)
-    beta = b.float().sigmoid()
-    g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
+    beta = b.sigmoid()
+    g = -w.A_log.float().exp() * F.softplus(a + w.dt_bias.float())
     v = v.view(seq_len, hv, dv)
     # fla's Triton kernels take bf16/fp16 (their fp32 dots may run as TF32); a float32 forward on CUDA stays on
     # the exact torch chunked path, so float32 remains the reference on every device
-    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and _use_fla():
-        from pixeltriage.kernels.gated_delta.fla import chunk_gated_delta_rule_fla
-
-        cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
-        o = chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu)                # [T, Hv, dv] float32
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and fla.available():
+        o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens_device)  # [T, Hv, dv] fp32
     else:
-        o = chunk_gated_delta_rule(q, k, v.float(), g, beta, cu_seqlens=cu_seqlens)    # [T, Hv, dv] float32
+        o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)           # [T, Hv, dv] float32
     o = rms_norm_gated(o, z.view(seq_len, hv, dv), w.norm, cfg.rms_norm_eps)
     return o.reshape(seq_len, -1) @ w.out_proj.t()
-
-
-_FLA: dict[str, bool] = {}
-
-
-def _use_fla() -> bool:
-    """flash-linear-attention's kernels on CUDA when importable (checked once)."""
-    if "ok" not in _FLA:
-        from pixeltriage.kernels.gated_delta import fla
-
-        _FLA["ok"] = fla.available()
-    return _FLA["ok"]
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -139,6 +125,9 @@ def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: T
     eps = cfg.rms_norm_eps
     cos, sin = mrope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
     h = embeds.to(torch.float32, copy=True)          # the residual stream, updated in place from here on
+    cu_device = None                                 # fla's varlen kernels take the boundaries as a device tensor
+    if cu_seqlens is not None and embeds.device.type == "cuda":
+        cu_device = torch.tensor(cu_seqlens, dtype=torch.long, device=embeds.device)
     for kind, layer in zip(cfg.layer_types, weights.layers):
         if kind == FULL:
             with stage("attention"):
@@ -147,7 +136,7 @@ def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: T
         else:
             with stage("gated_delta"):
                 h += gated_delta_net(rms_norm_zero_centred(h, layer.input_norm, eps, dtype), layer.attn, cfg,
-                                     cu_seqlens)
+                                     cu_seqlens, cu_device)
         with stage("mlp"):
             h += mlp(rms_norm_zero_centred(h, layer.post_norm, eps, dtype), layer)
     return h

@@ -1,13 +1,18 @@
 """The CUDA path of the gated delta rule: flash-linear-attention's chunked Triton kernels.
 
-Imported only when a CUDA forward asks for it; the CPU path never imports fla or Triton.
+fla itself is imported only inside these functions, which only a CUDA forward (or a CUDA load) calls: the CPU
+path never imports fla or Triton.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 
+@functools.cache
 def available() -> bool:
+    """Whether flash-linear-attention's gated delta rule imports here (checked once per process)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
     except Exception:  # ImportError, or a Triton that cannot initialise
