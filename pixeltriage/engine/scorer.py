@@ -163,14 +163,16 @@ class Scorer:
             raise CheckpointError(f"{path}: a packed checkpoint has its adapter merged already; merge another at "
                                   "pack time (pixeltriage pack SRC DST --adapter DIR)")
         packed = PackedCheckpoint(path)
+        mapped = packed.mapped()
         if verify:
-            packed.verify()
+            packed.verify(mapped)
+        else:
+            # the small tensors are read anyway (microseconds, on the mapped CPU views: no device sync per tensor):
+            # a non-finite A_log or dt_bias would not show as a NaN score (an infinite decay is a valid, if wrong,
+            # decay), so they are checked at every load
+            check_finite(mapped, path, max_numel=SMALL_TENSOR)
         encoder = TextEncoder(json_text=packed.tokenizer_json, source=f"{path} (embedded tokenizer)")
-        weights = packed.weights(dtype, device)
-        if not verify:
-            # the small tensors are read anyway (microseconds): a non-finite A_log or dt_bias would not show as a
-            # NaN score (an infinite decay is a valid, if wrong, decay), so they are checked at every load
-            check_finite(weights, path, max_numel=SMALL_TENSOR)
+        weights = packed.weights(dtype, device, mapped)
         scorer = cls(packed.model_config, packed.image_config, packed.triage_config, encoder, weights, device, dtype,
                      cache, head_backend)
         scorer._fingerprint = packed.vision_fingerprint(dtype) if device.type == "cpu" else None  # CPU-computed
@@ -433,28 +435,17 @@ def vision_fingerprint(weights: EngineWeights, model_cfg: ModelConfig, image_cfg
                        triage_cfg: TriageConfig, device_type: str = "cpu") -> str:
     """SHA-256 over the vision weights as loaded (dtype included), the vision config, the image rules, the
     thumbnail size and the device type: what keys cached vision features."""
-    dtypes = {t.dtype for t in _tensors(weights.vision)}
+    from pixeltriage.weights.packed import flatten, tensor_bytes
+
+    tensors = list(flatten(weights.vision)[0].values())               # field order
     h = hashlib.sha256(b"pixeltriage-vision-features-v1")
     meta = {"device": device_type, "vision": dataclasses.asdict(model_cfg.vision), "image": image_cfg.to_dict(),
-            "thumbnail": triage_cfg.thumbnail_size, "dtype": sorted(str(d) for d in dtypes)}
+            "thumbnail": triage_cfg.thumbnail_size, "dtype": sorted({str(t.dtype) for t in tensors})}
     h.update(json.dumps(meta, sort_keys=True, default=str).encode())
-    for tensor in _tensors(weights.vision):
-        t = tensor.detach().to("cpu").contiguous()
+    for t in tensors:
         h.update(str((t.dtype, tuple(t.shape))).encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(tensor_bytes(t))
     return h.hexdigest()
-
-
-def _tensors(obj):
-    """Every tensor of a weights dataclass, in field order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(obj):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name))
 
 
 def _to_scores(out: HeadOutput, counts: list[int]) -> list[Scores]:

@@ -60,20 +60,13 @@ def load_checkpoint(directory: Path, cfg: ModelConfig, head_dim: int, dtype: tor
 def check_finite(weights: EngineWeights, source: str | Path = "", max_numel: int | None = None) -> None:
     """NaN/Inf anywhere in the weights is an error at load, not a silent mis-score later. With `max_numel`, only
     tensors of at most that many elements are read (norms, A_log, dt_bias, conv taps, biases, the head)."""
-    def walk(obj, name):
-        if isinstance(obj, torch.Tensor):
-            if max_numel is not None and obj.numel() > max_numel:
-                return
-            if obj.is_floating_point() and obj.numel() and not torch.isfinite(torch.stack(torch.aminmax(obj))).all():
-                # aminmax propagates NaN and exposes +-Inf in one pass without temporaries (isfinite is ~15x
-                # slower on bf16 and allocates a mask the size of the tensor)
-                raise CheckpointError(f"{source}: tensor {name} contains NaN or Inf" if source else
-                                      f"tensor {name} contains NaN or Inf")
-        elif isinstance(obj, list):
-            for i, item in enumerate(obj):
-                walk(item, f"{name}[{i}]")
-        elif hasattr(obj, "__dataclass_fields__"):
-            for field_name in obj.__dataclass_fields__:
-                walk(getattr(obj, field_name), f"{name}.{field_name}")
+    from pixeltriage.weights.packed import flatten
 
-    walk(weights, "weights")
+    for name, t in flatten(weights)[0].items():
+        if max_numel is not None and t.numel() > max_numel:
+            continue
+        # aminmax propagates NaN and exposes +-Inf in one pass without temporaries (isfinite is ~15x slower on
+        # bf16 and allocates a mask the size of the tensor)
+        if t.is_floating_point() and t.numel() and not torch.isfinite(torch.stack(torch.aminmax(t))).all():
+            raise CheckpointError(f"{source}: tensor {name} contains NaN or Inf" if source else
+                                  f"tensor {name} contains NaN or Inf")

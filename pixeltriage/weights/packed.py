@@ -101,7 +101,8 @@ def unflatten(structure, tensors: dict[str, torch.Tensor], prefix: str = "", sou
 
 # -- writing ------------------------------------------------------------------------------------------------
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's raw bytes (on the CPU, contiguous), for hashing and writing."""
     t = t.detach().to("cpu").contiguous()
     return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
@@ -113,7 +114,7 @@ def content_fingerprint(tensors: dict[str, torch.Tensor], texts: dict[str, str])
         h.update(texts[key].encode())
     for name, t in tensors.items():
         h.update(f"{name}|{_DTYPES[t.dtype]}|{list(t.shape)}|".encode())
-        h.update(_tensor_bytes(t))
+        h.update(tensor_bytes(t))
     return h.hexdigest()
 
 
@@ -158,7 +159,7 @@ def _write(dst: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
             f.write(prefix)
             bar = _progress(progress, offset, dst.name)
             for name in order:
-                data = _tensor_bytes(tensors[name])
+                data = tensor_bytes(tensors[name])
                 f.write(data)
                 bar(len(data))
             f.flush()
@@ -213,31 +214,29 @@ class PackedCheckpoint:
     def vision_fingerprint(self, dtype: torch.dtype) -> str | None:
         return self.metadata.get("vision_fingerprint") if dtype == self.dtype else None
 
-    def verify(self) -> None:
+    def verify(self, mapped=None) -> None:
         """Read every value once: NaN/Inf anywhere, bytes that no longer hash to the fingerprint written at pack
         time (the file was modified or damaged since), or a vision_fingerprint that is not its vision weights', is
-        a CheckpointError naming the file. (It checks the file as it is now: one modified after this check is
-        mapped as modified.)"""
+        a CheckpointError naming the file. `mapped`: this file's `mapped()` weights, when the caller has them.
+        (It checks the file as it is now: one modified after this check is mapped as modified.)"""
+        from pixeltriage.engine.scorer import vision_fingerprint
         from pixeltriage.weights.loader import check_finite
 
-        weights = self.weights(self.dtype, torch.device("cpu"))
+        weights = self.mapped() if mapped is None else mapped
         check_finite(weights, self.path)
         tensors, _ = flatten(weights)
         texts = {key: self.metadata[key] for key in TEXT_FILES if key in self.metadata}
         if content_fingerprint(tensors, texts) != self.fingerprint:
             raise CheckpointError(f"{self.path}: contents do not match the fingerprint written at pack time; the file "
                                   "was modified or damaged after packing (pack it again)")
-        from pixeltriage.engine.scorer import vision_fingerprint
-
         stored = self.metadata.get("vision_fingerprint")     # keys cached vision features: it must be this model's
         if stored is not None and stored != vision_fingerprint(weights, self.model_config, self.image_config,
                                                                self.triage_config):
             raise CheckpointError(f"{self.path}: its vision_fingerprint does not match its vision weights; cached "
                                   "vision features would be looked up under the wrong key (pack it again)")
 
-    def weights(self, dtype: torch.dtype, device: torch.device):
-        """EngineWeights viewing the mapped file (copy-on-write) at the packed dtype; cast per tensor otherwise.
-        The fields the layout keeps in float32 (`layout.FLOAT32_FIELDS`) stay float32."""
+    def mapped(self):
+        """EngineWeights viewing the mapped file (copy-on-write) at the packed dtype: no tensor is copied."""
         size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             buf = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -255,11 +254,22 @@ class PackedCheckpoint:
                 raise CheckpointError(f"{self.path}: tensor '{name}' spans {end - begin} bytes, its shape {list(shape)} "
                                       f"needs {nbytes}")
             view = raw[begin:end]
-            t = view.view(t_dtype).view(shape) if begin % t_dtype.itemsize == 0 else \
+            tensors[name] = view.view(t_dtype).view(shape) if begin % t_dtype.itemsize == 0 else \
                 view.clone().view(t_dtype).view(shape)
-            target = torch.float32 if name.rsplit(".", 1)[-1] in layout_mod.FLOAT32_FIELDS else dtype
-            tensors[name] = t if (t.dtype == target and device.type == "cpu") else t.to(device=device, dtype=target)
         return unflatten(self.structure, tensors, source=str(self.path))
+
+    def weights(self, dtype: torch.dtype, device: torch.device, mapped=None):
+        """The weights at `dtype` on `device`: the `mapped()` views themselves at the packed dtype on the CPU, else
+        one cast per tensor; the fields the layout keeps in float32 (`layout.FLOAT32_FIELDS`) stay float32."""
+        mapped = self.mapped() if mapped is None else mapped
+        if dtype == self.dtype and device.type == "cpu":
+            return mapped
+        tensors, structure = flatten(mapped)
+        for name, t in tensors.items():
+            target = torch.float32 if name.rsplit(".", 1)[-1] in layout_mod.FLOAT32_FIELDS else dtype
+            if t.dtype != target or device.type != "cpu":
+                tensors[name] = t.to(device=device, dtype=target)
+        return unflatten(structure, tensors, source=str(self.path))
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
