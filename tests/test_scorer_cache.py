@@ -61,6 +61,16 @@ def test_cached_features_give_the_same_scores_and_skip_the_vit(tiny_checkpoint, 
     assert cache.stats()["feature_rows"] == 4
 
 
+def test_with_cache_shares_the_loaded_weights(tiny_checkpoint, cache):
+    plain = Scorer.load(tiny_checkpoint)
+    cached = plain.with_cache(cache)
+    assert cached.weights is plain.weights and cached.cache is cache and plain.cache is None
+    assert cached.vision_fingerprint == plain.vision_fingerprint
+    cached.score(QUESTION, by_value())
+    assert_scores_equal(cached.score(QUESTION, by_value()), plain.score(QUESTION, by_value()))
+    assert cached.vision_counts == {"cached": 4, "computed": 4}
+
+
 def test_a_new_memory_runs_the_vit_only_for_itself(tiny_checkpoint, cache):
     scorer = Scorer.load(tiny_checkpoint, cache=cache)
     memories = by_value()

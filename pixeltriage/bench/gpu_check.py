@@ -77,7 +77,7 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
     graphs = graph_timing(scorer, state, iters, device, progress)
 
     with tempfile.TemporaryDirectory() as tmp, Cache(Path(tmp) / "cache.db") as cache:
-        cached = Scorer.load(path, device=device, dtype=dtype, cache=cache)
+        cached = scorer.with_cache(cache)                                   # the same weights, not a reload
         cstate = cached.pack(question, memories)
         cached.score_states([cstate])                                      # stores the vision features
         per_q_cached = timed(lambda: cached.score_states([cstate]), iters, warmup=3, device=device)

@@ -114,6 +114,13 @@ class Scorer:
             scorer.enable_cuda_graphs(None if cuda_graphs is True else cuda_graphs)
         return scorer
 
+    def with_cache(self, cache: "Cache | None") -> "Scorer":
+        """Another Scorer on the same loaded weights (nothing is read or copied) using `cache`."""
+        scorer = type(self)(self.model_config, self.image_config, self.triage_config, self.packer.encoder,
+                            self.weights, self.device, self.dtype, cache, self.head_backend)
+        scorer._fingerprint, scorer.checkpoint_fingerprint = self._fingerprint, self.checkpoint_fingerprint
+        return scorer
+
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool | None = None) -> None:
         """Capture the text decoder once per bucket of state length (static buffers, one shared memory pool); a
         single question whose state fits a bucket then replays it, a longer one runs eagerly, batches of several
