@@ -143,8 +143,15 @@ class Cache:
 
     def thumbnail(self, key: str) -> Image.Image:
         """The stored 336-px thumbnail (RGB). CacheMissError if absent, CorruptEntryError if damaged."""
-        row = self._row(key, "CAST(thumbnail AS BLOB), checksum")
-        blob, checksum = row
+        return self.entry(key)[0]
+
+    def entry(self, key: str) -> tuple[Image.Image, str]:
+        """The stored thumbnail (RGB) and note, from one read of the row (what scoring a memory needs)."""
+        blob, checksum, note = self._row(key, "CAST(thumbnail AS BLOB), checksum, note")
+        return self._decoded(key, blob, checksum), note
+
+    @staticmethod
+    def _decoded(key: str, blob: bytes, checksum: str) -> Image.Image:
         if _sha256(blob) != checksum:
             raise CorruptEntryError(key, f"thumbnail of {key} fails its checksum; put the image again")
         try:

@@ -205,17 +205,18 @@ class Scorer:
         keys, thumbnails, notes = [], [], []
         with stage("preprocess"):
             for i, m in enumerate(memories):
-                key, thumbnail = self._cached_thumbnail(m, i)
+                key, (thumbnail, note) = self._cached_entry(m, i)
                 keys.append(key)
                 thumbnails.append(thumbnail)
-                notes.append(self.cache.note(key) if m.note is None else m.note)
+                notes.append(note if m.note is None else m.note)
             images = self.packer.images(memories, thumbnails)
         with stage("pack"):
             state = self.packer.pack(question, memories, images=images, notes=notes)
         state.image_keys = keys
         return state
 
-    def _cached_thumbnail(self, memory: Memory, index: int):
+    def _cached_entry(self, memory: Memory, index: int):
+        """(key, (thumbnail, note)) of one memory from the cache, putting an image given by value first."""
         from pixeltriage.engine.cache import CacheMissError, CorruptEntryError, image_key
 
         cache = self.cache
@@ -223,15 +224,15 @@ class Scorer:
             try:
                 key = image_key(memory.image)
                 try:
-                    return key, cache.thumbnail(key)        # the common case: one read, one checksum, one decode
+                    return key, cache.entry(key)            # the common case: one read, one checksum, one decode
                 except CacheMissError:                      # absent or damaged: put (re)writes it
-                    return cache.put(memory.image), cache.thumbnail(key)
+                    return cache.put(memory.image), cache.entry(key)
             except InvalidMemoryError as e:                 # the cache names no memory: this one is `index`
                 if e.index is not None:
                     raise
                 raise InvalidMemoryError(e.reason, index) from None
         try:
-            return memory.key, cache.thumbnail(memory.key)
+            return memory.key, cache.entry(memory.key)
         except CorruptEntryError as e:
             raise InvalidMemoryError(f"{e}; the cache ({cache.path}) cannot rebuild it without the image", index) from None
         except CacheMissError:
