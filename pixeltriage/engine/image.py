@@ -282,7 +282,13 @@ def preprocess(source, cfg: ImageConfig, thumbnail_size: int = 336,
     = patchify(thumbnail(source, thumbnail_size), cfg). Every failure (unreadable image, aspect ratio above
     200, ...) is raised as InvalidMemoryError(reason, index).
     """
-    thumb = thumbnail(source, thumbnail_size, index)
+    return preprocess_thumbnail(thumbnail(source, thumbnail_size, index), cfg, index, source)
+
+
+def preprocess_thumbnail(thumb: Image.Image, cfg: ImageConfig, index: int | None = None,
+                         source=None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """`preprocess` for a thumbnail `thumbnail` already made (fresh, or write-time cached): patchify only, no
+    second decode, orientation or resize. `source` names the image in errors."""
     try:
         return patchify(thumb, cfg)
     except _DECODE_ERRORS as e:

@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
-from pixeltriage.engine.image import preprocess
+from pixeltriage.engine.image import preprocess, preprocess_thumbnail
 from pixeltriage.engine.types import Memory
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, StateTooLongError
 
@@ -172,8 +172,10 @@ class StatePacker:
         """Preprocess each memory's image (or its cached thumbnail) -> (pixel_values, grid_thw)."""
         out = []
         for i, m in enumerate(memories):
-            source = thumbnails[i] if thumbnails is not None and thumbnails[i] is not None else m.image
-            out.append(preprocess(source, self.image_cfg, self.cfg.thumbnail_size, index=i))
+            if thumbnails is not None and thumbnails[i] is not None:        # made by the same recipe already
+                out.append(preprocess_thumbnail(thumbnails[i], self.image_cfg, index=i))
+            else:
+                out.append(preprocess(m.image, self.image_cfg, self.cfg.thumbnail_size, index=i))
         return out
 
     def pack(self, question: str, memories, images=None, notes=None) -> State:
