@@ -23,6 +23,7 @@ from pixeltriage.engine.vision import vision_forward
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, NonFiniteScoreError
 from pixeltriage.kernels.head import HeadOutput, decision_head, final_norm_rows, resolve_head_backend
 from pixeltriage.weights.layout import EngineWeights
+from pixeltriage.weights.adapter import is_adapter_dir
 from pixeltriage.weights.loader import load_checkpoint
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class Scorer:
             from pixeltriage.engine.cache import THUMBNAIL_SIDE
 
             if triage_cfg.thumbnail_size != THUMBNAIL_SIDE:
-                raise CheckpointError(f"pixeltriage.json: state.thumbnail_size is {triage_cfg.thumbnail_size}, but the "
+                raise CheckpointError(f"{triage_cfg.source}: state.thumbnail_size is {triage_cfg.thumbnail_size}, but the "
                                       f"write-time cache keeps {THUMBNAIL_SIDE}-px thumbnails; rescaling them would "
                                       "not give the thumbnails this checkpoint was trained on")
         self.cache = cache
@@ -155,7 +156,7 @@ class Scorer:
         if not tokenizer.is_file():
             raise CheckpointError(f"{tokenizer}: file not found")
         encoder = TextEncoder(tokenizer)
-        if adapter is None and (path / "adapter_config.json").is_file():
+        if adapter is None and is_adapter_dir(path):
             adapter = path
         weights = load_checkpoint(path, model_cfg, triage_cfg.head_dim, dtype, device,
                                   Path(adapter) if adapter is not None else None, verify is not False)
