@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
-import threading
 
 log = logging.getLogger(__name__)
 
@@ -25,32 +25,27 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 MMAP_THRESHOLD = 32 * 2 ** 20
 TRIM_THRESHOLD = 2 ** 30
 
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
 
-
+@functools.cache
 def tune_malloc() -> bool:
-    """Apply the settings once; True when they are in effect (glibc on Linux, not opted out)."""
-    with _lock:
-        if "applied" in _state:
-            return _state["applied"]
-        applied = False
-        if os.environ.get("PIXELTRIAGE_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "off", "no"):
-            log.debug("malloc tuning disabled by PIXELTRIAGE_MALLOC_TUNING")
-        elif sys.platform.startswith("linux"):
-            try:
-                try:
-                    libc = ctypes.CDLL("libc.so.6")
-                except OSError:                         # find_library runs ldconfig: only when needed
-                    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                mallopt = libc.mallopt
-                mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-                applied = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-                           and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-                           and bool(mallopt(M_MMAP_MAX, 0)))
-            except (OSError, AttributeError) as e:     # not glibc (musl has no mallopt), or no libc found
-                log.debug("malloc tuning unavailable: %s", e)
-        _state["applied"] = applied
-        if applied:
-            log.debug("malloc tuned: mmap threshold %d B, trim threshold %d B", MMAP_THRESHOLD, TRIM_THRESHOLD)
-        return applied
+    """Apply the settings once per process; True when they are in effect (glibc on Linux, not opted out)."""
+    if os.environ.get("PIXELTRIAGE_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "off", "no"):
+        log.debug("malloc tuning disabled by PIXELTRIAGE_MALLOC_TUNING")
+        return False
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:                         # find_library runs ldconfig: only when needed
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        applied = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+                   and bool(mallopt(M_MMAP_MAX, 0)))
+    except (OSError, AttributeError) as e:     # not glibc (musl has no mallopt), or no libc found
+        log.debug("malloc tuning unavailable: %s", e)
+        return False
+    if applied:
+        log.debug("malloc tuned: mmap threshold %d B, trim threshold %d B", MMAP_THRESHOLD, TRIM_THRESHOLD)
+    return applied

@@ -37,23 +37,24 @@ def stage(name: str) -> Iterator[None]:
 
 
 @contextmanager
-def record(sync: Callable[[], None] | None = None) -> Iterator[dict[str, float]]:
-    """Collect stage times of this thread's work inside the block into the yielded dict (seconds)."""
+def _recording(sink: dict[str, float] | None, sync: Callable[[], None] | None) -> Iterator[None]:
+    """This thread's stages go to `sink` (None: nowhere) inside the block; the previous recording after it."""
     previous = getattr(_local, "sink", None), getattr(_local, "sync", None)
-    sink: dict[str, float] = defaultdict(float)
     _local.sink, _local.sync = sink, sync
     try:
-        yield sink
+        yield
     finally:
         _local.sink, _local.sync = previous
 
 
 @contextmanager
-def paused() -> Iterator[None]:
+def record(sync: Callable[[], None] | None = None) -> Iterator[dict[str, float]]:
+    """Collect stage times of this thread's work inside the block into the yielded dict (seconds)."""
+    sink: dict[str, float] = defaultdict(float)
+    with _recording(sink, sync):
+        yield sink
+
+
+def paused():
     """No stage of this thread records inside the block (e.g. while a CUDA graph captures: no synchronize)."""
-    previous = getattr(_local, "sink", None), getattr(_local, "sync", None)
-    _local.sink, _local.sync = None, None
-    try:
-        yield
-    finally:
-        _local.sink, _local.sync = previous
+    return _recording(None, None)
