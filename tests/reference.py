@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pixeltriage.bench.hf import force_transformers_torch_path  # noqa: F401  (re-exported for the tests)
 from pixeltriage.engine.config import ImageConfig, TriageConfig
 from pixeltriage.weights.tokenizer import build_tokenizer, save_tokenizer, special_token_ids
 
@@ -72,7 +71,6 @@ def write_reference_checkpoint(path: Path, config_kwargs: dict, seed: int = 0, h
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab = config_kwargs["text_config"]["vocab_size"]
     tokenizer = build_tokenizer(SPECIAL_BASE - 200, SPECIAL_BASE)
     save_tokenizer(tokenizer, path, model_max_length=4096)
     special = special_token_ids(tokenizer)

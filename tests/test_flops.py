@@ -6,26 +6,16 @@ delta rule's triangular solves, so only `Flops.matmul` is compared. Bar: 2% on e
 """
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pixeltriage.bench import flops as F
+from pixeltriage.bench.hf import force_transformers_torch_path
 from pixeltriage.engine.config import FULL, LINEAR, ModelConfig
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
 TOLERANCE = 0.02
-
-
-def force_transformers_torch_path(monkeypatch, module) -> None:
-    """With flash-linear-attention installed, transformers binds Qwen3.5's gated-delta and conv
-    functions to fla, which cannot run on the CPU; rebind the module globals the layers call to the
-    plain torch functions they wrap. module: transformers' modeling_qwen3_5 or modeling_qwen3_5_moe."""
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                 "causal_conv1d_update"):
-        monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))
 
 
 def qwen35_dict(text: dict | None = None, vision: dict | None = None) -> dict:
@@ -91,11 +81,11 @@ def assert_close(analytic: int, counted: int, what: str) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(QWEN35_CASES))
-def test_system_one_matches_flop_counter(case, monkeypatch):
+def test_system_one_matches_flop_counter(case):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    force_transformers_torch_path(monkeypatch, modeling_qwen3_5)
+    force_transformers_torch_path(modeling_qwen3_5)
     d = QWEN35_CASES[case]
     torch.manual_seed(0)
     hf_cfg = Qwen3_5Config.from_dict(d)
@@ -128,12 +118,12 @@ def test_system_one_matches_flop_counter(case, monkeypatch):
     assert without_head.solve > 0  # the UT solves, which FlopCounterMode does not count
 
 
-def test_moe_decoder_matches_flop_counter(monkeypatch):
+def test_moe_decoder_matches_flop_counter():
     """The active-parameter count of a Qwen3.5 MoE decoder: router, top-k experts, gated shared expert."""
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5MoeTextModel
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
-    force_transformers_torch_path(monkeypatch, modeling_qwen3_5_moe)
+    force_transformers_torch_path(modeling_qwen3_5_moe)
     torch.manual_seed(0)
     text = dict(qwen35_dict()["text_config"], intermediate_size=None, num_hidden_layers=2,
                 layer_types=[LINEAR, FULL], num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40,

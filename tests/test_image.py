@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import io
-import os
 import re
 import struct
 import zlib

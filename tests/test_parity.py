@@ -24,7 +24,8 @@ import torch
 from PIL import Image
 
 from pixeltriage import Memory, Scorer
-from reference import force_transformers_torch_path, tiny_config, write_reference_checkpoint
+from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
+from reference import tiny_config, write_reference_checkpoint
 
 force_transformers_torch_path()
 
@@ -78,15 +79,6 @@ def checkpoint(request, tmp_path_factory):
     layers = config["text_config"]["num_hidden_layers"]
     model = write_reference_checkpoint(path, config, seed=1, residual_scale=(2 * layers) ** -0.5)
     return path, model
-
-
-def transformers_hidden(model, state) -> torch.Tensor:
-    ids = state.input_ids[None]
-    mm = (ids == model.config.image_token_id).int()
-    with torch.no_grad():
-        out = model.model(input_ids=ids, pixel_values=state.pixel_values, image_grid_thw=state.image_grid_thw,
-                          mm_token_type_ids=mm)
-    return out.last_hidden_state[0]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

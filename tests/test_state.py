@@ -1,6 +1,5 @@
 """The packed state: fixed order, segment boundaries, plain user text, budgets."""
 import pytest
-import torch
 from PIL import Image
 
 from pixeltriage import Memory, Scorer, StateTooLongError

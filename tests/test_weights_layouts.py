@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from pixeltriage import Scorer
 from pixeltriage.errors import CheckpointError
-from reference import force_transformers_torch_path, tiny_config, write_reference_checkpoint
-from test_parity import episode, rel_err, transformers_hidden
+from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
+from reference import tiny_config, write_reference_checkpoint
+from test_parity import episode, rel_err
 
 force_transformers_torch_path()
 

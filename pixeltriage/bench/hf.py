@@ -1,26 +1,26 @@
 """transformers' Qwen3.5 as the baseline a user could pick instead: its torch path, fed the engine's state."""
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
 import torch
 
 
-def force_transformers_torch_path() -> None:
+def force_transformers_torch_path(module=None) -> None:
     """With flash-linear-attention installed, transformers binds Qwen3.5's gated-delta and conv functions
     to fla at import time, even on the CPU where fla cannot run. Rebind the module globals to the
-    plain torch functions they wrap."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    plain torch functions they wrap. module: transformers' modeling module (default modeling_qwen3_5; also
+    modeling_qwen3_5_moe)."""
+    if module is None:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as module
 
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                  "causal_conv1d_update"):
-        fn = getattr(m, name, None)
-        if fn is None:
-            continue
-        while hasattr(fn, "__wrapped__"):
-            fn = fn.__wrapped__
-        setattr(m, name, fn)
+        fn = getattr(module, name, None)
+        if fn is not None:
+            setattr(module, name, inspect.unwrap(fn))
 
 
 def state_packer(directory: str | os.PathLike):
