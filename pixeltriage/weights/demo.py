@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Q
 
 from pixeltriage.engine.config import FULL, LINEAR, ImageConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
-from pixeltriage.weights.reader import safetensors_header
+from pixeltriage.weights.reader import read_safetensors_header, safetensors_header
 from pixeltriage.weights.tokenizer import (QWEN_FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_tokenizer, save_tokenizer,
                                            special_token_ids)
 
@@ -336,9 +335,7 @@ def count_parameters(path: str | os.PathLike) -> dict[str, int]:
     """Parameters stored in a checkpoint directory, from the safetensors headers."""
     counts = {"backbone": 0, "head": 0}
     for file in sorted(Path(path).glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+        header, _ = read_safetensors_header(file)
         header.pop("__metadata__", None)
         part = "head" if file.name == "decision_head.safetensors" else "backbone"
         counts[part] += sum(int(torch.Size(entry["shape"]).numel()) for entry in header.values())

@@ -25,7 +25,6 @@ import hashlib
 import json
 import mmap
 import os
-import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +37,7 @@ from pixeltriage.engine import vision as vision_mod
 from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
 from pixeltriage.weights import layout as layout_mod
-from pixeltriage.weights.reader import SAFETENSORS_DTYPES, safetensors_header
+from pixeltriage.weights.reader import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_header
 
 FORMAT = "pixeltriage-packed"
 FORMAT_VERSION = "1"
@@ -180,7 +179,7 @@ class PackedCheckpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        header, self._data_start = _read_header(self.path)
+        header, self._data_start = read_safetensors_header(self.path)
         meta = header.pop("__metadata__", None) or {}
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{self.path}: not a packed System One checkpoint (metadata format "
@@ -270,26 +269,6 @@ class PackedCheckpoint:
             if t.dtype != target or device.type != "cpu":
                 tensors[name] = t.to(device=device, dtype=target)
         return unflatten(structure, tensors, source=str(self.path))
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: file too short to be safetensors ({size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 256 * 2**20):
-                raise CheckpointError(f"{path}: safetensors header of {n} bytes does not fit the {size}-byte file")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not an object")
-    return header, 8 + n
 
 
 # -- command line: `pixeltriage pack SRC DST [--adapter DIR] [--dtype bfloat16]` ------------------------------

@@ -131,3 +131,25 @@ def weight_files(directory: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(the JSON header, metadata included; the byte offset where the data starts); CheckpointError naming the
+    file when it is not a readable safetensors file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: file too short to be safetensors ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 256 * 2**20):
+                raise CheckpointError(f"{path}: safetensors header of {n} bytes does not fit the {size}-byte file")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not an object")
+    return header, 8 + n
