@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import resource
 import statistics
 import subprocess
@@ -33,33 +33,36 @@ def _child(method: str, path: str, dtype_name: str) -> dict:
     import torch
 
     import pixeltriage  # noqa: F401  (the package imports torch; neither is part of a load)
+    from pixeltriage.episode import sample_episode
 
     dtype = getattr(torch, dtype_name)
     out: dict = {"method": method, "import_s": time.perf_counter() - t0}
-    t0 = time.perf_counter()
+    question, memories = sample_episode()
+    memories = memories[:1]
     if method == "transformers":
+        t0 = time.perf_counter()
         from transformers import Qwen3_5ForConditionalGeneration
 
-        out["import_s"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
         from pixeltriage.bench.hf import force_transformers_torch_path, state_packer, transformers_hidden
-        from pixeltriage.episode import sample_episode
 
+        out["import_s"] += time.perf_counter() - t0
         force_transformers_torch_path()
+        t0 = time.perf_counter()
         model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
-        out["load_s"] = time.perf_counter() - t0
-        question, memories = sample_episode()
-        transformers_hidden(model, state_packer(path).pack(question, memories[:1]))
-        out["first_s"] = time.perf_counter() - t0
+
+        def first_score():
+            transformers_hidden(model, state_packer(path).pack(question, memories))
     else:
         from pixeltriage import Scorer
-        from pixeltriage.episode import sample_episode
 
+        t0 = time.perf_counter()
         scorer = Scorer.load(path, dtype=dtype)
-        out["load_s"] = time.perf_counter() - t0
-        question, memories = sample_episode()
-        scorer.score(question, memories[:1])
-        out["first_s"] = time.perf_counter() - t0
+
+        def first_score():
+            scorer.score(question, memories)
+    out["load_s"] = time.perf_counter() - t0
+    first_score()
+    out["first_s"] = time.perf_counter() - t0
     out["peak_rss"] = _peak_rss()
     return out
 
@@ -77,9 +80,8 @@ def _peak_rss() -> int:
 
 
 def _trial(method: str, path: Path, dtype: str) -> dict:
-    env = dict(os.environ)
     cmd = [sys.executable, "-m", "pixeltriage.bench.load", "--child", method, str(path), dtype]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} trial failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -87,34 +89,28 @@ def _trial(method: str, path: Path, dtype: str) -> dict:
 
 def weights_bytes(directory: Path, itemsize: int) -> int:
     """The loaded weights' size: every loaded parameter (not lm_head / mtp) at `itemsize` bytes."""
-    from safetensors import safe_open
-
-    from pixeltriage.weights.reader import SKIPPED
+    from pixeltriage.weights.reader import SKIPPED, read_safetensors_header
 
     total = 0
     for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as handle:
-            for name in handle.keys():
-                if SKIPPED.match(name):                     # never loaded (lm_head, mtp.*)
-                    continue
-                n = 1
-                for d in handle.get_slice(name).get_shape():
-                    n *= d
-                total += n * itemsize
-    return total
+        header, _ = read_safetensors_header(f)
+        header.pop("__metadata__", None)
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if not SKIPPED.match(name))
+    return total * itemsize
 
 
 def load_report(preset: str = "2b", dtype: str = "bfloat16", repeats: int = 3, progress=print) -> dict:
-    import torch
-
+    from pixeltriage.engine.scorer import parse_dtype
     from pixeltriage.weights.demo import cache_dir, demo_checkpoint
     from pixeltriage.weights.packed import pack_checkpoint
+
+    torch_dtype = parse_dtype(dtype)
 
     directory = demo_checkpoint(preset)
     packed = cache_dir() / f"demo-{preset}-seed0.{dtype}.packed.safetensors"
     if not packed.is_file() or packed.stat().st_mtime < (directory / "config.json").stat().st_mtime:
         progress(f"packing {directory} -> {packed}")
-        pack_checkpoint(directory, packed, dtype=getattr(torch, dtype))
+        pack_checkpoint(directory, packed, dtype=torch_dtype)
     paths = {"packed": packed, "directory": directory, "transformers": directory}
     trials: dict[str, list[dict]] = {m: [] for m in METHODS}
     for m in METHODS:                      # warm the page cache for every method; not timed
@@ -124,13 +120,12 @@ def load_report(preset: str = "2b", dtype: str = "bfloat16", repeats: int = 3, p
         for m in METHODS:
             progress(f"trial {r + 1}/{repeats}: {m}")
             trials[m].append(_trial(m, paths[m], dtype))
-    wbytes = weights_bytes(directory, getattr(torch, dtype).itemsize)
+    wbytes = weights_bytes(directory, torch_dtype.itemsize)
     rows = {}
     for m, ts in trials.items():
         row = {"load_s": statistics.median(t["load_s"] for t in ts),
+               "first_s": statistics.median(t["first_s"] for t in ts),
                "peak_rss": int(statistics.median(t["peak_rss"] for t in ts))}
-        if all("first_s" in t for t in ts):
-            row["first_s"] = statistics.median(t["first_s"] for t in ts)
         row["peak_rss_over_weights"] = row["peak_rss"] / wbytes
         rows[m] = row
     first = {m: rows[m]["first_s"] for m in METHODS}
@@ -149,8 +144,7 @@ def print_table(report: dict, out=None) -> None:
           f"median of {report['repeats']} fresh processes (page cache warm)", file=out)
     print(f"{'method':<14} {'load s':>8} {'first score s':>14} {'peak RSS GiB':>13} {'RSS/weights':>12}", file=out)
     for m, row in report["methods"].items():
-        first = f"{row['first_s']:.2f}" if "first_s" in row else "-"
-        print(f"{m:<14} {row['load_s']:8.2f} {first:>14} {row['peak_rss'] / gib:13.2f} "
+        print(f"{m:<14} {row['load_s']:8.2f} {row['first_s']:14.2f} {row['peak_rss'] / gib:13.2f} "
               f"{row['peak_rss_over_weights']:12.2f}", file=out)
     print(f"load, packed vs transformers: {report['load_speedup_vs_transformers']:.1f}x; vs directory: "
           f"{report['load_speedup_vs_directory']:.1f}x. time to first score, packed vs transformers: "
