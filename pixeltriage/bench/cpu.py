@@ -133,7 +133,9 @@ def print_table(r: dict, out=None) -> None:
 
 
 def add_cpu_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="bench-small", choices=["tiny", "bench-small", "2b"])
+    from pixeltriage.weights.demo import PRESETS
+
+    p.add_argument("--preset", default="bench-small", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=5, help="timed engine runs after one warm-up (default 5)")
     p.add_argument("--memories", type=int, default=10)

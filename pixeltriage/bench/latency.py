@@ -286,7 +286,9 @@ def plot(r: dict, path: str) -> None:
 
 
 def add_latency_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=["tiny", "bench-small", "2b"])
+    from pixeltriage.weights.demo import PRESETS
+
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: float32 on the CPU, bfloat16 on CUDA")

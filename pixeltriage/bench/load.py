@@ -155,7 +155,9 @@ def print_table(report: dict, out=None) -> None:
 
 
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="2b", choices=["tiny", "bench-small", "2b"])
+    from pixeltriage.weights.demo import PRESETS
+
+    p.add_argument("--preset", default="2b", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
