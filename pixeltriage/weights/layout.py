@@ -27,6 +27,11 @@ HEAD_CANDIDATE = "head.candidate.weight"
 FLOAT32_FIELDS = frozenset({"A_log", "dt_bias", "head_decision", "head_candidate"})
 
 
+def field_dtype(field: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine keeps field `field` in, for an engine of `dtype`."""
+    return torch.float32 if field in FLOAT32_FIELDS else dtype
+
+
 @dataclass
 class EngineWeights:
     text: TextWeights
@@ -41,12 +46,13 @@ class _Taker:
     def __init__(self, source: TensorSource, dtype: torch.dtype, device: torch.device):
         self.source, self.dtype, self.device = source, dtype, device
 
-    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(self, name: str, shape: tuple[int, ...], field: str = "") -> torch.Tensor:
+        """The tensor at the engine dtype, or at the dtype the layout keeps engine field `field` in."""
         tensor = self.source.take(name, shape)
         if not tensor.is_floating_point():
             raise CheckpointError(f"{self.source.file_of(name)}: tensor '{name}' has dtype {tensor.dtype}, "
                                   "expected a floating point dtype")
-        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+        return tensor.to(device=self.device, dtype=field_dtype(field, self.dtype))
 
     def cat(self, names: list[str], shapes: list[tuple[int, ...]], dim: int = 0) -> torch.Tensor:
         return torch.cat([self(n, s) for n, s in zip(names, shapes)], dim=dim)
@@ -60,8 +66,8 @@ def build_engine_weights(source: TensorSource, cfg: ModelConfig, head_dim: int, 
     text = _text_weights(take, cfg, text_prefix)
     vision = _vision_weights(take, cfg, vision_prefix)
     hidden = cfg.text.hidden_size
-    head_d = take(HEAD_DECISION, (head_dim, hidden), torch.float32)
-    head_c = take(HEAD_CANDIDATE, (head_dim, hidden), torch.float32)
+    head_d = take(HEAD_DECISION, (head_dim, hidden), field="head_decision")
+    head_c = take(HEAD_CANDIDATE, (head_dim, hidden), field="head_candidate")
     source.finish()
     return EngineWeights(text, vision, head_d, head_c)
 
@@ -90,8 +96,8 @@ def _text_weights(take: _Taker, cfg: ModelConfig, prefix: str) -> TextWeights:
                     [a + "in_proj_qkv.weight", a + "in_proj_z.weight", a + "in_proj_b.weight", a + "in_proj_a.weight"],
                     [(t.linear_conv_dim, h), (t.linear_value_dim, h), (hv, h), (hv, h)]),
                 conv=take(a + "conv1d.weight", (t.linear_conv_dim, 1, t.linear_conv_kernel_dim)).squeeze(1),
-                A_log=take(a + "A_log", (hv,), torch.float32),
-                dt_bias=take(a + "dt_bias", (hv,), torch.float32),
+                A_log=take(a + "A_log", (hv,), field="A_log"),
+                dt_bias=take(a + "dt_bias", (hv,), field="dt_bias"),
                 norm=take(a + "norm.weight", (t.linear_value_head_dim,)),
                 out_proj=take(a + "out_proj.weight", (h, t.linear_value_dim)),
             )

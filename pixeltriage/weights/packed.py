@@ -265,7 +265,7 @@ class PackedCheckpoint:
             return mapped
         tensors, structure = flatten(mapped)
         for name, t in tensors.items():
-            target = torch.float32 if name.rsplit(".", 1)[-1] in layout_mod.FLOAT32_FIELDS else dtype
+            target = layout_mod.field_dtype(name.rsplit(".", 1)[-1], dtype)
             if t.dtype != target or device.type != "cpu":
                 tensors[name] = t.to(device=device, dtype=target)
         return unflatten(structure, tensors, source=str(self.path))
