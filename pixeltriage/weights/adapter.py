@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pixeltriage.errors import CheckpointError
+from pixeltriage.weights.loader import LAYOUTS
 from pixeltriage.weights.reader import open_safetensors
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,17 @@ WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 # the two layouts' prefixes, so an adapter trained on one applies to a checkpoint stored in the other
-_LAYOUT_PREFIXES = (("model.language_model.", "backbone.language_model."), ("model.visual.", "backbone.visual."))
+# (transformers prefix, Valen prefix) pairs, from the layouts the loader detects
+_LAYOUT_PREFIXES = tuple(zip(*LAYOUTS.values()))
+
+
+def _in_other_layout(name: str) -> str | None:
+    """A transformers-layout tensor name in Valen's layout or the reverse; None under neither prefix."""
+    for a, b in _LAYOUT_PREFIXES:
+        for src, dst in ((a, b), (b, a)):
+            if name.startswith(src):
+                return dst + name[len(src):]
+    return None
 
 
 def is_adapter_dir(path: Path) -> bool:
@@ -127,17 +138,11 @@ class LoraAdapter:
             if adapter_name in names:
                 self._aliases[adapter_name] = adapter_name
                 continue
-            for a, b in _LAYOUT_PREFIXES:
-                for src, dst in ((a, b), (b, a)):
-                    if adapter_name.startswith(src) and dst + adapter_name[len(src):] in names:
-                        self._aliases[dst + adapter_name[len(src):]] = adapter_name
-                        break
-                else:
-                    continue
-                break
-            else:
+            other = _in_other_layout(adapter_name)
+            if other not in names:
                 raise CheckpointError(f"{self.weights_path}: adapter tensor for '{adapter_name}' matches no tensor "
                                       "of the checkpoint (wrong base model?)")
+            self._aliases[other] = adapter_name
 
     def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The base tensor `name` with the adapter merged in (float32 when merged), or unchanged."""
