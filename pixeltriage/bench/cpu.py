@@ -20,7 +20,7 @@ import time
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.timing import gemm_tflops
+from pixeltriage.bench.timing import flop_rate, gemm_tflops
 
 WORDS = ("the market stall had orchids in painted pots and a vendor who talked about watering them twice a week "
          "while a cat slept by the crates of lemons and someone asked about the price of the blue vase").split()
@@ -58,7 +58,7 @@ def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300):
 
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
                target_tokens: int = 2300, transformers_repeats: int | None = None, progress=print) -> dict:
-    from pixeltriage.bench.flops import state_shape, system_one_flops, total
+    from pixeltriage.bench.flops import scorer_flops, total
     from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
     from pixeltriage.engine import profiling
     from pixeltriage.engine.scorer import Scorer, parse_dtype
@@ -70,8 +70,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     scorer = Scorer.load(path, dtype=torch_dtype)
     question, mems = bench_episode(scorer.packer, memories, target_tokens)
     state = scorer.pack(question, mems)
-    shape = state_shape(state, scorer.model_config.vision.merge_unit)
-    flops = total(system_one_flops(scorer.model_config, shape, scorer.triage_config.head_dim))
+    flops = total(scorer_flops(scorer, state))
 
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -104,16 +103,15 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
             hf_times.append(time.perf_counter() - t0)
     rates.append(gemm_tflops(dtype=torch_dtype))
     stages = {k: statistics.median(r.get(k, 0.0) for r in stage_runs) for k in stage_runs[0]}
-    rate = statistics.fmean(rates) * 1e12
+    rate = statistics.fmean(rates)
     engine_s, hf_s = statistics.median(engine_times), statistics.median(hf_times)
-    achieved = flops.total / engine_s
+    achieved = flop_rate(flops.total, engine_s, rate)
     return {
         "preset": preset, "dtype": dtype, "threads": torch.get_num_threads(), "tokens": state.num_tokens,
         "memories": state.num_memories, "engine_s": engine_s, "transformers_s": hf_s, "speedup": hf_s / engine_s,
         "engine_times": engine_times, "transformers_times": hf_times,
-        "tflop": flops.total / 1e12, "gemm_tflops": rate / 1e12, "gemm_tflops_before_after": rates,
-        "achieved_tflops": achieved / 1e12,
-        "fraction_of_gemm": achieved / rate, "stages_s": stages,
+        "tflop": flops.total / 1e12, "gemm_tflops": rate, "gemm_tflops_before_after": rates,
+        "achieved_tflops": achieved["tflops"], "fraction_of_gemm": achieved["of_gemm"], "stages_s": stages,
     }
 
 

@@ -297,6 +297,12 @@ def state_shape(state, merge_unit: int) -> StateShape:
     return StateShape(text_tokens=state.num_tokens - image_tokens, image_grids=grids)
 
 
+def scorer_flops(scorer, state, cached_vision: bool = False) -> dict[str, Flops]:
+    """`system_one_flops` of a loaded `Scorer`'s model for one of its `State`s."""
+    return system_one_flops(scorer.model_config, state_shape(state, scorer.model_config.vision.merge_unit),
+                            scorer.triage_config.head_dim, cached_vision=cached_vision)
+
+
 def system_one_flops(model: ModelConfig | ModelShape, state: StateShape, head_dim: int = 256,
                      cached_vision: bool = False, causal: str = "half",
                      num_memories: int | None = None) -> dict[str, Flops]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pixeltriage.bench.timing import gemm_tflops, percentiles, timed
+from pixeltriage.bench.timing import device_peak_tflops, flop_rate, gemm_tflops, percentiles, timed
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 GRAPH_TOLERANCE = 1e-3     # a replayed decoder against the eager one: same dtype and kernels, padded length
@@ -60,8 +60,7 @@ def parity(presets, device: torch.device, progress) -> dict:
 
 def timing(preset: str, device: torch.device, iters: int, batch: int, progress) -> dict:
     from pixeltriage.bench.cpu import bench_episode
-    from pixeltriage.bench.flops import state_shape, system_one_flops, total
-    from pixeltriage.bench.latency import device_peak_tflops
+    from pixeltriage.bench.flops import scorer_flops, total
     from pixeltriage.engine.cache import Cache
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.weights.demo import demo_checkpoint
@@ -86,10 +85,8 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
     states = [scorer.pack(f"{question} ({i})", memories) for i in range(batch)]
     batch_times = timed(lambda: scorer.score_states(states), max(2, iters // 5), warmup=1, device=device)
 
-    shape = state_shape(state, scorer.model_config.vision.merge_unit)
-    head_dim = scorer.triage_config.head_dim
-    flops = total(system_one_flops(scorer.model_config, shape, head_dim)).total
-    flops_cached = total(system_one_flops(scorer.model_config, shape, head_dim, cached_vision=True)).total
+    flops = total(scorer_flops(scorer, state)).total
+    flops_cached = total(scorer_flops(scorer, state, cached_vision=True)).total
     progress("measuring the GEMM rate")
     gemm = gemm_tflops(device, dtype)
     peak = device_peak_tflops(device)
@@ -97,8 +94,7 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
     batch_s = statistics.median(batch_times)
 
     def rate(f, s):
-        achieved = f / s / 1e12
-        return {"tflops": achieved, "of_gemm": achieved / gemm, "mfu": achieved / peak if peak else None}
+        return flop_rate(f, s, gemm, peak)
     return {
         "preset": preset, "dtype": "bfloat16", "tokens": state.num_tokens, "memories": state.num_memories,
         "batch_1": {"p50_ms": p50 * 1e3, "p99_ms": percentiles(per_q)["p99"] * 1e3, "iters": iters,

@@ -31,11 +31,10 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.timing import gemm_tflops, percentiles, timed
+from pixeltriage.bench.timing import device_peak_tflops, flop_rate, gemm_tflops, percentiles, timed
 
 SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
          (720, 1280), (512, 384)]
-PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
 ANSWERING_SCALES = {
     # text: hidden, layers, heads, kv heads, ffn; vision: depth, hidden, heads, ffn
     "tiny": dict(text=(256, 4, 4, 2, 704), vision=(4, 256, 4, 512)),
@@ -149,11 +148,10 @@ def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2,
 
 def profile_stages(scorer, episodes, out_dir: Path, gemm_tflops: float) -> dict:
     """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
-    from pixeltriage.bench.flops import shape_from_config, state_shape, system_one_flops
+    from pixeltriage.bench.flops import scorer_flops
     from pixeltriage.engine import profiling
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    shape = shape_from_config(scorer.model_config)
     stage_of = {"full_attention": "attention", "linear_attention": "gated_delta", "ffn": "mlp"}  # flops -> stages
     flops: dict[str, float] = {}
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -163,9 +161,7 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_tflops: float) -> dict:
         for q, m in episodes:
             state = scorer.pack(q, m)
             scorer.score_states([state])
-            parts = system_one_flops(shape, state_shape(state, shape.vision.merge_unit),
-                                     scorer.triage_config.head_dim)
-            for name, f in parts.items():
+            for name, f in scorer_flops(scorer, state).items():
                 flops[stage_of.get(name, name)] = flops.get(stage_of.get(name, name), 0.0) + f.total
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
@@ -173,26 +169,10 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_tflops: float) -> dict:
     rows = {}
     for name, seconds in stages.items():
         f = flops.get(name, 0.0)
-        tflops = f / seconds / 1e12 if seconds and f else 0.0
-        rows[name] = {"seconds": seconds, "tflop": f / 1e12, "tflops": tflops,
-                      "of_gemm": tflops / gemm_tflops if gemm_tflops else None,
-                      "mfu": tflops / peak if peak else None}
-    total_s = sum(stages.values())
-    total_f = sum(flops.values())
-    rows["total"] = {"seconds": total_s, "tflop": total_f / 1e12, "tflops": total_f / total_s / 1e12,
-                     "of_gemm": total_f / total_s / 1e12 / gemm_tflops if gemm_tflops else None,
-                     "mfu": total_f / total_s / 1e12 / peak if peak else None}
+        rows[name] = {"seconds": seconds, "tflop": f / 1e12, **flop_rate(f, seconds, gemm_tflops, peak)}
+    total_s, total_f = sum(stages.values()), sum(flops.values())
+    rows["total"] = {"seconds": total_s, "tflop": total_f / 1e12, **flop_rate(total_f, total_s, gemm_tflops, peak)}
     return {"trace": str(trace), "questions": len(episodes), "stages": rows, "peak_tflops": peak}
-
-
-def device_peak_tflops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return value
-    return None
 
 
 def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questions=24, ks=(1, 2),

@@ -50,3 +50,23 @@ def gemm_tflops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16)
     a = torch.randn(n, n, device=device, dtype=dtype)
     t = statistics.median(timed(lambda: a @ a, 10 if device.type == "cuda" else 5, warmup=2, device=device))
     return 2 * n ** 3 / t / 1e12
+
+
+# dense bf16 peak TFLOP/s of the GPUs whose MFU the benchmarks report
+PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak (PEAK_BF16_TFLOPS by name); None on the CPU or an unlisted GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def flop_rate(flop: float, seconds: float, gemm_tflops: float | None, peak_tflops: float | None = None) -> dict:
+    """`flop` FLOPs done in `seconds`: achieved TFLOP/s, its fraction of the measured GEMM rate and of the
+    device's peak (MFU); a fraction is None when its reference is unknown."""
+    tflops = flop / seconds / 1e12 if seconds and flop else 0.0
+    return {"tflops": tflops, "of_gemm": tflops / gemm_tflops if gemm_tflops else None,
+            "mfu": tflops / peak_tflops if peak_tflops else None}
