@@ -10,9 +10,10 @@ scans) and dialogue text; latency = `Scorer.score` end to end (preprocessing, pa
 questions excluded; p50/p90/p99 at batch 1, and per batch of N with `score_batch` (questions/s).
 
 Answering prefill: transformers' Qwen2.5-VL architecture (`Qwen2_5_VLForConditionalGeneration`, random weights)
-at the stated `--answering-scale` (the real 7B does not fit a CPU run; `7b` is its public shape), fed one of the
-stream's 10-memory episodes through transformers' own Qwen2-VL image processor: every image opened (open-all),
-or only the k highest-gain ones with a short text proxy for the rest (ours@k), timed as one forward each.
+at the stated `--answering-scale` (the real 7B does not fit a CPU run; `7b` is the FLOP model's shape of it), fed
+one 10-image episode drawn like the stream's (same image sizes) through transformers' own Qwen2-VL image
+processor: every image opened (open-all), or only the k highest-gain ones with a short text proxy for the rest
+(ours@k), timed as one forward each.
 
 `--profile DIR`: a torch profiler trace (DIR/trace.json, chrome://tracing) of a few System One questions and a
 per-stage table (preprocess, pack, vision, gated_delta, attention, mlp, head) with each stage's analytic FLOPs,
@@ -31,15 +32,25 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+from pixeltriage.bench.flops import ANSWERING_MODELS
 from pixeltriage.bench.timing import device_peak_tflops, flop_rate, gemm_tflops, percentiles, timed
 
 SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
          (720, 1280), (512, 384)]
+
+
+def _scale_of(shape) -> dict:
+    lang, vis = shape.language, shape.vision
+    return dict(text=(lang.hidden_size, len(lang.layer_types), lang.num_attention_heads, lang.num_key_value_heads,
+                      lang.intermediate_size),
+                vision=(vis.depth, vis.hidden_size, vis.num_heads, vis.intermediate_size))
+
+
 ANSWERING_SCALES = {
     # text: hidden, layers, heads, kv heads, ffn; vision: depth, hidden, heads, ffn
     "tiny": dict(text=(256, 4, 4, 2, 704), vision=(4, 256, 4, 512)),
     "small": dict(text=(1024, 8, 8, 2, 2816), vision=(8, 640, 10, 1280)),
-    "7b": dict(text=(3584, 28, 28, 4, 18944), vision=(32, 1280, 16, 3420)),
+    "7b": _scale_of(ANSWERING_MODELS["qwen2.5-vl-7b"]),         # the FLOP model's Qwen2.5-VL-7B
 }
 PROXY_WORDS = 30
 
@@ -73,7 +84,10 @@ def _sync(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
-def system_one_latency(scorer, episodes, batch: int, warmup: int = 2) -> dict:
+WARMUP_QUESTIONS = 2     # the stream's first questions, run untimed before the measured ones
+
+
+def system_one_latency(scorer, episodes, batch: int, warmup: int = WARMUP_QUESTIONS) -> dict:
     dev = scorer.device
     for q, m in episodes[:warmup]:
         scorer.score(q, m)
@@ -183,11 +197,12 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
 
     dev, tdtype = torch.device(device), parse_dtype(dtype)
     scorer = Scorer.load(demo_checkpoint(preset), device=dev, dtype=tdtype)
-    episodes = stream(questions + 2, seed)
-    progress(f"System One ({preset}, {dtype}, {dev}): {questions} questions after 2 warm-up, batch 1 and {batch}")
+    episodes = stream(questions + WARMUP_QUESTIONS, seed)
+    progress(f"System One ({preset}, {dtype}, {dev}): {questions} questions after {WARMUP_QUESTIONS} warm-up, "
+             f"batch 1 and {batch}")
     report = {"preset": preset, "device": str(dev), "dtype": dtype, "threads": torch.get_num_threads(),
               "system_one": system_one_latency(scorer, episodes, batch)}
-    # the answering model on one 10-memory episode of the stream
+    # the answering model on one 10-image episode drawn like the stream's
     rng = random.Random(seed + 1)
     images = [_image(rng, rng.choice(SIZES)) for _ in range(10)]
     from pixeltriage.engine.types import Memory
@@ -208,7 +223,8 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
         progress("measuring the GEMM rate and profiling")
         gemm = gemm_tflops(dev, tdtype)
         report["gemm_tflops"] = gemm
-        report["profile"] = profile_stages(scorer, episodes[2:2 + min(4, questions)], Path(profile), gemm)
+        report["profile"] = profile_stages(scorer, episodes[WARMUP_QUESTIONS:WARMUP_QUESTIONS + min(4, questions)],
+                                           Path(profile), gemm)
     return report
 
 
