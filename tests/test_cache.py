@@ -393,3 +393,16 @@ def test_cli_errors(tmp_path):
         _cli(["put", str(tmp_path / "x.db"), str(img), "--notes", str(bad)])
     with pytest.raises(SystemExit):
         _cli([])
+
+
+def test_entry_of_reads_when_stored_and_puts_when_not(tmp_path):
+    from pixeltriage.engine.cache import image_key
+
+    img = Image.new("RGB", (500, 300), (10, 120, 200))
+    with Cache(tmp_path / "c.db") as cache:
+        key, (thumb, note) = cache.entry_of(img)                  # absent: stored, then read back
+        assert key == image_key(img) and key in cache and note == ""
+        assert thumb.size == (336, 202) and thumb.mode == "RGB"
+        cache.put(img, note="a blue card")
+        assert cache.entry_of(img) == (key, (cache.thumbnail(key), "a blue card"))
+        assert len(cache) == 1

@@ -119,13 +119,27 @@ class Cache:
         if not isinstance(note, str):
             raise TypeError(f"note must be a str, found {type(note).__name__}")
         key, data = _key_and_data(image)
+        self._put(key, data, image, note)
+        return key
+
+    def entry_of(self, image: ImageSource) -> tuple[str, tuple[Image.Image, str]]:
+        """(key, (thumbnail, note)) of an image given by value: read from the cache when stored (absent or
+        damaged: put first). The image is read and hashed once either way."""
+        key, data = _key_and_data(image)
+        try:
+            return key, self.entry(key)
+        except CacheMissError:
+            self._put(key, data, image, "")
+            return key, self.entry(key)
+
+    def _put(self, key: str, data: bytes | None, image: ImageSource, note: str) -> None:
         row = self._conn().execute("SELECT CAST(thumbnail AS BLOB), checksum, note FROM images WHERE key = ?",
                                    (key,)).fetchone()
         if row is not None and _sha256(row[0]) == row[1]:
             if note and note != row[2]:
                 with self._write() as conn:
                     conn.execute("UPDATE images SET note = ? WHERE key = ?", (note, key))
-            return key
+            return
         # the scorer's own thumbnail recipe, so cached and fresh thumbnails agree
         source = data if data is not None else image
         width, height = display_size(source)
@@ -139,7 +153,6 @@ class Cache:
                 "width = excluded.width, height = excluded.height, "
                 "note = CASE WHEN excluded.note != '' THEN excluded.note ELSE images.note END",
                 (key, thumbnail, _sha256(thumbnail), note, time.time(), width, height))
-        return key
 
     def thumbnail(self, key: str) -> Image.Image:
         """The stored 336-px thumbnail (RGB). CacheMissError if absent, CorruptEntryError if damaged."""

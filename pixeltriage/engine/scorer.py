@@ -218,16 +218,12 @@ class Scorer:
 
     def _cached_entry(self, memory: Memory, index: int):
         """(key, (thumbnail, note)) of one memory from the cache, putting an image given by value first."""
-        from pixeltriage.engine.cache import CacheMissError, CorruptEntryError, image_key
+        from pixeltriage.engine.cache import CacheMissError, CorruptEntryError
 
         cache = self.cache
         if memory.key is None:
             try:
-                key = image_key(memory.image)
-                try:
-                    return key, cache.entry(key)            # the common case: one read, one checksum, one decode
-                except CacheMissError:                      # absent or damaged: put (re)writes it
-                    return cache.put(memory.image), cache.entry(key)
+                return cache.entry_of(memory.image)         # usually one read, one checksum, one decode
             except InvalidMemoryError as e:                 # the cache names no memory: this one is `index`
                 if e.index is not None:
                     raise
