@@ -40,16 +40,18 @@ def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300):
     from pixeltriage.engine.types import Memory
 
     question = "Which of the photos I shared shows the blue vase, and what colour was the orchid's pot?"
+    photos = [bench_image(i) for i in range(num_memories)]
 
     def episode(words_per_memory: int):
-        return question, [Memory(image=bench_image(i), note=f"photo {i + 1} from the market",
+        return question, [Memory(image=photos[i], note=f"photo {i + 1} from the market",
                                  dialogue=" ".join(WORDS[(i + j) % len(WORDS)] for j in range(words_per_memory)),
                                  date=f"2026-03-{i + 1:02d}") for i in range(num_memories)]
 
+    images = packer.images(episode(0)[1])             # the same photos at every step: preprocessed once
     lo, hi = 0, 400
     while lo < hi:                                         # the most words that stay within target_tokens
         mid = (lo + hi + 1) // 2
-        if packer.pack(*episode(mid)).num_tokens <= target_tokens:
+        if packer.pack(*episode(mid), images=images).num_tokens <= target_tokens:
             lo = mid
         else:
             hi = mid - 1

@@ -48,11 +48,11 @@ def parity(presets, device: torch.device, progress) -> dict:
     for preset in presets:
         path = demo_checkpoint(preset)
         reference = Scorer.load(path, dtype=torch.float32)
-        episode = bench_episode(reference.packer)
-        expected = reference.score(*episode)
+        state = reference.pack(*bench_episode(reference.packer))        # one state, scored by every scorer
+        expected = reference.score_states([state])[0]
         for name, tol in TOLERANCE.items():
             progress(f"parity {preset} {name} on {device}")
-            got = Scorer.load(path, device=device, dtype=getattr(torch, name)).score(*episode)
+            got = Scorer.load(path, device=device, dtype=getattr(torch, name)).score_states([state])[0]
             diff = max_diff(got, expected)
             out[f"{preset}/{name}"] = {"max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol}
     return out
