@@ -66,12 +66,10 @@ class TextEncoder:
             raise TypeError("TextEncoder needs exactly one of tokenizer_file or json_text")
         source = source or str(tokenizer_file)
         try:
-            if json_text is not None:
-                self.control, self.plain = Tokenizer.from_str(json_text), Tokenizer.from_str(json_text)
-            else:
-                self.control = Tokenizer.from_file(str(tokenizer_file))
-                self.plain = Tokenizer.from_file(str(tokenizer_file))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            if json_text is None:
+                json_text = Path(tokenizer_file).read_text(encoding="utf-8")
+            self.control, self.plain = Tokenizer.from_str(json_text), Tokenizer.from_str(json_text)
+        except Exception as e:  # an unreadable file, or tokenizers' bare Exception on malformed JSON
             raise CheckpointError(f"{source}: cannot load tokenizer ({e})") from None
         self.plain.encode_special_tokens = True
         self.special = {t.content: i for i, t in self.control.get_added_tokens_decoder().items() if t.special}

@@ -41,8 +41,7 @@ from pixeltriage.weights.reader import SAFETENSORS_DTYPES, read_safetensors_head
 
 FORMAT = "pixeltriage-packed"
 FORMAT_VERSION = "1"
-_DTYPES = SAFETENSORS_DTYPES
-_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_FROM_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 # the source files embedded as metadata text (tokenizer_config only when the source has one)
 TEXT_FILES = {"config": "config.json", "preprocessor_config": "preprocessor_config.json",
               "pixeltriage": "pixeltriage.json", "tokenizer": "tokenizer.json", "tokenizer_config": "tokenizer_config.json"}
@@ -112,7 +111,7 @@ def content_fingerprint(tensors: dict[str, torch.Tensor], texts: dict[str, str])
         h.update(f"{key}={len(texts[key])}:".encode())
         h.update(texts[key].encode())
     for name, t in tensors.items():
-        h.update(f"{name}|{_DTYPES[t.dtype]}|{list(t.shape)}|".encode())
+        h.update(f"{name}|{SAFETENSORS_DTYPES[t.dtype]}|{list(t.shape)}|".encode())
         h.update(tensor_bytes(t))
     return h.hexdigest()
 
@@ -127,15 +126,15 @@ def pack_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, adapter: str
         raise CheckpointError(f"{src}: checkpoint directory not found")
     if dst.exists() and dst.is_dir():
         raise CheckpointError(f"{dst}: is a directory; the packed checkpoint is a single file")
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"cannot pack to {dtype}; choose one of {sorted(str(d) for d in _DTYPES)}")
+    if dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"cannot pack to {dtype}; choose one of {sorted(str(d) for d in SAFETENSORS_DTYPES)}")
     _say(progress, f"loading {src}" + (f" with adapter {adapter}" if adapter else "") + f" as {dtype}")
     scorer = Scorer.load(src, dtype=dtype, adapter=adapter, verify=True)   # every value checked once, here
     tensors, structure = flatten(scorer.weights)
     texts = {key: (src / name).read_text(encoding="utf-8") for key, name in TEXT_FILES.items()
              if key not in _OPTIONAL_TEXTS or (src / name).is_file()}
     _say(progress, f"fingerprinting {len(tensors)} tensors")
-    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": _DTYPES[dtype],
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": SAFETENSORS_DTYPES[dtype],
                 "structure": json.dumps(structure, separators=(",", ":")),
                 "fingerprint": content_fingerprint(tensors, texts),
                 "vision_fingerprint": vision_fingerprint(scorer.weights, scorer.model_config, scorer.image_config,
@@ -278,7 +277,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("dst", help="packed file to write (replaced atomically if it exists)")
     parser.add_argument("--adapter", metavar="DIR", default=None,
                         help="PEFT LoRA adapter directory to merge (default: one inside SRC, if any)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    from pixeltriage.engine.scorer import DTYPES
+
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
