@@ -59,7 +59,7 @@ def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300):
 
 
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
-               target_tokens: int = 2300, transformers_repeats: int | None = None, progress=print) -> dict:
+               target_tokens: int = 2300, progress=print) -> dict:
     from pixeltriage.bench.flops import scorer_flops, total
     from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
     from pixeltriage.engine import profiling
@@ -79,7 +79,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     progress("loading transformers (torch path)")
     force_transformers_torch_path()
     model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch_dtype).eval()
-    hf_repeats = transformers_repeats or max(2, repeats // 2)
+    hf_repeats = max(2, repeats // 2)             # its forward is the slow one
 
     def engine() -> dict:
         with profiling.record() as stages:
