@@ -128,6 +128,39 @@ def test_packed_forward_rows_equal_each_state_alone(tiny_checkpoint):
         assert a.p_vis == pytest.approx(b.p_vis, abs=1e-6) and a.gains == pytest.approx(b.gains, abs=1e-6)
 
 
+@pytest.mark.parametrize("last", ["full_attention", "linear_attention"])
+def test_forward_at_rows_equals_full_forward_rows(tiny_checkpoint, last):
+    """`decoder_forward(rows=...)` computes the last layer past its token mixer at those rows only; the rows equal
+    the full forward's (float32, <= 1e-5 relative), alone and varlen-packed, in any order, repeats included."""
+    import dataclasses
+
+    from PIL import Image
+
+    from pixeltriage import Memory, Scorer
+    from pixeltriage.engine.model import decoder_forward
+
+    scorer = Scorer.load(tiny_checkpoint)
+    cfg, weights = scorer.model_config.text, scorer.weights.text
+    assert cfg.layer_types[-1] == "full_attention"
+    if last == "linear_attention":                 # the same checkpoint without its last (attention) layer
+        cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:-1])
+        weights = dataclasses.replace(weights, layers=weights.layers[:-1])
+    states = [scorer.pack("first?", [Memory(image=Image.new("RGB", (64, 96), (9, 9, 9)), note="a")]),
+              scorer.pack("a second, longer question?", [Memory(image=Image.new("RGB", (32, 32), (9, 200, 9)),
+                                                                   dialogue="hello " * 30)])]
+    with torch.inference_mode():
+        for group in (states[:1], states):
+            embeds = torch.cat([scorer._embeds(s) for s in group])
+            positions = torch.cat([s.position_ids for s in group], dim=1)
+            bounds = [0, states[0].num_tokens, embeds.shape[0]] if len(group) > 1 else None
+            full = decoder_forward(embeds, positions, weights, cfg, cu_seqlens=bounds)
+            t = embeds.shape[0]
+            rows = torch.tensor([t - 1, 0, 5, states[0].num_tokens - 1, 5, t // 2])
+            got = decoder_forward(embeds, positions, weights, cfg, cu_seqlens=bounds, rows=rows)
+            assert got.shape == (len(rows), cfg.hidden_size)
+            assert rel(got, full[rows]) <= 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 3, 16), (50, 2, 4, 64), (1, 1, 2)])
 def test_rotary_matches_reference(dtype, shape):

@@ -103,7 +103,7 @@ def test_system_one_matches_flop_counter(case):
     counts = count(model.model, input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor(grids),
                    mm_token_type_ids=(ids == IMAGE).int())
 
-    analytic = F.system_one_flops(shape, state, causal="dense")
+    analytic = F.system_one_flops(shape, state, causal="dense", head_rows_only=False)
     assert_close(analytic["vision"].matmul, part(counts, ".visual"), "vision tower")
     tokens = state.num_tokens(vision.merge_unit)
     lang = shape.language
@@ -268,3 +268,35 @@ def test_the_2b_flop_preset_is_the_2b_demo_checkpoint_shape():
     for cfg in (flop_cfg, demo_cfg):
         cfg["text"].pop("max_position_embeddings")
     assert flop_cfg == demo_cfg
+
+
+@pytest.mark.parametrize("last", [FULL, LINEAR])
+def test_head_rows_only_saves_what_the_engine_leaves_out(tiny_checkpoint, last):
+    """The engine's forward at the head's rows (`decoder_forward(rows=...)`) against its full forward, both
+    under FlopCounterMode: the counted difference equals the analytic model's (`output_rows`)."""
+    import dataclasses
+
+    from pixeltriage.engine.model import decoder_forward
+    from pixeltriage.engine.scorer import Scorer
+
+    scorer = Scorer.load(tiny_checkpoint)
+    cfg, weights = scorer.model_config.text, scorer.weights.text
+    if last == LINEAR:
+        cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:-1])
+        weights = dataclasses.replace(weights, layers=weights.layers[:-1])
+    tokens, rows = 150, torch.tensor([3, 70, 149, 149, 100])
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(tokens, cfg.hidden_size, generator=g)
+    positions = torch.arange(tokens).expand(3, tokens)
+
+    def counted(**kw) -> int:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            decoder_forward(embeds, positions, weights, cfg, **kw)
+        return counter.get_total_flops()
+
+    lang = dataclasses.replace(F.shape_from_config(scorer.model_config).language, layer_types=cfg.layer_types)
+    analytic = {r: F.total(F.language_flops(lang, tokens, "dense", output_rows=r)).matmul for r in (None, len(rows))}
+    saved = analytic[None] - analytic[len(rows)]
+    if last == FULL:   # FlopCounterMode sees neither of the engine's CPU SDPA calls (flash, masked): no scores
+        saved -= 4 * (tokens - len(rows)) * tokens * lang.num_attention_heads * lang.head_dim
+    assert_close(saved, counted() - counted(rows=rows), f"last layer {last} at {len(rows)} rows")

@@ -43,6 +43,9 @@ class Flops:
     def __add__(self, other: "Flops") -> "Flops":
         return Flops(self.matmul + other.matmul, self.solve + other.solve)
 
+    def __sub__(self, other: "Flops") -> "Flops":
+        return Flops(self.matmul - other.matmul, self.solve - other.solve)
+
     def __mul__(self, times: int) -> "Flops":
         return Flops(self.matmul * times, self.solve * times)
 
@@ -204,28 +207,38 @@ def vision_flops(vision: VisionShape, grids: Sequence[Grid]) -> Flops:
 # ---- decoder -----------------------------------------------------------------------------------
 
 
-def full_attention_flops(lang: LanguageShape, num_tokens: int, causal: str = "half") -> Flops:
-    """One full attention layer: projections plus QK^T and PV over `num_tokens` rows."""
+def full_attention_flops(lang: LanguageShape, num_tokens: int, causal: str = "half",
+                         query_rows: int | None = None) -> Flops:
+    """One full attention layer: projections plus QK^T and PV over `num_tokens` rows.
+
+    query_rows: the layer's output is wanted at these many rows only (the engine's last layer, see
+    `decoder_forward(rows=...)`): keys and values over every row, queries, gates, scores against every key (a
+    masked dense rectangle, whatever `causal` says) and the output projection at the rows."""
     if causal not in CAUSAL_CONVENTIONS:
         raise ValueError(f"causal must be one of {CAUSAL_CONVENTIONS}, found {causal!r}")
     t, h = num_tokens, lang.hidden_size
     q_width = lang.num_attention_heads * lang.head_dim
     kv_width = lang.num_key_value_heads * lang.head_dim
     q_out = 2 * q_width if lang.attention_output_gate else q_width
+    if query_rows is not None:
+        r = query_rows
+        return Flops(matmul=2 * t * h * 2 * kv_width + 2 * r * h * q_out + 2 * r * q_width * h + 4 * r * t * q_width)
     projections = 2 * t * h * (q_out + 2 * kv_width) + 2 * t * q_width * h
     dense_scores = 4 * t * t * q_width  # QK^T and PV over the full T x T rectangle, all query heads
     scores = dense_scores if causal == "dense" else dense_scores // 2
     return Flops(matmul=projections + scores)
 
 
-def linear_attention_flops(lang: LanguageShape, num_tokens: int, chunk_size: int = CHUNK_SIZE) -> Flops:
-    """One Gated DeltaNet layer: projections, causal conv1d and the chunked gated delta rule."""
+def linear_attention_flops(lang: LanguageShape, num_tokens: int, chunk_size: int = CHUNK_SIZE,
+                           output_rows: int | None = None) -> Flops:
+    """One Gated DeltaNet layer: projections, causal conv1d and the chunked gated delta rule.
+    output_rows: the output projection at these many rows only (the engine's last layer)."""
     t, h = num_tokens, lang.hidden_size
     heads = lang.linear_num_value_heads
     dk, dv, c = lang.linear_key_head_dim, lang.linear_value_head_dim, chunk_size
     value_width = heads * dv
     in_width = lang.linear_conv_dim + value_width + 2 * heads  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-    projections = 2 * t * h * in_width + 2 * t * value_width * h
+    projections = 2 * t * h * in_width + 2 * (t if output_rows is None else output_rows) * value_width * h
     conv = 2 * t * lang.linear_conv_dim * lang.linear_conv_kernel_dim
     chunks = -(-t // c)
     intra = 2 * c * c * dk * 2 + 2 * c * c * dv          # KK^T, QK^T, A @ V
@@ -245,14 +258,27 @@ def ffn_flops(lang: LanguageShape, num_tokens: int) -> Flops:
     return Flops(matmul=router + routed + shared)
 
 
-def language_flops(lang: LanguageShape, num_tokens: int, causal: str = "half") -> dict[str, Flops]:
-    """Every decoder layer over `num_tokens` rows (no embedding, no final norm, no head)."""
+def language_flops(lang: LanguageShape, num_tokens: int, causal: str = "half",
+                   output_rows: int | None = None) -> dict[str, Flops]:
+    """Every decoder layer over `num_tokens` rows (no embedding, no final norm, no head).
+
+    output_rows: the decoder's output is wanted at these many rows only, so the last layer computes everything
+    after its token mixer's recurrence or keys and values at those rows (`decoder_forward(rows=...)`)."""
     num_linear = lang.layer_types.count(LINEAR)
     num_full = lang.layer_types.count(FULL)
     parts = {"full_attention": num_full * full_attention_flops(lang, num_tokens, causal)}
     if num_linear:
         parts["linear_attention"] = num_linear * linear_attention_flops(lang, num_tokens)
     parts["ffn"] = len(lang.layer_types) * ffn_flops(lang, num_tokens)
+    if output_rows is not None and lang.layer_types:       # the last layer at the rows, in place of all rows
+        if lang.layer_types[-1] == FULL:
+            key, full, pruned = ("full_attention", full_attention_flops(lang, num_tokens, causal),
+                                 full_attention_flops(lang, num_tokens, causal, query_rows=output_rows))
+        else:
+            key, full, pruned = ("linear_attention", linear_attention_flops(lang, num_tokens),
+                                 linear_attention_flops(lang, num_tokens, output_rows=output_rows))
+        parts[key] = parts[key] - full + pruned
+        parts["ffn"] = parts["ffn"] - ffn_flops(lang, num_tokens) + ffn_flops(lang, output_rows)
     return parts
 
 
@@ -305,16 +331,19 @@ def scorer_flops(scorer, state, cached_vision: bool = False) -> dict[str, Flops]
 
 def system_one_flops(model: ModelConfig | ModelShape, state: StateShape, head_dim: int = 256,
                      cached_vision: bool = False, causal: str = "half",
-                     num_memories: int | None = None) -> dict[str, Flops]:
+                     num_memories: int | None = None, head_rows_only: bool = True) -> dict[str, Flops]:
     """One System One forward: vision tower (skipped when its outputs are cached), decoder, decision head.
 
     num_memories: marker rows scored by the head; defaults to one per image.
+    head_rows_only: the decoder's last layer at the head's n + 7 rows only, as the engine runs it; False counts
+    the whole last layer, as a forward that returns every row (transformers') does.
     """
     shape = shape_from_config(model) if isinstance(model, ModelConfig) else model
     merge_unit = shape.vision.merge_unit
-    parts = {"vision": Flops() if cached_vision else vision_flops(shape.vision, state.image_grids)}
-    parts.update(language_flops(shape.language, state.num_tokens(merge_unit), causal))
     memories = len(state.image_grids) if num_memories is None else num_memories
+    parts = {"vision": Flops() if cached_vision else vision_flops(shape.vision, state.image_grids)}
+    parts.update(language_flops(shape.language, state.num_tokens(merge_unit), causal,
+                                output_rows=memories + 7 if head_rows_only else None))
     parts["head"] = decision_head_flops(shape.language.hidden_size, head_dim, memories)
     return parts
 

@@ -54,9 +54,12 @@ class TextWeights:
 
 
 def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
-                    cu_seqlens: list[int] | None = None, cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+                    cu_seqlens: list[int] | None = None, cu_seqlens_device: torch.Tensor | None = None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, hidden] -> [T, hidden]; cu_seqlens: boundaries of sequences packed along T (varlen), and the same
-    as a tensor on x's device for fla's kernels (built once per forward by `decoder_forward`)."""
+    as a tensor on x's device for fla's kernels (built once per forward by `decoder_forward`).
+    rows: only these output rows ([R] indices into T, on x's device) -> [R, hidden]; the recurrence still runs
+    over every token, the output norm and projection only at the rows."""
     seq_len = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -82,8 +85,11 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
         o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens_device)  # [T, Hv, dv] fp32
     else:
         o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)           # [T, Hv, dv] float32
-    o = rms_norm_gated(o, z.view(seq_len, hv, dv), w.norm, cfg.rms_norm_eps)
-    return o.reshape(seq_len, -1) @ w.out_proj.t()
+    z = z.view(seq_len, hv, dv)
+    if rows is not None:
+        o, z = o.index_select(0, rows), z.index_select(0, rows)
+    o = rms_norm_gated(o, z, w.norm, cfg.rms_norm_eps)
+    return o.reshape(o.shape[0], -1) @ w.out_proj.t()
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -91,20 +97,50 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, cos: torch.Tensor,
-                    sin: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:
+                    sin: torch.Tensor, cu_seqlens: list[int] | None = None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """Causal grouped-query attention with q/k RMSNorm, partial M-RoPE and a sigmoid output gate; with
-    cu_seqlens, causal within each packed sequence only."""
+    cu_seqlens, causal within each packed sequence only.
+    rows: only these output rows ([R] indices into T, on x's device) -> [R, hidden]: keys and values over every
+    token, queries, gates and the output projection at the rows only."""
     seq_len = x.shape[0]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg, k, v = (x @ w.qkv.t()).split([nh * 2 * hd, nkv * hd, nkv * hd], dim=-1)
-    q, gate = qg.view(seq_len, nh, 2 * hd).chunk(2, dim=-1)
-    q = apply_partial_rotary(rms_norm_zero_centred(q, w.q_norm, cfg.rms_norm_eps), cos, sin)
+    q_width = nh * 2 * hd
+    if rows is None:
+        qg, k, v = (x @ w.qkv.t()).split([q_width, nkv * hd, nkv * hd], dim=-1)
+        q_cos, q_sin = cos, sin
+    else:
+        k, v = (x @ w.qkv[q_width:].t()).split([nkv * hd, nkv * hd], dim=-1)
+        qg = x.index_select(0, rows) @ w.qkv[:q_width].t()
+        q_cos, q_sin = cos.index_select(0, rows), sin.index_select(0, rows)
+    num_q = qg.shape[0]
+    q, gate = qg.view(num_q, nh, 2 * hd).chunk(2, dim=-1)
+    q = apply_partial_rotary(rms_norm_zero_centred(q, w.q_norm, cfg.rms_norm_eps), q_cos, q_sin)
     k = apply_partial_rotary(rms_norm_zero_centred(k.view(seq_len, nkv, hd), w.k_norm, cfg.rms_norm_eps), cos, sin)
     v = v.view(seq_len, nkv, hd)
-    lengths = [seq_len] if cu_seqlens is None else [e - b for b, e in zip(cu_seqlens, cu_seqlens[1:])]
-    o = segment_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths, causal=True)  # [nh, T, hd]
-    o = o.transpose(0, 1).reshape(seq_len, nh * hd) * torch.sigmoid(gate.reshape(seq_len, nh * hd))
+    if rows is None:
+        lengths = [seq_len] if cu_seqlens is None else [e - b for b, e in zip(cu_seqlens, cu_seqlens[1:])]
+        o = segment_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths, causal=True)
+    else:
+        o = rows_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), rows, cu_seqlens)
+    o = o.transpose(0, 1).reshape(num_q, nh * hd) * torch.sigmoid(gate.reshape(num_q, nh * hd))
     return o @ w.o_proj.t()
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                   cu_seqlens: list[int] | None = None) -> torch.Tensor:
+    """Causal attention of the queries at token positions `rows` only. q: [Hq, R, D]; k, v: [Hkv, T, D] ->
+    [Hq, R, D]. The query at row r sees keys 0..r of its own packed sequence (cu_seqlens), as in the full
+    causal attention, whose rows `rows` this equals."""
+    seq_len = k.shape[1]
+    keys = torch.arange(seq_len, device=k.device)
+    mask = keys[None, :] <= rows[:, None]                                       # [R, T] causal
+    if cu_seqlens is not None and len(cu_seqlens) > 2:
+        bounds = torch.tensor(cu_seqlens[1:-1], device=k.device)
+        segment = torch.bucketize(keys, bounds, right=True)                     # each token's sequence
+        mask &= segment[None, :] == segment.index_select(0, rows)[:, None]
+    gqa = q.shape[0] != k.shape[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa)[0]
 
 
 def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
@@ -113,13 +149,20 @@ def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
 
 
 def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: TextWeights,
-                    cfg: TextConfig, cu_seqlens: list[int] | None = None) -> torch.Tensor:
+                    cfg: TextConfig, cu_seqlens: list[int] | None = None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """embeds: [T, hidden] (text embeddings with visual rows scattered in); position_ids: [3, T].
     cu_seqlens: [0, t1, ..., T] when several independent states are packed along T (varlen): attention,
     conv and the delta rule never cross a boundary, so each state's rows equal its own forward.
 
     Returns the last layer's output [T, hidden] float32, before the final norm. The residual stream
     is kept in float32 whatever the weights' dtype; matmuls run in the weights' dtype.
+
+    rows: [R] token indices (on embeds' device) -> only those output rows, [R, hidden], in that order. Nothing
+    after the last layer's token mixer reads another row, so from there on only the rows are computed: the
+    last layer's queries, gates, output projection and MLP (for a last Gated DeltaNet layer, its output norm,
+    projection and MLP). The scorer asks for the head's n + 7 rows per state: at bench-small (8 layers) that
+    is ~1/8 of the decoder's matmuls left out.
     """
     dtype = weights.embed.dtype
     eps = cfg.rms_norm_eps
@@ -128,15 +171,18 @@ def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: T
     cu_device = None                                 # fla's varlen kernels take the boundaries as a device tensor
     if cu_seqlens is not None and embeds.device.type == "cuda":
         cu_device = torch.tensor(cu_seqlens, dtype=torch.long, device=embeds.device)
-    for kind, layer in zip(cfg.layer_types, weights.layers):
-        if kind == FULL:
-            with stage("attention"):
-                h += gated_attention(rms_norm_zero_centred(h, layer.input_norm, eps, dtype), layer.attn, cfg,
-                                     cos, sin, cu_seqlens)
-        else:
-            with stage("gated_delta"):
-                h += gated_delta_net(rms_norm_zero_centred(h, layer.input_norm, eps, dtype), layer.attn, cfg,
-                                     cu_seqlens, cu_device)
+    last = len(weights.layers) - 1
+    for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
+        only = rows if i == last else None
+        with stage("attention" if kind == FULL else "gated_delta"):
+            x = rms_norm_zero_centred(h, layer.input_norm, eps, dtype)
+            if kind == FULL:
+                mixed = gated_attention(x, layer.attn, cfg, cos, sin, cu_seqlens, only)
+            else:
+                mixed = gated_delta_net(x, layer.attn, cfg, cu_seqlens, cu_device, only)
+            if only is not None:
+                h = h.index_select(0, only)
+            h += mixed
         with stage("mlp"):
             h += mlp(rms_norm_zero_centred(h, layer.post_norm, eps, dtype), layer)
     return h

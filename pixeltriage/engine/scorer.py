@@ -319,6 +319,20 @@ class Scorer:
         positions = torch.cat([s.position_ids for s in states], dim=1).to(self.device)
         return decoder_forward(embeds, positions, self.weights.text, self.model_config.text, cu_seqlens=bounds)
 
+    def _rows_packed(self, states: Sequence[State], rows: torch.Tensor) -> torch.Tensor:
+        """`last_hidden_packed(states)[rows]`, computing the last layer at those rows only (see `decoder_forward`).
+        A captured CUDA graph runs the whole of a single state's forward: its static shapes cannot follow the
+        number of rows, and a replay's launches cost less than the rows save."""
+        if self.graphs is not None and len(states) == 1:
+            return self.last_hidden(states[0]).index_select(0, rows)
+        bounds = [0]
+        for s in states:
+            bounds.append(bounds[-1] + s.num_tokens)
+        embeds = torch.cat([self._embeds(s) for s in states]) if len(states) > 1 else self._embeds(states[0])
+        positions = torch.cat([s.position_ids for s in states], dim=1).to(self.device)
+        return decoder_forward(embeds, positions, self.weights.text, self.model_config.text,
+                               cu_seqlens=bounds if len(states) > 1 else None, rows=rows)
+
     @torch.inference_mode()
     def hidden_states(self, state: State, positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states (after the final norm) at `positions`: [len(positions), hidden] float32."""
@@ -344,7 +358,6 @@ class Scorer:
         rows, decision, binary, none, markers, counts = [], [], [], [], [], [0]
         base = 0
         for group in self._token_groups(states):
-            hidden = self.last_hidden_packed(group)
             index, token_offset = [], 0
             for s in group:
                 n = s.num_memories
@@ -356,7 +369,7 @@ class Scorer:
                 counts.append(counts[-1] + n)
                 base += n + 7
                 token_offset += s.num_tokens
-            rows.append(hidden.index_select(0, torch.cat(index).to(self.device)))
+            rows.append(self._rows_packed(group, torch.cat(index).to(self.device)))
         with stage("head"):
             out = self._head(torch.cat(rows), decision, binary, none, markers, counts)
         return _to_scores(out, counts)
