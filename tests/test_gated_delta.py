@@ -44,3 +44,20 @@ def test_matches_transformers_torch_chunk():
                                             use_qk_l2norm_in_kernel=False)
     out = chunk_gated_delta_rule(q, k, v, g, beta)
     assert (out - ref[0]).abs().max().item() / ref.abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("seq_len", [1, 65, 300])
+def test_l2norm_inside_equals_l2norm_before(seq_len):
+    """qk_l2norm=True (the norm's scale multiplied in on the way into the chunk layout) against the layer's
+    old separate norm, x * rsqrt(sum x^2 + 1e-6), then the chunked rule: <= 1e-6 relative, float32; varlen too."""
+    gen = torch.Generator().manual_seed(seq_len)
+    q, k = torch.randn(seq_len, 3, 12, generator=gen) * 3, torch.randn(seq_len, 3, 12, generator=gen) * 0.2
+    _, _, v, g, beta = inputs(seq_len, seed=seq_len)
+
+    def l2(x):
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    for bounds in (None, [0, seq_len // 3, seq_len]):
+        want = chunk_gated_delta_rule(l2(q), l2(k), v, g, beta, cu_seqlens=bounds)
+        got = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, qk_l2norm=True)
+        assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-6

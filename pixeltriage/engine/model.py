@@ -71,29 +71,29 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     b, a = (x.float() @ w.in_proj[n_main:].float().t()).split([hv, hv], dim=-1)
     qkv = causal_conv1d_silu(qkv, w.conv, cu_seqlens)                 # float32
     q, k, v = qkv.split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-    q = l2_norm(q.view(seq_len, hk, dk))
-    k = l2_norm(k.view(seq_len, hk, dk))
+    q, k = q.view(seq_len, hk, dk), k.view(seq_len, hk, dk)     # L2-normalised inside the delta rule
     if hv != hk:
         q = q.repeat_interleave(hv // hk, dim=1)
         k = k.repeat_interleave(hv // hk, dim=1)
-    beta = b.sigmoid()
-    g = -w.A_log.float().exp() * F.softplus(a + w.dt_bias.float())
+    # beta and the log decay in float64, rounded once to float32. torch's vectorised sigmoid/softplus/exp and their
+    # scalar loop over the last (size % 16) elements differ by an ulp, so in float32 the last tokens of a state (where
+    # its decision rows are) got beta and g that depended on what else shared its varlen batch whenever T * Hv is
+    # not a multiple of 16 (Hv = 2 in a test config: batch and single scores 1.5e-6 apart); float64's ulp is gone
+    # after the rounding. [T, Hv] is small: microseconds.
+    beta = b.double().sigmoid().float()
+    g = (-w.A_log.double().exp() * F.softplus(a.double() + w.dt_bias.double())).float()
     v = v.view(seq_len, hv, dv)
     # fla's Triton kernels take bf16/fp16 (their fp32 dots may run as TF32); a float32 forward on CUDA stays on
     # the exact torch chunked path, so float32 remains the reference on every device
     if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and fla.available():
-        o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens_device)  # [T, Hv, dv] fp32
+        o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens_device, qk_l2norm=True)
     else:
-        o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)           # [T, Hv, dv] float32
+        o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, qk_l2norm=True)   # [T, Hv, dv] float32
     z = z.view(seq_len, hv, dv)
     if rows is not None:
         o, z = o.index_select(0, rows), z.index_select(0, rows)
     o = rms_norm_gated(o, z, w.norm, cfg.rms_norm_eps)
     return o.reshape(o.shape[0], -1) @ w.out_proj.t()
-
-
-def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, cos: torch.Tensor,
