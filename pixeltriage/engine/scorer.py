@@ -307,24 +307,16 @@ class Scorer:
         return decoder_forward(embeds, positions, self.weights.text, self.model_config.text)
 
     @torch.inference_mode()
-    def last_hidden_packed(self, states: Sequence[State]) -> torch.Tensor:
+    def last_hidden_packed(self, states: Sequence[State], rows: torch.Tensor | None = None) -> torch.Tensor:
         """Several states in one varlen forward (packed along the token axis, no attention, conv or recurrence
-        across them): the concatenation of their `last_hidden` rows, [sum T, hidden] float32."""
-        if len(states) == 1:
-            return self.last_hidden(states[0])
-        bounds = [0]
-        for s in states:
-            bounds.append(bounds[-1] + s.num_tokens)
-        embeds = torch.cat([self._embeds(s) for s in states])
-        positions = torch.cat([s.position_ids for s in states], dim=1).to(self.device)
-        return decoder_forward(embeds, positions, self.weights.text, self.model_config.text, cu_seqlens=bounds)
+        across them): the concatenation of their `last_hidden` rows, [sum T, hidden] float32.
 
-    def _rows_packed(self, states: Sequence[State], rows: torch.Tensor) -> torch.Tensor:
-        """`last_hidden_packed(states)[rows]`, computing the last layer at those rows only (see `decoder_forward`).
-        A captured CUDA graph runs the whole of a single state's forward: its static shapes cannot follow the
-        number of rows, and a replay's launches cost less than the rows save."""
-        if self.graphs is not None and len(states) == 1:
-            return self.last_hidden(states[0]).index_select(0, rows)
+        rows: only these rows of that concatenation ([R] indices on the scorer's device) -> [R, hidden], with the
+        last layer computed at them only (see `decoder_forward`). A captured CUDA graph runs a single state's
+        whole forward instead: its static shapes cannot follow the number of rows."""
+        if len(states) == 1 and (self.graphs is not None or rows is None):
+            hidden = self.last_hidden(states[0])
+            return hidden if rows is None else hidden.index_select(0, rows)
         bounds = [0]
         for s in states:
             bounds.append(bounds[-1] + s.num_tokens)
@@ -369,7 +361,7 @@ class Scorer:
                 counts.append(counts[-1] + n)
                 base += n + 7
                 token_offset += s.num_tokens
-            rows.append(self._rows_packed(group, torch.cat(index).to(self.device)))
+            rows.append(self.last_hidden_packed(group, torch.cat(index).to(self.device)))
         with stage("head"):
             out = self._head(torch.cat(rows), decision, binary, none, markers, counts)
         return _to_scores(out, counts)
