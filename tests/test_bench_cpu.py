@@ -1,6 +1,9 @@
 """`pixeltriage bench cpu` end to end on the tiny preset (its figures are the benchmark's business, not a test's)."""
 import io
 import json
+import statistics
+
+import pytest
 
 from pixeltriage.bench import cpu
 from pixeltriage.cli import main
@@ -16,6 +19,22 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert r["speedup"] == r["transformers_s"] / r["engine_s"]
     assert len(r["gemm_tflops_before_after"]) == 2 and r["gemm_tflops"] > 0
     assert {"vision", "gated_delta", "mlp", "attention", "head"} <= set(r["stages_s"])
+    assert len(r["paired_speedups"]) == 2
     buf = io.StringIO()
     cpu.print_table(r, buf)
-    assert "speed-up" in buf.getvalue() and "before" in buf.getvalue()
+    assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
+    drifted = dict(r, gemm_tflops_before_after=[0.7, 2.1])
+    buf = io.StringIO()
+    cpu.print_table(drifted, buf)
+    assert "moved 3.0x" in buf.getvalue()
+
+
+def test_paired_speedups_cancel_a_steady_drift():
+    """The machine slows down steadily (10% of its first speed per run); transformers always takes 3x the
+    engine's time at the same moment. The ratio of the medians misses 3x; each neighbouring pair does not."""
+    slowdown = [1.0 + 0.1 * t for t in range(9)]             # at times 0, 1, 2, ...: runs alternate
+    engine = [1.0 * slowdown[2 * i] for i in range(5)]        # engine runs at even times
+    hf = [3.0 * slowdown[2 * i + 1] for i in range(2)]        # transformers runs at odd times, between them
+    assert cpu.paired_speedups(engine, hf) == pytest.approx([3.0, 3.0])
+    assert abs(statistics.median(hf) / statistics.median(engine) - 3.0) > 0.4
+    assert cpu.paired_speedups([1.0, 2.0], [3.0, 3.0, 3.0]) == [2.0, 1.5, 1.5]   # more transformers runs

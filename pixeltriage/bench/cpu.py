@@ -5,9 +5,10 @@ each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up to ~2
     engine median   Scorer.score_states on that state (vision + decoder + head), warm-up excluded;
     transformers    Qwen3_5Model forward on the same input ids, pixels and grids (its torch path forced);
                     the two are timed interleaved (engine, transformers, engine, ...) after one untimed run each;
-    speed-up, the machine's GEMM rate measured before and after the timed runs (their mean), and the fraction
-    of it the engine achieves (analytic FLOPs of the forward from pixeltriage.bench.flops / engine median);
-    a per-stage breakdown of the engine (vision, gated_delta, attention, mlp, head).
+    speed-up (the ratio of the medians, and each transformers run against the engine runs timed beside it), the
+    machine's GEMM rate measured before and after the timed runs (their mean; a note when they differ by more
+    than 25%), and the fraction of it the engine achieves (analytic FLOPs of the forward from
+    pixeltriage.bench.flops / engine median); a per-stage breakdown of the engine (vision, gated_delta, attention, mlp, head).
 """
 from __future__ import annotations
 
@@ -112,9 +113,26 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "preset": preset, "dtype": dtype, "threads": torch.get_num_threads(), "tokens": state.num_tokens,
         "memories": state.num_memories, "engine_s": engine_s, "transformers_s": hf_s, "speedup": hf_s / engine_s,
         "engine_times": engine_times, "transformers_times": hf_times,
+        "paired_speedups": paired_speedups(engine_times, hf_times),
         "tflop": flops.total / 1e12, "gemm_tflops": rate, "gemm_tflops_before_after": rates,
         "achieved_tflops": achieved["tflops"], "fraction_of_gemm": achieved["of_gemm"], "stages_s": stages,
     }
+
+
+DRIFT_WARNING = 1.25   # GEMM rates before and after the timed runs further apart than this: say so
+
+
+def paired_speedups(engine_times: list[float], hf_times: list[float]) -> list[float]:
+    """Per transformers run, its time over the mean of the engine runs timed just before and just after it.
+
+    The runs go engine 0, transformers 0, engine 1, transformers 1, ...: a neighbouring pair saw nearly the same
+    machine, so a drift of the machine's speed across the whole run (this one's GEMM rate moves by 2-3x) cancels
+    in each pair, where it does not in the ratio of the two medians."""
+    ratios = []
+    for i, hf in enumerate(hf_times):
+        around = engine_times[i:i + 2] if i < len(engine_times) else engine_times[-1:]
+        ratios.append(hf / statistics.fmean(around))
+    return ratios
 
 
 def print_table(r: dict, out=None) -> None:
@@ -123,11 +141,16 @@ def print_table(r: dict, out=None) -> None:
           f"{r['memories']} memories; {r['tflop']:.3f} TFLOP per forward", file=out)
     print(f"  engine        median {r['engine_s'] * 1e3:9.1f} ms", file=out)
     print(f"  transformers  median {r['transformers_s'] * 1e3:9.1f} ms   (torch path, same state)", file=out)
-    print(f"  speed-up      {r['speedup']:.2f}x", file=out)
+    pairs = ", ".join(f"{x:.2f}x" for x in r["paired_speedups"])
+    print(f"  speed-up      {r['speedup']:.2f}x   (each transformers run against the engine runs beside it: {pairs})",
+          file=out)
     before, after = r["gemm_tflops_before_after"]
     print(f"  GEMM rate     {r['gemm_tflops']:.3f} TFLOP/s measured ({before:.3f} before, {after:.3f} after the timed "
           f"runs); engine achieves {r['achieved_tflops']:.3f} TFLOP/s = {100 * r['fraction_of_gemm']:.0f}% of it",
           file=out)
+    if max(before, after) > DRIFT_WARNING * min(before, after):
+        print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
+              "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
     print("  engine stages (median ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages_s"].items()),
           file=out)
 
