@@ -86,17 +86,22 @@ class TextEncoder:
 
     def truncate(self, text: str, max_tokens: int) -> str:
         """The longest prefix of `text` that is at most `max_tokens` tokens on its own (cut at a token edge)."""
-        return self.truncate_counted(text, max_tokens)[0]
+        return self._truncate(text, max_tokens)[0]
 
     def truncate_counted(self, text: str, max_tokens: int) -> tuple[str, int]:
-        """`truncate`, plus the token count of the kept text, without encoding it again unless it was cut."""
+        """`truncate`, plus the token count of the kept text (encoded again only when it was cut: a prefix cut at a
+        token edge may tokenize differently on its own)."""
+        kept, count = self._truncate(text, max_tokens)
+        return kept, len(self.encode_plain(kept)) if count is None else count
+
+    def _truncate(self, text: str, max_tokens: int) -> tuple[str, int | None]:
+        """(kept prefix, its token count when nothing was cut, else None); one encode."""
         if not text:
             return text, 0
         enc = self.plain.encode(text, add_special_tokens=False)
         if len(enc.ids) <= max_tokens:
             return text, len(enc.ids)
-        kept = text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""
-        return kept, len(self.encode_plain(kept))
+        return (text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""), None
 
     def segment(self, template: str, values: dict[str, str]) -> list[int]:
         """Render one template field: literal specials -> control ids; everything else plain text."""
