@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from pixeltriage.engine.config import FULL, LINEAR, ModelConfig
 from pixeltriage.engine.image import smart_resize  # the Qwen processors' resize, one implementation
+from pixeltriage.engine.state import EXTRA_HEAD_ROWS
 
 CHUNK_SIZE = 64
 CAUSAL_CONVENTIONS = ("half", "dense")
@@ -335,15 +336,15 @@ def system_one_flops(model: ModelConfig | ModelShape, state: StateShape, head_di
     """One System One forward: vision tower (skipped when its outputs are cached), decoder, decision head.
 
     num_memories: marker rows scored by the head; defaults to one per image.
-    head_rows_only: the decoder's last layer at the head's n + 7 rows only, as the engine runs it; False counts
-    the whole last layer, as a forward that returns every row (transformers') does.
+    head_rows_only: the decoder's last layer at the head's n + EXTRA_HEAD_ROWS rows only, as the engine runs it;
+    False counts the whole last layer, as a forward that returns every row (transformers') does.
     """
     shape = shape_from_config(model) if isinstance(model, ModelConfig) else model
     merge_unit = shape.vision.merge_unit
     memories = len(state.image_grids) if num_memories is None else num_memories
     parts = {"vision": Flops() if cached_vision else vision_flops(shape.vision, state.image_grids)}
     parts.update(language_flops(shape.language, state.num_tokens(merge_unit), causal,
-                                output_rows=memories + 7 if head_rows_only else None))
+                                output_rows=memories + EXTRA_HEAD_ROWS if head_rows_only else None))
     parts["head"] = decision_head_flops(shape.language.hidden_size, head_dim, memories)
     return parts
 

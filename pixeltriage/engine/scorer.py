@@ -17,7 +17,7 @@ import torch
 from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.engine.model import decoder_forward
 from pixeltriage.engine.profiling import stage
-from pixeltriage.engine.state import State, StatePacker, TextEncoder
+from pixeltriage.engine.state import EXTRA_HEAD_ROWS, State, StatePacker, TextEncoder
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.engine.vision import vision_forward
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, NonFiniteScoreError
@@ -346,7 +346,7 @@ class Scorer:
         if not states:
             return []
         # Only the head's rows leave each forward: per state, in `State.head_positions` order, its n markers, the
-        # 3 decision rows, then true, false and the two `none` candidates (n + 7 rows).
+        # 3 decision rows, then true, false and the two `none` candidates (n + EXTRA_HEAD_ROWS rows).
         rows, decision, binary, none, markers, counts = [], [], [], [], [], [0]
         base = 0
         for group in self._token_groups(states):
@@ -359,7 +359,7 @@ class Scorer:
                 binary.append(torch.tensor([base + n + 3, base + n + 4]))
                 none.append(torch.tensor([base + n + 5, base + n + 6]))
                 counts.append(counts[-1] + n)
-                base += n + 7
+                base += n + EXTRA_HEAD_ROWS
                 token_offset += s.num_tokens
             rows.append(self.last_hidden_packed(group, torch.cat(index).to(self.device)))
         with stage("head"):

@@ -25,6 +25,9 @@ from pixeltriage.engine.types import Memory
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, StateTooLongError
 
 DATE_TOKENS = 32  # per-memory budget for the session date; the rest goes to note and dialogue
+# rows the head reads besides one marker per memory (`State.head_positions`, after the markers): the 3 decision
+# rows, then the true, false and two `none` candidates
+EXTRA_HEAD_ROWS = 7
 
 
 @dataclass
