@@ -44,9 +44,6 @@ class Flops:
     def __add__(self, other: "Flops") -> "Flops":
         return Flops(self.matmul + other.matmul, self.solve + other.solve)
 
-    def __sub__(self, other: "Flops") -> "Flops":
-        return Flops(self.matmul - other.matmul, self.solve - other.solve)
-
     def __mul__(self, times: int) -> "Flops":
         return Flops(self.matmul * times, self.solve * times)
 
@@ -221,12 +218,11 @@ def full_attention_flops(lang: LanguageShape, num_tokens: int, causal: str = "ha
     q_width = lang.num_attention_heads * lang.head_dim
     kv_width = lang.num_key_value_heads * lang.head_dim
     q_out = 2 * q_width if lang.attention_output_gate else q_width
-    if query_rows is not None:
-        r = query_rows
-        return Flops(matmul=2 * t * h * 2 * kv_width + 2 * r * h * q_out + 2 * r * q_width * h + 4 * r * t * q_width)
-    projections = 2 * t * h * (q_out + 2 * kv_width) + 2 * t * q_width * h
-    dense_scores = 4 * t * t * q_width  # QK^T and PV over the full T x T rectangle, all query heads
-    scores = dense_scores if causal == "dense" else dense_scores // 2
+    r = t if query_rows is None else query_rows                   # rows with queries, gates and outputs
+    projections = 2 * t * h * 2 * kv_width + 2 * r * h * q_out + 2 * r * q_width * h
+    scores = 4 * r * t * q_width  # QK^T and PV over the full r x T rectangle, all query heads
+    if query_rows is None and causal == "half":
+        scores //= 2
     return Flops(matmul=projections + scores)
 
 
@@ -265,21 +261,18 @@ def language_flops(lang: LanguageShape, num_tokens: int, causal: str = "half",
 
     output_rows: the decoder's output is wanted at these many rows only, so the last layer computes everything
     after its token mixer's recurrence or keys and values at those rows (`decoder_forward(rows=...)`)."""
-    num_linear = lang.layer_types.count(LINEAR)
-    num_full = lang.layer_types.count(FULL)
-    parts = {"full_attention": num_full * full_attention_flops(lang, num_tokens, causal)}
-    if num_linear:
-        parts["linear_attention"] = num_linear * linear_attention_flops(lang, num_tokens)
-    parts["ffn"] = len(lang.layer_types) * ffn_flops(lang, num_tokens)
-    if output_rows is not None and lang.layer_types:       # the last layer at the rows, in place of all rows
-        if lang.layer_types[-1] == FULL:
-            key, full, pruned = ("full_attention", full_attention_flops(lang, num_tokens, causal),
-                                 full_attention_flops(lang, num_tokens, causal, query_rows=output_rows))
+    parts = {"full_attention": Flops()}
+    if LINEAR in lang.layer_types:
+        parts["linear_attention"] = Flops()
+    parts["ffn"] = Flops()
+    last = len(lang.layer_types) - 1
+    for i, kind in enumerate(lang.layer_types):
+        rows = output_rows if i == last else None                 # the last layer at the rows, when asked
+        if kind == FULL:
+            parts["full_attention"] += full_attention_flops(lang, num_tokens, causal, query_rows=rows)
         else:
-            key, full, pruned = ("linear_attention", linear_attention_flops(lang, num_tokens),
-                                 linear_attention_flops(lang, num_tokens, output_rows=output_rows))
-        parts[key] = parts[key] - full + pruned
-        parts["ffn"] = parts["ffn"] - ffn_flops(lang, num_tokens) + ffn_flops(lang, output_rows)
+            parts["linear_attention"] += linear_attention_flops(lang, num_tokens, output_rows=rows)
+        parts["ffn"] += ffn_flops(lang, num_tokens if rows is None else rows)
     return parts
 
 
@@ -320,7 +313,7 @@ def shape_from_config(cfg: ModelConfig, name: str = "system-one", min_pixels: in
 def state_shape(state, merge_unit: int) -> StateShape:
     """The shape of an engine `State` (pixeltriage.engine.state): its text tokens and image grids."""
     grids = tuple(tuple(g) for g in state.image_grid_thw.tolist())
-    image_tokens = sum(t * h * w for t, h, w in grids) // merge_unit
+    image_tokens = StateShape(text_tokens=0, image_grids=grids).image_tokens(merge_unit)
     return StateShape(text_tokens=state.num_tokens - image_tokens, image_grids=grids)
 
 
