@@ -406,3 +406,33 @@ def test_entry_of_reads_when_stored_and_puts_when_not(tmp_path):
         cache.put(img, note="a blue card")
         assert cache.entry_of(img) == (key, (cache.thumbnail(key), "a blue card"))
         assert len(cache) == 1
+
+
+def test_entry_of_repairs_a_row_that_passes_its_checksum_but_does_not_decode(tmp_path):
+    data = noise_png(6)
+    with Cache(tmp_path / "c.db") as cache:
+        key = cache.put(data, note="keep me")
+        want = cache.thumbnail(key)
+        bad = b"\x89PNG\r\n\x1a\n" + b"\x00" * 40
+        with raw(cache.path) as conn:
+            conn.execute("UPDATE images SET thumbnail = ?, checksum = ? WHERE key = ?",
+                         (bad, hashlib.sha256(bad).hexdigest(), key))
+        got_key, (thumb, note) = cache.entry_of(data)
+        assert got_key == key and note == "keep me"
+        assert thumb.tobytes() == want.tobytes()                  # the in-memory thumbnail is the stored one
+        assert cache.thumbnail(key).tobytes() == want.tobytes()
+
+
+def test_entry_of_errors_name_the_memory_and_match_the_image_module(tmp_path):
+    from pixeltriage.engine.image import open_image
+
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    with Cache(tmp_path / "c.db") as cache:
+        for bad in ("https://example.com/a.png", str(empty), str(tmp_path / "missing.png"), tmp_path):
+            with pytest.raises(InvalidMemoryError) as theirs:
+                open_image(bad, 3)
+            with pytest.raises(InvalidMemoryError) as ours:
+                cache.entry_of(bad, 3)
+            assert ours.value.index == 3 and ours.value.reason == theirs.value.reason
+        assert len(cache) == 0

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from pixeltriage.engine.image import display_size, encode_png
-from pixeltriage.engine.image import thumbnail as make_image_thumbnail
+from pixeltriage.engine.config import read_json
+from pixeltriage.engine.image import display_size, encode_png, local_path, thumbnail
 from pixeltriage.engine.types import ImageSource
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
 
@@ -122,37 +122,44 @@ class Cache:
         self._put(key, data, image, note)
         return key
 
-    def entry_of(self, image: ImageSource) -> tuple[str, tuple[Image.Image, str]]:
-        """(key, (thumbnail, note)) of an image given by value: read from the cache when stored (absent or
-        damaged: put first). The image is read and hashed once either way."""
-        key, data = _key_and_data(image)
-        try:
-            return key, self.entry(key)
-        except CacheMissError:
-            self._put(key, data, image, "")
-            return key, self.entry(key)
+    def entry_of(self, image: ImageSource, index: int | None = None) -> tuple[str, tuple[Image.Image, str]]:
+        """(key, (thumbnail, note)) of an image given by value: read from the cache when stored, put first when
+        absent or damaged. The image is read and hashed once, the row read once. An unreadable image raises
+        InvalidMemoryError(reason, index)."""
+        key, data = _key_and_data(image, index)
+        return key, self._put(key, data, image, "", index)
 
-    def _put(self, key: str, data: bytes | None, image: ImageSource, note: str) -> None:
+    def _put(self, key: str, data: bytes | None, image: ImageSource, note: str,
+             index: int | None = None) -> tuple[Image.Image, str]:
+        """Ensure a sound row for `key` (rewritten when absent, failing its checksum or not decoding), with `note`
+        when one is given; returns the stored thumbnail (RGB) and note."""
         row = self._conn().execute("SELECT CAST(thumbnail AS BLOB), checksum, note FROM images WHERE key = ?",
                                    (key,)).fetchone()
-        if row is not None and _sha256(row[0]) == row[1]:
-            if note and note != row[2]:
-                with self._write() as conn:
-                    conn.execute("UPDATE images SET note = ? WHERE key = ?", (note, key))
-            return
+        if row is not None:
+            try:
+                stored = self._decoded(key, row[0], row[1])
+            except CorruptEntryError:
+                stored = None
+            if stored is not None:
+                if note and note != row[2]:
+                    with self._write() as conn:
+                        conn.execute("UPDATE images SET note = ? WHERE key = ?", (note, key))
+                return stored, note or row[2]
         # the scorer's own thumbnail recipe, so cached and fresh thumbnails agree
         source = data if data is not None else image
-        width, height = display_size(source)
-        thumbnail = encode_png(make_image_thumbnail(source, THUMBNAIL_SIDE))
+        width, height = display_size(source, index)
+        thumb = thumbnail(source, THUMBNAIL_SIDE, index)                  # RGB: what decoding its PNG gives back
+        png = encode_png(thumb)
         with self._write() as conn:
             # an existing row (a corrupt thumbnail, or a concurrent put) keeps its note unless a new one is given
-            conn.execute(
+            stored_note = conn.execute(
                 "INSERT INTO images (key, thumbnail, checksum, note, created, width, height) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
                 "thumbnail = excluded.thumbnail, checksum = excluded.checksum, "
                 "width = excluded.width, height = excluded.height, "
-                "note = CASE WHEN excluded.note != '' THEN excluded.note ELSE images.note END",
-                (key, thumbnail, _sha256(thumbnail), note, time.time(), width, height))
+                "note = CASE WHEN excluded.note != '' THEN excluded.note ELSE images.note END RETURNING note",
+                (key, png, _sha256(png), note, time.time(), width, height)).fetchone()[0]
+        return thumb, stored_note
 
     def thumbnail(self, key: str) -> Image.Image:
         """The stored 336-px thumbnail (RGB). CacheMissError if absent, CorruptEntryError if damaged."""
@@ -340,19 +347,22 @@ class _Transaction:
             raise
 
 
-def _key_and_data(image: ImageSource) -> tuple[str, bytes | None]:
-    """(key, the encoded bytes when the input was bytes or a file; None for a PIL image)."""
+def _key_and_data(image: ImageSource, index: int | None = None) -> tuple[str, bytes | None]:
+    """(key, the encoded bytes when the input was bytes or a file; None for a PIL image). A path goes through
+    the image module's checks (no URLs, an existing non-empty regular file), as every other entry point's does."""
     if isinstance(image, Image.Image):
         return _sha256(encode_png(image)), None
     if isinstance(image, (bytes, bytearray)):
         data = bytes(image)
     elif isinstance(image, (str, os.PathLike)):
+        path = local_path(image, index)
         try:
-            data = Path(image).read_bytes()
+            data = Path(path).read_bytes()
         except OSError as e:
-            raise InvalidMemoryError(f"cannot read image file {os.fspath(image)!r}: {e.strerror}") from None
+            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from None
     else:
-        raise InvalidMemoryError(f"an image must be a PIL image, bytes or a path, found {type(image).__name__}")
+        raise InvalidMemoryError(f"an image must be a PIL image, bytes or a path, found {type(image).__name__}",
+                                 index)
     return _sha256(data), data
 
 
@@ -415,8 +425,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_notes(path: str) -> dict[str, str]:
-    from pixeltriage.engine.config import read_json
-
     notes = read_json(path, PixelTriageError)
     if not all(isinstance(v, str) for v in notes.values()):
         raise PixelTriageError(f"{path}: notes file must be a JSON object of strings {{image: note}}")

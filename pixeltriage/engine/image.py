@@ -79,7 +79,7 @@ def _opened(source, index: int | None):
         yield _open_stream(io.BytesIO(bytes(source)), name, index), name
         return
     if isinstance(source, (str, os.PathLike)):
-        path = _local_path(source, index)
+        path = local_path(source, index)
         try:
             f = open(path, "rb")
         except OSError as e:
@@ -100,7 +100,7 @@ def _oriented_size(img: Image.Image) -> tuple[int, int]:
     return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
 
 
-def _local_path(source, index: int | None) -> str:
+def local_path(source, index: int | None = None) -> str:
     path = os.fsdecode(os.fspath(source))
     if _URL.match(path):
         raise InvalidMemoryError(f"{path}: URLs are not accepted; pass a local file path or the image bytes", index)

@@ -222,12 +222,7 @@ class Scorer:
 
         cache = self.cache
         if memory.key is None:
-            try:
-                return cache.entry_of(memory.image)         # usually one read, one checksum, one decode
-            except InvalidMemoryError as e:                 # the cache names no memory: this one is `index`
-                if e.index is not None:
-                    raise
-                raise InvalidMemoryError(e.reason, index) from None
+            return cache.entry_of(memory.image, index)      # usually one read, one checksum, one decode
         try:
             return memory.key, cache.entry(memory.key)
         except CorruptEntryError as e:
