@@ -114,12 +114,12 @@ def test_truncated_or_foreign_files_are_clear_errors(tiny_checkpoint, packed, tm
 
 def _patch_tensor(path, name, edit):
     """Overwrite tensor `name` of the safetensors file at `path` in place through `edit(flat float32 view)`."""
-    import struct
+    from pixeltriage.weights.reader import read_safetensors_header
 
+    header, start = read_safetensors_header(path)
+    info = header[name]
     data = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", data[:8])
-    info = json.loads(data[8:8 + n])[name]
-    begin, end = (8 + n + o for o in info["data_offsets"])
+    begin, end = (start + o for o in info["data_offsets"])
     assert info["dtype"] == "F32"
     t = torch.frombuffer(data, dtype=torch.float32, offset=begin, count=(end - begin) // 4)
     edit(t)

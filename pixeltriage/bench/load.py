@@ -5,8 +5,8 @@ transformers' `Qwen3_5ForConditionalGeneration.from_pretrained` of the same dire
 process (so nothing is reused but the OS page cache, which every method gets warm: one untimed trial each first),
 and reports
     load_s    from the load call to the weights being usable (imports excluded; transformers' own import is
-              reported apart as import_s); the packed file's default load checks its header, not its values
-              (`Scorer.load(..., verify=True)` reads them all);
+              reported apart as import_s); the packed file's default load checks its header and the values
+              of its small tensors only, no matrix (`Scorer.load(..., verify=True)` reads them all);
     first_s   from the load call to the first score ready: a one-memory question (for transformers: its forward
               over the engine's packed state, with its lazily mapped weights paged in by it);
     peak_rss  the process's peak resident memory (ru_maxrss), minus nothing: imports included;
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import resource
 import statistics
 import subprocess
@@ -89,14 +88,10 @@ def _trial(method: str, path: Path, dtype: str) -> dict:
 
 def weights_bytes(directory: Path, itemsize: int) -> int:
     """The loaded weights' size: every loaded parameter (not lm_head / mtp) at `itemsize` bytes."""
-    from pixeltriage.weights.reader import SKIPPED, read_safetensors_header
+    from pixeltriage.weights.reader import SKIPPED, tensor_numels
 
-    total = 0
-    for f in sorted(directory.glob("*.safetensors")):
-        header, _ = read_safetensors_header(f)
-        header.pop("__metadata__", None)
-        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if not SKIPPED.match(name))
-    return total * itemsize
+    return itemsize * sum(n for f in sorted(directory.glob("*.safetensors"))
+                          for name, n in tensor_numels(f).items() if not SKIPPED.match(name))
 
 
 def load_report(preset: str = "2b", dtype: str = "bfloat16", repeats: int = 3, progress=print) -> dict:

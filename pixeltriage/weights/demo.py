@@ -35,7 +35,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Q
 
 from pixeltriage.engine.config import FULL, LINEAR, ImageConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
-from pixeltriage.weights.reader import read_safetensors_header, safetensors_header
+from pixeltriage.weights.reader import safetensors_header, tensor_numels
 from pixeltriage.weights.tokenizer import (QWEN_FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_tokenizer, save_tokenizer,
                                            special_token_ids)
 
@@ -335,10 +335,8 @@ def count_parameters(path: str | os.PathLike) -> dict[str, int]:
     """Parameters stored in a checkpoint directory, from the safetensors headers."""
     counts = {"backbone": 0, "head": 0}
     for file in sorted(Path(path).glob("*.safetensors")):
-        header, _ = read_safetensors_header(file)
-        header.pop("__metadata__", None)
         part = "head" if file.name == "decision_head.safetensors" else "backbone"
-        counts[part] += sum(int(torch.Size(entry["shape"]).numel()) for entry in header.values())
+        counts[part] += sum(tensor_numels(file).values())
     return counts
 
 

@@ -12,10 +12,11 @@ Scorer needs, so the file stands alone:
     vision_fingerprint: the key of cached vision features for this model at this dtype on the CPU
 
 Loading maps the file (copy-on-write) and views each tensor in place: at the packed dtype nothing is copied or
-transposed; another dtype costs one cast per tensor. Nothing reads the values at load: every value was checked
-(NaN/Inf) when the file was written, and the header, offsets and sizes are checked at every load, so a 4 GiB
-file starts in milliseconds and pages in as the first forward touches it. `verify()` (`Scorer.load(...,
-verify=True)`) re-reads everything: NaN/Inf, and the bytes against the fingerprint.
+transposed; another dtype costs one cast per tensor. A load reads no matrix: every value was checked (NaN/Inf)
+when the file was written; at every load the header, offsets and sizes are checked and the tensors of at most
+2^20 elements (norms, A_log, dt_bias, conv taps, biases, head) are read for NaN/Inf (`Scorer._load_packed`), so
+a 4 GiB file starts in tens of milliseconds and pages in as the first forward touches it. `verify()`
+(`Scorer.load(..., verify=True)`) re-reads everything: NaN/Inf, and the bytes against the fingerprint.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -29,10 +30,7 @@ def safetensors_header(entries, metadata: dict[str, str] | None = None, align: i
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, dtype, shape in entries:
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -153,3 +151,10 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not an object")
     return header, 8 + n
+
+
+def tensor_numels(path: Path) -> dict[str, int]:
+    """Element count of every tensor stored in one safetensors file, from its header alone."""
+    header, _ = read_safetensors_header(path)
+    header.pop("__metadata__", None)
+    return {name: math.prod(entry["shape"]) for name, entry in header.items()}
