@@ -188,7 +188,7 @@ class PackedCheckpoint:
         if meta.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{self.path}: packed format version {meta.get('format_version')!r} is not "
                                   f"supported (this version reads {FORMAT_VERSION})")
-        for key in ("config", "preprocessor_config", "pixeltriage", "tokenizer", "structure", "fingerprint", "dtype"):
+        for key in [k for k in TEXT_FILES if k not in _OPTIONAL_TEXTS] + ["structure", "fingerprint", "dtype"]:
             if key not in meta:
                 raise CheckpointError(f"{self.path}: packed metadata lacks '{key}'")
         self.metadata = meta
