@@ -61,6 +61,9 @@ def test_scorer_with_the_static_path_scores_the_same(tiny_checkpoint):
     for mems in (memories, memories[:1], []):
         assert max_diff(plain.score(question, mems), static.score(question, mems)) <= 1e-5
     assert static.graphs.replays["graph"] == 3
+    static.disable_cuda_graphs()
+    assert static.graphs is None
+    assert max_diff(plain.score(question, memories), static.score(question, memories)) <= 1e-5
 
 
 def test_graphs_need_cuda_and_sane_buckets(tiny_checkpoint, scorer):

@@ -17,11 +17,15 @@ import json
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from PIL import Image, ImageDraw
 
 from pixeltriage.bench.timing import flop_rate, gemm_tflops
+
+if TYPE_CHECKING:
+    from pixeltriage.engine.state import State
 
 WORDS = ("the market stall had orchids in painted pots and a vendor who talked about watering them twice a week "
          "while a cat slept by the crates of lemons and someone asked about the price of the blue vase").split()
@@ -36,8 +40,16 @@ def bench_image(index: int, size: int = 336) -> Image.Image:
     return img
 
 
-def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300):
-    """A question and `num_memories` memories whose packed state has about `target_tokens` tokens."""
+class BenchEpisode(NamedTuple):
+    question: str
+    memories: list            # pixeltriage.Memory
+    images: list              # the memories' preprocessed images (StatePacker.images), for more packs
+    state: "State"            # question and memories packed
+
+
+def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300) -> BenchEpisode:
+    """A question and `num_memories` memories whose packed state has about `target_tokens` tokens, with their
+    preprocessed images and that state (found by packing, so nobody needs to preprocess or pack them again)."""
     from pixeltriage.engine.types import Memory
 
     question = "Which of the photos I shared shows the blue vase, and what colour was the orchid's pot?"
@@ -49,14 +61,18 @@ def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300):
                                  date=f"2026-03-{i + 1:02d}") for i in range(num_memories)]
 
     images = packer.images(episode(0)[1])             # the same photos at every step: preprocessed once
-    lo, hi = 0, 400
+    lo, hi, state = 0, 400, None
     while lo < hi:                                         # the most words that stay within target_tokens
         mid = (lo + hi + 1) // 2
-        if packer.pack(*episode(mid), images=images).num_tokens <= target_tokens:
-            lo = mid
+        packed = packer.pack(*episode(mid), images=images)
+        if packed.num_tokens <= target_tokens:
+            lo, state = mid, packed
         else:
             hi = mid - 1
-    return episode(lo)
+    question, memories = episode(lo)
+    if state is None:                                      # not even zero words fit: the shortest state
+        state = packer.pack(question, memories, images=images)
+    return BenchEpisode(question, memories, images, state)
 
 
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
@@ -71,8 +87,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     path = demo_checkpoint(preset)
     progress(f"checkpoint {path}; {torch.get_num_threads()} threads")
     scorer = Scorer.load(path, dtype=torch_dtype)
-    question, mems = bench_episode(scorer.packer, memories, target_tokens)
-    state = scorer.pack(question, mems)
+    state = bench_episode(scorer.packer, memories, target_tokens).state
     flops = total(scorer_flops(scorer, state))
 
     from transformers import Qwen3_5ForConditionalGeneration

@@ -48,11 +48,11 @@ def parity(presets, device: torch.device, progress) -> dict:
     for preset in presets:
         path = demo_checkpoint(preset)
         reference = Scorer.load(path, dtype=torch.float32)
-        state = reference.pack(*bench_episode(reference.packer))        # one state, scored by every scorer
+        state = bench_episode(reference.packer).state                  # one state, scored by every scorer
         expected = reference.score_states([state])[0]
         for name, tol in TOLERANCE.items():
             progress(f"parity {preset} {name} on {device}")
-            got = Scorer.load(path, device=device, dtype=getattr(torch, name)).score_states([state])[0]
+            got = Scorer.load(path, device=device, dtype=name).score_states([state])[0]
             diff = max_diff(got, expected)
             out[f"{preset}/{name}"] = {"max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol}
     return out
@@ -69,8 +69,8 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
     path = demo_checkpoint(preset)
     progress(f"timing {preset} on {device}: loading")
     scorer = Scorer.load(path, device=device, dtype=dtype)
-    question, memories = bench_episode(scorer.packer)
-    state = scorer.pack(question, memories)
+    episode = bench_episode(scorer.packer)
+    question, memories, state = episode.question, episode.memories, episode.state
     per_q = timed(lambda: scorer.score_states([state]), iters, warmup=3, device=device)
     end_to_end = timed(lambda: scorer.score(question, memories), max(3, iters // 3), warmup=3, device=device)
     graphs = graph_timing(scorer, state, iters, device, progress)
@@ -82,7 +82,7 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
         per_q_cached = timed(lambda: cached.score_states([cstate]), iters, warmup=3, device=device)
         cached_share = cached.vision_counts
 
-    states = [scorer.pack(f"{question} ({i})", memories) for i in range(batch)]
+    states = [scorer.packer.pack(f"{question} ({i})", memories, images=episode.images) for i in range(batch)]
     batch_times = timed(lambda: scorer.score_states(states), max(2, iters // 5), warmup=1, device=device)
 
     flops = total(scorer_flops(scorer, state)).total
@@ -96,10 +96,11 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
     def rate(f, s):
         return flop_rate(f, s, gemm, peak)
     return {
-        "preset": preset, "dtype": "bfloat16", "tokens": state.num_tokens, "memories": state.num_memories,
+        "preset": preset, "dtype": str(dtype).removeprefix("torch."), "tokens": state.num_tokens, "memories": state.num_memories,
         "batch_1": {"p50_ms": p50 * 1e3, "p99_ms": percentiles(per_q)["p99"] * 1e3, "iters": iters,
                     **rate(flops, p50)},
         "batch_1_end_to_end": {"p50_ms": statistics.median(end_to_end) * 1e3},
+        # a replay runs the whole padded bucket; its rate counts the state's own FLOPs (useful work, not work done)
         "batch_1_cuda_graphs": graphs if "error" in graphs else {**graphs, **rate(flops, graphs["p50_ms"] / 1e3)},
         "batch_1_cached_vision": {"p50_ms": p50c * 1e3, "p99_ms": percentiles(per_q_cached)["p99"] * 1e3,
                                   "vision_counts": cached_share, **rate(flops_cached, p50c)},
@@ -114,13 +115,14 @@ def graph_timing(scorer, state, iters: int, device: torch.device, progress) -> d
     against the eager scores of the same state. A failure is reported, not fatal; the scorer is left eager."""
     import traceback
 
-    bucket = -(-state.num_tokens // 256) * 256
+    bucket = -(-state.num_tokens // 256) * 256                      # one bucket, the state rounded up
     try:
         eager = scorer.score_states([state])[0]
         progress(f"capturing the decoder (bucket {bucket} tokens)")
         t0 = time.perf_counter()
         scorer.enable_cuda_graphs(buckets=(bucket,))
         capture_s = time.perf_counter() - t0
+        bucket = scorer.graphs.bucket(state.num_tokens)                 # the one the engine replays
         diff = max_diff(scorer.score_states([state])[0], eager)
         times = timed(lambda: scorer.score_states([state]), iters, warmup=3, device=device)
         return {"p50_ms": statistics.median(times) * 1e3, "p99_ms": percentiles(times)["p99"] * 1e3,
@@ -131,7 +133,7 @@ def graph_timing(scorer, state, iters: int, device: torch.device, progress) -> d
         progress(f"CUDA graphs failed: {type(e).__name__}: {e}")
         return {"error": traceback.format_exc(), "ok": False}
     finally:
-        scorer.graphs = None
+        scorer.disable_cuda_graphs()
 
 
 def main(argv: list[str] | None = None) -> int:

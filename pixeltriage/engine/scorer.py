@@ -133,6 +133,10 @@ class Scorer:
                                     DEFAULT_BUCKETS if buckets is None else buckets, capture)
         log.info("decoder CUDA graphs: buckets %s (captured: %s)", list(self.graphs.buckets), self.graphs.capture)
 
+    def disable_cuda_graphs(self) -> None:
+        """Back to eager decoder forwards; the graphs and their static buffers are released."""
+        self.graphs = None
+
     @classmethod
     def _load(cls, path: Path, device, dtype, cache, head_backend, adapter, allow_slow, verify) -> "Scorer":
         device = torch.device(device)

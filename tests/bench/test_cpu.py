@@ -26,7 +26,7 @@ def checkpoint():
 @pytest.fixture(scope="module", params=sorted(DTYPES))
 def setup(request, checkpoint):
     scorer = Scorer.load(checkpoint, dtype=DTYPES[request.param])
-    state = scorer.pack(*bench_episode(scorer.packer))
+    state = bench_episode(scorer.packer).state
     return request.param, scorer, state
 
 
