@@ -160,32 +160,35 @@ def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2,
             "seconds": statistics.median(ts)}
 
 
-def profile_stages(scorer, episodes, out_dir: Path, gemm_tflops: float) -> dict:
+def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
     """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
     from pixeltriage.bench.flops import scorer_flops
     from pixeltriage.engine import profiling
 
     out_dir.mkdir(parents=True, exist_ok=True)
     stage_of = {"full_attention": "attention", "linear_attention": "gated_delta", "ffn": "mlp"}  # flops -> stages
-    flops: dict[str, float] = {}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if scorer.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    states = []
     with torch.profiler.profile(activities=activities) as prof, profiling.record(sync=_sync(scorer.device)) as stages:
         for q, m in episodes:
-            state = scorer.pack(q, m)
-            scorer.score_states([state])
-            for name, f in scorer_flops(scorer, state).items():
-                flops[stage_of.get(name, name)] = flops.get(stage_of.get(name, name), 0.0) + f.total
+            states.append(scorer.pack(q, m))
+            scorer.score_states(states[-1:])
+    flops: dict[str, float] = {}                       # counted after the profiled block, not inside it
+    for state in states:
+        for name, f in scorer_flops(scorer, state).items():
+            stage = stage_of.get(name, name)
+            flops[stage] = flops.get(stage, 0.0) + f.total
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
     peak = device_peak_tflops(scorer.device)
     rows = {}
     for name, seconds in stages.items():
         f = flops.get(name, 0.0)
-        rows[name] = {"seconds": seconds, "tflop": f / 1e12, **flop_rate(f, seconds, gemm_tflops, peak)}
+        rows[name] = {"seconds": seconds, "tflop": f / 1e12, **flop_rate(f, seconds, gemm_rate, peak)}
     total_s, total_f = sum(stages.values()), sum(flops.values())
-    rows["total"] = {"seconds": total_s, "tflop": total_f / 1e12, **flop_rate(total_f, total_s, gemm_tflops, peak)}
+    rows["total"] = {"seconds": total_s, "tflop": total_f / 1e12, **flop_rate(total_f, total_s, gemm_rate, peak)}
     return {"trace": str(trace), "questions": len(episodes), "stages": rows, "peak_tflops": peak}
 
 
