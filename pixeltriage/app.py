@@ -133,7 +133,7 @@ def run_demo(args: argparse.Namespace) -> int:
     t2 = time.perf_counter()
     print(f"state: {state.num_tokens} tokens, {state.num_memories} memories, "
           f"{int(state.image_grid_thw.prod(-1).sum()) if state.num_memories else 0} patches; "
-          f"scored in {1000 * (t2 - t1):.0f} ms ({args.dtype}, CPU)\n")
+          f"packed and scored in {1000 * (t2 - t1):.0f} ms ({args.dtype}, CPU)\n")
     for k in (1, 2):
         report = decision_report(question, memories, scores, k, None)
         if k == 1:

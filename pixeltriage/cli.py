@@ -36,12 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, (module, prefix, help_text) in COMMANDS.items():
+    add_commands(sub, COMMANDS, "_run")
+    return parser
+
+
+def add_commands(sub, table: dict[str, tuple[str, str, str]], run_attr: str) -> None:
+    """One subparser per `table` entry (name -> (module, prefix, help), as COMMANDS), its run function stored in
+    the parsed arguments as `run_attr`."""
+    for name, (module, prefix, help_text) in table.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add, run = _functions(module, prefix)
-        p.set_defaults(_run=run)
+        p.set_defaults(**{run_attr: run})
         add(p)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

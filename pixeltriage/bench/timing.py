@@ -34,7 +34,8 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1, device: torch
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
-    """Nearest-rank p50 / p90 / p99 and the mean (NaN for no samples)."""
+    """p50 / p90 / p99 as the sample at the rounded index p * (n - 1) of the sorted samples (no interpolation),
+    and the mean (NaN for no samples)."""
     xs = sorted(xs)
 
     def pct(p: float) -> float:
