@@ -30,9 +30,9 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
-# the two layouts' prefixes, so an adapter trained on one applies to a checkpoint stored in the other
-# (transformers prefix, Valen prefix) pairs, from the layouts the loader detects
-_LAYOUT_PREFIXES = tuple(zip(*LAYOUTS.values()))
+# (transformers prefix, Valen prefix) pairs, text and vision, from the layouts the loader detects: an adapter
+# trained on one layout applies to a checkpoint stored in the other
+_LAYOUT_PREFIXES = tuple(zip(LAYOUTS["transformers"], LAYOUTS["valen"]))
 
 
 def _in_other_layout(name: str) -> str | None:
