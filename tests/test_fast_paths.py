@@ -22,7 +22,7 @@ def test_conv_matches_reference(seq_len, width, dtype, block_rows):
     g = torch.Generator().manual_seed(seq_len * 10 + width)
     x = torch.randn(seq_len, 24, generator=g).to(dtype)
     w = torch.randn(24, width, generator=g).to(dtype)
-    out = causal_conv1d_silu(x, w, block_rows=block_rows)
+    out = causal_conv1d_silu(x, w, block_rows=block_rows, native=False)   # the torch path (tests/test_native.py: C)
     assert out.dtype == torch.float32 and out.shape == (seq_len, 24)
     assert rel(out, causal_conv1d_silu_reference(x, w)) <= 1e-6
 
@@ -94,10 +94,11 @@ def test_varlen_conv_equals_separate_sequences():
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(40, 12, generator=g), torch.randn(12, 4, generator=g)
     bounds = [0, 2, 2, 17, 40]
-    packed = causal_conv1d_silu(x, w, bounds)
-    for b, e in zip(bounds, bounds[1:]):
-        if e > b:
-            assert torch.equal(packed[b:e], causal_conv1d_silu(x[b:e], w))
+    for native in (False, None):
+        packed = causal_conv1d_silu(x, w, bounds, native=native)
+        for b, e in zip(bounds, bounds[1:]):
+            if e > b:
+                assert torch.equal(packed[b:e], causal_conv1d_silu(x[b:e], w, native=native))
 
 
 def test_packed_forward_rows_equal_each_state_alone(tiny_checkpoint):

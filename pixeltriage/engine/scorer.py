@@ -147,8 +147,11 @@ class Scorer:
             log.info("CUDA implementations: %s", cuda_implementations(head, allow_slow))
         if device.type == "cpu":
             from pixeltriage.engine.cpu_memory import tune_malloc
+            from pixeltriage.kernels import native
 
             tune_malloc()
+            native.library()            # built (first time on this machine) or found now, not in the first forward
+            log.info("native CPU kernels: %s", native.status())
         if path.is_file():
             return cls._load_packed(path, device, dtype, cache, head_backend, adapter, bool(verify))
         if not path.is_dir():

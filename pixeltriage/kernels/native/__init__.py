@@ -1,0 +1,135 @@
+"""Small C kernels for the CPU path, compiled on first use with the machine's C compiler and loaded with ctypes.
+
+torch runs the engine's elementwise chains as one pass over memory per op; where a chain sits between two
+matmuls (the Gated DeltaNet's conv1d + SiLU is the largest) a C loop that keeps each row in registers does the
+same arithmetic in one pass. The source ships with the package (`cpu_kernels.c`, plain C11 + OpenMP, no torch
+headers: it builds in well under a second) and is built with `-O3 -march=native` into the engine's cache
+directory, keyed by the source, the compiler and this CPU's flags, so a cache shared between machines never
+hands one machine another's instructions. The library shares torch's OpenMP runtime (same soname, already
+loaded), so its threads are torch's threads.
+
+Every native kernel has a torch implementation beside it, used when there is no compiler, the build fails, or
+`PIXELTRIAGE_NATIVE=0` is set; `available()` says which is in use and `status()` why. The tests compare the two.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fno-math-errno"]
+_state: dict[str, str] = {"status": "not loaded"}
+
+
+def _disabled() -> bool:
+    return os.environ.get("PIXELTRIAGE_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or cc
+    return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    from pixeltriage.weights.demo import cache_dir
+
+    return cache_dir() / "native"
+
+
+def _compile(cc: str, out: Path) -> None:
+    """Build the library at `out` (atomically: concurrent builders each rename a complete file into place)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        errors = []
+        for openmp in (["-fopenmp"], []):              # without OpenMP the pragmas are ignored: one thread
+            cmd = [cc, *FLAGS, *openmp, str(SOURCE), "-o", tmp, "-lm"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if r.returncode == 0:
+                if not openmp:
+                    log.warning("native CPU kernels built without OpenMP (%s): they run on one thread", cc)
+                os.replace(tmp, out)
+                return
+            errors.append(f"$ {' '.join(cmd)}\n{r.stderr.strip()[-2000:]}")
+        raise RuntimeError("\n".join(errors))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (then callers take their torch path); built once per machine."""
+    if _disabled():
+        _state["status"] = "disabled by PIXELTRIAGE_NATIVE=0"
+        return None
+    if platform.system() != "Linux":
+        _state["status"] = f"not built on {platform.system()} (Linux only)"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _state["status"] = "no C compiler found (set CC)"
+        log.warning("native CPU kernels: %s; using the torch implementations", _state["status"])
+        return None
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        version = f"unknown ({e})"
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
+    path = _build_dir() / f"pixeltriage_cpu_{key}.so"
+    try:
+        if not path.is_file():
+            log.info("building native CPU kernels with %s -> %s", cc, path)
+            _compile(cc, path)
+        import torch  # noqa: F401  (torch's OpenMP runtime is loaded first, so the library binds to it)
+
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _state["status"] = f"build or load failed: {str(e).strip()[:4000]}"
+        log.warning("native CPU kernels unavailable, using the torch implementations: %s", _state["status"])
+        return None
+    _declare(lib)
+    _state["status"] = f"loaded {path}"
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def status() -> str:
+    library()
+    return _state["status"]
+
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.pt_causal_conv1d_silu.argtypes = [_ptr, _i32, _i64, _ptr, _i32, _ptr, _i64, _i64, _ptr, _i32]
+    lib.pt_causal_conv1d_silu.restype = _i32

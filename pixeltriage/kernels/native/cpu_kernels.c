@@ -1,0 +1,90 @@
+/* PixelTriage's native CPU kernels: plain C11 + OpenMP, called through ctypes (see __init__.py).
+ *
+ * Each function returns 0 on success and a positive code for arguments it does not handle (the caller then
+ * takes its torch path). Arrays are raw pointers into contiguous-innermost tensors; strides are in elements.
+ * bf16 inputs are read as the top half of a float32 (exact); all arithmetic is float32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_CONV_WIDTH 16
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* e^x, |relative error| < 2 ulp over the float range: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6
+ * polynomial (Cephes' expf coefficients). Branch-free and call-free, so the loops around it vectorise (libm's
+ * expf does not). Inputs are clamped to [-87, 88]: below, e^x is under float's normal range (0 for our uses). */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest integer */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;                    /* ln2 split in two: exact n*ln2_hi */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float silu_f32(float y) { return y / (1.0f + exp_f32(-y)); }
+
+/* Depthwise causal conv1d + SiLU over tokens-major rows:
+ *   out[t, c] = silu(x[t, c] * w[W-1, c] + sum_{j < W-1} x[t-W+1+j, c] * w[j, c])
+ * with rows before seg_start[t] (the first row of t's packed sequence) read as zeros. The sum runs in the order
+ * written (the torch path's order). x: [T, C] (bf16 if x_bf16, else float32) with row stride x_stride;
+ * taps: [W, C] float32; out: [T, C] float32, contiguous. Rows are independent: split over threads. */
+#define CONV_ROW(LOAD)                                                                                         \
+    for (int64_t c = 0; c < C; c++) {                                                                          \
+        float y = LOAD(rows[W - 1], c) * taps[(int64_t)(W - 1) * C + c];                                      \
+        for (int j = 0; j < W - 1; j++)                                                                        \
+            y += LOAD(rows[j], c) * taps[(int64_t)j * C + c];                                                  \
+        o[c] = silu_f32(y);                                                                                    \
+    }
+#define CONV_ROW4(LOAD)                                                                                        \
+    for (int64_t c = 0; c < C; c++) {                                                                          \
+        float y = LOAD(rows[3], c) * w3[c];                                                                    \
+        y += LOAD(rows[0], c) * w0[c];                                                                         \
+        y += LOAD(rows[1], c) * w1[c];                                                                         \
+        y += LOAD(rows[2], c) * w2[c];                                                                         \
+        o[c] = silu_f32(y);                                                                                    \
+    }
+#define LOAD_BF16(p, c) bf16_to_float(((const uint16_t *)(p))[c])
+#define LOAD_F32(p, c) (((const float *)(p))[c])
+
+int pt_causal_conv1d_silu(const void *x, int x_bf16, int64_t x_stride, const float *taps, int W, float *out,
+                          int64_t T, int64_t C, const int64_t *seg_start, int nthreads) {
+    if (W < 1 || W > MAX_CONV_WIDTH || T < 0 || C < 0)
+        return 1;
+    size_t elem = x_bf16 ? 2 : 4;
+    void *zero = calloc((size_t)(C > 0 ? C : 1), elem);
+    if (zero == NULL)
+        return 2;
+    const float *w0 = taps, *w1 = taps + C, *w2 = taps + 2 * C, *w3 = taps + 3 * C;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const void *rows[MAX_CONV_WIDTH];
+        for (int j = 0; j < W; j++) {
+            int64_t r = t - (W - 1) + j;
+            rows[j] = r >= seg_start[t] ? (const char *)x + (size_t)(r * x_stride) * elem : zero;
+        }
+        float *restrict o = out + t * C;
+        if (W == 4) {
+            if (x_bf16) { CONV_ROW4(LOAD_BF16) } else { CONV_ROW4(LOAD_F32) }
+        } else {
+            if (x_bf16) { CONV_ROW(LOAD_BF16) } else { CONV_ROW(LOAD_F32) }
+        }
+    }
+    free(zero);
+    return 0;
+}
