@@ -23,3 +23,20 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_copy(tiny_checkpoint, tmp_path):
     """A private copy of the tiny checkpoint that a test may break."""
     return shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+
+
+def _native_paths():
+    from pixeltriage.kernels import native
+
+    return [pytest.param(False, id="torch"),
+            pytest.param(None, id="native", marks=pytest.mark.skipif(not native.available(),
+                                                                       reason=f"native kernels: {native.status()}"))]
+
+
+NATIVE_PATHS = _native_paths()   # `native=` values: the torch path and the C kernels beside it
+
+
+@pytest.fixture(params=NATIVE_PATHS)
+def native(request):
+    """Run a CPU-kernel test once through the torch path (False) and once through the C kernels (None)."""
+    return request.param

@@ -28,7 +28,7 @@ def test_conv_matches_reference(seq_len, width, dtype, block_rows):
 
 
 @pytest.mark.parametrize("seq_len", [65, 300])
-def test_strong_decays_stay_exact(seq_len):
+def test_strong_decays_stay_exact(seq_len, native):
     g = torch.Generator().manual_seed(seq_len)
     h, dk, dv = 3, 16, 8
     q = F.normalize(torch.randn(seq_len, h, dk, generator=g), dim=-1)
@@ -36,10 +36,12 @@ def test_strong_decays_stay_exact(seq_len):
     v = torch.randn(seq_len, h, dv, generator=g)
     decay = -torch.rand(seq_len, h, generator=g) * 40              # down to e^-40 per token: subnormals without the cut
     beta = torch.rand(seq_len, h, generator=g)
-    assert rel(chunk_gated_delta_rule(q, k, v, decay, beta), recurrent_gated_delta_rule(q, k, v, decay, beta)) <= 1e-5
+    got = chunk_gated_delta_rule(q, k, v, decay, beta, native=native)
+    assert rel(got, recurrent_gated_delta_rule(q, k, v, decay, beta)) <= 1e-5
 
 
-def test_strided_inputs_and_infinite_decays():
+@pytest.mark.parametrize("qk_l2norm", [False, True])
+def test_strided_inputs_and_infinite_decays(native, qk_l2norm):
     """The layer hands v over as a column slice of the conv output, and a decay can be -inf (A_log large):
     the result equals the reference on contiguous copies, the -inf steps erase the state exactly."""
     g = torch.Generator().manual_seed(11)
@@ -52,7 +54,7 @@ def test_strided_inputs_and_infinite_decays():
     decay = -torch.rand(seq_len, h, generator=g) * 2
     decay[[3, 64, 100]] = -float("inf")
     beta = torch.rand(seq_len, h, generator=g)
-    got = chunk_gated_delta_rule(q, k, v, decay, beta)
+    got = chunk_gated_delta_rule(q, k, v, decay, beta, native=native, qk_l2norm=qk_l2norm)
     assert torch.isfinite(got).all()
     assert rel(got, recurrent_gated_delta_rule(q, k, v.contiguous(), decay, beta)) <= 1e-5
 
@@ -70,12 +72,12 @@ def _rand_inputs(seq_len, h=2, dk=8, dv=6, seed=0):
 
 
 @pytest.mark.parametrize("lengths", [[5, 70, 0, 64, 1], [200], [63, 65]])
-def test_varlen_delta_rule_equals_separate_sequences(lengths):
+def test_varlen_delta_rule_equals_separate_sequences(lengths, native):
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
     q, k, v, decay, beta = _rand_inputs(bounds[-1], seed=len(lengths))
-    packed = chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=bounds)
+    packed = chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=bounds, native=native)
     for b, e in zip(bounds, bounds[1:]):
         if e > b:
             alone = recurrent_gated_delta_rule(q[b:e], k[b:e], v[b:e], decay[b:e], beta[b:e])

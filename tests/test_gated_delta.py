@@ -17,23 +17,23 @@ def inputs(seq_len, heads=3, k_dim=12, v_dim=20, seed=0):
 
 
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 500])
-def test_chunk_matches_recurrent(seq_len):
+def test_chunk_matches_recurrent(seq_len, native):
     args = inputs(seq_len)
     ref = recurrent_gated_delta_rule(*args)
-    out = chunk_gated_delta_rule(*args)
+    out = chunk_gated_delta_rule(*args, native=native)
     assert out.shape == ref.shape == (seq_len, 3, 20)
     assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32])
-def test_chunk_size_does_not_change_result(chunk_size):
+def test_chunk_size_does_not_change_result(chunk_size, native):
     args = inputs(130, seed=1)
     ref = recurrent_gated_delta_rule(*args)
-    out = chunk_gated_delta_rule(*args, chunk_size=chunk_size)
+    out = chunk_gated_delta_rule(*args, chunk_size=chunk_size, native=native)
     assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
 
 
-def test_matches_transformers_torch_chunk():
+def test_matches_transformers_torch_chunk(native):
     from pixeltriage.bench.hf import force_transformers_torch_path
 
     force_transformers_torch_path()
@@ -42,12 +42,12 @@ def test_matches_transformers_torch_chunk():
     q, k, v, g, beta = inputs(97, seed=2)
     ref, _ = m.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
                                             use_qk_l2norm_in_kernel=False)
-    out = chunk_gated_delta_rule(q, k, v, g, beta)
+    out = chunk_gated_delta_rule(q, k, v, g, beta, native=native)
     assert (out - ref[0]).abs().max().item() / ref.abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("seq_len", [1, 65, 300])
-def test_l2norm_inside_equals_l2norm_before(seq_len):
+def test_l2norm_inside_equals_l2norm_before(seq_len, native):
     """qk_l2norm=True (the norm's scale multiplied in on the way into the chunk layout) against the layer's
     old separate norm, x * rsqrt(sum x^2 + 1e-6), then the chunked rule: <= 1e-6 relative, float32; varlen too."""
     gen = torch.Generator().manual_seed(seq_len)
@@ -58,6 +58,6 @@ def test_l2norm_inside_equals_l2norm_before(seq_len):
         return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
     for bounds in (None, [0, seq_len // 3, seq_len]):
-        want = chunk_gated_delta_rule(l2(q), l2(k), v, g, beta, cu_seqlens=bounds)
-        got = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, qk_l2norm=True)
+        want = chunk_gated_delta_rule(l2(q), l2(k), v, g, beta, cu_seqlens=bounds, native=False)
+        got = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, qk_l2norm=True, native=native)
         assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-6

@@ -39,6 +39,7 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     cu_seqlens: list[int] | None = None,
     qk_l2norm: bool = False,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as `naive.recurrent_gated_delta_rule`.
 
@@ -47,6 +48,8 @@ def chunk_gated_delta_rule(
     padded to whole chunks on its own and the state restarts from zero at each sequence's first chunk.
     qk_l2norm: q and k arrive unnormalised and are L2-normalised here (x * rsqrt(sum x^2 + 1e-6), as the layer's
     own norm), the scale multiplied in on the way into the chunk layout instead of in two passes of their own.
+    native: on the CPU, the chunk layout (norms, beta, gather) and the decay matrices in C (`kernels.native`) when
+    it is built (None: whenever available; False: torch only, which it is tested against).
     """
     seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
@@ -86,21 +89,29 @@ def chunk_gated_delta_rule(
             n0 += n
         return buf
 
-    q_mult = k_mult = None
-    if qk_l2norm:
-        # vector_norm reads strided rows 3x faster than vecdot or (x * x).sum; squaring its sqrt back costs
-        # ~1 ulp in the scale
-        q_mult = torch.linalg.vector_norm(q, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()   # [T, H]
-        k_mult = torch.linalg.vector_norm(k, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()
-    k_beta = chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
-    v_beta = chunked(v, beta)                                         # [N, H, C, V]
-    q, k = chunked(q, q_mult), chunked(k, k_mult)
+    laid_out = None
+    if native is not False and q.device.type == "cpu":
+        laid_out = _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c)
+    if laid_out is not None:
+        q, k, k_beta, v_beta = laid_out
+    else:
+        q_mult = k_mult = None
+        if qk_l2norm:
+            # vector_norm reads strided rows 3x faster than vecdot or (x * x).sum; squaring its sqrt back costs
+            # ~1 ulp in the scale
+            q_mult = torch.linalg.vector_norm(q, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()   # [T, H]
+            k_mult = torch.linalg.vector_norm(k, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()
+        k_beta = chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
+        v_beta = chunked(v, beta)                                         # [N, H, C, V]
+        q, k = chunked(q, q_mult), chunked(k, k_mult)
     # [N, H, C] log decay from chunk start. One token's g below the cut-off already zeroes every decay across it,
     # so g is floored at twice the cut-off: the same result, and a -inf g (A_log overflowing exp) gives no
     # -inf - -inf = NaN in the differences below
     gamma = chunked(g).clamp_(min=2 * LOG_DECAY_CUTOFF).cumsum_(-1)
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = _decay(gamma[..., :, None] - gamma[..., None, :], ~causal)  # [N, H, C, C], causal incl. diagonal
+    decay = _native_decay_matrix(gamma) if laid_out is not None else None
+    if decay is None:
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = _decay(gamma[..., :, None] - gamma[..., None, :], ~causal)  # [N, H, C, C], causal incl. diagonal
     gamma_exp = _decay(gamma)
 
     # T = (I + tril(diag(beta) K K^T * decay, -1))^-1, explicitly: solving against the 64-column identity and
@@ -141,3 +152,60 @@ def chunk_gated_delta_rule(
         result[b:e] = out[n0 * c:n0 * c + (e - b)]
         n0 += n
     return result
+
+
+def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
+    """(q, k, k * beta, v * beta) in the chunk layout, L2-normalised q and k if asked, from one C pass per input
+    (k and k * beta from the same read); None where the C kernels do not apply."""
+    from pixeltriage.kernels import native
+
+    tensors = (q, k, v, beta)
+    if any(t.dtype != torch.float32 for t in tensors) or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return None
+    lib = native.library()
+    if lib is None:
+        return None
+    seq_len, num_heads = k.shape[:2]
+    num_chunks = sum(seg_chunks)
+    rows = torch.empty(seq_len, dtype=torch.int64)                   # each token's row in the chunk layout
+    pads, n0 = [], 0
+    for (b, e), n in zip(segments, seg_chunks):
+        torch.arange(n0 * c, n0 * c + (e - b), out=rows[b:e])
+        if (e - b) % c:
+            pads.append((n0 + n - 1, (e - b) % c))                     # (chunk, first padding row)
+        n0 += n
+    beta = beta.contiguous()
+    threads = torch.get_num_threads()
+
+    def gather(x, mult=None, mult2=None):
+        out = [torch.empty(num_chunks, num_heads, c, x.shape[-1]) for _ in range(1 if mult2 is None else 2)]
+        for buf in out:
+            for n, first in pads:
+                buf[n, :, first:].zero_()
+        code = lib.pt_chunk_gather(x.data_ptr(), x.stride(0), x.stride(1), seq_len, num_heads, x.shape[-1],
+                                   rows.data_ptr(), c, None if mult is None else mult.data_ptr(),
+                                   None if mult2 is None else mult2.data_ptr(), int(qk_l2norm and x is not v),
+                                   L2NORM_EPS, out[0].data_ptr(), None if mult2 is None else out[1].data_ptr(),
+                                   threads)
+        if code != 0:
+            raise RuntimeError(f"pt_chunk_gather failed with code {code}")
+        return out
+
+    k_c, k_beta = gather(k, None, beta)
+    (q_c,) = gather(q)
+    (v_beta,) = gather(v, beta)
+    return q_c, k_c, k_beta, v_beta
+
+
+def _native_decay_matrix(gamma: torch.Tensor) -> torch.Tensor | None:
+    """`_decay(gamma_i - gamma_j)` below and on the diagonal, 0 above: [..., C] -> [..., C, C], in one C pass."""
+    from pixeltriage.kernels import native
+
+    lib = native.library()
+    if lib is None or not gamma.is_contiguous():
+        return None
+    c = gamma.shape[-1]
+    out = gamma.new_empty(*gamma.shape, c)
+    code = lib.pt_decay_matrix(gamma.data_ptr(), gamma.numel() // c, c, LOG_DECAY_CUTOFF, 1.0, out.data_ptr(),
+                               torch.get_num_threads())
+    return out if code == 0 else None

@@ -133,3 +133,8 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_causal_conv1d_silu.argtypes = [_ptr, _i32, _i64, _ptr, _i32, _ptr, _i64, _i64, _ptr, _i32]
     lib.pt_causal_conv1d_silu.restype = _i32
+    lib.pt_chunk_gather.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32,
+                                    ctypes.c_float, _ptr, _ptr, _i32]
+    lib.pt_chunk_gather.restype = _i32
+    lib.pt_decay_matrix.argtypes = [_ptr, _i64, _i64, ctypes.c_float, ctypes.c_float, _ptr, _i32]
+    lib.pt_decay_matrix.restype = _i32

@@ -88,3 +88,63 @@ int pt_causal_conv1d_silu(const void *x, int x_bf16, int64_t x_stride, const flo
     free(zero);
     return 0;
 }
+
+/* Gather token-major rows into the delta rule's chunk-major layout, scaling each (token, head) vector:
+ *   dst[row[t] / C][h][row[t] % C][:] = src[t][h][:] * s(t, h) * mult[t][h]
+ *   dst2 (if not NULL): the same vector times s(t, h) * mult2[t][h] (k and k * beta from one read)
+ * with s = 1 / sqrt(sum(src[t][h][:]^2) + eps) when l2norm, else 1; mult/mult2 NULL means 1. src: float32 with
+ * strides (src_t, src_h, 1); mult, mult2: [T, H] float32 contiguous; dst, dst2: [N, H, C, D] float32. Rows of dst
+ * that no token maps to are left as they are (the caller zeroes chunk padding). */
+int pt_chunk_gather(const float *src, int64_t src_t, int64_t src_h, int64_t T, int64_t H, int64_t D,
+                    const int64_t *row, int64_t C, const float *mult, const float *mult2, int l2norm, float eps,
+                    float *dst, float *dst2, int nthreads) {
+    if (T < 0 || H < 0 || D < 0 || C < 1)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t n = row[t] / C, i = row[t] % C;
+        for (int64_t h = 0; h < H; h++) {
+            const float *restrict x = src + t * src_t + h * src_h;
+            float s = 1.0f;
+            if (l2norm) {
+                float sq = 0.0f;
+                for (int64_t d = 0; d < D; d++)
+                    sq += x[d] * x[d];
+                s = 1.0f / __builtin_sqrtf(sq + eps);
+            }
+            int64_t at = ((n * H + h) * C + i) * D;
+            float a = mult ? s * mult[t * H + h] : s;
+            float *restrict o = dst + at;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = x[d] * a;
+            if (dst2) {
+                float b = mult2 ? s * mult2[t * H + h] : s;
+                float *restrict o2 = dst2 + at;
+                for (int64_t d = 0; d < D; d++)
+                    o2[d] = x[d] * b;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The delta rule's causal decay matrices from each chunk's cumulative log decays gamma ([M, C]: M = chunks x heads):
+ *   out[m][i][j] = scale * exp(gamma[m][i] - gamma[m][j]) for j <= i, 0 above the diagonal,
+ * and 0 (not a subnormal) where the exponent is below `cutoff`. out: [M, C, C] float32. */
+int pt_decay_matrix(const float *gamma, int64_t M, int64_t C, float cutoff, float scale, float *out, int nthreads) {
+    if (M < 0 || C < 1)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gamma + m * C;
+        for (int64_t i = 0; i < C; i++) {
+            float *restrict o = out + (m * C + i) * C;
+            float gi = g[i];
+            for (int64_t j = 0; j < C; j++) {
+                float e = gi - g[j];
+                o[j] = (j <= i && e >= cutoff) ? scale * exp_f32(e > 0.0f ? 0.0f : e) : 0.0f;
+            }
+        }
+    }
+    return 0;
+}
