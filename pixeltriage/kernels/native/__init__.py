@@ -138,3 +138,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_chunk_gather.restype = _i32
     lib.pt_decay_matrix.argtypes = [_ptr, _i64, _i64, ctypes.c_float, ctypes.c_float, _ptr, _i32]
     lib.pt_decay_matrix.restype = _i32
+    lib.pt_ut_inverse.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i32]
+    lib.pt_ut_inverse.restype = _i32

@@ -148,3 +148,38 @@ int pt_decay_matrix(const float *gamma, int64_t M, int64_t C, float cutoff, floa
     }
     return 0;
 }
+
+/* The UT transform's inverse, per chunk and head: out = (I + L)^-1 with L = strictly_lower(kkt * decay), i.e. the
+ * unit lower-triangular solve against the identity, by forward substitution row by row:
+ *   out[i, :] = e_i - sum_{k < i} L[i, k] out[k, :]     (row k is zero right of column k)
+ * and entries under `tiny` in magnitude set to 0 as each row is finished (products of decays would otherwise
+ * underflow into subnormals, which x86 computes ~100x slower; the torch path flushes the same entries after its
+ * solve). kkt, decay, out: [M, C, C] float32, contiguous. */
+int pt_ut_inverse(const float *kkt, const float *decay, int64_t M, int64_t C, float tiny, float *out, int nthreads) {
+    if (M < 0 || C < 1)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *a = kkt + m * C * C, *d = decay + m * C * C;
+        float *t = out + m * C * C;
+        for (int64_t i = 0; i < C; i++) {
+            float *restrict row = t + i * C;
+            for (int64_t j = 0; j < C; j++)
+                row[j] = j == i ? 1.0f : 0.0f;
+            for (int64_t k = 0; k < i; k++) {
+                float l = a[i * C + k] * d[i * C + k];
+                if (l == 0.0f)
+                    continue;
+                const float *restrict prev = t + k * C;
+                int64_t n = (k + 16) & ~(int64_t)15;                 /* whole 16-lane vectors: prev is 0 past k */
+                if (n > C)
+                    n = C;
+                for (int64_t j = 0; j < n; j++)
+                    row[j] -= l * prev[j];
+            }
+            for (int64_t j = 0; j < i; j++)
+                row[j] = __builtin_fabsf(row[j]) > tiny ? row[j] : 0.0f;
+        }
+    }
+    return 0;
+}
