@@ -210,15 +210,18 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias, monkeypatch
 
 
 @pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
-def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype):
+@pytest.mark.parametrize("strided", [False, True])
+def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype, strided, native):
     from pixeltriage.kernels.norm import rms_norm_gated, rms_norm_gated_reference
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(70, 3, 24, generator=g) * 1e-2                  # the delta rule's output is small
     gate = torch.randn(70, 3, 24, generator=g).to(gate_dtype)
+    if strided:                                                      # the layer's gate: a column slice
+        gate = torch.randn(70, 100, generator=g).to(gate_dtype)[:, 10:82].view(70, 3, 24)
     w = torch.rand(24, generator=g)
     x0, gate0 = x.clone(), gate.clone()
-    got = rms_norm_gated(x, gate, w, 1e-6)
+    got = rms_norm_gated(x, gate, w, 1e-6, native=native)
     want = rms_norm_gated_reference(x, gate, w, 1e-6)
     assert got.dtype == gate_dtype
     assert rel(got.float(), want.float()) <= (1e-6 if gate_dtype == torch.float32 else 2 ** -8)
@@ -241,3 +244,36 @@ def test_fused_linear_falls_back_once_when_onednn_refuses(monkeypatch, caplog):
         got = linear.linear_act(x, w, None, "gelu")
     assert torch.equal(got, linear.linear_act_reference(x, w, None, "gelu"))
     assert linear._STATE["ok"] is False and "unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_add_then_norm(out_dtype, delta_dtype, native):
+    """h += delta, then the zero-centred RMSNorm: the same h and (within the output dtype's rounding: float32
+    1e-6 relative, bf16 one ulp) the same normalised rows as the two torch steps."""
+    from pixeltriage.kernels.norm import add_rms_norm, rms_norm_zero_centred
+
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(57, 40, generator=g) * 3
+    delta = None if delta_dtype is None else torch.randn(57, 40, generator=g).to(delta_dtype)
+    w = torch.randn(40, generator=g) * 0.1
+    want_h = h + (0 if delta is None else delta.float())
+    want = rms_norm_zero_centred(want_h, w, 1e-6, out_dtype)
+    got = add_rms_norm(h, delta, w, 1e-6, out_dtype, native=native)
+    assert got.dtype == out_dtype and got.shape == (57, 40)
+    assert rel(h, want_h) <= 1e-7
+    assert rel(got.float(), want.float()) <= (1e-6 if out_dtype == torch.float32 else 2 ** -8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_float64(dtype, native):
+    """silu(gate) * up from a strided [T, 2I] projection: float32 within 1e-6 of float64; bf16 within one ulp."""
+    from pixeltriage.kernels.activation import silu_mul
+
+    g = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(33, 90, generator=g) * 4).to(dtype)[:, 5:85]     # row stride 90, I = 40
+    got = silu_mul(gate_up, native=native)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = F.silu(gate) * up
+    assert got.dtype == dtype and got.shape == (33, 40)
+    assert rel(got.double(), exact) <= (1e-6 if dtype == torch.float32 else 2 ** -7)

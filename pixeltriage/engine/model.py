@@ -15,7 +15,8 @@ from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.conv import causal_conv1d_silu
 from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule, fla
-from pixeltriage.kernels.norm import rms_norm_gated, rms_norm_zero_centred
+from pixeltriage.kernels.activation import silu_mul
+from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated, rms_norm_zero_centred
 from pixeltriage.kernels.rotary import apply_partial_rotary, mrope_cos_sin
 
 
@@ -144,8 +145,7 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
 
 
 def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ layer.down.t()
+    return silu_mul(x @ layer.gate_up.t()) @ layer.down.t()
 
 
 def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: TextWeights,
@@ -172,17 +172,19 @@ def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: T
     if cu_seqlens is not None and embeds.device.type == "cuda":
         cu_device = torch.tensor(cu_seqlens, dtype=torch.long, device=embeds.device)
     last = len(weights.layers) - 1
+    pending = None                                   # the last MLP's output, added to h together with the next norm
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
         only = rows if i == last else None
         with stage("attention" if kind == FULL else "gated_delta"):
-            x = rms_norm_zero_centred(h, layer.input_norm, eps, dtype)
+            x = add_rms_norm(h, pending, layer.input_norm, eps, dtype)           # h += pending; norm(h)
             if kind == FULL:
                 mixed = gated_attention(x, layer.attn, cfg, cos, sin, cu_seqlens, only)
             else:
                 mixed = gated_delta_net(x, layer.attn, cfg, cu_seqlens, cu_device, only)
             if only is not None:
                 h = h.index_select(0, only)
-            h += mixed
         with stage("mlp"):
-            h += mlp(rms_norm_zero_centred(h, layer.post_norm, eps, dtype), layer)
+            pending = mlp(add_rms_norm(h, mixed, layer.post_norm, eps, dtype), layer)   # h += mixed; norm(h)
+    if pending is not None:
+        h += pending
     return h

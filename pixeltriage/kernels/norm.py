@@ -16,13 +16,59 @@ def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.to(out_dtype or x.dtype)
 
 
-def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype, native: bool | None = None) -> torch.Tensor:
+    """h += delta (in place, when given), then `rms_norm_zero_centred(h, weight, eps, out_dtype)`: the decoder's
+    residual update and the next norm. h: the float32 residual stream [T, D], contiguous.
+
+    native: on the CPU, one C pass over h (`kernels.native`) when it is built (None: whenever available; False:
+    the torch ops, which it is tested against)."""
+    if native is not False and h.device.type == "cpu":
+        out = _native_add_rms_norm(h, delta, weight, eps, out_dtype)
+        if out is not None:
+            return out
+    if delta is not None:
+        h += delta
+    return rms_norm_zero_centred(h, weight, eps, out_dtype)
+
+
+def _native_add_rms_norm(h, delta, weight, eps, out_dtype):
+    from pixeltriage.kernels import native
+
+    if (h.dtype != torch.float32 or h.dim() != 2 or not h.is_contiguous() or out_dtype not in _NATIVE_DTYPES
+            or (delta is not None and (delta.dtype not in _NATIVE_DTYPES or delta.shape != h.shape
+                                       or delta.stride(-1) != 1))):
+        return None
+    lib = native.library()
+    if lib is None:
+        return None
+    w = (1.0 + weight.float()).contiguous()
+    out = torch.empty(h.shape, dtype=out_dtype)
+    code = lib.pt_add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(),
+                               int(delta is not None and delta.dtype == torch.bfloat16),
+                               0 if delta is None else delta.stride(0), w.data_ptr(), h.shape[0], h.shape[1], eps,
+                               out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"pt_add_rms_norm failed with code {code}")    # h may be updated: no silent retry
+    return out
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   native: bool | None = None) -> torch.Tensor:
     """w * norm(x) * silu(gate): the Gated DeltaNet output norm (plain weight, norm before gate).
 
     Computed in float32 end to end and returned in the gate's dtype. x is the gated delta rule's output, often
     tiny (rms ~1e-2) and scaled up here by its reciprocal rms, so it should arrive unrounded (float32).
     torch's fused rms_norm and an in-place SiLU on the gate's float32 copy: 38 -> 23 ms at [2296, 16, 128], the
-    same values as `rms_norm_gated_reference`."""
+    same values as `rms_norm_gated_reference`. native: on the CPU, one C pass (`kernels.native`) when it is built
+    (None: whenever available; False: the torch ops)."""
+    if native is not False and x.device.type == "cpu":
+        out = _native_rms_norm_gated(x, gate, weight, eps)
+        if out is not None:
+            return out
     normed = F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps)
     act = F.silu(gate.float(), inplace=gate.dtype != torch.float32)   # never in place on the caller's tensor
     return normed.mul_(act).to(gate.dtype)
@@ -33,3 +79,22 @@ def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * normed * F.silu(gate.float())).to(dtype)
+
+
+def _native_rms_norm_gated(x, gate, weight, eps):
+    from pixeltriage.kernels import native
+
+    if (x.dim() != 3 or x.dtype != torch.float32 or gate.shape != x.shape or gate.dtype not in _NATIVE_DTYPES
+            or x.stride(-1) != 1 or gate.stride(-1) != 1):
+        return None
+    lib = native.library()
+    if lib is None:
+        return None
+    rows, heads, dim = x.shape
+    w = weight.float().contiguous()
+    out = torch.empty(x.shape, dtype=gate.dtype)
+    code = lib.pt_rms_norm_gated(x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(),
+                                 int(gate.dtype == torch.bfloat16), gate.stride(0), gate.stride(1), w.data_ptr(),
+                                 rows, heads, dim, eps, out.data_ptr(), int(gate.dtype == torch.bfloat16),
+                                 torch.get_num_threads())
+    return out if code == 0 else None

@@ -35,6 +35,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Q
 
 from pixeltriage.engine.config import FULL, LINEAR, ImageConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
+from pixeltriage.paths import cache_dir
 from pixeltriage.weights.reader import safetensors_header, tensor_numels
 from pixeltriage.weights.tokenizer import (QWEN_FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_tokenizer, save_tokenizer,
                                            special_token_ids)
@@ -297,10 +298,6 @@ def write_demo_checkpoint(path: str | os.PathLike, preset: str = "tiny", seed: i
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PIXELTRIAGE_CACHE") or Path.home() / ".cache" / "pixeltriage")
 
 
 def demo_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:

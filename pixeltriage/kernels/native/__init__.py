@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fno-math-errno"]
+FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd"]
 _state: dict[str, str] = {"status": "not loaded"}
 
 
@@ -53,7 +53,7 @@ def _cpu_flags() -> str:
 
 
 def _build_dir() -> Path:
-    from pixeltriage.weights.demo import cache_dir
+    from pixeltriage.paths import cache_dir
 
     return cache_dir() / "native"
 
@@ -140,3 +140,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_decay_matrix.restype = _i32
     lib.pt_ut_inverse.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i32]
     lib.pt_ut_inverse.restype = _i32
+    lib.pt_rms_norm_gated.argtypes = [_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i64, _i64,
+                                      ctypes.c_float, _ptr, _i32, _i32]
+    lib.pt_rms_norm_gated.restype = _i32
+    lib.pt_add_rms_norm.argtypes = [_ptr, _ptr, _i32, _i64, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i32, _i32]
+    lib.pt_add_rms_norm.restype = _i32
+    lib.pt_silu_mul.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i32]
+    lib.pt_silu_mul.restype = _i32

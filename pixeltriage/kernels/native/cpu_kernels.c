@@ -108,6 +108,7 @@ int pt_chunk_gather(const float *src, int64_t src_t, int64_t src_h, int64_t T, i
             float s = 1.0f;
             if (l2norm) {
                 float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
                 for (int64_t d = 0; d < D; d++)
                     sq += x[d] * x[d];
                 s = 1.0f / __builtin_sqrtf(sq + eps);
@@ -179,6 +180,122 @@ int pt_ut_inverse(const float *kkt, const float *decay, int64_t M, int64_t C, fl
             }
             for (int64_t j = 0; j < i; j++)
                 row[j] = __builtin_fabsf(row[j]) > tiny ? row[j] : 0.0f;
+        }
+    }
+    return 0;
+}
+
+/* float32 -> bfloat16, rounding to nearest even (torch's .to(torch.bfloat16)); NaNs stay quiet NaNs. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_any(const void *p, int bf16, int64_t i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* The Gated DeltaNet's output norm: out[r, h, :] = x[r, h, :] / sqrt(mean(x[r, h, :]^2) + eps) * w * silu(z[r, h, :]).
+ * x: float32 [R, H, D] with strides (x_r, x_h, 1); z: [R, H, D] (bf16 if z_bf16) with strides (z_r, z_h, 1);
+ * w: float32 [D]; out: [R, H * D] contiguous, bf16 if out_bf16 (rounded once, from float32). */
+int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, int z_bf16, int64_t z_r, int64_t z_h,
+                      const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int out_bf16,
+                      int nthreads) {
+    if (R < 0 || H < 0 || D < 1)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float *restrict xv = x + r * x_r + h * x_h;
+            int64_t zo = r * z_r + h * z_h, oo = (r * H + h) * D;
+            float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+            for (int64_t d = 0; d < D; d++)
+                sq += xv[d] * xv[d];
+            float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
+            if (z_bf16 && out_bf16) {
+                const uint16_t *restrict zv = (const uint16_t *)z + zo;
+                uint16_t *restrict o = (uint16_t *)out + oo;
+                for (int64_t d = 0; d < D; d++)
+                    o[d] = float_to_bf16(xv[d] * inv * w[d] * silu_f32(bf16_to_float(zv[d])));
+            } else if (!z_bf16 && !out_bf16) {
+                const float *restrict zv = (const float *)z + zo;
+                float *restrict o = (float *)out + oo;
+                for (int64_t d = 0; d < D; d++)
+                    o[d] = xv[d] * inv * w[d] * silu_f32(zv[d]);
+            } else {
+                for (int64_t d = 0; d < D; d++) {
+                    float y = xv[d] * inv * w[d] * silu_f32(load_any(z, z_bf16, zo + d));
+                    if (out_bf16)
+                        ((uint16_t *)out)[oo + d] = float_to_bf16(y);
+                    else
+                        ((float *)out)[oo + d] = y;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* The decoder's residual update and the next RMSNorm, in one pass over the residual stream:
+ *   h[t, :] += delta[t, :] (if delta is not NULL), then out[t, :] = h[t, :] / sqrt(mean(h[t, :]^2) + eps) * w
+ * h: float32 [T, D] contiguous, updated in place; delta: [T, D] with row stride delta_t (bf16 if delta_bf16);
+ * w: float32 [D] (the zero-centred norm's 1 + weight); out: [T, D] contiguous, bf16 if out_bf16. */
+int pt_add_rms_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, const float *w, int64_t T,
+                    int64_t D, float eps, void *out, int out_bf16, int nthreads) {
+    if (T < 0 || D < 1)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *restrict hv = h + t * D;
+        if (delta && delta_bf16) {
+            const uint16_t *restrict dv = (const uint16_t *)delta + t * delta_t;
+            for (int64_t d = 0; d < D; d++)
+                hv[d] += bf16_to_float(dv[d]);
+        } else if (delta) {
+            const float *restrict dv = (const float *)delta + t * delta_t;
+            for (int64_t d = 0; d < D; d++)
+                hv[d] += dv[d];
+        }
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t d = 0; d < D; d++)
+            sq += hv[d] * hv[d];
+        float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
+        if (out_bf16) {
+            uint16_t *restrict o = (uint16_t *)out + t * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = float_to_bf16(hv[d] * inv * w[d]);
+        } else {
+            float *restrict o = (float *)out + t * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = hv[d] * inv * w[d];
+        }
+    }
+    return 0;
+}
+
+/* SwiGLU's product: out[t, i] = silu(gu[t, i]) * gu[t, I + i], in float32, rounded once if out_bf16.
+ * gu: [T, 2I] with row stride gu_t (bf16 if gu_bf16); out: [T, I] contiguous, same dtype as gu. */
+int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) {
+    if (T < 0 || I < 0)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        if (gu_bf16) {
+            const uint16_t *restrict g = (const uint16_t *)gu + t * gu_t, *restrict u = g + I;
+            uint16_t *restrict o = (uint16_t *)out + t * I;
+            for (int64_t i = 0; i < I; i++)
+                o[i] = float_to_bf16(silu_f32(bf16_to_float(g[i])) * bf16_to_float(u[i]));
+        } else {
+            const float *restrict g = (const float *)gu + t * gu_t, *restrict u = g + I;
+            float *restrict o = (float *)out + t * I;
+            for (int64_t i = 0; i < I; i++)
+                o[i] = silu_f32(g[i]) * u[i];
         }
     }
     return 0;

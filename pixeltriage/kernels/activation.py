@@ -1,0 +1,35 @@
+"""SwiGLU's gated product silu(gate) * up, from the fused gate/up projection's output."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_mul(gate_up: torch.Tensor, native: bool | None = None) -> torch.Tensor:
+    """gate_up: [T, 2I] (gate columns first) -> silu(gate) * up: [T, I] in gate_up's dtype.
+
+    The torch path rounds twice in bf16 (the SiLU, then the product), as transformers' MLP does; the C kernel
+    (`kernels.native`, on the CPU when it is built; native=False: torch) computes in float32 and rounds once, so
+    in bf16 the two differ by at most one bf16 ulp of the product, in float32 by float32 rounding only."""
+    if native is not False and gate_up.device.type == "cpu":
+        out = _native_silu_mul(gate_up)
+        if out is not None:
+            return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    from pixeltriage.kernels import native
+
+    if (gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.dtype not in (torch.float32, torch.bfloat16)
+            or gate_up.stride(1) != 1):
+        return None
+    lib = native.library()
+    if lib is None:
+        return None
+    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inner, dtype=gate_up.dtype)
+    code = lib.pt_silu_mul(gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), gate_up.stride(0), rows, inner,
+                           out.data_ptr(), torch.get_num_threads())
+    return out if code == 0 else None
