@@ -165,14 +165,19 @@ def test_forward_at_rows_equals_full_forward_rows(tiny_checkpoint, last):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(37, 3, 16), (50, 2, 4, 64), (1, 1, 2)])
-def test_rotary_matches_reference(dtype, shape):
+@pytest.mark.parametrize("shape", [(37, 3, 16), (50, 2, 4, 64), (1, 1, 2), (20, 1, 3, 8), "qk-of-qkv"])
+def test_rotary_matches_reference(dtype, shape, native):
     from pixeltriage.kernels.rotary import apply_rotary_float, apply_rotary_float_reference
 
-    g = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(*shape, generator=g).to(dtype)
+    g = torch.Generator().manual_seed(len(str(shape)))
+    if shape == "qk-of-qkv":                     # the ViT's q and k: a strided [N, 2, heads, dim] view of qkv
+        x = torch.randn(40, 3, 4, 16, generator=g).to(dtype)[:, :2]
+        shape = x.shape
+    else:
+        x = torch.randn(*shape, generator=g).to(dtype)
     angle = torch.randn(shape[0], shape[-1], generator=g) * 3
-    got, want = apply_rotary_float(x, angle.cos(), angle.sin()), apply_rotary_float_reference(x, angle.cos(), angle.sin())
+    got = apply_rotary_float(x, angle.cos(), angle.sin(), native=native)
+    want = apply_rotary_float_reference(x, angle.cos(), angle.sin())
     assert got.dtype == dtype and got.shape == x.shape
     # float32: one rounding apart at most (a multiply-add against a multiply then an add); bf16: at most one
     # bf16 step where that float32 difference straddles a rounding boundary
@@ -277,3 +282,23 @@ def test_silu_mul_matches_float64(dtype, native):
     exact = F.silu(gate) * up
     assert got.dtype == dtype and got.shape == (33, 40)
     assert rel(got.double(), exact) <= (1e-6 if dtype == torch.float32 else 2 ** -7)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+def test_add_layer_norm_matches_add_then_layer_norm(out_dtype, delta_dtype, native):
+    """The ViT's h += delta, then LayerNorm: the same h, and rows within 1e-5 relative (float32; one bf16 ulp in
+    bf16) of the float64 LayerNorm of that h, with rows far off zero (h ~ 300: float32 rounding of h - mean is
+    ~6e-6 of the result there, for the torch op too) included."""
+    from pixeltriage.kernels.norm import add_layer_norm
+
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(45, 64, generator=g) * 2
+    h[::3] += 300.0
+    delta = None if delta_dtype is None else torch.randn(45, 64, generator=g).to(delta_dtype)
+    w, b = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    want_h = h + (0 if delta is None else delta.float())
+    exact = F.layer_norm(want_h.double(), (64,), w.double(), b.double(), 1e-6)
+    got = add_layer_norm(h, delta, w, b, 1e-6, out_dtype, native=native)
+    assert got.dtype == out_dtype and rel(h, want_h) <= 1e-7
+    assert rel(got.double(), exact) <= (1e-5 if out_dtype == torch.float32 else 2 ** -8)

@@ -10,7 +10,10 @@ from pixeltriage.engine.config import VisionConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.linear import linear_act
+from pixeltriage.kernels.norm import add_layer_norm
 from pixeltriage.kernels.rotary import apply_rotary_float, vision_rotary_cos_sin
+
+EPS = 1e-6   # the ViT's LayerNorm epsilon
 
 
 @dataclass
@@ -96,19 +99,17 @@ def _vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, i
     x = F.linear(pixel_values.to(dtype), weights.patch_w, weights.patch_b).float() + torch.cat(pos)
     cos, sin = vision_rotary_cos_sin(coords_all, cfg.head_dim, cfg.rope_theta)
     lengths = [h * w for t, h, w in grid_thw for _ in range(t)]
+    pending = None                # the last sub-block's output, added to x together with the next norm
     for block in weights.blocks:                      # x is this function's own float32 residual: updated in place
-        x += vision_attention(layer_norm(x, block.norm1_w, block.norm1_b, dtype), block, cfg, cos, sin, lengths)
-        y = layer_norm(x, block.norm2_w, block.norm2_b, dtype)
-        x += F.linear(linear_act(y, block.fc1_w, block.fc1_b, cfg.hidden_act), block.fc2_w, block.fc2_b)
-    x = layer_norm(x, weights.merger_norm_w, weights.merger_norm_b, dtype)
+        y = add_layer_norm(x, pending, block.norm1_w, block.norm1_b, EPS, dtype)                  # x += pending; LN(x)
+        pending = vision_attention(y, block, cfg, cos, sin, lengths)
+        y = add_layer_norm(x, pending, block.norm2_w, block.norm2_b, EPS, dtype)
+        pending = F.linear(linear_act(y, block.fc1_w, block.fc1_b, cfg.hidden_act), block.fc2_w, block.fc2_b)
+    x = add_layer_norm(x, pending, weights.merger_norm_w, weights.merger_norm_b, EPS, dtype)
     x = x.view(-1, cfg.hidden_size * cfg.merge_unit)
     x = linear_act(x, weights.merger_fc1_w, weights.merger_fc1_b, "gelu")
     return F.linear(x, weights.merger_fc2_w, weights.merger_fc2_b)
 
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """LayerNorm (eps 1e-6) of a float32 residual, in float32, cast for the next matmul."""
-    return F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), 1e-6).to(out_dtype)
 
 
 def vision_attention(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConfig, cos: torch.Tensor,

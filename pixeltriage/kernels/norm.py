@@ -1,4 +1,4 @@
-"""RMSNorm variants used by Qwen3.5, computed in float32 and cast back to the input dtype."""
+"""Norms used by Qwen3.5 (its RMSNorm variants, the ViT's LayerNorm), computed in float32 and cast for the next matmul."""
 from __future__ import annotations
 
 import torch
@@ -24,7 +24,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     native: on the CPU, one C pass over h (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
     if native is not False and h.device.type == "cpu":
-        out = _native_add_rms_norm(h, delta, weight, eps, out_dtype)
+        out = _native_add_norm(h, delta, out_dtype, "pt_add_rms_norm", (1.0 + weight.float()).contiguous(), eps)
         if out is not None:
             return out
     if delta is not None:
@@ -32,7 +32,29 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return rms_norm_zero_centred(h, weight, eps, out_dtype)
 
 
-def _native_add_rms_norm(h, delta, weight, eps, out_dtype):
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype, native: bool | None = None) -> torch.Tensor:
+    """x += delta (in place, when given), then LayerNorm(x) in float32, cast to out_dtype: the ViT's residual update
+    and the next norm. x: the float32 residual stream [T, D], contiguous.
+
+    native: on the CPU, one C pass over x (`kernels.native`) when it is built (None: whenever available; False:
+    the torch ops, which it is tested against)."""
+    if native is not False and x.device.type == "cpu":
+        out = _native_add_norm(x, delta, out_dtype, "pt_add_layer_norm", weight.float().contiguous(),
+                               bias.float().contiguous(), eps)
+        if out is not None:
+            return out
+    if delta is not None:
+        x += delta
+    return F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), eps).to(out_dtype)
+
+
+def _native_add_norm(h, delta, out_dtype, kernel, *params_then_eps):
+    """h += delta; out = norm(h) through the C `kernel` (params: its float32 weight vectors, then eps), or None
+    where it does not apply."""
     from pixeltriage.kernels import native
 
     if (h.dtype != torch.float32 or h.dim() != 2 or not h.is_contiguous() or out_dtype not in _NATIVE_DTYPES
@@ -42,18 +64,16 @@ def _native_add_rms_norm(h, delta, weight, eps, out_dtype):
     lib = native.library()
     if lib is None:
         return None
-    w = (1.0 + weight.float()).contiguous()
+    *params, eps = params_then_eps
     out = torch.empty(h.shape, dtype=out_dtype)
-    code = lib.pt_add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(),
-                               int(delta is not None and delta.dtype == torch.bfloat16),
-                               0 if delta is None else delta.stride(0), w.data_ptr(), h.shape[0], h.shape[1], eps,
-                               out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    code = getattr(lib, kernel)(h.data_ptr(), None if delta is None else delta.data_ptr(),
+                                int(delta is not None and delta.dtype == torch.bfloat16),
+                                0 if delta is None else delta.stride(0), *(p.data_ptr() for p in params),
+                                h.shape[0], h.shape[1], eps, out.data_ptr(), int(out_dtype == torch.bfloat16),
+                                torch.get_num_threads())
     if code != 0:
-        raise RuntimeError(f"pt_add_rms_norm failed with code {code}")    # h may be updated: no silent retry
+        raise RuntimeError(f"{kernel} failed with code {code}")    # h may be updated already: no silent retry
     return out
-
-
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,

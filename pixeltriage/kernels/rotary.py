@@ -46,14 +46,19 @@ def vision_rotary_cos_sin(hw_ids: torch.Tensor, head_dim: int, theta: float):
     return emb.cos(), emb.sin()
 
 
-def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool | None = None) -> torch.Tensor:
     """Full-width rotary in float32, cast back: x * cos + rotate_half(x) * sin.
     x: [N, ..., head_dim] (e.g. [N, heads, head_dim], or q and k together as [N, 2, heads, head_dim]);
     cos/sin: [N, head_dim], broadcast over x's middle dimensions.
 
     rotate_half's negated concatenation is never built: each half takes its partner half times the matching
     half of sin, negated for the first, with one multiply-add in place (3 passes over x instead of 6).
+    native: on the CPU, one C pass (`kernels.native`) when it is built (None: whenever available; False: torch).
     """
+    if native is not False and x.device.type == "cpu":
+        out = _native_rotary(x, cos, sin)
+        if out is not None:
+            return out
     half = x.shape[-1] // 2
     cos, sin = (t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[-1]) for t in (cos, sin))
     xf = x.float()
@@ -68,3 +73,29 @@ def apply_rotary_float_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.
     cos, sin = (t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[-1]) for t in (cos, sin))
     xf = x.float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x viewed as [N, G, D] (its middle dimensions merged, which their strides must allow) through the C kernel."""
+    from pixeltriage.kernels import native
+
+    if x.dim() < 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1 or x.shape[-1] % 2:
+        return None
+    n, d = x.shape[0], x.shape[-1]
+    groups, group_stride = 1, d
+    for size, stride in zip(reversed(x.shape[1:-1]), reversed(x.stride()[1:-1])):  # innermost middle dim first
+        if size == 1:
+            continue
+        if groups == 1:
+            group_stride = stride
+        elif stride != groups * group_stride:
+            return None                                                 # not one evenly strided group dim
+        groups *= size
+    lib = native.library()
+    if lib is None:
+        return None
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    code = lib.pt_rotary(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), group_stride, cos.data_ptr(),
+                         sin.data_ptr(), n, groups, d, out.data_ptr(), torch.get_num_threads())
+    return out if code == 0 else None

@@ -300,3 +300,81 @@ int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I,
     }
     return 0;
 }
+
+/* The ViT's residual update and the next LayerNorm, in one pass over the residual stream:
+ *   h[t, :] += delta[t, :] (if delta is not NULL), then out[t, :] = (h - mean) / sqrt(var + eps) * w + b
+ * (mean and biased variance over the row, two passes over the row in cache). h: float32 [T, D] contiguous,
+ * updated in place; delta: [T, D] with row stride delta_t (bf16 if delta_bf16); w, b: float32 [D];
+ * out: [T, D] contiguous, bf16 if out_bf16. */
+int pt_add_layer_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, const float *w, const float *b,
+                      int64_t T, int64_t D, float eps, void *out, int out_bf16, int nthreads) {
+    if (T < 0 || D < 1)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *restrict hv = h + t * D;
+        if (delta && delta_bf16) {
+            const uint16_t *restrict dv = (const uint16_t *)delta + t * delta_t;
+            for (int64_t d = 0; d < D; d++)
+                hv[d] += bf16_to_float(dv[d]);
+        } else if (delta) {
+            const float *restrict dv = (const float *)delta + t * delta_t;
+            for (int64_t d = 0; d < D; d++)
+                hv[d] += dv[d];
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < D; d++)
+            sum += hv[d];
+        float mean = sum / (float)D, sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t d = 0; d < D; d++)
+            sq += (hv[d] - mean) * (hv[d] - mean);
+        float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
+        if (out_bf16) {
+            uint16_t *restrict o = (uint16_t *)out + t * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = float_to_bf16((hv[d] - mean) * inv * w[d] + b[d]);
+        } else {
+            float *restrict o = (float *)out + t * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = (hv[d] - mean) * inv * w[d] + b[d];
+        }
+    }
+    return 0;
+}
+
+/* Full-width rotary: out[n, g, :] = x * cos[n] + rotate_half(x) * sin[n], rotate_half(x) = [-x2, x1], computed in
+ * float32 and rounded once to x's dtype. x: [N, G, D] (bf16 if bf16) with strides (x_n, x_g, 1); cos, sin: float32
+ * [N, D] contiguous; out: [N, G, D] contiguous, x's dtype. D even. */
+int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *cos, const float *sin, int64_t N,
+              int64_t G, int64_t D, void *out, int nthreads) {
+    if (N < 0 || G < 0 || D < 2 || D % 2)
+        return 1;
+    int64_t half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *restrict c = cos + n * D, *restrict s = sin + n * D;
+        for (int64_t g = 0; g < G; g++) {
+            int64_t xo = n * x_n + g * x_g, oo = (n * G + g) * D;
+            if (bf16) {
+                const uint16_t *restrict xv = (const uint16_t *)x + xo;
+                uint16_t *restrict o = (uint16_t *)out + oo;
+                for (int64_t d = 0; d < half; d++) {
+                    float a = bf16_to_float(xv[d]), p = bf16_to_float(xv[d + half]);
+                    o[d] = float_to_bf16(a * c[d] - p * s[d]);
+                    o[d + half] = float_to_bf16(p * c[d + half] + a * s[d + half]);
+                }
+            } else {
+                const float *restrict xv = (const float *)x + xo;
+                float *restrict o = (float *)out + oo;
+                for (int64_t d = 0; d < half; d++) {
+                    float a = xv[d], p = xv[d + half];
+                    o[d] = a * c[d] - p * s[d];
+                    o[d + half] = p * c[d + half] + a * s[d + half];
+                }
+            }
+        }
+    }
+    return 0;
+}
