@@ -3,7 +3,7 @@
 Tolerance: conv1d + SiLU <= 1e-6 relative to the reference, as its torch path (tests/test_fast_paths.py); the
 kernel's exp differs from torch's by at most a few ulp.
 """
-import logging
+import os
 import subprocess
 import sys
 
@@ -61,7 +61,7 @@ def test_native_silu_extremes_match_torch():
 def _library_in_subprocess(env_extra: dict, tmp_path) -> str:
     code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
             "from pixeltriage.kernels import native; print(native.available()); print(native.status())")
-    env = {**__import__("os").environ, "PIXELTRIAGE_CACHE": str(tmp_path), **env_extra}
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path), **env_extra}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout + r.stderr

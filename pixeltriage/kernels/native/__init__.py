@@ -95,11 +95,13 @@ def library() -> ctypes.CDLL | None:
         log.warning("native CPU kernels: %s; using the torch implementations", _state["status"])
         return None
     source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        version = f"unknown ({e})"
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+    try:                              # the compiler binary itself (cheaper than running `cc --version` per process)
+        real = os.path.realpath(cc)
+        st = os.stat(real)
+        compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        compiler = cc
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
     path = _build_dir() / f"pixeltriage_cpu_{key}.so"
     try:
