@@ -24,7 +24,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     native: on the CPU, one C pass over h (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
     if native is not False and h.device.type == "cpu":
-        out = _native_add_norm(h, delta, out_dtype, "pt_add_rms_norm", (1.0 + weight.float()).contiguous(), eps)
+        out = _native_add_norm(h, delta, out_dtype, (1.0 + weight.float()).contiguous(), None, eps)
         if out is not None:
             return out
     if delta is not None:
@@ -43,8 +43,7 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
     native: on the CPU, one C pass over x (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
     if native is not False and x.device.type == "cpu":
-        out = _native_add_norm(x, delta, out_dtype, "pt_add_layer_norm", weight.float().contiguous(),
-                               bias.float().contiguous(), eps)
+        out = _native_add_norm(x, delta, out_dtype, weight.float().contiguous(), bias.float().contiguous(), eps)
         if out is not None:
             return out
     if delta is not None:
@@ -52,9 +51,9 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
     return F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), eps).to(out_dtype)
 
 
-def _native_add_norm(h, delta, out_dtype, kernel, *params_then_eps):
-    """h += delta; out = norm(h) through the C `kernel` (params: its float32 weight vectors, then eps), or None
-    where it does not apply."""
+def _native_add_norm(h, delta, out_dtype, weight, bias, eps):
+    """h += delta; out = norm(h) through the C kernel (bias None: RMSNorm, else LayerNorm; float32 contiguous
+    weight and bias), or None where it does not apply."""
     from pixeltriage.kernels import native
 
     if (h.dtype != torch.float32 or h.dim() != 2 or not h.is_contiguous() or out_dtype not in _NATIVE_DTYPES
@@ -64,15 +63,14 @@ def _native_add_norm(h, delta, out_dtype, kernel, *params_then_eps):
     lib = native.library()
     if lib is None:
         return None
-    *params, eps = params_then_eps
     out = torch.empty(h.shape, dtype=out_dtype)
-    code = getattr(lib, kernel)(h.data_ptr(), None if delta is None else delta.data_ptr(),
-                                int(delta is not None and delta.dtype == torch.bfloat16),
-                                0 if delta is None else delta.stride(0), *(p.data_ptr() for p in params),
-                                h.shape[0], h.shape[1], eps, out.data_ptr(), int(out_dtype == torch.bfloat16),
-                                torch.get_num_threads())
+    code = lib.pt_add_norm(h.data_ptr(), None if delta is None else delta.data_ptr(),
+                           int(delta is not None and delta.dtype == torch.bfloat16),
+                           0 if delta is None else delta.stride(0), weight.data_ptr(),
+                           None if bias is None else bias.data_ptr(), int(bias is not None), h.shape[0], h.shape[1],
+                           eps, out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if code != 0:
-        raise RuntimeError(f"{kernel} failed with code {code}")    # h may be updated already: no silent retry
+        raise RuntimeError(f"pt_add_norm failed with code {code}")    # h may be updated already: no silent retry
     return out
 
 

@@ -145,12 +145,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_rms_norm_gated.argtypes = [_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i64, _i64,
                                       ctypes.c_float, _ptr, _i32, _i32]
     lib.pt_rms_norm_gated.restype = _i32
-    lib.pt_add_rms_norm.argtypes = [_ptr, _ptr, _i32, _i64, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i32, _i32]
-    lib.pt_add_rms_norm.restype = _i32
+    lib.pt_add_norm.argtypes = [_ptr, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i64, _i64, ctypes.c_float, _ptr, _i32,
+                                _i32]
+    lib.pt_add_norm.restype = _i32
     lib.pt_silu_mul.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i32]
     lib.pt_silu_mul.restype = _i32
-    lib.pt_add_layer_norm.argtypes = [_ptr, _ptr, _i32, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i32,
-                                      _i32]
-    lib.pt_add_layer_norm.restype = _i32
     lib.pt_rotary.argtypes = [_ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32]
     lib.pt_rotary.restype = _i32

@@ -241,13 +241,17 @@ int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, i
     return 0;
 }
 
-/* The decoder's residual update and the next RMSNorm, in one pass over the residual stream:
- *   h[t, :] += delta[t, :] (if delta is not NULL), then out[t, :] = h[t, :] / sqrt(mean(h[t, :]^2) + eps) * w
+/* The residual update and the next norm, in one pass over the residual stream (the decoder's RMSNorm, the ViT's
+ * LayerNorm):
+ *   h[t, :] += delta[t, :] (if delta is not NULL), then
+ *   RMSNorm (layer_norm = 0):  out[t, :] = h / sqrt(mean(h^2) + eps) * w
+ *   LayerNorm (layer_norm = 1): out[t, :] = (h - mean) / sqrt(mean((h - mean)^2) + eps) * w + b
  * h: float32 [T, D] contiguous, updated in place; delta: [T, D] with row stride delta_t (bf16 if delta_bf16);
- * w: float32 [D] (the zero-centred norm's 1 + weight); out: [T, D] contiguous, bf16 if out_bf16. */
-int pt_add_rms_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, const float *w, int64_t T,
-                    int64_t D, float eps, void *out, int out_bf16, int nthreads) {
-    if (T < 0 || D < 1)
+ * w: float32 [D] (for the decoder, the zero-centred norm's 1 + weight); b: float32 [D] (LayerNorm only);
+ * out: [T, D] contiguous, bf16 if out_bf16. */
+int pt_add_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, const float *w, const float *b,
+                int layer_norm, int64_t T, int64_t D, float eps, void *out, int out_bf16, int nthreads) {
+    if (T < 0 || D < 1 || (layer_norm && b == NULL))
         return 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -261,12 +265,27 @@ int pt_add_rms_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t
             for (int64_t d = 0; d < D; d++)
                 hv[d] += dv[d];
         }
-        float sq = 0.0f;
+        float mean = 0.0f, sq = 0.0f;
+        if (layer_norm) {
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t d = 0; d < D; d++)
+                sum += hv[d];
+            mean = sum / (float)D;
+        }
 #pragma omp simd reduction(+ : sq)
         for (int64_t d = 0; d < D; d++)
-            sq += hv[d] * hv[d];
+            sq += (hv[d] - mean) * (hv[d] - mean);
         float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
-        if (out_bf16) {
+        if (layer_norm && out_bf16) {
+            uint16_t *restrict o = (uint16_t *)out + t * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = float_to_bf16((hv[d] - mean) * inv * w[d] + b[d]);
+        } else if (layer_norm) {
+            float *restrict o = (float *)out + t * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = (hv[d] - mean) * inv * w[d] + b[d];
+        } else if (out_bf16) {
             uint16_t *restrict o = (uint16_t *)out + t * D;
             for (int64_t d = 0; d < D; d++)
                 o[d] = float_to_bf16(hv[d] * inv * w[d]);
@@ -296,49 +315,6 @@ int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I,
             float *restrict o = (float *)out + t * I;
             for (int64_t i = 0; i < I; i++)
                 o[i] = silu_f32(g[i]) * u[i];
-        }
-    }
-    return 0;
-}
-
-/* The ViT's residual update and the next LayerNorm, in one pass over the residual stream:
- *   h[t, :] += delta[t, :] (if delta is not NULL), then out[t, :] = (h - mean) / sqrt(var + eps) * w + b
- * (mean and biased variance over the row, two passes over the row in cache). h: float32 [T, D] contiguous,
- * updated in place; delta: [T, D] with row stride delta_t (bf16 if delta_bf16); w, b: float32 [D];
- * out: [T, D] contiguous, bf16 if out_bf16. */
-int pt_add_layer_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, const float *w, const float *b,
-                      int64_t T, int64_t D, float eps, void *out, int out_bf16, int nthreads) {
-    if (T < 0 || D < 1)
-        return 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        float *restrict hv = h + t * D;
-        if (delta && delta_bf16) {
-            const uint16_t *restrict dv = (const uint16_t *)delta + t * delta_t;
-            for (int64_t d = 0; d < D; d++)
-                hv[d] += bf16_to_float(dv[d]);
-        } else if (delta) {
-            const float *restrict dv = (const float *)delta + t * delta_t;
-            for (int64_t d = 0; d < D; d++)
-                hv[d] += dv[d];
-        }
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < D; d++)
-            sum += hv[d];
-        float mean = sum / (float)D, sq = 0.0f;
-#pragma omp simd reduction(+ : sq)
-        for (int64_t d = 0; d < D; d++)
-            sq += (hv[d] - mean) * (hv[d] - mean);
-        float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
-        if (out_bf16) {
-            uint16_t *restrict o = (uint16_t *)out + t * D;
-            for (int64_t d = 0; d < D; d++)
-                o[d] = float_to_bf16((hv[d] - mean) * inv * w[d] + b[d]);
-        } else {
-            float *restrict o = (float *)out + t * D;
-            for (int64_t d = 0; d < D; d++)
-                o[d] = (hv[d] - mean) * inv * w[d] + b[d];
         }
     }
     return 0;
