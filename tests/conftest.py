@@ -37,6 +37,21 @@ NATIVE_PATHS = _native_paths()   # `native=` values: the torch path and the C ke
 
 
 @pytest.fixture(params=NATIVE_PATHS)
-def native(request):
-    """Run a CPU-kernel test once through the torch path (False) and once through the C kernels (None)."""
-    return request.param
+def native(request, monkeypatch):
+    """Run a CPU-kernel test once through the torch path (False) and once through the C kernels (None); in the
+    second run, fail the test if no C kernel was called (a guard that declined would test torch twice)."""
+    if request.param is False:
+        yield False
+        return
+    from pixeltriage.kernels import native as native_kernels
+
+    lib, called = native_kernels.library(), []
+
+    class Counting:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(lib, name)
+
+    monkeypatch.setattr(native_kernels, "library", lambda: Counting())
+    yield None
+    assert called, "native=None, but no C kernel ran"

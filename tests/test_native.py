@@ -49,13 +49,54 @@ def test_native_conv_reads_strided_rows_and_packed_sequences(dtype):
 
 @needs_native
 def test_native_silu_extremes_match_torch():
-    """Inputs far into SiLU's tails (the exp's clamp) and exact zeros: finite, and as torch's SiLU."""
-    x = torch.tensor([[-200.0], [-90.0], [-30.0], [-1e-30], [0.0], [1e-30], [30.0], [90.0], [3e38]])
+    """SiLU's tails and exact zeros: finite; within 1e-6 relative of torch's SiLU down to y = -80. Below -87 the
+    kernel returns 0 (e^-y leaves float's range; torch's value is under 2e-36 there), including for y = -1e30
+    and -3e38, where a clamped exp alone would have given y / e^88, up to -1.8."""
+    x = torch.tensor([[-80.0], [-30.0], [-1e-30], [0.0], [1e-30], [1.0], [30.0], [90.0], [3e38]])
     w = torch.ones(1, 1)
-    out = causal_conv1d_silu(x, w)
-    want = torch.nn.functional.silu(x)
+    out, want = causal_conv1d_silu(x, w), torch.nn.functional.silu(x)
     assert torch.isfinite(out).all()
-    assert torch.allclose(out, want, rtol=1e-6, atol=1e-30)
+    assert torch.allclose(out, want, rtol=1e-6, atol=0.0)
+    far = torch.tensor([[-90.0], [-200.0], [-1e30], [-3e38]])
+    tail = causal_conv1d_silu(far, w)
+    assert torch.isfinite(tail).all() and (tail <= 0).all() and (tail.abs() < 1e-34).all()
+    assert (torch.nn.functional.silu(far).abs() < 1e-34).all()
+
+
+@needs_native
+def test_native_paths_decline_what_they_do_not_handle():
+    """Inputs the C kernels were not written for take the torch path and give its result (no out-of-bounds
+    reads): broadcast rotary angles, a delta rule whose q, k and v are one tensor, a zero-width norm."""
+    from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule
+    from pixeltriage.kernels.norm import add_rms_norm
+    from pixeltriage.kernels.rotary import apply_rotary_float
+
+    g = torch.Generator().manual_seed(1)
+    x, angle = torch.randn(64, 3, 8, generator=g), torch.randn(1, 8, generator=g)
+    assert torch.equal(apply_rotary_float(x, angle.cos(), angle.sin()),
+                       apply_rotary_float(x, angle.cos(), angle.sin(), native=False))
+    qkv = torch.randn(70, 2, 8, generator=g)
+    decay, beta = -torch.rand(70, 2, generator=g), torch.rand(70, 2, generator=g)
+    got = chunk_gated_delta_rule(qkv, qkv, qkv, decay, beta, qk_l2norm=True)
+    want = chunk_gated_delta_rule(qkv, qkv, qkv, decay, beta, qk_l2norm=True, native=False)
+    assert torch.isfinite(got).all() and rel(got, want) <= 1e-5
+    h = torch.empty(5, 0)
+    assert add_rms_norm(h, None, torch.empty(0), 1e-6, torch.float32).shape == (5, 0)
+
+
+def test_scores_with_and_without_native_kernels(tiny_checkpoint, monkeypatch):
+    """The whole forward on the C kernels and on the torch implementations they replace (float32): the same
+    scores within 1e-5 (the kernels' float32 roundings differ from torch's in order, not in precision)."""
+    from pixeltriage import Scorer
+    from pixeltriage.episode import sample_episode
+
+    episode = sample_episode()
+    with_native = Scorer.load(tiny_checkpoint).score(*episode)
+    monkeypatch.setattr(native, "library", lambda: None)
+    without = Scorer.load(tiny_checkpoint).score(*episode)
+    pairs = [(with_native.p_vis, without.p_vis), (with_native.relevance_none, without.relevance_none),
+             *zip(with_native.gains, without.gains), *zip(with_native.relevance, without.relevance)]
+    assert max(abs(a - b) for a, b in pairs) <= 1e-5
 
 
 def _library_in_subprocess(env_extra: dict, tmp_path) -> str:

@@ -57,16 +57,19 @@ def _native_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[
     """The C kernel's result, or None where it does not apply (no library, other dtypes, strided columns)."""
     from pixeltriage.kernels import native
 
-    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or (x.shape[1] > 1 and x.stride(1) != 1):
+    if (x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or (x.shape[1] > 1 and x.stride(1) != 1)
+            or weight.dim() != 2 or weight.shape[0] != x.shape[1]):
         return None
+    seq_len, channels = x.shape
+    bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
+    if bounds[0] != 0 or bounds[-1] != seq_len or any(b > e for b, e in zip(bounds, bounds[1:])):
+        return None                                                   # the torch path's behaviour, not ours
     lib = native.library()
     if lib is None:
         return None
-    seq_len, channels = x.shape
     width = weight.shape[1]
     taps = weight.float().t().contiguous()                            # [W, C]
     starts = torch.zeros(seq_len, dtype=torch.int64)                 # each row's sequence start
-    bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
     for b, e in zip(bounds, bounds[1:]):
         starts[b:e] = b
     out = torch.empty(seq_len, channels, dtype=torch.float32)

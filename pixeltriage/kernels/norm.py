@@ -56,7 +56,9 @@ def _native_add_norm(h, delta, out_dtype, weight, bias, eps):
     weight and bias), or None where it does not apply."""
     from pixeltriage.kernels import native
 
-    if (h.dtype != torch.float32 or h.dim() != 2 or not h.is_contiguous() or out_dtype not in _NATIVE_DTYPES
+    if (h.dtype != torch.float32 or h.dim() != 2 or not h.is_contiguous() or h.shape[1] == 0
+            or out_dtype not in _NATIVE_DTYPES or weight.numel() != h.shape[1]
+            or (bias is not None and bias.numel() != h.shape[1])
             or (delta is not None and (delta.dtype not in _NATIVE_DTYPES or delta.shape != h.shape
                                        or delta.stride(-1) != 1))):
         return None
@@ -103,7 +105,7 @@ def _native_rms_norm_gated(x, gate, weight, eps):
     from pixeltriage.kernels import native
 
     if (x.dim() != 3 or x.dtype != torch.float32 or gate.shape != x.shape or gate.dtype not in _NATIVE_DTYPES
-            or x.stride(-1) != 1 or gate.stride(-1) != 1):
+            or x.stride(-1) != 1 or gate.stride(-1) != 1 or x.shape[-1] == 0 or weight.numel() != x.shape[-1]):
         return None
     lib = native.library()
     if lib is None:

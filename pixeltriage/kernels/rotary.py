@@ -82,6 +82,8 @@ def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     if x.dim() < 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1 or x.shape[-1] % 2:
         return None
     n, d = x.shape[0], x.shape[-1]
+    if cos.shape != (n, d) or sin.shape != (n, d):           # broadcast cos/sin: the torch path handles those
+        return None
     groups, group_stride = 1, d
     for size, stride in zip(reversed(x.shape[1:-1]), reversed(x.stride()[1:-1])):  # innermost middle dim first
         if size == 1:

@@ -36,6 +36,16 @@ def test_engine_score(benchmark, setup):
     benchmark.pedantic(scorer.score_states, args=([state],), rounds=5, warmup_rounds=1)
 
 
+def test_engine_score_without_native_kernels(benchmark, setup, monkeypatch):
+    """The same forward on the torch implementations the C kernels replace (as on a machine without a compiler)."""
+    from pixeltriage.kernels import native
+
+    name, scorer, state = setup
+    monkeypatch.setattr(native, "library", lambda: None)
+    benchmark.group = f"{PRESET}-{name}"
+    benchmark.pedantic(scorer.score_states, args=([state],), rounds=5, warmup_rounds=1)
+
+
 def test_transformers_forward(benchmark, setup, checkpoint):
     from transformers import Qwen3_5ForConditionalGeneration
 

@@ -180,23 +180,23 @@ def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
     beta = beta.contiguous()
     threads = torch.get_num_threads()
 
-    def gather(x, mult=None, mult2=None):
+    def gather(x, l2norm, mult=None, mult2=None):
         out = [torch.empty(num_chunks, num_heads, c, x.shape[-1]) for _ in range(1 if mult2 is None else 2)]
         for buf in out:
             for n, first in pads:
                 buf[n, :, first:].zero_()
         code = lib.pt_chunk_gather(x.data_ptr(), x.stride(0), x.stride(1), seq_len, num_heads, x.shape[-1],
                                    rows.data_ptr(), c, None if mult is None else mult.data_ptr(),
-                                   None if mult2 is None else mult2.data_ptr(), int(qk_l2norm and x is not v),
+                                   None if mult2 is None else mult2.data_ptr(), int(l2norm),
                                    L2NORM_EPS, out[0].data_ptr(), None if mult2 is None else out[1].data_ptr(),
                                    threads)
         if code != 0:
             raise RuntimeError(f"pt_chunk_gather failed with code {code}")
         return out
 
-    k_c, k_beta = gather(k, None, beta)
-    (q_c,) = gather(q)
-    (v_beta,) = gather(v, beta)
+    k_c, k_beta = gather(k, qk_l2norm, None, beta)
+    (q_c,) = gather(q, qk_l2norm)
+    (v_beta,) = gather(v, False, beta)
     return q_c, k_c, k_beta, v_beta
 
 

@@ -3,10 +3,11 @@
 torch runs the engine's elementwise chains as one pass over memory per op; where a chain sits between two
 matmuls (the Gated DeltaNet's conv1d + SiLU is the largest) a C loop that keeps each row in registers does the
 same arithmetic in one pass. The source ships with the package (`cpu_kernels.c`, plain C11 + OpenMP, no torch
-headers: it builds in well under a second) and is built with `-O3 -march=native` into the engine's cache
-directory, keyed by the source, the compiler and this CPU's flags, so a cache shared between machines never
-hands one machine another's instructions. The library shares torch's OpenMP runtime (same soname, already
-loaded), so its threads are torch's threads.
+headers: it builds in about a second) and is built with `-O3 -march=native` into the engine's cache
+directory, keyed by the source, the compiler binary and this CPU's flags, so a cache shared between machines
+never hands one machine another's instructions. Built by GCC, the library links libgomp, which resolves to the
+copy torch has already loaded (same soname), so its threads are torch's threads; clang's `-fopenmp` links
+libomp instead, a second thread pool beside torch's. `CC` names one compiler executable (no extra words).
 
 Every native kernel has a torch implementation beside it, used when there is no compiler, the build fails, or
 `PIXELTRIAGE_NATIVE=0` is set; `available()` says which is in use and `status()` why. The tests compare the two.
@@ -71,6 +72,9 @@ def _compile(cc: str, out: Path) -> None:
             if r.returncode == 0:
                 if not openmp:
                     log.warning("native CPU kernels built without OpenMP (%s): they run on one thread", cc)
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o755 & ~umask)       # mkstemp made it 0600: readable by every user of the cache
                 os.replace(tmp, out)
                 return
             errors.append(f"$ {' '.join(cmd)}\n{r.stderr.strip()[-2000:]}")

@@ -37,7 +37,8 @@ static inline float exp_f32(float x) {
     return p * scale;
 }
 
-static inline float silu_f32(float y) { return y / (1.0f + exp_f32(-y)); }
+/* SiLU, y / (1 + e^-y); 0 below y = -87, where e^-y leaves float's range (the true value is under 2e-36 there). */
+static inline float silu_f32(float y) { return y < -87.0f ? 0.0f : y / (1.0f + exp_f32(-y)); }
 
 /* Depthwise causal conv1d + SiLU over tokens-major rows:
  *   out[t, c] = silu(x[t, c] * w[W-1, c] + sum_{j < W-1} x[t-W+1+j, c] * w[j, c])
