@@ -137,3 +137,21 @@ def test_build_is_cached_per_source_compiler_and_cpu(tmp_path):
     assert second.startswith("True") and sorted((tmp_path / "native").glob("*.so")) == built
     assert built[0].stat().st_mtime_ns == mtime
     assert not list((tmp_path / "native").glob("*.tmp"))
+
+
+@needs_native
+def test_a_new_build_prunes_all_but_the_newest_builds(tmp_path):
+    """Builds of other sources or compilers pile up across upgrades: a new build keeps the KEEP_BUILDS newest."""
+    builds = tmp_path / "native"
+    builds.mkdir()
+    for i in range(native.KEEP_BUILDS + 3):
+        old = builds / f"pixeltriage_cpu_old{i:02d}.so"
+        old.write_bytes(b"")
+        os.utime(old, (1_000_000 + i, 1_000_000 + i))
+    unrelated = builds / "notes.txt"
+    unrelated.write_text("kept")
+    assert _library_in_subprocess({}, tmp_path).startswith("True")
+    left = sorted(p.name for p in builds.glob("pixeltriage_cpu_*.so"))
+    assert len(left) == native.KEEP_BUILDS
+    newest_old = [f"pixeltriage_cpu_old{i:02d}.so" for i in range(4, native.KEEP_BUILDS + 3)]
+    assert set(newest_old) <= set(left) and unrelated.exists()

@@ -112,6 +112,7 @@ def library() -> ctypes.CDLL | None:
         if not path.is_file():
             log.info("building native CPU kernels with %s -> %s", cc, path)
             _compile(cc, path)
+            _prune(path)
         import torch  # noqa: F401  (torch's OpenMP runtime is loaded first, so the library binds to it)
 
         lib = ctypes.CDLL(str(path))
@@ -122,6 +123,20 @@ def library() -> ctypes.CDLL | None:
     _declare(lib)
     _state["status"] = f"loaded {path}"
     return lib
+
+
+KEEP_BUILDS = 8     # builds kept per cache directory (other sources, compilers or CPUs sharing it), newest first
+
+
+def _prune(keep: Path) -> None:
+    """Delete all but the KEEP_BUILDS most recent builds next to `keep` (old sources pile up across upgrades).
+    A process that has one loaded keeps its mapping; a machine that needs a deleted one builds it again."""
+    builds = sorted(keep.parent.glob("pixeltriage_cpu_*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in [p for p in builds if p != keep][KEEP_BUILDS - 1:]:
+        try:
+            old.unlink()
+        except OSError:
+            pass
 
 
 def available() -> bool:
