@@ -22,14 +22,10 @@ def silu_mul(gate_up: torch.Tensor, native: bool | None = None) -> torch.Tensor:
 def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     from pixeltriage.kernels import native
 
-    if (gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.dtype not in (torch.float32, torch.bfloat16)
-            or gate_up.stride(1) != 1):
-        return None
-    lib = native.library()
-    if lib is None:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1 or not native.handles(gate_up):
         return None
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inner, dtype=gate_up.dtype)
-    code = lib.pt_silu_mul(gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), gate_up.stride(0), rows, inner,
-                           out.data_ptr(), torch.get_num_threads())
-    return out if code == 0 else None
+    ok = native.call("pt_silu_mul", gate_up.data_ptr(), native.is_bf16(gate_up), gate_up.stride(0), rows, inner,
+                     out.data_ptr())
+    return out if ok else None

@@ -57,17 +57,13 @@ def _native_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[
     """The C kernel's result, or None where it does not apply (no library, other dtypes, strided columns)."""
     from pixeltriage.kernels import native
 
-    if (x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or (x.shape[1] > 1 and x.stride(1) != 1)
-            or weight.dim() != 2 or weight.shape[0] != x.shape[1]):
+    if (x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) or weight.dim() != 2 or weight.shape[0] != x.shape[1]
+            or not native.handles(x)):
         return None
     seq_len, channels = x.shape
     bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != seq_len or any(b > e for b, e in zip(bounds, bounds[1:])):
         return None                                                   # the torch path's behaviour, not ours
-    lib = native.library()
-    if lib is None:
-        return None
-    width = weight.shape[1]
     taps = weight.float().t().contiguous()                            # [W, C]
     starts = torch.zeros(seq_len, dtype=torch.int64)                 # each row's sequence start
     for b, e in zip(bounds, bounds[1:]):
@@ -75,10 +71,9 @@ def _native_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[
     out = torch.empty(seq_len, channels, dtype=torch.float32)
     if seq_len == 0:
         return out
-    code = lib.pt_causal_conv1d_silu(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), taps.data_ptr(),
-                                     width, out.data_ptr(), seq_len, channels, starts.data_ptr(),
-                                     torch.get_num_threads())
-    return out if code == 0 else None
+    ok = native.call("pt_causal_conv1d_silu", x.data_ptr(), native.is_bf16(x), x.stride(0), taps.data_ptr(),
+                     weight.shape[1], out.data_ptr(), seq_len, channels, starts.data_ptr())
+    return out if ok else None
 
 
 def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

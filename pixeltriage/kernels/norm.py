@@ -1,4 +1,4 @@
-"""Norms used by Qwen3.5 (its RMSNorm variants, the ViT's LayerNorm), computed in float32 and cast for the next matmul."""
+"""Norms used by Qwen3.5 (its RMSNorm variants, the ViT's LayerNorm), in float32, cast for the next matmul."""
 from __future__ import annotations
 
 import torch
@@ -24,15 +24,12 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     native: on the CPU, one C pass over h (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
     if native is not False and h.device.type == "cpu":
-        out = _native_add_norm(h, delta, out_dtype, (1.0 + weight.float()).contiguous(), None, eps)
+        out = _native_add_norm(h, delta, out_dtype, weight, None, eps)
         if out is not None:
             return out
     if delta is not None:
         h += delta
     return rms_norm_zero_centred(h, weight, eps, out_dtype)
-
-
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -43,7 +40,7 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
     native: on the CPU, one C pass over x (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
     if native is not False and x.device.type == "cpu":
-        out = _native_add_norm(x, delta, out_dtype, weight.float().contiguous(), bias.float().contiguous(), eps)
+        out = _native_add_norm(x, delta, out_dtype, weight, bias, eps)
         if out is not None:
             return out
     if delta is not None:
@@ -52,28 +49,24 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
 
 
 def _native_add_norm(h, delta, out_dtype, weight, bias, eps):
-    """h += delta; out = norm(h) through the C kernel (bias None: RMSNorm, else LayerNorm; float32 contiguous
-    weight and bias), or None where it does not apply."""
+    """h += delta; out = norm(h) through the C kernel, or None where it does not apply (h untouched then).
+    bias None: the decoder's zero-centred RMSNorm (weight + 1); else the ViT's LayerNorm."""
     from pixeltriage.kernels import native
 
     if (h.dtype != torch.float32 or h.dim() != 2 or not h.is_contiguous() or h.shape[1] == 0
-            or out_dtype not in _NATIVE_DTYPES or weight.numel() != h.shape[1]
-            or (bias is not None and bias.numel() != h.shape[1])
-            or (delta is not None and (delta.dtype not in _NATIVE_DTYPES or delta.shape != h.shape
-                                       or delta.stride(-1) != 1))):
+            or weight.numel() != h.shape[1] or (bias is not None and bias.numel() != h.shape[1])
+            or (delta is not None and (delta.shape != h.shape or delta.stride(-1) != 1))
+            or not native.handles(h, out_dtype, *([] if delta is None else [delta]))):
         return None
-    lib = native.library()
-    if lib is None:
-        return None
+    if bias is None:
+        weight = 1.0 + weight.float()
+    weight, bias = (None if t is None else t.float().contiguous() for t in (weight, bias))
     out = torch.empty(h.shape, dtype=out_dtype)
-    code = lib.pt_add_norm(h.data_ptr(), None if delta is None else delta.data_ptr(),
-                           int(delta is not None and delta.dtype == torch.bfloat16),
-                           0 if delta is None else delta.stride(0), weight.data_ptr(),
-                           None if bias is None else bias.data_ptr(), int(bias is not None), h.shape[0], h.shape[1],
-                           eps, out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
-    if code != 0:
-        raise RuntimeError(f"pt_add_norm failed with code {code}")    # h may be updated already: no silent retry
-    return out
+    ok = native.call("pt_add_norm", h.data_ptr(), None if delta is None else delta.data_ptr(),
+                     0 if delta is None else native.is_bf16(delta), 0 if delta is None else delta.stride(0),
+                     weight.data_ptr(), None if bias is None else bias.data_ptr(), int(bias is not None),
+                     h.shape[0], h.shape[1], eps, out.data_ptr(), native.is_bf16(out))
+    return out if ok else None
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -104,17 +97,14 @@ def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 def _native_rms_norm_gated(x, gate, weight, eps):
     from pixeltriage.kernels import native
 
-    if (x.dim() != 3 or x.dtype != torch.float32 or gate.shape != x.shape or gate.dtype not in _NATIVE_DTYPES
-            or x.stride(-1) != 1 or gate.stride(-1) != 1 or x.shape[-1] == 0 or weight.numel() != x.shape[-1]):
-        return None
-    lib = native.library()
-    if lib is None:
+    if (x.dim() != 3 or x.dtype != torch.float32 or gate.shape != x.shape or x.stride(-1) != 1
+            or gate.stride(-1) != 1 or x.shape[-1] == 0 or weight.numel() != x.shape[-1]
+            or not native.handles(x, gate)):
         return None
     rows, heads, dim = x.shape
     w = weight.float().contiguous()
     out = torch.empty(x.shape, dtype=gate.dtype)
-    code = lib.pt_rms_norm_gated(x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(),
-                                 int(gate.dtype == torch.bfloat16), gate.stride(0), gate.stride(1), w.data_ptr(),
-                                 rows, heads, dim, eps, out.data_ptr(), int(gate.dtype == torch.bfloat16),
-                                 torch.get_num_threads())
-    return out if code == 0 else None
+    ok = native.call("pt_rms_norm_gated", x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(),
+                     native.is_bf16(gate), gate.stride(0), gate.stride(1), w.data_ptr(), rows, heads, dim, eps,
+                     out.data_ptr())
+    return out if ok else None

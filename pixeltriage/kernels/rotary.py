@@ -46,7 +46,8 @@ def vision_rotary_cos_sin(hw_ids: torch.Tensor, head_dim: int, theta: float):
     return emb.cos(), emb.sin()
 
 
-def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool | None = None) -> torch.Tensor:
+def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       native: bool | None = None) -> torch.Tensor:
     """Full-width rotary in float32, cast back: x * cos + rotate_half(x) * sin.
     x: [N, ..., head_dim] (e.g. [N, heads, head_dim], or q and k together as [N, 2, heads, head_dim]);
     cos/sin: [N, head_dim], broadcast over x's middle dimensions.
@@ -79,7 +80,7 @@ def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     """x viewed as [N, G, D] (its middle dimensions merged, which their strides must allow) through the C kernel."""
     from pixeltriage.kernels import native
 
-    if x.dim() < 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1 or x.shape[-1] % 2:
+    if x.dim() < 2 or x.stride(-1) != 1 or x.shape[-1] % 2 or not native.handles(x):
         return None
     n, d = x.shape[0], x.shape[-1]
     if cos.shape != (n, d) or sin.shape != (n, d):           # broadcast cos/sin: the torch path handles those
@@ -93,11 +94,8 @@ def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
         elif stride != groups * group_stride:
             return None                                                 # not one evenly strided group dim
         groups *= size
-    lib = native.library()
-    if lib is None:
-        return None
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    code = lib.pt_rotary(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), group_stride, cos.data_ptr(),
-                         sin.data_ptr(), n, groups, d, out.data_ptr(), torch.get_num_threads())
-    return out if code == 0 else None
+    ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), group_stride, cos.data_ptr(),
+                     sin.data_ptr(), n, groups, d, out.data_ptr())
+    return out if ok else None

@@ -89,9 +89,8 @@ def chunk_gated_delta_rule(
             n0 += n
         return buf
 
-    laid_out = None
-    if native is not False and q.device.type == "cpu":
-        laid_out = _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c)
+    use_native = native is not False and q.device.type == "cpu"     # each C kernel checks its own inputs
+    laid_out = _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c) if use_native else None
     if laid_out is not None:
         q, k, k_beta, v_beta = laid_out
     else:
@@ -108,7 +107,7 @@ def chunk_gated_delta_rule(
     # so g is floored at twice the cut-off: the same result, and a -inf g (A_log overflowing exp) gives no
     # -inf - -inf = NaN in the differences below
     gamma = chunked(g).clamp_(min=2 * LOG_DECAY_CUTOFF).cumsum_(-1)
-    decay = _native_decay_matrix(gamma) if laid_out is not None else None
+    decay = _native_decay_matrix(gamma) if use_native else None
     if decay is None:
         causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         decay = _decay(gamma[..., :, None] - gamma[..., None, :], ~causal)  # [N, H, C, C], causal incl. diagonal
@@ -117,7 +116,7 @@ def chunk_gated_delta_rule(
     # T = (I + tril(diag(beta) K K^T * decay, -1))^-1, explicitly: solving against the 64-column identity and
     # then two batched matmuls is ~2.5x cheaper on the CPU than solving against the 256 columns of [u | w]
     a = torch.matmul(k_beta, k.transpose(-1, -2))
-    t_inv = _native_ut_inverse(a, decay) if laid_out is not None else None
+    t_inv = _native_ut_inverse(a, decay) if use_native else None
     if t_inv is None:
         a = a.mul_(decay).tril_(-1)
         a.diagonal(dim1=-2, dim2=-1).fill_(1.0)
@@ -162,11 +161,8 @@ def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
     (k and k * beta from the same read); None where the C kernels do not apply."""
     from pixeltriage.kernels import native
 
-    tensors = (q, k, v, beta)
-    if any(t.dtype != torch.float32 for t in tensors) or any(t.stride(-1) != 1 for t in (q, k, v)):
-        return None
-    lib = native.library()
-    if lib is None:
+    if (any(t.dtype != torch.float32 for t in (q, k, v, beta)) or any(t.stride(-1) != 1 for t in (q, k, v))
+            or not native.handles(q, k, v, beta)):
         return None
     seq_len, num_heads = k.shape[:2]
     num_chunks = sum(seg_chunks)
@@ -178,40 +174,34 @@ def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
             pads.append((n0 + n - 1, (e - b) % c))                     # (chunk, first padding row)
         n0 += n
     beta = beta.contiguous()
-    threads = torch.get_num_threads()
 
     def gather(x, l2norm, mult=None, mult2=None):
         out = [torch.empty(num_chunks, num_heads, c, x.shape[-1]) for _ in range(1 if mult2 is None else 2)]
         for buf in out:
             for n, first in pads:
                 buf[n, :, first:].zero_()
-        code = lib.pt_chunk_gather(x.data_ptr(), x.stride(0), x.stride(1), seq_len, num_heads, x.shape[-1],
-                                   rows.data_ptr(), c, None if mult is None else mult.data_ptr(),
-                                   None if mult2 is None else mult2.data_ptr(), int(l2norm),
-                                   L2NORM_EPS, out[0].data_ptr(), None if mult2 is None else out[1].data_ptr(),
-                                   threads)
-        if code != 0:
-            raise RuntimeError(f"pt_chunk_gather failed with code {code}")
-        return out
+        ok = native.call("pt_chunk_gather", x.data_ptr(), x.stride(0), x.stride(1), seq_len, num_heads, x.shape[-1],
+                         rows.data_ptr(), c, None if mult is None else mult.data_ptr(),
+                         None if mult2 is None else mult2.data_ptr(), int(l2norm), L2NORM_EPS, out[0].data_ptr(),
+                         None if mult2 is None else out[1].data_ptr())
+        return out if ok else None
 
-    k_c, k_beta = gather(k, qk_l2norm, None, beta)
-    (q_c,) = gather(q, qk_l2norm)
-    (v_beta,) = gather(v, False, beta)
-    return q_c, k_c, k_beta, v_beta
+    k_pair, q_c, v_beta = gather(k, qk_l2norm, None, beta), gather(q, qk_l2norm), gather(v, False, beta)
+    if k_pair is None or q_c is None or v_beta is None:
+        return None
+    return q_c[0], k_pair[0], k_pair[1], v_beta[0]
 
 
 def _native_decay_matrix(gamma: torch.Tensor) -> torch.Tensor | None:
     """`_decay(gamma_i - gamma_j)` below and on the diagonal, 0 above: [..., C] -> [..., C, C], in one C pass."""
     from pixeltriage.kernels import native
 
-    lib = native.library()
-    if lib is None or not gamma.is_contiguous():
+    if gamma.dtype != torch.float32 or not gamma.is_contiguous() or not native.handles(gamma):
         return None
     c = gamma.shape[-1]
     out = gamma.new_empty(*gamma.shape, c)
-    code = lib.pt_decay_matrix(gamma.data_ptr(), gamma.numel() // c, c, LOG_DECAY_CUTOFF, 1.0, out.data_ptr(),
-                               torch.get_num_threads())
-    return out if code == 0 else None
+    ok = native.call("pt_decay_matrix", gamma.data_ptr(), gamma.numel() // c, c, LOG_DECAY_CUTOFF, out.data_ptr())
+    return out if ok else None
 
 
 def _native_ut_inverse(kkt: torch.Tensor, decay: torch.Tensor) -> torch.Tensor | None:
@@ -219,11 +209,11 @@ def _native_ut_inverse(kkt: torch.Tensor, decay: torch.Tensor) -> torch.Tensor |
     [..., C, C] -> [..., C, C]; the mask, the solve and the flush in one pass over each chunk."""
     from pixeltriage.kernels import native
 
-    lib = native.library()
-    if lib is None or not (kkt.is_contiguous() and decay.is_contiguous()):
+    if (any(t.dtype != torch.float32 or not t.is_contiguous() for t in (kkt, decay))
+            or not native.handles(kkt, decay)):
         return None
     c = kkt.shape[-1]
     out = torch.empty_like(kkt)
-    code = lib.pt_ut_inverse(kkt.data_ptr(), decay.data_ptr(), kkt.numel() // (c * c), c, _TINY, out.data_ptr(),
-                             torch.get_num_threads())
-    return out if code == 0 else None
+    ok = native.call("pt_ut_inverse", kkt.data_ptr(), decay.data_ptr(), kkt.numel() // (c * c), c, _TINY,
+                     out.data_ptr())
+    return out if ok else None

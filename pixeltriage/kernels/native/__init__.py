@@ -139,6 +139,34 @@ def _prune(keep: Path) -> None:
             pass
 
 
+DTYPES = ("float32", "bfloat16")   # the tensor dtypes the kernels read and write (torch.<name>)
+
+
+def handles(*items) -> bool:
+    """Whether the library is built and takes every item: a CPU tensor of one of DTYPES, or such a dtype."""
+    def ok(item) -> bool:
+        dtype = getattr(item, "dtype", item)
+        on_cpu = getattr(getattr(item, "device", None), "type", "cpu") == "cpu"
+        return on_cpu and str(dtype).removeprefix("torch.") in DTYPES
+
+    return all(map(ok, items)) and library() is not None
+
+
+def is_bf16(t) -> int:
+    """The kernels' dtype flag for `t`: 1 for bfloat16, 0 for float32."""
+    return int(str(t.dtype) == "torch.bfloat16")
+
+
+def call(kernel: str, *args) -> bool:
+    """Run `kernel` with `args` and this process's torch thread count appended; True when the library is built
+    and the kernel returned 0 (a kernel refuses arguments it does not handle before it writes anything, so on
+    False the caller takes its torch path)."""
+    import torch
+
+    lib = library()
+    return lib is not None and getattr(lib, kernel)(*args, torch.get_num_threads()) == 0
+
+
 def available() -> bool:
     return library() is not None
 
@@ -157,12 +185,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_chunk_gather.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32,
                                     ctypes.c_float, _ptr, _ptr, _i32]
     lib.pt_chunk_gather.restype = _i32
-    lib.pt_decay_matrix.argtypes = [_ptr, _i64, _i64, ctypes.c_float, ctypes.c_float, _ptr, _i32]
+    lib.pt_decay_matrix.argtypes = [_ptr, _i64, _i64, ctypes.c_float, _ptr, _i32]
     lib.pt_decay_matrix.restype = _i32
     lib.pt_ut_inverse.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i32]
     lib.pt_ut_inverse.restype = _i32
     lib.pt_rms_norm_gated.argtypes = [_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i64, _i64,
-                                      ctypes.c_float, _ptr, _i32, _i32]
+                                      ctypes.c_float, _ptr, _i32]
     lib.pt_rms_norm_gated.restype = _i32
     lib.pt_add_norm.argtypes = [_ptr, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i64, _i64, ctypes.c_float, _ptr, _i32,
                                 _i32]

@@ -131,9 +131,9 @@ int pt_chunk_gather(const float *src, int64_t src_t, int64_t src_h, int64_t T, i
 }
 
 /* The delta rule's causal decay matrices from each chunk's cumulative log decays gamma ([M, C]: M = chunks x heads):
- *   out[m][i][j] = scale * exp(gamma[m][i] - gamma[m][j]) for j <= i, 0 above the diagonal,
+ *   out[m][i][j] = exp(gamma[m][i] - gamma[m][j]) for j <= i, 0 above the diagonal,
  * and 0 (not a subnormal) where the exponent is below `cutoff`. out: [M, C, C] float32. */
-int pt_decay_matrix(const float *gamma, int64_t M, int64_t C, float cutoff, float scale, float *out, int nthreads) {
+int pt_decay_matrix(const float *gamma, int64_t M, int64_t C, float cutoff, float *out, int nthreads) {
     if (M < 0 || C < 1)
         return 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -144,7 +144,7 @@ int pt_decay_matrix(const float *gamma, int64_t M, int64_t C, float cutoff, floa
             float gi = g[i];
             for (int64_t j = 0; j < C; j++) {
                 float e = gi - g[j];
-                o[j] = (j <= i && e >= cutoff) ? scale * exp_f32(e > 0.0f ? 0.0f : e) : 0.0f;
+                o[j] = (j <= i && e >= cutoff) ? exp_f32(e > 0.0f ? 0.0f : e) : 0.0f;
             }
         }
     }
@@ -196,16 +196,11 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline float load_any(const void *p, int bf16, int64_t i) {
-    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
 /* The Gated DeltaNet's output norm: out[r, h, :] = x[r, h, :] / sqrt(mean(x[r, h, :]^2) + eps) * w * silu(z[r, h, :]).
  * x: float32 [R, H, D] with strides (x_r, x_h, 1); z: [R, H, D] (bf16 if z_bf16) with strides (z_r, z_h, 1);
- * w: float32 [D]; out: [R, H * D] contiguous, bf16 if out_bf16 (rounded once, from float32). */
+ * w: float32 [D]; out: [R, H * D] contiguous, in z's dtype (rounded once, from float32). */
 int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, int z_bf16, int64_t z_r, int64_t z_h,
-                      const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int out_bf16,
-                      int nthreads) {
+                      const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int nthreads) {
     if (R < 0 || H < 0 || D < 1)
         return 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -218,24 +213,16 @@ int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, i
             for (int64_t d = 0; d < D; d++)
                 sq += xv[d] * xv[d];
             float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
-            if (z_bf16 && out_bf16) {
+            if (z_bf16) {
                 const uint16_t *restrict zv = (const uint16_t *)z + zo;
                 uint16_t *restrict o = (uint16_t *)out + oo;
                 for (int64_t d = 0; d < D; d++)
                     o[d] = float_to_bf16(xv[d] * inv * w[d] * silu_f32(bf16_to_float(zv[d])));
-            } else if (!z_bf16 && !out_bf16) {
+            } else {
                 const float *restrict zv = (const float *)z + zo;
                 float *restrict o = (float *)out + oo;
                 for (int64_t d = 0; d < D; d++)
                     o[d] = xv[d] * inv * w[d] * silu_f32(zv[d]);
-            } else {
-                for (int64_t d = 0; d < D; d++) {
-                    float y = xv[d] * inv * w[d] * silu_f32(load_any(z, z_bf16, zo + d));
-                    if (out_bf16)
-                        ((uint16_t *)out)[oo + d] = float_to_bf16(y);
-                    else
-                        ((float *)out)[oo + d] = y;
-                }
             }
         }
     }
