@@ -88,15 +88,13 @@ def test_scores_with_and_without_native_kernels(tiny_checkpoint, monkeypatch):
     """The whole forward on the C kernels and on the torch implementations they replace (float32): the same
     scores within 1e-5 (the kernels' float32 roundings differ from torch's in order, not in precision)."""
     from pixeltriage import Scorer
+    from pixeltriage.bench.gpu_check import max_diff
     from pixeltriage.episode import sample_episode
 
     episode = sample_episode()
     with_native = Scorer.load(tiny_checkpoint).score(*episode)
     monkeypatch.setattr(native, "library", lambda: None)
-    without = Scorer.load(tiny_checkpoint).score(*episode)
-    pairs = [(with_native.p_vis, without.p_vis), (with_native.relevance_none, without.relevance_none),
-             *zip(with_native.gains, without.gains), *zip(with_native.relevance, without.relevance)]
-    assert max(abs(a - b) for a, b in pairs) <= 1e-5
+    assert max_diff(with_native, Scorer.load(tiny_checkpoint).score(*episode)) <= 1e-5
 
 
 def _library_in_subprocess(env_extra: dict, tmp_path) -> str:
