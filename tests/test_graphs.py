@@ -50,6 +50,20 @@ def test_states_above_the_largest_bucket_run_eagerly(scorer):
     assert graphs.replays == {"graph": 0, "eager": 1}
 
 
+def test_rows_from_a_replay_and_from_the_eager_fallback(scorer):
+    """run(..., rows): a replay returns those rows of its full output; a state above the largest bucket runs
+    eagerly with the last layer at the rows only. Both equal the full forward's rows (float32, <= 1e-5)."""
+    state = scorer.pack(*sample_episode())
+    embeds, positions = scorer._embeds(state), state.position_ids
+    full = decoder_forward(embeds, positions, scorer.weights.text, scorer.model_config.text)
+    rows = torch.tensor([3, state.num_tokens - 1, 0, 3])
+    for buckets, path in (((4096,), "graph"), ((16,), "eager")):
+        graphs = DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", buckets=buckets, capture=False)
+        got = graphs.run(embeds, positions, rows)
+        assert graphs.replays[path] == 1 and got.shape == (4, full.shape[1])
+        assert rel(got, full[rows]) <= 1e-5
+
+
 def test_scorer_with_the_static_path_scores_the_same(tiny_checkpoint):
     question, memories = sample_episode()
     from pixeltriage.bench.gpu_check import max_diff

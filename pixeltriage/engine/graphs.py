@@ -86,26 +86,29 @@ class DecoderGraphs:
         return next((b for b in self.buckets if b >= num_tokens), None)
 
     @torch.inference_mode()
-    def run(self, embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """decoder_forward(embeds, position_ids) for one state: [T, hidden] float32 (a new tensor)."""
+    def run(self, embeds: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """decoder_forward(embeds, position_ids, rows=rows) for one state: [T or R, hidden] float32 (a new tensor).
+        A replay computes every row (its shapes are static) and returns the asked ones; a state longer than the
+        largest bucket runs eagerly, with the last layer at the rows only."""
         num_tokens = embeds.shape[0]
         t_b = self.bucket(num_tokens)
         if t_b is None:
             self.replays["eager"] += 1
-            return decoder_forward(embeds, position_ids, self.weights, self.cfg)
+            return decoder_forward(embeds, position_ids, self.weights, self.cfg, rows=rows)
         with self._lock:
             if not self.capture:
-                return self._run(embeds, position_ids, t_b)
+                return self._run(embeds, position_ids, t_b, rows)
             with torch.cuda.device(self.device):
                 stream = torch.cuda.current_stream(self.device)
                 if self._done is not None:
                     stream.wait_event(self._done)          # a previous run on another stream has finished
-                out = self._run(embeds, position_ids, t_b)
+                out = self._run(embeds, position_ids, t_b, rows)
                 self._done = torch.cuda.Event()
                 self._done.record(stream)
                 return out
 
-    def _run(self, embeds: torch.Tensor, position_ids: torch.Tensor, t_b: int) -> torch.Tensor:
+    def _run(self, embeds: torch.Tensor, position_ids: torch.Tensor, t_b: int,
+             rows: torch.Tensor | None) -> torch.Tensor:
         num_tokens = embeds.shape[0]
         self.embeds[:num_tokens].copy_(embeds)
         self.embeds[num_tokens:t_b].zero_()
@@ -116,4 +119,4 @@ class DecoderGraphs:
         else:
             self._forward(t_b)
         self.replays["graph"] += 1
-        return self.out[:num_tokens].clone()
+        return self.out[:num_tokens].clone() if rows is None else self.out.index_select(0, rows)

@@ -314,11 +314,11 @@ class Scorer:
         across them): the concatenation of their `last_hidden` rows, [sum T, hidden] float32.
 
         rows: only these rows of that concatenation ([R] indices on the scorer's device) -> [R, hidden], with the
-        last layer computed at them only (see `decoder_forward`). A captured CUDA graph runs a single state's
-        whole forward instead: its static shapes cannot follow the number of rows."""
-        if len(states) == 1 and (self.graphs is not None or rows is None):
-            hidden = self.last_hidden(states[0])
-            return hidden if rows is None else hidden.index_select(0, rows)
+        last layer computed at them only (see `decoder_forward`; a CUDA graph replay computes every row and
+        returns these, see `DecoderGraphs.run`)."""
+        if len(states) == 1 and self.graphs is not None:
+            state = states[0]
+            return self.graphs.run(self._embeds(state), state.position_ids.to(self.device), rows)
         bounds = [0]
         for s in states:
             bounds.append(bounds[-1] + s.num_tokens)
