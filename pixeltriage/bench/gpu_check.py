@@ -122,7 +122,6 @@ def graph_timing(scorer, state, iters: int, device: torch.device, progress) -> d
         t0 = time.perf_counter()
         scorer.enable_cuda_graphs(buckets=(bucket,))
         capture_s = time.perf_counter() - t0
-        bucket = scorer.graphs.bucket(state.num_tokens)                 # the one the engine replays
         diff = max_diff(scorer.score_states([state])[0], eager)
         times = timed(lambda: scorer.score_states([state]), iters, warmup=3, device=device)
         return {"p50_ms": statistics.median(times) * 1e3, "p99_ms": percentiles(times)["p99"] * 1e3,

@@ -103,7 +103,8 @@ def weights_bytes(directory: Path, itemsize: int) -> int:
 
 def load_report(preset: str = "2b", dtype: str = "bfloat16", repeats: int = 3, progress=print) -> dict:
     from pixeltriage.engine.scorer import parse_dtype
-    from pixeltriage.weights.demo import cache_dir, demo_checkpoint
+    from pixeltriage.paths import cache_dir
+    from pixeltriage.weights.demo import demo_checkpoint
     from pixeltriage.weights.packed import pack_checkpoint
 
     torch_dtype = parse_dtype(dtype)
