@@ -9,10 +9,7 @@ import torch.nn.functional as F
 
 from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference
 from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
+from reference import rel
 
 
 @pytest.mark.parametrize("seq_len,width", [(1, 4), (3, 4), (4, 4), (97, 4), (50, 2), (20, 1), (200, 6)])

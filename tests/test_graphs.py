@@ -10,10 +10,7 @@ from pixeltriage import Scorer
 from pixeltriage.engine.graphs import DecoderGraphs
 from pixeltriage.engine.model import decoder_forward
 from pixeltriage.episode import sample_episode
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
+from reference import rel
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,9 @@ import torch
 
 from pixeltriage.kernels import native
 from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference
+from reference import rel
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @needs_native
