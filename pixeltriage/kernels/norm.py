@@ -23,13 +23,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
     native: on the CPU, one C pass over h (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
-    if native is not False and h.device.type == "cpu":
-        out = _native_add_norm(h, delta, out_dtype, weight, None, eps)
-        if out is not None:
-            return out
-    if delta is not None:
-        h += delta
-    return rms_norm_zero_centred(h, weight, eps, out_dtype)
+    return _add_norm(h, delta, out_dtype, weight, None, eps, native,
+                     lambda: rms_norm_zero_centred(h, weight, eps, out_dtype))
 
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -39,13 +34,19 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
 
     native: on the CPU, one C pass over x (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
-    if native is not False and x.device.type == "cpu":
-        out = _native_add_norm(x, delta, out_dtype, weight, bias, eps)
+    return _add_norm(x, delta, out_dtype, weight, bias, eps, native,
+                     lambda: F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), eps).to(out_dtype))
+
+
+def _add_norm(h, delta, out_dtype, weight, bias, eps, native, torch_norm):
+    """The C kernel where it applies (`native` not False, CPU), else h += delta and `torch_norm()` of h."""
+    if native is not False and h.device.type == "cpu":
+        out = _native_add_norm(h, delta, out_dtype, weight, bias, eps)
         if out is not None:
             return out
     if delta is not None:
-        x += delta
-    return F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), eps).to(out_dtype)
+        h += delta
+    return torch_norm()
 
 
 def _native_add_norm(h, delta, out_dtype, weight, bias, eps):
