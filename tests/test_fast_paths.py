@@ -298,3 +298,42 @@ def test_add_layer_norm_matches_add_then_layer_norm(out_dtype, delta_dtype, nati
     got = add_layer_norm(h, delta, w, b, 1e-6, out_dtype, native=native)
     assert got.dtype == out_dtype and rel(h, want_h) <= 1e-7
     assert rel(got.double(), exact) <= (1e-5 if out_dtype == torch.float32 else 2 ** -8)
+
+
+def _segment_attention_reference(q, k, v, lengths, causal):
+    """Dense float64 attention with a block-diagonal (and causal) mask: [T, Hq, D] -> [T, Hq, D]."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(q.shape[0])
+    mask = seg[:, None] == seg[None, :]
+    if causal:
+        mask &= pos[None, :] <= pos[:, None]
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(rep, dim=1) for t in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.double(), kk) * q.shape[-1] ** -0.5
+    return torch.einsum("hts,shd->thd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vv)
+
+
+@pytest.mark.parametrize("lengths", [[37], [16, 16, 16], [0, 5, 5, 9, 0, 9, 9, 3], [12, 0]])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_attention_matches_masked_attention(lengths, causal, dtype):
+    """Runs of equal-length segments go to SDPA as one strided batch: each token still sees its own segment
+    only, empty segments included; GQA (4 query heads on 2 key heads) and strided token-major inputs."""
+    from pixeltriage.kernels.attention import segment_attention
+
+    torch.manual_seed(0)
+    t = sum(lengths)
+    qkv = torch.randn(t, 8, 16).to(dtype)                 # q (4 heads) | k (2) | v (2) as views of one buffer
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    out = segment_attention(q, k, v, lengths, causal)
+    assert out.shape == (t, 4, 16) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2        # bf16: the output rounded once (2^-8) and SDPA's own roundings
+    assert rel(out, _segment_attention_reference(q, k, v, lengths, causal)) < tol
+
+
+def test_segment_attention_rejects_lengths_that_miss_tokens():
+    from pixeltriage.kernels.attention import segment_attention
+
+    x = torch.randn(10, 2, 8)
+    with pytest.raises(ValueError, match="do not cover"):
+        segment_attention(x, x, x, [4, 5], causal=True)

@@ -121,10 +121,10 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
     v = v.view(seq_len, nkv, hd)
     if rows is None:
         lengths = [seq_len] if cu_seqlens is None else [e - b for b, e in zip(cu_seqlens, cu_seqlens[1:])]
-        o = segment_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths, causal=True)
+        o = segment_attention(q, k, v, lengths, causal=True)                   # [T, nh, hd]
     else:
-        o = rows_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), rows, cu_seqlens)
-    o = o.transpose(0, 1).reshape(num_q, nh * hd) * torch.sigmoid(gate.reshape(num_q, nh * hd))
+        o = rows_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), rows, cu_seqlens).transpose(0, 1)
+    o = o.reshape(num_q, nh * hd) * torch.sigmoid(gate.reshape(num_q, nh * hd))
     return o @ w.o_proj.t()
 
 

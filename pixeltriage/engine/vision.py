@@ -119,6 +119,5 @@ def vision_attention(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConf
     qkv = F.linear(x, block.qkv_w, block.qkv_b).view(n, 3, cfg.num_heads, cfg.head_dim)
     q, k = apply_rotary_float(qkv[:, :2], cos, sin).unbind(1)   # q and k in one pass
     v = qkv[:, 2]
-    o = segment_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths, causal=False)
-    o = o.transpose(0, 1).reshape(n, -1)
+    o = segment_attention(q, k, v, lengths, causal=False).reshape(n, -1)
     return F.linear(o, block.proj_w, block.proj_b)
