@@ -48,8 +48,8 @@ def chunk_gated_delta_rule(
     padded to whole chunks on its own and the state restarts from zero at each sequence's first chunk.
     qk_l2norm: q and k arrive unnormalised and are L2-normalised here (x * rsqrt(sum x^2 + 1e-6), as the layer's
     own norm), the scale multiplied in on the way into the chunk layout instead of in two passes of their own.
-    native: on the CPU, the chunk layout (norms, beta, gather) and the decay matrices in C (`kernels.native`) when
-    it is built (None: whenever available; False: torch only, which it is tested against).
+    native: on the CPU, the chunk layout (norms, beta, gather), the per-chunk matrices and the recurrence in C
+    (`kernels.native`) when it is built (None: whenever available; False: torch only, which it is tested against).
     """
     seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
@@ -107,44 +107,17 @@ def chunk_gated_delta_rule(
     # so g is floored at twice the cut-off: the same result, and a -inf g (A_log overflowing exp) gives no
     # -inf - -inf = NaN in the differences below
     gamma = chunked(g).clamp_(min=2 * LOG_DECAY_CUTOFF).cumsum_(-1)
-    decay = _native_decay_matrix(gamma) if use_native else None
-    if decay is None:
-        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        decay = _decay(gamma[..., :, None] - gamma[..., None, :], ~causal)  # [N, H, C, C], causal incl. diagonal
-    gamma_exp = _decay(gamma)
-
-    # T = (I + tril(diag(beta) K K^T * decay, -1))^-1, explicitly: solving against the 64-column identity and
-    # then two batched matmuls is ~2.5x cheaper on the CPU than solving against the 256 columns of [u | w]
-    a = torch.matmul(k_beta, k.transpose(-1, -2))
-    t_inv = _native_ut_inverse(a, decay) if use_native else None
-    if t_inv is None:
-        a = a.mul_(decay).tril_(-1)
-        a.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-        eye = torch.eye(c, dtype=torch.float32, device=q.device)
-        t_inv = torch.linalg.solve_triangular(a, eye.expand_as(a), upper=False, unitriangular=True)
-        t_inv = torch.nn.functional.hardshrink(t_inv, _TINY)  # products of decays underflow: zero, not subnormal
-    u = torch.matmul(t_inv, v_beta)                                   # [N, H, C, V]
-    w = torch.matmul(t_inv, k_beta.mul_(gamma_exp[..., None]))        # [N, H, C, K]
-    intra = torch.matmul(q, k.transpose(-1, -2)).mul_(decay.mul_(scale))   # [N, H, C, C] scaled, causal
-    k_end = k.mul_(_decay(gamma[..., -1:] - gamma)[..., None])        # k decayed to its chunk's end
-    q_start = q.mul_((gamma_exp * scale)[..., None])                  # q decayed from its chunk's start, scaled
-    chunk_decay = gamma_exp[..., -1][..., None, None]                 # [N, H, 1, 1]
-    # With S_n the state entering chunk n: v_new_n = u_n - w_n S_n, out_n = q_start_n S_n + intra_n v_new_n,
-    # S_n+1 = decay_n S_n + k_end_n^T v_new_n. Everything but the state is batched over chunks; the sequential
-    # loop keeps four small matmuls per chunk, written in place. Each chunk's output is finished inside the loop
-    # while its state is in cache, straight into the token-major layout: 3-8% faster than keeping every chunk's
-    # state ([N, H, K, V], 39 MB at bench-small) for two batched matmuls after the loop and transposing after.
-    state = q.new_zeros(num_heads, k_dim, v_dim)
-    v_new = u                                                         # u_n - w_n S_n, in place: u_n is read once
-    out = q.new_empty(num_chunks, c, num_heads, v_dim)
-    head_major = q.new_empty(num_heads, c, v_dim)
-    for n in range(num_chunks):
-        if n in starts:
-            state.zero_()                                             # a new sequence starts from no memory
-        v_new[n].baddbmm_(w[n], state, beta=1, alpha=-1)
-        torch.bmm(q_start[n], state, out=head_major).baddbmm_(intra[n], v_new[n])
-        out[n].copy_(head_major.transpose(0, 1))
-        state.mul_(chunk_decay[n]).baddbmm_(k_end[n].transpose(-1, -2), v_new[n])
+    restart = torch.zeros(num_chunks, dtype=torch.uint8)
+    restart[sorted(starts)] = 1
+    # Everything but the carried state, batched over chunks and heads: u, w (the UT transform's outputs), the
+    # causal intra-chunk scores, q decayed from its chunk's start, k decayed to its chunk's end (transposed), and
+    # each chunk's total decay
+    prepared = _native_prep(q, k, k_beta, v_beta, gamma, scale) if use_native else None
+    if prepared is None:
+        prepared = _torch_prep(q, k, k_beta, v_beta, gamma, scale)
+    out = _native_loop(*prepared, restart) if use_native else None
+    if out is None:
+        out = _torch_loop(*prepared, restart)
     out = out.view(num_chunks * c, num_heads, v_dim)
     if len(segments) == 1 and segments[0] == (0, seq_len):
         return out[:seq_len]
@@ -154,6 +127,47 @@ def chunk_gated_delta_rule(
         result[b:e] = out[n0 * c:n0 * c + (e - b)]
         n0 += n
     return result
+
+
+def _torch_prep(q, k, k_beta, v_beta, gamma, scale):
+    """(u, w, intra, q_start, k_end_t, chunk_decay) from the chunk layout ([N, H, C, K|V], gamma [N, H, C]) in
+    torch; q, k and k_beta are scaled in place. The reference of `pt_delta_prep`."""
+    c = q.shape[-2]
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = _decay(gamma[..., :, None] - gamma[..., None, :], ~causal)  # [N, H, C, C], causal incl. diagonal
+    gamma_exp = _decay(gamma)
+    # T = (I + tril(diag(beta) K K^T * decay, -1))^-1, explicitly: solving against the C-column identity and then
+    # two batched matmuls is ~2.5x cheaper on the CPU than solving against the 2K columns of [u | w]
+    a = torch.matmul(k_beta, k.transpose(-1, -2)).mul_(decay).tril_(-1)
+    a.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    eye = torch.eye(c, dtype=torch.float32, device=q.device)
+    t_inv = torch.linalg.solve_triangular(a, eye.expand_as(a), upper=False, unitriangular=True)
+    t_inv = torch.nn.functional.hardshrink(t_inv, _TINY)  # products of decays underflow: zero, not subnormal
+    u = torch.matmul(t_inv, v_beta)                                   # [N, H, C, V]
+    w = torch.matmul(t_inv, k_beta.mul_(gamma_exp[..., None]))        # [N, H, C, K]
+    intra = torch.matmul(q, k.transpose(-1, -2)).mul_(decay.mul_(scale))   # [N, H, C, C] scaled, causal
+    k_end = k.mul_(_decay(gamma[..., -1:] - gamma)[..., None])        # k decayed to its chunk's end
+    q_start = q.mul_((gamma_exp * scale)[..., None])                  # q decayed from its chunk's start, scaled
+    return u, w, intra, q_start, k_end.transpose(-1, -2), gamma_exp[..., -1].contiguous()
+
+
+def _torch_loop(u, w, intra, q_start, k_end_t, chunk_decay, restart):
+    """The recurrence over chunks (the reference of `pt_delta_loop`), with S_n the state entering chunk n:
+    v_new_n = u_n - w_n S_n, out_n = q_start_n S_n + intra_n v_new_n, S_n+1 = decay_n S_n + k_end_n^T v_new_n.
+    Four small matmuls per chunk, batched over heads and written in place; each chunk's output goes straight
+    into the token-major layout while its state is in cache. u is overwritten by v_new. -> [N * C, H, V]"""
+    num_chunks, num_heads, c, v_dim = u.shape
+    state = u.new_zeros(num_heads, k_end_t.shape[-2], v_dim)
+    out = u.new_empty(num_chunks, c, num_heads, v_dim)
+    head_major = u.new_empty(num_heads, c, v_dim)
+    for n in range(num_chunks):
+        if restart[n]:
+            state.zero_()                                             # a new sequence starts from no memory
+        v_new = u[n].baddbmm_(w[n], state, beta=1, alpha=-1)           # in place: u_n is read once
+        torch.bmm(q_start[n], state, out=head_major).baddbmm_(intra[n], v_new)
+        out[n].copy_(head_major.transpose(0, 1))
+        state.mul_(chunk_decay[n][:, None, None]).baddbmm_(k_end_t[n], v_new)
+    return out.view(num_chunks * c, num_heads, v_dim)
 
 
 def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
@@ -192,28 +206,42 @@ def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
     return q_c[0], k_pair[0], k_pair[1], v_beta[0]
 
 
-def _native_decay_matrix(gamma: torch.Tensor) -> torch.Tensor | None:
-    """`_decay(gamma_i - gamma_j)` below and on the diagonal, 0 above: [..., C] -> [..., C, C], in one C pass."""
+def _native_prep(q, k, k_beta, v_beta, gamma, scale):
+    """`_torch_prep` in C (`pt_delta_prep`), one pass per chunk and head with its matrices in cache, triangular
+    products over their nonzero blocks; u, w and q_start are written over v_beta, k_beta and q. None where the
+    kernel does not apply (its dims must be multiples of 16, the chunk at most 256)."""
     from pixeltriage.kernels import native
 
-    if gamma.dtype != torch.float32 or not gamma.is_contiguous() or not native.handles(gamma):
+    num_chunks, num_heads, c, k_dim = k.shape
+    v_dim = v_beta.shape[-1]
+    tensors = (q, k, k_beta, v_beta, gamma)
+    if (any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or not native.handles(*tensors)
+            or c % 16 or c > 256 or k_dim % 16 or v_dim % 16):
         return None
-    c = gamma.shape[-1]
-    out = gamma.new_empty(*gamma.shape, c)
-    ok = native.call("pt_decay_matrix", gamma.data_ptr(), gamma.numel() // c, c, LOG_DECAY_CUTOFF, out.data_ptr())
-    return out if ok else None
+    intra = q.new_empty(num_chunks, num_heads, c, c)
+    k_end_t = q.new_empty(num_chunks, num_heads, k_dim, c)
+    chunk_decay = q.new_empty(num_chunks, num_heads)
+    scratch = q.new_empty(torch.get_num_threads(), 2 * c * c)
+    ok = native.call("pt_delta_prep", q.data_ptr(), k.data_ptr(), k_beta.data_ptr(), v_beta.data_ptr(),
+                     gamma.data_ptr(), num_chunks * num_heads, c, k_dim, v_dim, scale, LOG_DECAY_CUTOFF, _TINY,
+                     intra.data_ptr(), k_end_t.data_ptr(), chunk_decay.data_ptr(), scratch.data_ptr())
+    return (v_beta, k_beta, intra, q, k_end_t, chunk_decay) if ok else None
 
 
-def _native_ut_inverse(kkt: torch.Tensor, decay: torch.Tensor) -> torch.Tensor | None:
-    """(I + strictly_lower(kkt * decay))^-1 with entries under _TINY zeroed, by forward substitution in C:
-    [..., C, C] -> [..., C, C]; the mask, the solve and the flush in one pass over each chunk."""
+def _native_loop(u, w, intra, q_start, k_end_t, chunk_decay, restart):
+    """`_torch_loop` in C (`pt_delta_loop`): heads split over threads, each head's state kept in cache across
+    the chunks, the output written token-major as it is made. None where the kernel does not apply."""
     from pixeltriage.kernels import native
 
-    if (any(t.dtype != torch.float32 or not t.is_contiguous() for t in (kkt, decay))
-            or not native.handles(kkt, decay)):
+    num_chunks, num_heads, c, v_dim = u.shape
+    k_dim = w.shape[-1]
+    tensors = (u, w, intra, q_start, k_end_t, chunk_decay)
+    if (any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or not native.handles(*tensors)
+            or c % 4 or k_dim % 4 or v_dim % 16):
         return None
-    c = kkt.shape[-1]
-    out = torch.empty_like(kkt)
-    ok = native.call("pt_ut_inverse", kkt.data_ptr(), decay.data_ptr(), kkt.numel() // (c * c), c, _TINY,
-                     out.data_ptr())
+    out = u.new_empty(num_chunks * c, num_heads, v_dim)
+    state = u.new_empty(num_heads, k_dim, v_dim)
+    ok = native.call("pt_delta_loop", u.data_ptr(), w.data_ptr(), q_start.data_ptr(), intra.data_ptr(),
+                     k_end_t.data_ptr(), chunk_decay.data_ptr(), restart.data_ptr(), num_chunks, num_heads, c,
+                     k_dim, v_dim, state.data_ptr(), out.data_ptr())
     return out if ok else None

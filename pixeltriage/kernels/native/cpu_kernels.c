@@ -130,62 +130,6 @@ int pt_chunk_gather(const float *src, int64_t src_t, int64_t src_h, int64_t T, i
     return 0;
 }
 
-/* The delta rule's causal decay matrices from each chunk's cumulative log decays gamma ([M, C]: M = chunks x heads):
- *   out[m][i][j] = exp(gamma[m][i] - gamma[m][j]) for j <= i, 0 above the diagonal,
- * and 0 (not a subnormal) where the exponent is below `cutoff`. out: [M, C, C] float32. */
-int pt_decay_matrix(const float *gamma, int64_t M, int64_t C, float cutoff, float *out, int nthreads) {
-    if (M < 0 || C < 1)
-        return 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = gamma + m * C;
-        for (int64_t i = 0; i < C; i++) {
-            float *restrict o = out + (m * C + i) * C;
-            float gi = g[i];
-            for (int64_t j = 0; j < C; j++) {
-                float e = gi - g[j];
-                o[j] = (j <= i && e >= cutoff) ? exp_f32(e > 0.0f ? 0.0f : e) : 0.0f;
-            }
-        }
-    }
-    return 0;
-}
-
-/* The UT transform's inverse, per chunk and head: out = (I + L)^-1 with L = strictly_lower(kkt * decay), i.e. the
- * unit lower-triangular solve against the identity, by forward substitution row by row:
- *   out[i, :] = e_i - sum_{k < i} L[i, k] out[k, :]     (row k is zero right of column k)
- * and entries under `tiny` in magnitude set to 0 as each row is finished (products of decays would otherwise
- * underflow into subnormals, which x86 computes ~100x slower; the torch path flushes the same entries after its
- * solve). kkt, decay, out: [M, C, C] float32, contiguous. */
-int pt_ut_inverse(const float *kkt, const float *decay, int64_t M, int64_t C, float tiny, float *out, int nthreads) {
-    if (M < 0 || C < 1)
-        return 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const float *a = kkt + m * C * C, *d = decay + m * C * C;
-        float *t = out + m * C * C;
-        for (int64_t i = 0; i < C; i++) {
-            float *restrict row = t + i * C;
-            for (int64_t j = 0; j < C; j++)
-                row[j] = j == i ? 1.0f : 0.0f;
-            for (int64_t k = 0; k < i; k++) {
-                float l = a[i * C + k] * d[i * C + k];
-                if (l == 0.0f)
-                    continue;
-                const float *restrict prev = t + k * C;
-                int64_t n = (k + 16) & ~(int64_t)15;                 /* whole 16-lane vectors: prev is 0 past k */
-                if (n > C)
-                    n = C;
-                for (int64_t j = 0; j < n; j++)
-                    row[j] -= l * prev[j];
-            }
-            for (int64_t j = 0; j < i; j++)
-                row[j] = __builtin_fabsf(row[j]) > tiny ? row[j] : 0.0f;
-        }
-    }
-    return 0;
-}
-
 /* float32 -> bfloat16, rounding to nearest even (torch's .to(torch.bfloat16)); NaNs stay quiet NaNs. */
 static inline uint16_t float_to_bf16(float f) {
     uint32_t u;
@@ -342,3 +286,212 @@ int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *co
     }
     return 0;
 }
+
+/* ---- The delta rule's chunk matmuls --------------------------------------------------------------------------
+ * Small dense products, [rows x d] x [d x cols] with cols a multiple of 16, as register-blocked outer products:
+ * four rows by up to four 16-float vectors of columns are accumulated in registers over the shared dimension
+ * (16 accumulators, 4 loads and 4 broadcasts per 16 FMAs), in GCC/clang vector extensions, which lower to the
+ * machine's widest SIMD (AVX-512 here) or to several narrower registers. */
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_NUM() omp_get_thread_num()
+#else
+#define THREAD_NUM() 0
+#endif
+
+typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));   /* unaligned 16-float vector */
+/* acc += a * b as one fused multiply-add (GCC in ISO C mode, -std=c11, contracts nothing by default; clang
+ * contracts within an expression) */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#endif
+#define VL 16
+
+/* c[r, 0:16 nv] = beta * c[r, :] + alpha * sum_{d < kd} a[r * lda + d] * b[d * ldb + 0:16 nv]  for r < 4.
+ * beta == 0 stores without reading c. nv in 1..4 (a literal at each call, so that acc[][] lives in registers). */
+static inline __attribute__((always_inline)) void mm4(int nv, const float *a, int64_t lda, const float *b, int64_t ldb,
+                                                      int64_t kd, float *c, int64_t ldc, float alpha, float beta) {
+    vf16 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < nv; j++)
+            acc[r][j] = (vf16){0};
+    for (int64_t d = 0; d < kd; d++) {
+        vf16 bv[4];
+        for (int j = 0; j < nv; j++)
+            bv[j] = *(const vf16 *)(b + d * ldb + j * VL);
+        for (int r = 0; r < 4; r++) {
+            float ar = a[r * lda + d];                      /* scalar * vector: a broadcast */
+            for (int j = 0; j < nv; j++)
+                acc[r][j] += ar * bv[j];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < nv; j++) {
+            vf16 *o = (vf16 *)(c + r * ldc + j * VL);
+            *o = beta == 0.0f ? alpha * acc[r][j] : beta * *o + alpha * acc[r][j];   /* no read of c at 0 */
+        }
+}
+
+/* mm4 over a row block's first `ncols` columns (a multiple of 16), 64 at a time. */
+static inline void mm4_cols(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t kd, float *c,
+                            int64_t ldc, int64_t ncols, float alpha, float beta) {
+    int64_t j = 0;
+    for (; j + 4 * VL <= ncols; j += 4 * VL)
+        mm4(4, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta);
+    switch ((ncols - j) / VL) {
+    case 3: mm4(3, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta); break;
+    case 2: mm4(2, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta); break;
+    case 1: mm4(1, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta); break;
+    default: break;
+    }
+}
+
+/* exp(e) for a log decay e (<= 0 up to rounding), 0 below the cut-off (the torch path's `_decay`). */
+static inline float decay_exp(float e, float cutoff) { return e >= cutoff ? exp_f32(e > 0.0f ? 0.0f : e) : 0.0f; }
+
+#define MAX_DELTA_CHUNK 256
+
+static inline int64_t round16(int64_t n) { return (n + VL - 1) / VL * VL; }
+
+/* Everything of the chunked delta rule that does not depend on the carried state, per chunk and head (m < M, all
+ * arrays chunk-major [M, C, .] float32 contiguous; gamma: [M, C] the log decays cumulated from the chunk's start):
+ *   decay[i, j] = exp(gamma_i - gamma_j) (j <= i), g[i] = exp(gamma_i), both cut as in `decay_exp`;
+ *   T = (I + strictly_lower((kb k^T) * decay))^-1, entries under `tiny` zeroed (the UT transform);
+ *   u = T vb                      -> written over vb
+ *   w = T diag(g) kb              -> written over kb (after kb k^T is taken)
+ *   intra = (q k^T) * decay * scale, causal (zero above the diagonal)  -> intra [M, C, C]
+ *   q_start = q * g[i] * scale    -> written over q (after q k^T is taken)
+ *   k_end_t = (k * exp(gamma_{C-1} - gamma_i))^T  -> k_end_t [M, K, C]
+ *   chunk_decay = g[C - 1]        -> chunk_decay [M]
+ * Triangular products run over their nonzero blocks only. u and w are computed bottom-up, so that row block i
+ * reads only rows <= i of the input it overwrites. scratch: 2 C^2 floats per thread. C, K and V multiples of 16. */
+int pt_delta_prep(float *q, const float *k, float *kb, float *vb, const float *gamma, int64_t M, int64_t C,
+                  int64_t K, int64_t V, float scale, float cutoff, float tiny, float *intra, float *k_end_t,
+                  float *chunk_decay, float *scratch, int nthreads) {
+    if (M < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float *dec = scratch + (int64_t)THREAD_NUM() * 2 * C * C, *t = dec + C * C;
+        const float *g = gamma + m * C, *km = k + m * C * K;
+        float *qm = q + m * C * K, *kbm = kb + m * C * K, *vbm = vb + m * C * V;
+        float *im = intra + m * C * C, *kt = k_end_t + m * K * C;
+        float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK];       /* exp(gamma_i), exp(gamma_{C-1} - gamma_i) */
+        for (int64_t i = 0; i < C; i++) {
+            gexp[i] = decay_exp(g[i], cutoff);
+            kend[i] = decay_exp(g[C - 1] - g[i], cutoff);
+        }
+        for (int64_t i = 0; i < C; i++) {                     /* the lower triangle, in whole 16-float vectors */
+            float gi = g[i];
+            int64_t n = round16(i + 1);
+            for (int64_t j = 0; j < n; j++)
+                dec[i * C + j] = decay_exp(gi - g[j], cutoff);
+        }
+        for (int64_t i0 = 0; i0 < C; i0 += VL)                 /* k^T, undecayed, for kb k^T and q k^T */
+            for (int64_t d = 0; d < K; d++)
+                for (int64_t i = i0; i < i0 + VL; i++)
+                    kt[d * C + i] = km[i * K + d];
+        /* t <- kb k^T and intra <- q k^T on their lower blocks (the rest of each 16-column vector is masked below) */
+        for (int64_t i0 = 0; i0 < C; i0 += 4) {
+            int64_t ncols = round16(i0 + 4);
+            mm4_cols(kbm + i0 * K, K, kt, C, K, t + i0 * C, C, ncols, 1.0f, 0.0f);
+            mm4_cols(qm + i0 * K, K, kt, C, K, im + i0 * C, C, ncols, 1.0f, 0.0f);
+        }
+        for (int64_t i = 0; i < C; i++)
+            for (int64_t j = 0; j < C; j++)
+                im[i * C + j] = j <= i ? im[i * C + j] * (dec[i * C + j] * scale) : 0.0f;
+        /* L = strictly_lower(t * dec) into dec's lower triangle (dec is not read after this), then the inverse
+         * by forward substitution, row by row over t: T[i, :] = e_i - sum_{j < i} L[i, j] T[j, :], where T[j, :]
+         * is zero right of column j, so a 64-column slab starting at s takes j from s on; the slab's row is
+         * accumulated in registers */
+        for (int64_t i = 0; i < C; i++)
+            for (int64_t j = 0; j < i; j++)
+                dec[i * C + j] *= t[i * C + j];
+        for (int64_t i = 0; i < C; i++) {
+            float *restrict row = t + i * C;
+            const float *restrict l = dec + i * C;
+            for (int64_t s0 = 0; s0 < C; s0 += 4 * VL) {
+                int nv = C - s0 >= 4 * VL ? 4 : (int)((C - s0) / VL);
+                vf16 acc[4];
+                for (int v = 0; v < 4; v++)
+                    acc[v] = (vf16){0};
+                for (int64_t j = s0; j < i; j++) {
+                    float lj = l[j];
+                    if (lj == 0.0f)
+                        continue;
+                    const float *prev = t + j * C + s0;
+                    for (int v = 0; v < 4; v++)
+                        if (v < nv)
+                            acc[v] -= lj * *(const vf16 *)(prev + v * VL);
+                }
+                for (int v = 0; v < nv; v++)
+                    *(vf16 *)(row + s0 + v * VL) = acc[v];
+            }
+            for (int64_t j = 0; j < i; j++)
+                row[j] = __builtin_fabsf(row[j]) > tiny ? row[j] : 0.0f;
+            row[i] = 1.0f;
+            for (int64_t j = i + 1; j < C; j++)
+                row[j] = 0.0f;
+        }
+        /* u = T vb over vb and, with T's columns scaled by exp(gamma_j), w = T diag(exp(gamma)) kb over kb;
+         * bottom-up */
+        for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
+            mm4_cols(t + i0 * C, C, vbm, V, i0 + 4, vbm + i0 * V, V, V, 1.0f, 0.0f);
+        for (int64_t i = 0; i < C; i++)
+            for (int64_t j = 0; j <= i; j++)
+                t[i * C + j] *= gexp[j];
+        for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
+            mm4_cols(t + i0 * C, C, kbm, K, i0 + 4, kbm + i0 * K, K, K, 1.0f, 0.0f);
+        for (int64_t i = 0; i < C; i++) {
+            float a = gexp[i] * scale;
+            for (int64_t d = 0; d < K; d++)
+                qm[i * K + d] *= a;
+        }
+        for (int64_t d = 0; d < K; d++)
+            for (int64_t i = 0; i < C; i++)
+                kt[d * C + i] *= kend[i];
+        chunk_decay[m] = gexp[C - 1];
+    }
+    return 0;
+}
+
+/* The delta rule's sequential part, over the chunks of `pt_delta_prep`'s outputs with S the [K, V] state entering
+ * chunk n (zero at chunks where restart[n] is set: a new packed sequence starts there):
+ *   v_new = u - w S                   -> written over u
+ *   out   = q_start S + intra v_new   -> out [N * C, H, V] token-major (row n * C + i, head h)
+ *   S     = chunk_decay S + k_end_t v_new
+ * Heads are independent: split over threads, each keeping its heads' state (state: [H, K, V] scratch) in cache
+ * across the chunks. The arithmetic is the torch loop's, in its order. */
+int pt_delta_loop(float *u, const float *w, const float *q_start, const float *intra, const float *k_end_t,
+                  const float *chunk_decay, const uint8_t *restart, int64_t N, int64_t H, int64_t C, int64_t K,
+                  int64_t V, float *state, float *out, int nthreads) {
+    if (N < 0 || H < 0 || C < 4 || C % 4 || K < 4 || K % 4 || V < VL || V % VL)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t h = 0; h < H; h++) {
+        float *S = state + h * K * V;
+        for (int64_t n = 0; n < N; n++) {
+            int64_t m = n * H + h;
+            if (n == 0 || restart[n])
+                memset(S, 0, (size_t)(K * V) * sizeof(float));
+            float *vn = u + m * C * V;
+            const float *wm = w + m * C * K, *qm = q_start + m * C * K, *im = intra + m * C * C;
+            const float *ktm = k_end_t + m * K * C;
+            float *o = out + (n * C * H + h) * V;
+            for (int64_t i0 = 0; i0 < C; i0 += 4)
+                mm4_cols(wm + i0 * K, K, S, V, K, vn + i0 * V, V, V, -1.0f, 1.0f);
+            for (int64_t i0 = 0; i0 < C; i0 += 4) {
+                mm4_cols(qm + i0 * K, K, S, V, K, o + i0 * H * V, H * V, V, 1.0f, 0.0f);
+                mm4_cols(im + i0 * C, C, vn, V, i0 + 4, o + i0 * H * V, H * V, V, 1.0f, 1.0f);
+            }
+            float cd = chunk_decay[m];
+            for (int64_t r0 = 0; r0 < K; r0 += 4)
+                mm4_cols(ktm + r0 * C, C, vn, V, C, S + r0 * V, V, V, 1.0f, cd);
+        }
+    }
+    return 0;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
