@@ -90,19 +90,6 @@ def chunk_gated_delta_rule(
         return buf
 
     use_native = native is not False and q.device.type == "cpu"     # each C kernel checks its own inputs
-    laid_out = _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c) if use_native else None
-    if laid_out is not None:
-        q, k, k_beta, v_beta = laid_out
-    else:
-        q_mult = k_mult = None
-        if qk_l2norm:
-            # vector_norm reads strided rows 3x faster than vecdot or (x * x).sum; squaring its sqrt back costs
-            # ~1 ulp in the scale
-            q_mult = torch.linalg.vector_norm(q, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()   # [T, H]
-            k_mult = torch.linalg.vector_norm(k, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()
-        k_beta = chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
-        v_beta = chunked(v, beta)                                         # [N, H, C, V]
-        q, k = chunked(q, q_mult), chunked(k, k_mult)
     # [N, H, C] log decay from chunk start. One token's g below the cut-off already zeroes every decay across it,
     # so g is floored at twice the cut-off: the same result, and a -inf g (A_log overflowing exp) gives no
     # -inf - -inf = NaN in the differences below
@@ -111,9 +98,24 @@ def chunk_gated_delta_rule(
     restart[sorted(starts)] = 1
     # Everything but the carried state, batched over chunks and heads: u, w (the UT transform's outputs), the
     # causal intra-chunk scores, q decayed from its chunk's start, k decayed to its chunk's end (transposed), and
-    # each chunk's total decay
-    prepared = _native_prep(q, k, k_beta, v_beta, gamma, scale) if use_native else None
+    # each chunk's total decay. In C straight from the token-major inputs; else the chunk layout (by C or torch)
+    # and the torch prep
+    prepared = (_native_prep(q, k, v, beta, gamma, segments, seg_chunks, qk_l2norm, scale) if use_native
+                else None)
     if prepared is None:
+        laid_out = _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c) if use_native else None
+        if laid_out is not None:
+            q, k, k_beta, v_beta = laid_out
+        else:
+            q_mult = k_mult = None
+            if qk_l2norm:
+                # vector_norm reads strided rows 3x faster than vecdot or (x * x).sum; squaring its sqrt back
+                # costs ~1 ulp in the scale
+                q_mult = torch.linalg.vector_norm(q, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()   # [T, H]
+                k_mult = torch.linalg.vector_norm(k, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()
+            k_beta = chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
+            v_beta = chunked(v, beta)                                         # [N, H, C, V]
+            q, k = chunked(q, q_mult), chunked(k, k_mult)
         prepared = _torch_prep(q, k, k_beta, v_beta, gamma, scale)
     out = _native_loop(*prepared, restart) if use_native else None
     if out is None:
@@ -206,26 +208,38 @@ def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
     return q_c[0], k_pair[0], k_pair[1], v_beta[0]
 
 
-def _native_prep(q, k, k_beta, v_beta, gamma, scale):
-    """`_torch_prep` in C (`pt_delta_prep`), one pass per chunk and head with its matrices in cache, triangular
-    products over their nonzero blocks; u, w and q_start are written over v_beta, k_beta and q. None where the
-    kernel does not apply (its dims must be multiples of 16, the chunk at most 256)."""
+def _native_prep(q, k, v, beta, gamma, segments, seg_chunks, qk_l2norm, scale):
+    """`_torch_prep` of the chunk layout, in C (`pt_delta_prep`) from the token-major q, k, v ([T, H, K|V], last
+    dim contiguous) and beta: one pass per chunk and head that gathers (and L2-normalises) its rows, with its
+    matrices in cache and triangular products over their nonzero blocks. None where the kernel does not apply
+    (float32 only; head dims multiples of 16, the chunk at most 256)."""
     from pixeltriage.kernels import native
 
-    num_chunks, num_heads, c, k_dim = k.shape
-    v_dim = v_beta.shape[-1]
-    tensors = (q, k, k_beta, v_beta, gamma)
-    if (any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or not native.handles(*tensors)
+    num_chunks, num_heads, c = gamma.shape
+    k_dim, v_dim = k.shape[-1], v.shape[-1]
+    if (any(t.dtype != torch.float32 for t in (q, k, v, beta, gamma)) or any(t.stride(-1) != 1 for t in (q, k, v))
+            or not gamma.is_contiguous() or not native.handles(q, k, v, beta, gamma)
             or c % 16 or c > 256 or k_dim % 16 or v_dim % 16):
         return None
+    starts, lengths = [], []                                 # each chunk's first token and its number of tokens
+    for (b, e), n in zip(segments, seg_chunks):
+        for j in range(n):
+            starts.append(b + j * c)
+            lengths.append(min(c, e - b - j * c))
+    chunk_start, chunk_len = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    beta = beta.contiguous()
+    q_start, w = q.new_empty(num_chunks, num_heads, c, k_dim), q.new_empty(num_chunks, num_heads, c, k_dim)
+    u = q.new_empty(num_chunks, num_heads, c, v_dim)
     intra = q.new_empty(num_chunks, num_heads, c, c)
     k_end_t = q.new_empty(num_chunks, num_heads, k_dim, c)
     chunk_decay = q.new_empty(num_chunks, num_heads)
     scratch = q.new_empty(torch.get_num_threads(), 2 * c * c)
-    ok = native.call("pt_delta_prep", q.data_ptr(), k.data_ptr(), k_beta.data_ptr(), v_beta.data_ptr(),
-                     gamma.data_ptr(), num_chunks * num_heads, c, k_dim, v_dim, scale, LOG_DECAY_CUTOFF, _TINY,
+    ok = native.call("pt_delta_prep", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                     v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(), chunk_start.data_ptr(),
+                     chunk_len.data_ptr(), num_chunks, num_heads, c, k_dim, v_dim, int(qk_l2norm), L2NORM_EPS,
+                     gamma.data_ptr(), scale, LOG_DECAY_CUTOFF, _TINY, q_start.data_ptr(), w.data_ptr(), u.data_ptr(),
                      intra.data_ptr(), k_end_t.data_ptr(), chunk_decay.data_ptr(), scratch.data_ptr())
-    return (v_beta, k_beta, intra, q, k_end_t, chunk_decay) if ok else None
+    return (u, w, intra, q_start, k_end_t, chunk_decay) if ok else None
 
 
 def _native_loop(u, w, intra, q_start, k_end_t, chunk_decay, restart):

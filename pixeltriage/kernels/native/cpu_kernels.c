@@ -354,29 +354,80 @@ static inline float decay_exp(float e, float cutoff) { return e >= cutoff ? exp_
 
 static inline int64_t round16(int64_t n) { return (n + VL - 1) / VL * VL; }
 
-/* Everything of the chunked delta rule that does not depend on the carried state, per chunk and head (m < M, all
- * arrays chunk-major [M, C, .] float32 contiguous; gamma: [M, C] the log decays cumulated from the chunk's start):
+/* Everything of the chunked delta rule that does not depend on the carried state, per chunk and head, from the
+ * token-major inputs: q, k, v [T, H, K|V] float32 with strides (x_t, x_h, 1); beta [T, H] contiguous. Chunk n holds
+ * tokens chunk_start[n] + i for i < chunk_len[n] (<= C), zero rows after (a packed sequence's last chunk). With q
+ * and k L2-normalised if l2norm (x / sqrt(sum x^2 + eps)), kb = k * beta, vb = v * beta, and gamma [M, C] (M = N H,
+ * m = n H + h) the log decays cumulated from each chunk's start:
  *   decay[i, j] = exp(gamma_i - gamma_j) (j <= i), g[i] = exp(gamma_i), both cut as in `decay_exp`;
  *   T = (I + strictly_lower((kb k^T) * decay))^-1, entries under `tiny` zeroed (the UT transform);
- *   u = T vb                      -> written over vb
- *   w = T diag(g) kb              -> written over kb (after kb k^T is taken)
+ *   u = T vb                      -> u [M, C, V]
+ *   w = T diag(g) kb              -> w [M, C, K]
  *   intra = (q k^T) * decay * scale, causal (zero above the diagonal)  -> intra [M, C, C]
- *   q_start = q * g[i] * scale    -> written over q (after q k^T is taken)
+ *   q_start = q * g[i] * scale    -> q_start [M, C, K]
  *   k_end_t = (k * exp(gamma_{C-1} - gamma_i))^T  -> k_end_t [M, K, C]
  *   chunk_decay = g[C - 1]        -> chunk_decay [M]
- * Triangular products run over their nonzero blocks only. u and w are computed bottom-up, so that row block i
- * reads only rows <= i of the input it overwrites. scratch: 2 C^2 floats per thread. C, K and V multiples of 16. */
-int pt_delta_prep(float *q, const float *k, float *kb, float *vb, const float *gamma, int64_t M, int64_t C,
-                  int64_t K, int64_t V, float scale, float cutoff, float tiny, float *intra, float *k_end_t,
-                  float *chunk_decay, float *scratch, int nthreads) {
-    if (M < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL)
+ * Each task gathers its rows straight into its outputs (q into q_start, kb into w, vb into u, k^T into k_end_t) and
+ * transforms them in place: u and w bottom-up, so that row block i reads only rows <= i of the input it
+ * overwrites. Triangular products run over their nonzero blocks only. scratch: 2 C^2 floats per thread. C, K and
+ * V multiples of 16, C <= MAX_DELTA_CHUNK. */
+int pt_delta_prep(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h, const float *v,
+                  int64_t v_t, int64_t v_h, const float *beta, const int64_t *chunk_start, const int64_t *chunk_len,
+                  int64_t N, int64_t H, int64_t C, int64_t K, int64_t V, int l2norm, float eps, const float *gamma,
+                  float scale, float cutoff, float tiny, float *q_start, float *w, float *u, float *intra,
+                  float *k_end_t, float *chunk_decay, float *scratch, int nthreads) {
+    if (N < 0 || H < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL)
         return 1;
+    for (int64_t n = 0; n < N; n++)
+        if (chunk_len[n] < 0 || chunk_len[n] > C)
+            return 1;
+    int64_t M = N * H;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float *dec = scratch + (int64_t)THREAD_NUM() * 2 * C * C, *t = dec + C * C;
-        const float *g = gamma + m * C, *km = k + m * C * K;
-        float *qm = q + m * C * K, *kbm = kb + m * C * K, *vbm = vb + m * C * V;
+        int64_t n = m / H, h = m % H, t0 = chunk_start[n], len = chunk_len[n];
+        const float *g = gamma + m * C;
+        float *qm = q_start + m * C * K, *kbm = w + m * C * K, *vbm = u + m * C * V;
         float *im = intra + m * C * C, *kt = k_end_t + m * K * C;
+        const float *krow[MAX_DELTA_CHUNK];
+        float ks[MAX_DELTA_CHUNK];                               /* k's norm scale per row (0: padding) */
+        for (int64_t i = 0; i < C; i++) {
+            float *qo = qm + i * K, *kbo = kbm + i * K, *vbo = vbm + i * V;
+            if (i >= len) {
+                memset(qo, 0, (size_t)K * sizeof(float));
+                memset(kbo, 0, (size_t)K * sizeof(float));
+                memset(vbo, 0, (size_t)V * sizeof(float));
+                krow[i] = NULL;
+                ks[i] = 0.0f;
+                continue;
+            }
+            const float *restrict qr = q + (t0 + i) * q_t + h * q_h, *restrict kr = k + (t0 + i) * k_t + h * k_h;
+            const float *restrict vr = v + (t0 + i) * v_t + h * v_h;
+            float sq = 1.0f, sk = 1.0f, b = beta[(t0 + i) * H + h];
+            if (l2norm) {
+                float aq = 0.0f, ak = 0.0f;
+#pragma omp simd reduction(+ : aq, ak)
+                for (int64_t d = 0; d < K; d++) {
+                    aq += qr[d] * qr[d];
+                    ak += kr[d] * kr[d];
+                }
+                sq = 1.0f / __builtin_sqrtf(aq + eps);
+                sk = 1.0f / __builtin_sqrtf(ak + eps);
+            }
+            float skb = sk * b;
+            for (int64_t d = 0; d < K; d++) {
+                qo[d] = qr[d] * sq;
+                kbo[d] = kr[d] * skb;
+            }
+            for (int64_t d = 0; d < V; d++)
+                vbo[d] = vr[d] * b;
+            krow[i] = kr;
+            ks[i] = sk;
+        }
+        for (int64_t i0 = 0; i0 < C; i0 += VL)                  /* k^T (normalised, undecayed) */
+            for (int64_t d = 0; d < K; d++)
+                for (int64_t i = i0; i < i0 + VL; i++)
+                    kt[d * C + i] = krow[i] ? krow[i][d] * ks[i] : 0.0f;
         float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK];       /* exp(gamma_i), exp(gamma_{C-1} - gamma_i) */
         for (int64_t i = 0; i < C; i++) {
             gexp[i] = decay_exp(g[i], cutoff);
@@ -388,10 +439,6 @@ int pt_delta_prep(float *q, const float *k, float *kb, float *vb, const float *g
             for (int64_t j = 0; j < n; j++)
                 dec[i * C + j] = decay_exp(gi - g[j], cutoff);
         }
-        for (int64_t i0 = 0; i0 < C; i0 += VL)                 /* k^T, undecayed, for kb k^T and q k^T */
-            for (int64_t d = 0; d < K; d++)
-                for (int64_t i = i0; i < i0 + VL; i++)
-                    kt[d * C + i] = km[i * K + d];
         /* t <- kb k^T and intra <- q k^T on their lower blocks (the rest of each 16-column vector is masked below) */
         for (int64_t i0 = 0; i0 < C; i0 += 4) {
             int64_t ncols = round16(i0 + 4);
