@@ -337,3 +337,31 @@ def test_segment_attention_rejects_lengths_that_miss_tokens():
     x = torch.randn(10, 2, 8)
     with pytest.raises(ValueError, match="do not cover"):
         segment_attention(x, x, x, [4, 5], causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_f_linear(dtype, bias, monkeypatch):
+    """`linear` (oneDNN's primitive for a layer with a bias, on the CPU) against F.linear: the bias is added in
+    the epilogue instead of being copied into the output first, the same sums; within one rounding of the output
+    (bit-identical on the machines measured). Its fallback when oneDNN refuses is F.linear itself."""
+    from pixeltriage.kernels import linear
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(300, 96, generator=g).to(dtype), (torch.randn(200, 96, generator=g) * 0.2).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype) if bias else None
+    want = F.linear(x, w, b)
+    got = linear.linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (300, 200)
+    assert rel(got.double(), want.double()) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
+
+    def refuse(*args):
+        raise RuntimeError("no such primitive here")
+
+    class Ops:
+        _linear_pointwise = staticmethod(refuse)
+
+    monkeypatch.setattr(linear, "_STATE", {"ok": True, "bf16": True})
+    monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
+    assert torch.equal(linear.linear(x, w, b), want)
+    assert linear._STATE["ok"] is (not bias)            # only a layer with a bias asked oneDNN

@@ -4,12 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pixeltriage.engine.config import VisionConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
-from pixeltriage.kernels.linear import linear_act
+from pixeltriage.kernels.linear import linear, linear_act
 from pixeltriage.kernels.norm import add_layer_norm
 from pixeltriage.kernels.rotary import apply_rotary_float, vision_rotary_cos_sin
 
@@ -89,14 +88,17 @@ def _vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, i
     dtype = weights.patch_w.dtype
     device = pixel_values.device
     merge = cfg.spatial_merge_size
-    coords, pos = [], []
-    for t, h, w in grid_thw:
-        c = block_order_coords(h, w, merge, device).repeat(t, 1)
-        coords.append(c)
-        pos.append(interpolated_pos_embed(weights.pos_embed, c, h, w))
+    coords, pos, per_grid = [], [], {}
+    for grid in grid_thw:                       # an image's coordinates and position embeddings depend on its grid
+        if grid not in per_grid:                # only: computed once per distinct grid (a batch's thumbnails share one)
+            t, h, w = grid
+            c = block_order_coords(h, w, merge, device).repeat(t, 1)
+            per_grid[grid] = c, interpolated_pos_embed(weights.pos_embed, c, h, w)
+        coords.append(per_grid[grid][0])
+        pos.append(per_grid[grid][1])
     coords_all = torch.cat(coords)
     # The residual stream stays in float32; matmuls run in the weights' dtype.
-    x = F.linear(pixel_values.to(dtype), weights.patch_w, weights.patch_b).float() + torch.cat(pos)
+    x = linear(pixel_values.to(dtype), weights.patch_w, weights.patch_b).float() + torch.cat(pos)
     cos, sin = vision_rotary_cos_sin(coords_all, cfg.head_dim, cfg.rope_theta)
     lengths = [h * w for t, h, w in grid_thw for _ in range(t)]
     pending = None                # the last sub-block's output, added to x together with the next norm
@@ -104,11 +106,11 @@ def _vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, i
         y = add_layer_norm(x, pending, block.norm1_w, block.norm1_b, EPS, dtype)                  # x += pending; LN(x)
         pending = vision_attention(y, block, cfg, cos, sin, lengths)
         y = add_layer_norm(x, pending, block.norm2_w, block.norm2_b, EPS, dtype)
-        pending = F.linear(linear_act(y, block.fc1_w, block.fc1_b, cfg.hidden_act), block.fc2_w, block.fc2_b)
+        pending = linear(linear_act(y, block.fc1_w, block.fc1_b, cfg.hidden_act), block.fc2_w, block.fc2_b)
     x = add_layer_norm(x, pending, weights.merger_norm_w, weights.merger_norm_b, EPS, dtype)
     x = x.view(-1, cfg.hidden_size * cfg.merge_unit)
     x = linear_act(x, weights.merger_fc1_w, weights.merger_fc1_b, "gelu")
-    return F.linear(x, weights.merger_fc2_w, weights.merger_fc2_b)
+    return linear(x, weights.merger_fc2_w, weights.merger_fc2_b)
 
 
 
@@ -116,8 +118,8 @@ def vision_attention(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConf
                      sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Full (non-causal) attention within each image. x: [N, hidden]."""
     n = x.shape[0]
-    qkv = F.linear(x, block.qkv_w, block.qkv_b).view(n, 3, cfg.num_heads, cfg.head_dim)
+    qkv = linear(x, block.qkv_w, block.qkv_b).view(n, 3, cfg.num_heads, cfg.head_dim)
     q, k = apply_rotary_float(qkv[:, :2], cos, sin).unbind(1)   # q and k in one pass
     v = qkv[:, 2]
     o = segment_attention(q, k, v, lengths, causal=False).reshape(n, -1)
-    return F.linear(o, block.proj_w, block.proj_b)
+    return linear(o, block.proj_w, block.proj_b)
