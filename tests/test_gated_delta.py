@@ -59,8 +59,9 @@ def test_l2norm_inside_equals_l2norm_before(seq_len, native):
         return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
     for bounds in (None, [0, seq_len // 3, seq_len]):
-        want = chunk_gated_delta_rule(l2(q), l2(k), v, g, beta, cu_seqlens=bounds, native=False)
-        got = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, qk_l2norm=True, native=native)
+        want = chunk_gated_delta_rule(l2(q), l2(k), v, g, beta, chunk_size=64, cu_seqlens=bounds, native=False)
+        got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, cu_seqlens=bounds, qk_l2norm=True,
+                                     native=native)
         assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-6
 
 
@@ -102,3 +103,22 @@ def test_c_chunk_kernels_decline_what_they_do_not_handle(monkeypatch):
     assert "pt_delta_prep" not in ran and "pt_delta_loop" not in ran
     ref = recurrent_gated_delta_rule(*args)
     assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
+
+
+def test_default_chunk_is_the_c_kernels_size_where_they_run(monkeypatch):
+    """chunk_size=None: 32-token chunks through the C kernels, 64 on the torch path; either within the chunked
+    form's float32 error of the recurrence (the two sizes round differently: 2.4e-6 apart here)."""
+    from pixeltriage.kernels import native
+    from pixeltriage.kernels.gated_delta import chunk
+
+    seen, real = [], native.call
+    monkeypatch.setattr(native, "call", lambda name, *args: seen.append((name, args)) or real(name, *args))
+    args = inputs(200, k_dim=16, v_dim=32, seed=5)
+    got = chunk_gated_delta_rule(*args, native=None)
+    prep = [a for name, a in seen if name == "pt_delta_prep"]
+    assert prep and prep[0][14] == chunk.NATIVE_CHUNK                  # (..., N, H, C, K, V, ...)
+    ref = recurrent_gated_delta_rule(*args)
+    for out in (got, chunk_gated_delta_rule(*args, native=False)):      # NATIVE_CHUNK, TORCH_CHUNK
+        assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_gated_delta_rule(*args, chunk_size=0)
