@@ -68,8 +68,8 @@ def test_l2norm_inside_equals_l2norm_before(seq_len, native):
 @pytest.mark.parametrize("chunk_size", [16, 48, 64])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen, monkeypatch):
-    """`pt_delta_prep` (the per-chunk matrices, triangular products by blocks, u and w written in place) and
-    `pt_delta_loop` (the recurrence, heads over threads) against the torch prep and loop: <= 1e-6 relative in
+    """`pt_delta_chunked` (per head, each chunk's matrices, triangular products by blocks, u and w written in place,
+    then its step of the recurrence) against the torch prep and loop: <= 1e-6 relative in
     float32, and against the plain recurrence. Packed sequences restart the state mid-batch; decays strong enough
     to be cut to zero hit whole chunks; a chunk size not a multiple of 64 leaves the column tails to the kernel."""
     from pixeltriage.kernels import native
@@ -82,7 +82,7 @@ def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen, monkeypat
     bounds = [0, 37, 101, 101, 300] if varlen else None
     want = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=bounds, native=False)
     got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=bounds, native=None)
-    assert {"pt_delta_prep", "pt_delta_loop"} <= set(ran)
+    assert "pt_delta_chunked" in ran
     assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-6
     # against the (float64-accumulating) recurrence: the chunked form's own float32 error, which both paths share,
     # measured 4.6e-6 (chunk 16) to 1.7e-5 (chunk 48) on these inputs
@@ -100,7 +100,7 @@ def test_c_chunk_kernels_decline_what_they_do_not_handle(monkeypatch):
     monkeypatch.setattr(native, "call", lambda name, *args: ran.append(name) or real(name, *args))
     args = inputs(70, k_dim=12, v_dim=20)
     out = chunk_gated_delta_rule(*args, native=None)
-    assert "pt_delta_prep" not in ran and "pt_delta_loop" not in ran
+    assert "pt_delta_chunked" not in ran
     ref = recurrent_gated_delta_rule(*args)
     assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
 
@@ -115,8 +115,8 @@ def test_default_chunk_is_the_c_kernels_size_where_they_run(monkeypatch):
     monkeypatch.setattr(native, "call", lambda name, *args: seen.append((name, args)) or real(name, *args))
     args = inputs(200, k_dim=16, v_dim=32, seed=5)
     got = chunk_gated_delta_rule(*args, native=None)
-    prep = [a for name, a in seen if name == "pt_delta_prep"]
-    assert prep and prep[0][14] == chunk.NATIVE_CHUNK                  # (..., N, H, C, K, V, ...)
+    prep = [a for name, a in seen if name == "pt_delta_chunked"]
+    assert prep and prep[0][15] == chunk.NATIVE_CHUNK                  # (..., restart, N, H, C, K, V, ...)
     ref = recurrent_gated_delta_rule(*args)
     for out in (got, chunk_gated_delta_rule(*args, native=False)):      # NATIVE_CHUNK, TORCH_CHUNK
         assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5

@@ -111,13 +111,14 @@ def chunk_gated_delta_rule(
     gamma = chunked(g).clamp_(min=2 * LOG_DECAY_CUTOFF).cumsum_(-1)
     restart = torch.zeros(num_chunks, dtype=torch.uint8)
     restart[sorted(starts)] = 1
-    # Everything but the carried state, batched over chunks and heads: u, w (the UT transform's outputs), the
-    # causal intra-chunk scores, q decayed from its chunk's start, k decayed to its chunk's end (transposed), and
-    # each chunk's total decay. In C straight from the token-major inputs; else the chunk layout (by C or torch)
-    # and the torch prep
-    prepared = (_native_prep(q, k, v, beta, gamma, segments, seg_chunks, qk_l2norm, scale) if use_native
-                else None)
-    if prepared is None:
+    # In C: one pass per head over its chunks, each chunk's matrices made and used while in cache (the state's
+    # products included), straight from the token-major inputs
+    out = (_native_chunked(q, k, v, beta, gamma, segments, seg_chunks, restart, qk_l2norm, scale) if use_native
+           else None)
+    if out is None:
+        # In torch: the chunk layout (gathered in C where it can be), everything but the carried state batched
+        # over chunks and heads (u, w: the UT transform's outputs; the causal intra-chunk scores; q decayed from
+        # its chunk's start, k decayed to its chunk's end, transposed; each chunk's total decay), then the loop
         laid_out = _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c) if use_native else None
         if laid_out is not None:
             q, k, k_beta, v_beta = laid_out
@@ -131,10 +132,7 @@ def chunk_gated_delta_rule(
             k_beta = chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
             v_beta = chunked(v, beta)                                         # [N, H, C, V]
             q, k = chunked(q, q_mult), chunked(k, k_mult)
-        prepared = _torch_prep(q, k, k_beta, v_beta, gamma, scale)
-    out = _native_loop(*prepared, restart) if use_native else None
-    if out is None:
-        out = _torch_loop(*prepared, restart)
+        out = _torch_loop(*_torch_prep(q, k, k_beta, v_beta, gamma, scale), restart)
     out = out.view(num_chunks * c, num_heads, v_dim)
     if len(segments) == 1 and segments[0] == (0, seq_len):
         return out[:seq_len]
@@ -223,11 +221,12 @@ def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
     return q_c[0], k_pair[0], k_pair[1], v_beta[0]
 
 
-def _native_prep(q, k, v, beta, gamma, segments, seg_chunks, qk_l2norm, scale):
-    """`_torch_prep` of the chunk layout, in C (`pt_delta_prep`) from the token-major q, k, v ([T, H, K|V], last
-    dim contiguous) and beta: one pass per chunk and head that gathers (and L2-normalises) its rows, with its
-    matrices in cache and triangular products over their nonzero blocks. None where the kernel does not apply
-    (float32 only; head dims multiples of 16, the chunk at most 256)."""
+def _native_chunked(q, k, v, beta, gamma, segments, seg_chunks, restart, qk_l2norm, scale):
+    """`_torch_prep` then `_torch_loop`, in C (`pt_delta_chunked`) from the token-major q, k, v ([T, H, K|V], last
+    dim contiguous) and beta: heads split over threads, each running through its chunks with the state and the
+    chunk's matrices in cache (gathered and L2-normalised on the way in; triangular products over their nonzero
+    blocks). -> [N * C, H, V] token-major, or None where the kernel does not apply (float32 only; head dims
+    multiples of 16, the chunk a multiple of 16 of at most 256)."""
     from pixeltriage.kernels import native
 
     num_chunks, num_heads, c = gamma.shape
@@ -243,34 +242,11 @@ def _native_prep(q, k, v, beta, gamma, segments, seg_chunks, qk_l2norm, scale):
             lengths.append(min(c, e - b - j * c))
     chunk_start, chunk_len = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
     beta = beta.contiguous()
-    q_start, w = q.new_empty(num_chunks, num_heads, c, k_dim), q.new_empty(num_chunks, num_heads, c, k_dim)
-    u = q.new_empty(num_chunks, num_heads, c, v_dim)
-    intra = q.new_empty(num_chunks, num_heads, c, c)
-    k_end_t = q.new_empty(num_chunks, num_heads, k_dim, c)
-    chunk_decay = q.new_empty(num_chunks, num_heads)
-    scratch = q.new_empty(torch.get_num_threads(), 2 * c * c)
-    ok = native.call("pt_delta_prep", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-                     v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(), chunk_start.data_ptr(),
-                     chunk_len.data_ptr(), num_chunks, num_heads, c, k_dim, v_dim, int(qk_l2norm), L2NORM_EPS,
-                     gamma.data_ptr(), scale, LOG_DECAY_CUTOFF, _TINY, q_start.data_ptr(), w.data_ptr(), u.data_ptr(),
-                     intra.data_ptr(), k_end_t.data_ptr(), chunk_decay.data_ptr(), scratch.data_ptr())
-    return (u, w, intra, q_start, k_end_t, chunk_decay) if ok else None
-
-
-def _native_loop(u, w, intra, q_start, k_end_t, chunk_decay, restart):
-    """`_torch_loop` in C (`pt_delta_loop`): heads split over threads, each head's state kept in cache across
-    the chunks, the output written token-major as it is made. None where the kernel does not apply."""
-    from pixeltriage.kernels import native
-
-    num_chunks, num_heads, c, v_dim = u.shape
-    k_dim = w.shape[-1]
-    tensors = (u, w, intra, q_start, k_end_t, chunk_decay)
-    if (any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or not native.handles(*tensors)
-            or c % 4 or k_dim % 4 or v_dim % 16):
-        return None
-    out = u.new_empty(num_chunks * c, num_heads, v_dim)
-    state = u.new_empty(num_heads, k_dim, v_dim)
-    ok = native.call("pt_delta_loop", u.data_ptr(), w.data_ptr(), q_start.data_ptr(), intra.data_ptr(),
-                     k_end_t.data_ptr(), chunk_decay.data_ptr(), restart.data_ptr(), num_chunks, num_heads, c,
-                     k_dim, v_dim, state.data_ptr(), out.data_ptr())
+    out = q.new_empty(num_chunks * c, num_heads, v_dim)
+    # per thread: the decay matrix and T (2 C^2), q_start, w (C K each), u (C V), intra (C^2), k_end^T (K C), S (K V)
+    scratch = q.new_empty(torch.get_num_threads(), 3 * c * c + 3 * c * k_dim + c * v_dim + k_dim * v_dim)
+    ok = native.call("pt_delta_chunked", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+                     k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(), chunk_start.data_ptr(),
+                     chunk_len.data_ptr(), restart.data_ptr(), num_chunks, num_heads, c, k_dim, v_dim, int(qk_l2norm),
+                     L2NORM_EPS, gamma.data_ptr(), scale, LOG_DECAY_CUTOFF, _TINY, out.data_ptr(), scratch.data_ptr())
     return out if ok else None

@@ -354,191 +354,194 @@ static inline float decay_exp(float e, float cutoff) { return e >= cutoff ? exp_
 
 static inline int64_t round16(int64_t n) { return (n + VL - 1) / VL * VL; }
 
-/* Everything of the chunked delta rule that does not depend on the carried state, per chunk and head, from the
- * token-major inputs: q, k, v [T, H, K|V] float32 with strides (x_t, x_h, 1); beta [T, H] contiguous. Chunk n holds
- * tokens chunk_start[n] + i for i < chunk_len[n] (<= C), zero rows after (a packed sequence's last chunk). With q
- * and k L2-normalised if l2norm (x / sqrt(sum x^2 + eps)), kb = k * beta, vb = v * beta, and gamma [M, C] (M = N H,
- * m = n H + h) the log decays cumulated from each chunk's start:
+/* The chunked gated delta rule over token-major inputs, in one pass per head that keeps its state and the current
+ * chunk's matrices in cache. Inputs: q, k, v [T, H, K|V] float32 with strides (x_t, x_h, 1); beta [T, H] contiguous;
+ * gamma [N, H, C] the log decays cumulated from each chunk's start. Chunk n holds tokens chunk_start[n] + i for
+ * i < chunk_len[n] (<= C), zero rows after (a packed sequence's last chunk); the state restarts from zero at chunks
+ * where restart[n] is set. With q and k L2-normalised if l2norm (x / sqrt(sum x^2 + eps)), kb = k * beta and
+ * vb = v * beta, per chunk (the torch path's `_torch_prep`):
  *   decay[i, j] = exp(gamma_i - gamma_j) (j <= i), g[i] = exp(gamma_i), both cut as in `decay_exp`;
  *   T = (I + strictly_lower((kb k^T) * decay))^-1, entries under `tiny` zeroed (the UT transform);
- *   u = T vb                      -> u [M, C, V]
- *   w = T diag(g) kb              -> w [M, C, K]
- *   intra = (q k^T) * decay * scale, causal (zero above the diagonal)  -> intra [M, C, C]
- *   q_start = q * g[i] * scale    -> q_start [M, C, K]
- *   k_end_t = (k * exp(gamma_{C-1} - gamma_i))^T  -> k_end_t [M, K, C]
- *   chunk_decay = g[C - 1]        -> chunk_decay [M]
- * Each task gathers its rows straight into its outputs (q into q_start, kb into w, vb into u, k^T into k_end_t) and
- * transforms them in place: u and w bottom-up, so that row block i reads only rows <= i of the input it
- * overwrites. Triangular products run over their nonzero blocks only. scratch: 2 C^2 floats per thread. C, K and
- * V multiples of 16, C <= MAX_DELTA_CHUNK. */
-int pt_delta_prep(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h, const float *v,
-                  int64_t v_t, int64_t v_h, const float *beta, const int64_t *chunk_start, const int64_t *chunk_len,
-                  int64_t N, int64_t H, int64_t C, int64_t K, int64_t V, int l2norm, float eps, const float *gamma,
-                  float scale, float cutoff, float tiny, float *q_start, float *w, float *u, float *intra,
-                  float *k_end_t, float *chunk_decay, float *scratch, int nthreads) {
+ *   u = T vb, w = T diag(g) kb, intra = (q k^T) * decay * scale (causal), q_start = q * g[i] * scale,
+ *   k_end_t = (k * exp(gamma_{C-1} - gamma_i))^T, chunk_decay = g[C - 1];
+ * then, with S the [K, V] state entering the chunk (`_torch_loop`):
+ *   v_new = u - w S;  out = q_start S + intra v_new;  S = chunk_decay S + k_end_t v_new.
+ * out: [N * C, H, V] token-major (row n * C + i, head h). Heads are split over threads; scratch holds
+ * DELTA_SCRATCH(C, K, V) floats per thread. C, K and V multiples of 16, C <= MAX_DELTA_CHUNK. */
+#define DELTA_SCRATCH(C, K, V) (3 * (C) * (C) + 3 * (C) * (K) + (C) * (V) + (K) * (V))
+
+typedef struct {
+    const float *q, *k, *v, *beta;
+    int64_t q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V;
+    int l2norm;
+    float eps, scale, cutoff, tiny;
+} delta_args;
+
+/* One chunk's prep for head h: its rows gathered straight into the outputs (q into qm, kb into kbm, vb into vbm,
+ * k^T into kt) and transformed in place: u (over vbm) and w (over kbm) bottom-up, so that row block i reads only
+ * rows <= i of the input it overwrites. Triangular products run over their nonzero blocks only. dec: 2 C^2 floats.
+ * Returns the chunk's total decay. */
+static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int64_t h, const float *g, float *qm,
+                              float *kbm, float *vbm, float *im, float *kt, float *dec) {
+    const float *q = a->q, *k = a->k, *v = a->v, *beta = a->beta;
+    int64_t q_t = a->q_t, q_h = a->q_h, k_t = a->k_t, k_h = a->k_h, v_t = a->v_t, v_h = a->v_h;
+    int64_t H = a->H, C = a->C, K = a->K, V = a->V;
+    int l2norm = a->l2norm;
+    float eps = a->eps, scale = a->scale, cutoff = a->cutoff, tiny = a->tiny;
+    float *t = dec + C * C;
+    const float *krow[MAX_DELTA_CHUNK];
+    float ks[MAX_DELTA_CHUNK];                           /* k's norm scale per row (0: padding) */
+    for (int64_t i = 0; i < C; i++) {
+        float *qo = qm + i * K, *kbo = kbm + i * K, *vbo = vbm + i * V;
+        if (i >= len) {
+            memset(qo, 0, (size_t)K * sizeof(float));
+            memset(kbo, 0, (size_t)K * sizeof(float));
+            memset(vbo, 0, (size_t)V * sizeof(float));
+            krow[i] = NULL;
+            ks[i] = 0.0f;
+            continue;
+        }
+        const float *restrict qr = q + (t0 + i) * q_t + h * q_h, *restrict kr = k + (t0 + i) * k_t + h * k_h;
+        const float *restrict vr = v + (t0 + i) * v_t + h * v_h;
+        float sq = 1.0f, sk = 1.0f, b = beta[(t0 + i) * H + h];
+        if (l2norm) {
+            float aq = 0.0f, ak = 0.0f;
+#pragma omp simd reduction(+ : aq, ak)
+            for (int64_t d = 0; d < K; d++) {
+                aq += qr[d] * qr[d];
+                ak += kr[d] * kr[d];
+            }
+            sq = 1.0f / __builtin_sqrtf(aq + eps);
+            sk = 1.0f / __builtin_sqrtf(ak + eps);
+        }
+        float skb = sk * b;
+        for (int64_t d = 0; d < K; d++) {
+            qo[d] = qr[d] * sq;
+            kbo[d] = kr[d] * skb;
+        }
+        for (int64_t d = 0; d < V; d++)
+            vbo[d] = vr[d] * b;
+        krow[i] = kr;
+        ks[i] = sk;
+    }
+    for (int64_t i0 = 0; i0 < C; i0 += VL)                  /* k^T (normalised, undecayed) */
+        for (int64_t d = 0; d < K; d++)
+            for (int64_t i = i0; i < i0 + VL; i++)
+                kt[d * C + i] = krow[i] ? krow[i][d] * ks[i] : 0.0f;
+    float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK];       /* exp(gamma_i), exp(gamma_{C-1} - gamma_i) */
+    for (int64_t i = 0; i < C; i++) {
+        gexp[i] = decay_exp(g[i], cutoff);
+        kend[i] = decay_exp(g[C - 1] - g[i], cutoff);
+    }
+    for (int64_t i = 0; i < C; i++) {                     /* the lower triangle, in whole 16-float vectors */
+        float gi = g[i];
+        int64_t n = round16(i + 1);
+        for (int64_t j = 0; j < n; j++)
+            dec[i * C + j] = decay_exp(gi - g[j], cutoff);
+    }
+    /* t <- kb k^T and intra <- q k^T on their lower blocks (the rest of each 16-column vector is masked below) */
+    for (int64_t i0 = 0; i0 < C; i0 += 4) {
+        int64_t ncols = round16(i0 + 4);
+        mm4_cols(kbm + i0 * K, K, kt, C, K, t + i0 * C, C, ncols, 1.0f, 0.0f);
+        mm4_cols(qm + i0 * K, K, kt, C, K, im + i0 * C, C, ncols, 1.0f, 0.0f);
+    }
+    for (int64_t i = 0; i < C; i++)
+        for (int64_t j = 0; j < C; j++)
+            im[i * C + j] = j <= i ? im[i * C + j] * (dec[i * C + j] * scale) : 0.0f;
+    /* L = strictly_lower(t * dec) into dec's lower triangle (dec is not read after this), then the inverse
+     * by forward substitution, row by row over t: T[i, :] = e_i - sum_{j < i} L[i, j] T[j, :], where T[j, :]
+     * is zero right of column j, so a 64-column slab starting at s takes j from s on; the slab's row is
+     * accumulated in registers */
+    for (int64_t i = 0; i < C; i++)
+        for (int64_t j = 0; j < i; j++)
+            dec[i * C + j] *= t[i * C + j];
+    for (int64_t i = 0; i < C; i++) {
+        float *restrict row = t + i * C;
+        const float *restrict l = dec + i * C;
+        for (int64_t s0 = 0; s0 < C; s0 += 4 * VL) {
+            int nv = C - s0 >= 4 * VL ? 4 : (int)((C - s0) / VL);
+            vf16 acc[4];
+            for (int v = 0; v < 4; v++)
+                acc[v] = (vf16){0};
+            for (int64_t j = s0; j < i; j++) {
+                float lj = l[j];
+                if (lj == 0.0f)
+                    continue;
+                const float *prev = t + j * C + s0;
+                for (int v = 0; v < 4; v++)
+                    if (v < nv)
+                        acc[v] -= lj * *(const vf16 *)(prev + v * VL);
+            }
+            for (int v = 0; v < nv; v++)
+                *(vf16 *)(row + s0 + v * VL) = acc[v];
+        }
+        for (int64_t j = 0; j < i; j++)
+            row[j] = __builtin_fabsf(row[j]) > tiny ? row[j] : 0.0f;
+        row[i] = 1.0f;
+        for (int64_t j = i + 1; j < C; j++)
+            row[j] = 0.0f;
+    }
+    /* u = T vb over vb and, with T's columns scaled by exp(gamma_j), w = T diag(exp(gamma)) kb over kb;
+     * bottom-up */
+    for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
+        mm4_cols(t + i0 * C, C, vbm, V, i0 + 4, vbm + i0 * V, V, V, 1.0f, 0.0f);
+    for (int64_t i = 0; i < C; i++)
+        for (int64_t j = 0; j <= i; j++)
+            t[i * C + j] *= gexp[j];
+    for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
+        mm4_cols(t + i0 * C, C, kbm, K, i0 + 4, kbm + i0 * K, K, K, 1.0f, 0.0f);
+    for (int64_t i = 0; i < C; i++) {
+        float a = gexp[i] * scale;
+        for (int64_t d = 0; d < K; d++)
+            qm[i * K + d] *= a;
+    }
+    for (int64_t d = 0; d < K; d++)
+        for (int64_t i = 0; i < C; i++)
+            kt[d * C + i] *= kend[i];
+    return gexp[C - 1];
+}
+
+/* One chunk's step of the recurrence for one head (see pt_delta_chunked); vn holds u and becomes v_new; o: the
+ * chunk's first output row for this head, rows ldo apart. */
+static void delta_loop_chunk(float *vn, const float *wm, const float *qm, const float *im, const float *ktm, float cd,
+                             float *S, float *o, int64_t ldo, int64_t C, int64_t K, int64_t V) {
+    for (int64_t i0 = 0; i0 < C; i0 += 4)
+        mm4_cols(wm + i0 * K, K, S, V, K, vn + i0 * V, V, V, -1.0f, 1.0f);
+    for (int64_t i0 = 0; i0 < C; i0 += 4) {
+        mm4_cols(qm + i0 * K, K, S, V, K, o + i0 * ldo, ldo, V, 1.0f, 0.0f);
+        mm4_cols(im + i0 * C, C, vn, V, i0 + 4, o + i0 * ldo, ldo, V, 1.0f, 1.0f);
+    }
+    for (int64_t r0 = 0; r0 < K; r0 += 4)
+        mm4_cols(ktm + r0 * C, C, vn, V, C, S + r0 * V, V, V, 1.0f, cd);
+}
+
+int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h,
+                     const float *v, int64_t v_t, int64_t v_h, const float *beta, const int64_t *chunk_start,
+                     const int64_t *chunk_len, const uint8_t *restart, int64_t N, int64_t H, int64_t C, int64_t K,
+                     int64_t V, int l2norm, float eps, const float *gamma, float scale, float cutoff, float tiny,
+                     float *out, float *scratch, int nthreads) {
     if (N < 0 || H < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL)
         return 1;
     for (int64_t n = 0; n < N; n++)
         if (chunk_len[n] < 0 || chunk_len[n] > C)
             return 1;
-    int64_t M = N * H;
+    delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny};
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        float *dec = scratch + (int64_t)THREAD_NUM() * 2 * C * C, *t = dec + C * C;
-        int64_t n = m / H, h = m % H, t0 = chunk_start[n], len = chunk_len[n];
-        const float *g = gamma + m * C;
-        float *qm = q_start + m * C * K, *kbm = w + m * C * K, *vbm = u + m * C * V;
-        float *im = intra + m * C * C, *kt = k_end_t + m * K * C;
-        const float *krow[MAX_DELTA_CHUNK];
-        float ks[MAX_DELTA_CHUNK];                               /* k's norm scale per row (0: padding) */
-        for (int64_t i = 0; i < C; i++) {
-            float *qo = qm + i * K, *kbo = kbm + i * K, *vbo = vbm + i * V;
-            if (i >= len) {
-                memset(qo, 0, (size_t)K * sizeof(float));
-                memset(kbo, 0, (size_t)K * sizeof(float));
-                memset(vbo, 0, (size_t)V * sizeof(float));
-                krow[i] = NULL;
-                ks[i] = 0.0f;
-                continue;
-            }
-            const float *restrict qr = q + (t0 + i) * q_t + h * q_h, *restrict kr = k + (t0 + i) * k_t + h * k_h;
-            const float *restrict vr = v + (t0 + i) * v_t + h * v_h;
-            float sq = 1.0f, sk = 1.0f, b = beta[(t0 + i) * H + h];
-            if (l2norm) {
-                float aq = 0.0f, ak = 0.0f;
-#pragma omp simd reduction(+ : aq, ak)
-                for (int64_t d = 0; d < K; d++) {
-                    aq += qr[d] * qr[d];
-                    ak += kr[d] * kr[d];
-                }
-                sq = 1.0f / __builtin_sqrtf(aq + eps);
-                sk = 1.0f / __builtin_sqrtf(ak + eps);
-            }
-            float skb = sk * b;
-            for (int64_t d = 0; d < K; d++) {
-                qo[d] = qr[d] * sq;
-                kbo[d] = kr[d] * skb;
-            }
-            for (int64_t d = 0; d < V; d++)
-                vbo[d] = vr[d] * b;
-            krow[i] = kr;
-            ks[i] = sk;
+    for (int64_t h = 0; h < H; h++) {
+        float *dec = scratch + (int64_t)THREAD_NUM() * DELTA_SCRATCH(C, K, V);
+        float *qm = dec + 2 * C * C, *wm = qm + C * K, *um = wm + C * K, *im = um + C * V, *kt = im + C * C;
+        float *S = kt + K * C;
+        for (int64_t n = 0; n < N; n++) {
+            if (n == 0 || restart[n])
+                memset(S, 0, (size_t)(K * V) * sizeof(float));
+            float cd = delta_prep_chunk(&a, chunk_start[n], chunk_len[n], h, gamma + (n * H + h) * C, qm, wm, um,
+                                        im, kt, dec);
+            delta_loop_chunk(um, wm, qm, im, kt, cd, S, out + (n * C * H + h) * V, H * V, C, K, V);
         }
-        for (int64_t i0 = 0; i0 < C; i0 += VL)                  /* k^T (normalised, undecayed) */
-            for (int64_t d = 0; d < K; d++)
-                for (int64_t i = i0; i < i0 + VL; i++)
-                    kt[d * C + i] = krow[i] ? krow[i][d] * ks[i] : 0.0f;
-        float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK];       /* exp(gamma_i), exp(gamma_{C-1} - gamma_i) */
-        for (int64_t i = 0; i < C; i++) {
-            gexp[i] = decay_exp(g[i], cutoff);
-            kend[i] = decay_exp(g[C - 1] - g[i], cutoff);
-        }
-        for (int64_t i = 0; i < C; i++) {                     /* the lower triangle, in whole 16-float vectors */
-            float gi = g[i];
-            int64_t n = round16(i + 1);
-            for (int64_t j = 0; j < n; j++)
-                dec[i * C + j] = decay_exp(gi - g[j], cutoff);
-        }
-        /* t <- kb k^T and intra <- q k^T on their lower blocks (the rest of each 16-column vector is masked below) */
-        for (int64_t i0 = 0; i0 < C; i0 += 4) {
-            int64_t ncols = round16(i0 + 4);
-            mm4_cols(kbm + i0 * K, K, kt, C, K, t + i0 * C, C, ncols, 1.0f, 0.0f);
-            mm4_cols(qm + i0 * K, K, kt, C, K, im + i0 * C, C, ncols, 1.0f, 0.0f);
-        }
-        for (int64_t i = 0; i < C; i++)
-            for (int64_t j = 0; j < C; j++)
-                im[i * C + j] = j <= i ? im[i * C + j] * (dec[i * C + j] * scale) : 0.0f;
-        /* L = strictly_lower(t * dec) into dec's lower triangle (dec is not read after this), then the inverse
-         * by forward substitution, row by row over t: T[i, :] = e_i - sum_{j < i} L[i, j] T[j, :], where T[j, :]
-         * is zero right of column j, so a 64-column slab starting at s takes j from s on; the slab's row is
-         * accumulated in registers */
-        for (int64_t i = 0; i < C; i++)
-            for (int64_t j = 0; j < i; j++)
-                dec[i * C + j] *= t[i * C + j];
-        for (int64_t i = 0; i < C; i++) {
-            float *restrict row = t + i * C;
-            const float *restrict l = dec + i * C;
-            for (int64_t s0 = 0; s0 < C; s0 += 4 * VL) {
-                int nv = C - s0 >= 4 * VL ? 4 : (int)((C - s0) / VL);
-                vf16 acc[4];
-                for (int v = 0; v < 4; v++)
-                    acc[v] = (vf16){0};
-                for (int64_t j = s0; j < i; j++) {
-                    float lj = l[j];
-                    if (lj == 0.0f)
-                        continue;
-                    const float *prev = t + j * C + s0;
-                    for (int v = 0; v < 4; v++)
-                        if (v < nv)
-                            acc[v] -= lj * *(const vf16 *)(prev + v * VL);
-                }
-                for (int v = 0; v < nv; v++)
-                    *(vf16 *)(row + s0 + v * VL) = acc[v];
-            }
-            for (int64_t j = 0; j < i; j++)
-                row[j] = __builtin_fabsf(row[j]) > tiny ? row[j] : 0.0f;
-            row[i] = 1.0f;
-            for (int64_t j = i + 1; j < C; j++)
-                row[j] = 0.0f;
-        }
-        /* u = T vb over vb and, with T's columns scaled by exp(gamma_j), w = T diag(exp(gamma)) kb over kb;
-         * bottom-up */
-        for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
-            mm4_cols(t + i0 * C, C, vbm, V, i0 + 4, vbm + i0 * V, V, V, 1.0f, 0.0f);
-        for (int64_t i = 0; i < C; i++)
-            for (int64_t j = 0; j <= i; j++)
-                t[i * C + j] *= gexp[j];
-        for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
-            mm4_cols(t + i0 * C, C, kbm, K, i0 + 4, kbm + i0 * K, K, K, 1.0f, 0.0f);
-        for (int64_t i = 0; i < C; i++) {
-            float a = gexp[i] * scale;
-            for (int64_t d = 0; d < K; d++)
-                qm[i * K + d] *= a;
-        }
-        for (int64_t d = 0; d < K; d++)
-            for (int64_t i = 0; i < C; i++)
-                kt[d * C + i] *= kend[i];
-        chunk_decay[m] = gexp[C - 1];
     }
     return 0;
 }
 
-/* The delta rule's sequential part, over the chunks of `pt_delta_prep`'s outputs with S the [K, V] state entering
- * chunk n (zero at chunks where restart[n] is set: a new packed sequence starts there):
- *   v_new = u - w S                   -> written over u
- *   out   = q_start S + intra v_new   -> out [N * C, H, V] token-major (row n * C + i, head h)
- *   S     = chunk_decay S + k_end_t v_new
- * Heads are independent: split over threads, each keeping its heads' state (state: [H, K, V] scratch) in cache
- * across the chunks. The arithmetic is the torch loop's, in its order. */
-int pt_delta_loop(float *u, const float *w, const float *q_start, const float *intra, const float *k_end_t,
-                  const float *chunk_decay, const uint8_t *restart, int64_t N, int64_t H, int64_t C, int64_t K,
-                  int64_t V, float *state, float *out, int nthreads) {
-    if (N < 0 || H < 0 || C < 4 || C % 4 || K < 4 || K % 4 || V < VL || V % VL)
-        return 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t h = 0; h < H; h++) {
-        float *S = state + h * K * V;
-        for (int64_t n = 0; n < N; n++) {
-            int64_t m = n * H + h;
-            if (n == 0 || restart[n])
-                memset(S, 0, (size_t)(K * V) * sizeof(float));
-            float *vn = u + m * C * V;
-            const float *wm = w + m * C * K, *qm = q_start + m * C * K, *im = intra + m * C * C;
-            const float *ktm = k_end_t + m * K * C;
-            float *o = out + (n * C * H + h) * V;
-            for (int64_t i0 = 0; i0 < C; i0 += 4)
-                mm4_cols(wm + i0 * K, K, S, V, K, vn + i0 * V, V, V, -1.0f, 1.0f);
-            for (int64_t i0 = 0; i0 < C; i0 += 4) {
-                mm4_cols(qm + i0 * K, K, S, V, K, o + i0 * H * V, H * V, V, 1.0f, 0.0f);
-                mm4_cols(im + i0 * C, C, vn, V, i0 + 4, o + i0 * H * V, H * V, V, 1.0f, 1.0f);
-            }
-            float cd = chunk_decay[m];
-            for (int64_t r0 = 0; r0 < K; r0 += 4)
-                mm4_cols(ktm + r0 * C, C, vn, V, C, S + r0 * V, V, V, 1.0f, cd);
-        }
-    }
-    return 0;
-}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
