@@ -122,3 +122,34 @@ def test_default_chunk_is_the_c_kernels_size_where_they_run(monkeypatch):
         assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_gated_delta_rule(*args, chunk_size=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("bounds", [None, [0, 5, 5, 77, 160]])
+def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, monkeypatch):
+    """The Gated DeltaNet's conv + SiLU, head split and chunked rule in one C pass (conv mode of
+    `pt_delta_chunked`: q, k, v made from the projection where they are used) against `causal_conv1d_silu` then
+    `chunk_gated_delta_rule` in torch: <= 1e-5 relative (float32 sums in other orders, the conv's multiply-adds
+    fused). The projection is a strided slice of a wider one, as the layer's; packed sequences (an empty one too)
+    keep the conv from reading across a boundary; key heads shared by `group` value heads."""
+    from pixeltriage.kernels import native
+    from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(group)
+    t, hv, dk, dv = 160, 4, 16, 32
+    hk = hv // group
+    conv_dim = 2 * hk * dk + hv * dv
+    x = torch.randn(t, conv_dim + 24, generator=gen).to(dtype)[:, :conv_dim]
+    weight = torch.randn(conv_dim, 4, generator=gen) * 0.5
+    g = -F.softplus(torch.randn(t, hv, generator=gen)) * 2.0
+    beta = torch.rand(t, hv, generator=gen)
+    calls, real = [], native.call
+    monkeypatch.setattr(native, "call", lambda name, *args: calls.append((name, args)) or real(name, *args))
+    got = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds)
+    assert any(name == "pt_delta_chunked" and args[24] for name, args in calls)     # conv mode ran
+    want = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds, native=False)
+    assert got.shape == want.shape == (t, hv, dv)
+    assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="does not hold"):
+        conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk + 1, dv)

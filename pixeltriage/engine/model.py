@@ -14,7 +14,7 @@ from pixeltriage.engine.config import FULL, TextConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.conv import causal_conv1d_silu
-from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule, fla
+from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule, fla
 from pixeltriage.kernels.activation import silu_mul
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated, rms_norm_zero_centred
 from pixeltriage.kernels.rotary import apply_partial_rotary, mrope_cos_sin
@@ -70,12 +70,6 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     # leave their (2 * Hv-column) projection in float32, never rounded to bf16. On the parity checkpoints this
     # alone took the bf16-vs-float32 score gap from 0.021 to 0.004 where it was largest.
     b, a = (x.float() @ w.in_proj[n_main:].float().t()).split([hv, hv], dim=-1)
-    qkv = causal_conv1d_silu(qkv, w.conv, cu_seqlens)                 # float32
-    q, k, v = qkv.split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-    q, k = q.view(seq_len, hk, dk), k.view(seq_len, hk, dk)     # L2-normalised inside the delta rule
-    if hv != hk:
-        q = q.repeat_interleave(hv // hk, dim=1)
-        k = k.repeat_interleave(hv // hk, dim=1)
     # beta and the log decay in float64, rounded once to float32. torch's vectorised sigmoid/softplus/exp and their
     # scalar loop over the last (size % 16) elements differ by an ulp, so in float32 the last tokens of a state (where
     # its decision rows are) got beta and g that depended on what else shared its varlen batch whenever T * Hv is
@@ -83,13 +77,19 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     # after the rounding. [T, Hv] is small: microseconds.
     beta = b.double().sigmoid().float()
     g = (-w.A_log.double().exp() * F.softplus(a.double() + w.dt_bias.double())).float()
-    v = v.view(seq_len, hv, dv)
     # fla's Triton kernels take bf16/fp16 (their fp32 dots may run as TF32); a float32 forward on CUDA stays on
     # the exact torch chunked path, so float32 remains the reference on every device
     if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and fla.available():
-        o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens_device, qk_l2norm=True)
-    else:
-        o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, qk_l2norm=True)   # [T, Hv, dv] float32
+        q, k, v = causal_conv1d_silu(qkv, w.conv, cu_seqlens).split(
+            [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+        q, k = q.view(seq_len, hk, dk), k.view(seq_len, hk, dk)     # L2-normalised inside the delta rule
+        if hv != hk:
+            q = q.repeat_interleave(hv // hk, dim=1)
+            k = k.repeat_interleave(hv // hk, dim=1)
+        o = fla.chunk_gated_delta_rule_fla(q, k, v.view(seq_len, hv, dv), g, beta, cu_seqlens=cu_seqlens_device,
+                                           qk_l2norm=True)
+    else:   # the conv, then the chunked rule with q and k L2-normalised: [T, Hv, dv] float32 (one C pass on the CPU)
+        o = conv_chunk_gated_delta_rule(qkv, w.conv, g, beta, hk, dk, dv, cu_seqlens=cu_seqlens)
     z = z.view(seq_len, hv, dv)
     if rows is not None:
         o, z = o.index_select(0, rows), z.index_select(0, rows)

@@ -62,34 +62,123 @@ def chunk_gated_delta_rule(
     seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
     scale = k_dim ** -0.5 if scale is None else scale
-    if chunk_size is None:
-        from pixeltriage.kernels import native as native_kernels
-
-        use_c = native is not False and q.device.type == "cpu" and native_kernels.available()
-        chunk_size = NATIVE_CHUNK if use_c else TORCH_CHUNK
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    c = chunk_size
-    bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
-    if bounds[0] != 0 or bounds[-1] != seq_len or any(b > e for b, e in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to {seq_len}, got {bounds}")
-    segments = [(b, e) for b, e in zip(bounds, bounds[1:]) if e > b]
-    seg_chunks = [-(-(e - b) // c) for b, e in segments]
-    num_chunks = sum(seg_chunks)
-    if num_chunks == 0:
+    plan = _Plan(seq_len, cu_seqlens, chunk_size, native, q.device)
+    if plan.num_chunks == 0:
         return q.new_zeros(seq_len, num_heads, v_dim, dtype=torch.float32)
-    starts, n0 = set(), 0
-    for n in seg_chunks:
-        starts.add(n0)
-        n0 += n
+    use_native = native is not False and q.device.type == "cpu"     # each C kernel checks its own inputs
+    gamma = plan.gamma(g)
+    # In C: one pass per head over its chunks, each chunk's matrices made and used while in cache (the state's
+    # products included), straight from the token-major inputs
+    out = _native_chunked(plan, (q, k, v), beta, gamma, qk_l2norm, scale) if use_native else None
+    if out is None:
+        # In torch: the chunk layout (gathered in C where it can be), everything but the carried state batched
+        # over chunks and heads (u, w: the UT transform's outputs; the causal intra-chunk scores; q decayed from
+        # its chunk's start, k decayed to its chunk's end, transposed; each chunk's total decay), then the loop
+        laid_out = (_native_layout(q, k, v, beta, qk_l2norm, plan.segments, plan.seg_chunks, plan.c) if use_native
+                    else None)
+        if laid_out is not None:
+            q, k, k_beta, v_beta = laid_out
+        else:
+            q_mult = k_mult = None
+            if qk_l2norm:
+                # vector_norm reads strided rows 3x faster than vecdot or (x * x).sum; squaring its sqrt back
+                # costs ~1 ulp in the scale
+                q_mult = torch.linalg.vector_norm(q, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()   # [T, H]
+                k_mult = torch.linalg.vector_norm(k, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()
+            k_beta = plan.chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
+            v_beta = plan.chunked(v, beta)                                         # [N, H, C, V]
+            q, k = plan.chunked(q, q_mult), plan.chunked(k, k_mult)
+        out = _torch_loop(*_torch_prep(q, k, k_beta, v_beta, gamma, scale), plan.restart)
+    return plan.unpad(out.view(plan.num_chunks * plan.c, num_heads, v_dim))
 
-    def chunked(x: torch.Tensor, mult: torch.Tensor | None = None) -> torch.Tensor:
-        # [T, H, ...] -> a new [N, H, C, ...] float32 tensor, chunk-major so that each chunk's slice is contiguous,
-        # with `mult` ([T, H]) multiplied in on the way (one pass); each sequence is zero-padded to whole chunks,
-        # which leaves the state untouched (k = 0, beta = 0, g = 0)
-        buf = torch.empty(num_chunks, num_heads, c, *x.shape[2:], dtype=torch.float32, device=x.device)
+
+def conv_chunk_gated_delta_rule(
+    x: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_k_heads: int,
+    k_dim: int,
+    v_dim: int,
+    chunk_size: int | None = None,
+    cu_seqlens: list[int] | None = None,
+    native: bool | None = None,
+) -> torch.Tensor:
+    """The Gated DeltaNet's token mixing from its projection: causal conv1d + SiLU over x ([T, conv_dim], conv_dim =
+    2 * num_k_heads * k_dim + Hv * v_dim; conv_weight [conv_dim, W]), split into q, k ([T, num_k_heads, k_dim],
+    each key head shared by Hv / num_k_heads value heads) and v ([T, Hv, v_dim]), then the chunked rule with
+    q and k L2-normalised: [T, Hv, v_dim] float32.
+
+    On the CPU the C kernel does it all in one pass per head (`pt_delta_chunked` in conv mode): each chunk's q, k
+    and v rows are made from x where they are used, so the conv's [T, conv_dim] float32 output (56 MB at
+    bench-small) is never written or read back. Elsewhere, or native=False, it is `causal_conv1d_silu` then
+    `chunk_gated_delta_rule`, which it is tested against.
+    """
+    seq_len, conv_dim = x.shape
+    num_v_heads = beta.shape[1]
+    if conv_dim != 2 * num_k_heads * k_dim + num_v_heads * v_dim or num_v_heads % num_k_heads:
+        raise ValueError(f"projection width {conv_dim} does not hold {num_k_heads} key heads of {k_dim} and "
+                         f"{num_v_heads} value heads of {v_dim}")
+    if native is not False and x.device.type == "cpu":
+        plan = _Plan(seq_len, cu_seqlens, chunk_size, native, x.device)
+        if plan.num_chunks == 0:
+            return x.new_zeros(seq_len, num_v_heads, v_dim, dtype=torch.float32)
+        out = _native_chunked(plan, (x, conv_weight, num_v_heads // num_k_heads, k_dim, v_dim), beta, plan.gamma(g),
+                              True, k_dim ** -0.5)
+        if out is not None:
+            return plan.unpad(out.view(plan.num_chunks * plan.c, num_v_heads, v_dim))
+    from pixeltriage.kernels.conv import causal_conv1d_silu
+
+    qkv = causal_conv1d_silu(x, conv_weight, cu_seqlens, native=native)
+    q, k, v = qkv.split([num_k_heads * k_dim, num_k_heads * k_dim, num_v_heads * v_dim], dim=-1)
+    q, k = q.view(seq_len, num_k_heads, k_dim), k.view(seq_len, num_k_heads, k_dim)
+    if num_v_heads != num_k_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+    return chunk_gated_delta_rule(q, k, v.view(seq_len, num_v_heads, v_dim), g, beta, chunk_size=chunk_size,
+                                  cu_seqlens=cu_seqlens, qk_l2norm=True, native=native)
+
+
+class _Plan:
+    """How T tokens of packed sequences (cu_seqlens) fall into chunks of c: each sequence is padded to whole chunks
+    on its own (zero rows leave the state untouched: k = 0, beta = 0, g = 0) and the state restarts at its first."""
+
+    def __init__(self, seq_len: int, cu_seqlens: list[int] | None, chunk_size: int | None, native: bool | None,
+                 device: torch.device):
+        if chunk_size is None:
+            from pixeltriage.kernels import native as native_kernels
+
+            use_c = native is not False and device.type == "cpu" and native_kernels.available()
+            chunk_size = NATIVE_CHUNK if use_c else TORCH_CHUNK
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
+        if bounds[0] != 0 or bounds[-1] != seq_len or any(b > e for b, e in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to {seq_len}, got {bounds}")
+        self.seq_len, self.c = seq_len, chunk_size
+        self.segments = [(b, e) for b, e in zip(bounds, bounds[1:]) if e > b]
+        self.seg_chunks = [-(-(e - b) // chunk_size) for b, e in self.segments]
+        self.num_chunks = sum(self.seg_chunks)
+        self.restart = torch.zeros(self.num_chunks, dtype=torch.uint8)   # 1 at each sequence's first chunk
+        starts, lengths, seg_start, n0 = [], [], [], 0                    # per chunk: first token, tokens, sequence
+        for (b, e), n in zip(self.segments, self.seg_chunks):
+            self.restart[n0] = 1
+            for j in range(n):
+                starts.append(b + j * chunk_size)
+                lengths.append(min(chunk_size, e - b - j * chunk_size))
+                seg_start.append(b)
+            n0 += n
+        self.chunk_start = torch.tensor(starts, dtype=torch.int64)
+        self.chunk_len = torch.tensor(lengths, dtype=torch.int64)
+        self.seg_start = torch.tensor(seg_start, dtype=torch.int64)
+
+    def chunked(self, x: torch.Tensor, mult: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H, ...] -> a new [N, H, C, ...] float32 tensor, chunk-major so that each chunk's slice is contiguous,
+        with `mult` ([T, H]) multiplied in on the way (one pass); zero rows pad each sequence's last chunk."""
+        c, num_heads = self.c, x.shape[1]
+        buf = torch.empty(self.num_chunks, num_heads, c, *x.shape[2:], dtype=torch.float32, device=x.device)
         n0 = 0
-        for (b, e), n in zip(segments, seg_chunks):
+        for (b, e), n in zip(self.segments, self.seg_chunks):
             full, rem = divmod(e - b, c)
             parts = [(buf[n0:n0 + full], b, b + full * c, full)] if full else []
             if rem:
@@ -104,44 +193,22 @@ def chunk_gated_delta_rule(
             n0 += n
         return buf
 
-    use_native = native is not False and q.device.type == "cpu"     # each C kernel checks its own inputs
-    # [N, H, C] log decay from chunk start. One token's g below the cut-off already zeroes every decay across it,
-    # so g is floored at twice the cut-off: the same result, and a -inf g (A_log overflowing exp) gives no
-    # -inf - -inf = NaN in the differences below
-    gamma = chunked(g).clamp_(min=2 * LOG_DECAY_CUTOFF).cumsum_(-1)
-    restart = torch.zeros(num_chunks, dtype=torch.uint8)
-    restart[sorted(starts)] = 1
-    # In C: one pass per head over its chunks, each chunk's matrices made and used while in cache (the state's
-    # products included), straight from the token-major inputs
-    out = (_native_chunked(q, k, v, beta, gamma, segments, seg_chunks, restart, qk_l2norm, scale) if use_native
-           else None)
-    if out is None:
-        # In torch: the chunk layout (gathered in C where it can be), everything but the carried state batched
-        # over chunks and heads (u, w: the UT transform's outputs; the causal intra-chunk scores; q decayed from
-        # its chunk's start, k decayed to its chunk's end, transposed; each chunk's total decay), then the loop
-        laid_out = _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c) if use_native else None
-        if laid_out is not None:
-            q, k, k_beta, v_beta = laid_out
-        else:
-            q_mult = k_mult = None
-            if qk_l2norm:
-                # vector_norm reads strided rows 3x faster than vecdot or (x * x).sum; squaring its sqrt back
-                # costs ~1 ulp in the scale
-                q_mult = torch.linalg.vector_norm(q, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()   # [T, H]
-                k_mult = torch.linalg.vector_norm(k, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()
-            k_beta = chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
-            v_beta = chunked(v, beta)                                         # [N, H, C, V]
-            q, k = chunked(q, q_mult), chunked(k, k_mult)
-        out = _torch_loop(*_torch_prep(q, k, k_beta, v_beta, gamma, scale), restart)
-    out = out.view(num_chunks * c, num_heads, v_dim)
-    if len(segments) == 1 and segments[0] == (0, seq_len):
-        return out[:seq_len]
-    result = out.new_empty(seq_len, num_heads, v_dim)        # the segments cover every row
-    n0 = 0
-    for (b, e), n in zip(segments, seg_chunks):
-        result[b:e] = out[n0 * c:n0 * c + (e - b)]
-        n0 += n
-    return result
+    def gamma(self, g: torch.Tensor) -> torch.Tensor:
+        """[T, H] log decays -> [N, H, C] cumulated from each chunk's start. One token's g below the cut-off already
+        zeroes every decay across it, so g is floored at twice the cut-off: the same result, and a -inf g (A_log
+        overflowing exp) gives no -inf - -inf = NaN in the differences taken from it."""
+        return self.chunked(g).clamp_(min=2 * LOG_DECAY_CUTOFF).cumsum_(-1)
+
+    def unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """[N * C, H, V] chunk rows -> [T, H, V] token rows."""
+        if len(self.segments) == 1 and self.segments[0] == (0, self.seq_len):
+            return out[:self.seq_len]
+        result = out.new_empty(self.seq_len, *out.shape[1:])        # the segments cover every row
+        n0 = 0
+        for (b, e), n in zip(self.segments, self.seg_chunks):
+            result[b:e] = out[n0 * self.c:n0 * self.c + (e - b)]
+            n0 += n
+        return result
 
 
 def _torch_prep(q, k, k_beta, v_beta, gamma, scale):
@@ -221,32 +288,43 @@ def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
     return q_c[0], k_pair[0], k_pair[1], v_beta[0]
 
 
-def _native_chunked(q, k, v, beta, gamma, segments, seg_chunks, restart, qk_l2norm, scale):
-    """`_torch_prep` then `_torch_loop`, in C (`pt_delta_chunked`) from the token-major q, k, v ([T, H, K|V], last
-    dim contiguous) and beta: heads split over threads, each running through its chunks with the state and the
-    chunk's matrices in cache (gathered and L2-normalised on the way in; triangular products over their nonzero
-    blocks). -> [N * C, H, V] token-major, or None where the kernel does not apply (float32 only; head dims
-    multiples of 16, the chunk a multiple of 16 of at most 256)."""
+def _native_chunked(plan, inputs, beta, gamma, qk_l2norm, scale):
+    """`_torch_prep` then `_torch_loop`, in C (`pt_delta_chunked`): heads split over threads, each running through
+    its chunks with the state and the chunk's matrices in cache (rows gathered and L2-normalised on the way in;
+    triangular products over their nonzero blocks). inputs: (q, k, v) token-major [T, H, K|V] float32, last dim
+    contiguous; or (x, conv_weight, group, k_dim, v_dim) for conv mode (see `conv_chunk_gated_delta_rule`).
+    -> [N * C, H, V] token-major, or None where the kernel does not apply (head dims multiples of 16, the chunk a
+    multiple of 16 of at most 256, conv widths up to 16)."""
     from pixeltriage.kernels import native
 
     num_chunks, num_heads, c = gamma.shape
-    k_dim, v_dim = k.shape[-1], v.shape[-1]
-    if (any(t.dtype != torch.float32 for t in (q, k, v, beta, gamma)) or any(t.stride(-1) != 1 for t in (q, k, v))
-            or not gamma.is_contiguous() or not native.handles(q, k, v, beta, gamma)
-            or c % 16 or c > 256 or k_dim % 16 or v_dim % 16):
+    conv = len(inputs) == 5
+    if conv:
+        x, conv_weight, group, k_dim, v_dim = inputs
+        if (x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1 or conv_weight.dim() != 2
+                or conv_weight.shape[0] != x.shape[1] or not native.handles(x)):
+            return None
+        taps = conv_weight.float().t().contiguous()                  # [W, conv_dim]
+        q = k = v = x.new_empty(0, 0, 0, dtype=torch.float32)
+        conv_args = (x.data_ptr(), native.is_bf16(x), x.stride(0), taps.data_ptr(), taps.shape[0], x.shape[1], group,
+                     plan.seg_start.data_ptr())
+    else:
+        q, k, v = inputs
+        k_dim, v_dim = k.shape[-1], v.shape[-1]
+        if any(t.dtype != torch.float32 for t in inputs) or any(t.stride(-1) != 1 for t in inputs):
+            return None
+        conv_args = (None, 0, 0, None, 0, 0, 1, None)
+    if (beta.dtype != torch.float32 or gamma.dtype != torch.float32 or not gamma.is_contiguous()
+            or not native.handles(beta, gamma) or c % 16 or c > 256 or k_dim % 16 or v_dim % 16):
         return None
-    starts, lengths = [], []                                 # each chunk's first token and its number of tokens
-    for (b, e), n in zip(segments, seg_chunks):
-        for j in range(n):
-            starts.append(b + j * c)
-            lengths.append(min(c, e - b - j * c))
-    chunk_start, chunk_len = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
     beta = beta.contiguous()
-    out = q.new_empty(num_chunks * c, num_heads, v_dim)
-    # per thread: the decay matrix and T (2 C^2), q_start, w (C K each), u (C V), intra (C^2), k_end^T (K C), S (K V)
-    scratch = q.new_empty(torch.get_num_threads(), 3 * c * c + 3 * c * k_dim + c * v_dim + k_dim * v_dim)
+    out = gamma.new_empty(num_chunks * c, num_heads, v_dim)
+    # per thread: the decay matrix and T (2 C^2), q_start, w, normalised k (C K each), u (C V), intra (C^2),
+    # k_end^T (K C), the state (K V)
+    scratch = gamma.new_empty(torch.get_num_threads(), 3 * c * c + 4 * c * k_dim + c * v_dim + k_dim * v_dim)
     ok = native.call("pt_delta_chunked", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                     k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(), chunk_start.data_ptr(),
-                     chunk_len.data_ptr(), restart.data_ptr(), num_chunks, num_heads, c, k_dim, v_dim, int(qk_l2norm),
-                     L2NORM_EPS, gamma.data_ptr(), scale, LOG_DECAY_CUTOFF, _TINY, out.data_ptr(), scratch.data_ptr())
+                     k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(), plan.chunk_start.data_ptr(),
+                     plan.chunk_len.data_ptr(), plan.restart.data_ptr(), num_chunks, num_heads, c, k_dim, v_dim,
+                     int(qk_l2norm), L2NORM_EPS, gamma.data_ptr(), scale, LOG_DECAY_CUTOFF, _TINY, *conv_args,
+                     out.data_ptr(), scratch.data_ptr())
     return out if ok else None

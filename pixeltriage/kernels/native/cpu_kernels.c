@@ -367,42 +367,94 @@ static inline int64_t round16(int64_t n) { return (n + VL - 1) / VL * VL; }
  * then, with S the [K, V] state entering the chunk (`_torch_loop`):
  *   v_new = u - w S;  out = q_start S + intra v_new;  S = chunk_decay S + k_end_t v_new.
  * out: [N * C, H, V] token-major (row n * C + i, head h). Heads are split over threads; scratch holds
- * DELTA_SCRATCH(C, K, V) floats per thread. C, K and V multiples of 16, C <= MAX_DELTA_CHUNK. */
-#define DELTA_SCRATCH(C, K, V) (3 * (C) * (C) + 3 * (C) * (K) + (C) * (V) + (K) * (V))
+ * DELTA_SCRATCH(C, K, V) floats per thread. C, K and V multiples of 16, C <= MAX_DELTA_CHUNK.
+ * Conv mode (taps != NULL; q, k, v unused): each token's q, k and v come from the Gated DeltaNet's projection x
+ * [T, conv_dim] = [q heads | k heads | v heads] through the causal conv1d + SiLU (`conv_silu_span`), with
+ * seg_start[n] the first token of chunk n's packed sequence (earlier rows read as zeros) and value head h reading
+ * key head h / group: the conv's float32 output is never materialised. */
+#define DELTA_SCRATCH(C, K, V) (3 * (C) * (C) + 4 * (C) * (K) + (C) * (V) + (K) * (V))
 
 typedef struct {
     const float *q, *k, *v, *beta;
     int64_t q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V;
     int l2norm;
     float eps, scale, cutoff, tiny;
+    /* conv mode (taps != NULL): q, k and v are made here from the projection x [T, conv_dim] (bf16 if x_bf16, row
+     * stride x_t) by the causal conv1d + SiLU, taps [W, conv_dim] float32; value head h reads key head h / group */
+    const void *x;
+    int x_bf16, W;
+    int64_t x_t, conv_dim, group;
+    const float *taps;
 } delta_args;
+
+#define MAX_DELTA_HEAD 512
+
+/* out[c] = silu(x[t, c0 + c] * taps[W - 1] + sum_{j < W - 1} x[t - W + 1 + j, c0 + c] * taps[j]) for c < n, rows
+ * before seg0 (the token's packed sequence's first) read as zeros: `pt_causal_conv1d_silu`'s arithmetic, in its
+ * order, for one token and channel range. */
+static void conv_silu_span(const delta_args *a, int64_t t, int64_t seg0, int64_t c0, int64_t n, float *restrict out) {
+    int W = a->W;
+    const float *wl = a->taps + (int64_t)(W - 1) * a->conv_dim + c0;
+    if (a->x_bf16) {
+        const uint16_t *xr = (const uint16_t *)a->x + t * a->x_t + c0;
+        for (int64_t c = 0; c < n; c++)
+            out[c] = bf16_to_float(xr[c]) * wl[c];
+    } else {
+        const float *xr = (const float *)a->x + t * a->x_t + c0;
+        for (int64_t c = 0; c < n; c++)
+            out[c] = xr[c] * wl[c];
+    }
+    for (int j = 0; j < W - 1; j++) {
+        int64_t r = t - W + 1 + j;
+        if (r < seg0)
+            continue;
+        const float *wj = a->taps + (int64_t)j * a->conv_dim + c0;
+        if (a->x_bf16) {
+            const uint16_t *xr = (const uint16_t *)a->x + r * a->x_t + c0;
+            for (int64_t c = 0; c < n; c++)
+                out[c] += bf16_to_float(xr[c]) * wj[c];
+        } else {
+            const float *xr = (const float *)a->x + r * a->x_t + c0;
+            for (int64_t c = 0; c < n; c++)
+                out[c] += xr[c] * wj[c];
+        }
+    }
+    for (int64_t c = 0; c < n; c++)
+        out[c] = silu_f32(out[c]);
+}
 
 /* One chunk's prep for head h: its rows gathered straight into the outputs (q into qm, kb into kbm, vb into vbm,
  * k^T into kt) and transformed in place: u (over vbm) and w (over kbm) bottom-up, so that row block i reads only
  * rows <= i of the input it overwrites. Triangular products run over their nonzero blocks only. dec: 2 C^2 floats.
  * Returns the chunk's total decay. */
-static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int64_t h, const float *g, float *qm,
-                              float *kbm, float *vbm, float *im, float *kt, float *dec) {
+static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t h, const float *g,
+                              float *qm, float *kbm, float *vbm, float *im, float *kt, float *dec, float *kn) {
     const float *q = a->q, *k = a->k, *v = a->v, *beta = a->beta;
     int64_t q_t = a->q_t, q_h = a->q_h, k_t = a->k_t, k_h = a->k_h, v_t = a->v_t, v_h = a->v_h;
     int64_t H = a->H, C = a->C, K = a->K, V = a->V;
     int l2norm = a->l2norm;
     float eps = a->eps, scale = a->scale, cutoff = a->cutoff, tiny = a->tiny;
     float *t = dec + C * C;
-    const float *krow[MAX_DELTA_CHUNK];
-    float ks[MAX_DELTA_CHUNK];                           /* k's norm scale per row (0: padding) */
+    float qc[MAX_DELTA_HEAD], kc[MAX_DELTA_HEAD], vc[MAX_DELTA_HEAD];   /* conv mode: this token's q, k, v */
+    int64_t hk = a->taps ? h / a->group : h, nk = H / (a->taps ? a->group : 1);
     for (int64_t i = 0; i < C; i++) {
-        float *qo = qm + i * K, *kbo = kbm + i * K, *vbo = vbm + i * V;
+        float *qo = qm + i * K, *kbo = kbm + i * K, *vbo = vbm + i * V, *kno = kn + i * K;
         if (i >= len) {
             memset(qo, 0, (size_t)K * sizeof(float));
             memset(kbo, 0, (size_t)K * sizeof(float));
             memset(vbo, 0, (size_t)V * sizeof(float));
-            krow[i] = NULL;
-            ks[i] = 0.0f;
+            memset(kno, 0, (size_t)K * sizeof(float));
             continue;
         }
-        const float *restrict qr = q + (t0 + i) * q_t + h * q_h, *restrict kr = k + (t0 + i) * k_t + h * k_h;
-        const float *restrict vr = v + (t0 + i) * v_t + h * v_h;
+        const float *restrict qr, *restrict kr, *restrict vr;
+        if (a->taps) {
+            conv_silu_span(a, t0 + i, seg0, hk * K, K, qc);
+            conv_silu_span(a, t0 + i, seg0, (nk + hk) * K, K, kc);
+            conv_silu_span(a, t0 + i, seg0, 2 * nk * K + h * V, V, vc);
+            qr = qc, kr = kc, vr = vc;
+        } else {
+            qr = q + (t0 + i) * q_t + h * q_h, kr = k + (t0 + i) * k_t + h * k_h, vr = v + (t0 + i) * v_t + h * v_h;
+        }
         float sq = 1.0f, sk = 1.0f, b = beta[(t0 + i) * H + h];
         if (l2norm) {
             float aq = 0.0f, ak = 0.0f;
@@ -418,16 +470,15 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
         for (int64_t d = 0; d < K; d++) {
             qo[d] = qr[d] * sq;
             kbo[d] = kr[d] * skb;
+            kno[d] = kr[d] * sk;
         }
         for (int64_t d = 0; d < V; d++)
             vbo[d] = vr[d] * b;
-        krow[i] = kr;
-        ks[i] = sk;
     }
     for (int64_t i0 = 0; i0 < C; i0 += VL)                  /* k^T (normalised, undecayed) */
         for (int64_t d = 0; d < K; d++)
             for (int64_t i = i0; i < i0 + VL; i++)
-                kt[d * C + i] = krow[i] ? krow[i][d] * ks[i] : 0.0f;
+                kt[d * C + i] = kn[i * K + d];
     float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK];       /* exp(gamma_i), exp(gamma_{C-1} - gamma_i) */
     for (int64_t i = 0; i < C; i++) {
         gexp[i] = decay_exp(g[i], cutoff);
@@ -519,23 +570,28 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
                      const float *v, int64_t v_t, int64_t v_h, const float *beta, const int64_t *chunk_start,
                      const int64_t *chunk_len, const uint8_t *restart, int64_t N, int64_t H, int64_t C, int64_t K,
                      int64_t V, int l2norm, float eps, const float *gamma, float scale, float cutoff, float tiny,
-                     float *out, float *scratch, int nthreads) {
+                     const void *x, int x_bf16, int64_t x_t, const float *taps, int W, int64_t conv_dim,
+                     int64_t group, const int64_t *seg_start, float *out, float *scratch, int nthreads) {
     if (N < 0 || H < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL)
         return 1;
+    if (taps && (W < 1 || W > MAX_CONV_WIDTH || group < 1 || H % group || K > MAX_DELTA_HEAD || V > MAX_DELTA_HEAD
+                 || conv_dim != 2 * (H / group) * K + H * V))
+        return 1;
     for (int64_t n = 0; n < N; n++)
-        if (chunk_len[n] < 0 || chunk_len[n] > C)
+        if (chunk_len[n] < 0 || chunk_len[n] > C || (taps && seg_start[n] > chunk_start[n]))
             return 1;
-    delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny};
+    delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
+                    x, x_bf16, W, x_t, conv_dim, group, taps};
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t h = 0; h < H; h++) {
         float *dec = scratch + (int64_t)THREAD_NUM() * DELTA_SCRATCH(C, K, V);
         float *qm = dec + 2 * C * C, *wm = qm + C * K, *um = wm + C * K, *im = um + C * V, *kt = im + C * C;
-        float *S = kt + K * C;
+        float *S = kt + K * C, *kn = S + K * V;
         for (int64_t n = 0; n < N; n++) {
             if (n == 0 || restart[n])
                 memset(S, 0, (size_t)(K * V) * sizeof(float));
-            float cd = delta_prep_chunk(&a, chunk_start[n], chunk_len[n], h, gamma + (n * H + h) * C, qm, wm, um,
-                                        im, kt, dec);
+            float cd = delta_prep_chunk(&a, chunk_start[n], chunk_len[n], taps ? seg_start[n] : 0, h,
+                                        gamma + (n * H + h) * C, qm, wm, um, im, kt, dec, kn);
             delta_loop_chunk(um, wm, qm, im, kt, cd, S, out + (n * C * H + h) * V, H * V, C, K, V);
         }
     }
