@@ -365,3 +365,25 @@ def test_linear_matches_f_linear(dtype, bias, monkeypatch):
     monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
     assert torch.equal(linear.linear(x, w, b), want)
     assert linear._STATE["ok"] is (not bias)            # only a layer with a bias asked oneDNN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [0, 16, 64])
+def test_norm_partial_rotary_matches_float64(dtype, rotary_dim, native):
+    """The decoder attention's q/k norm + partial rotary, read from a strided [query | gate] projection as the
+    layer's q is: against float64, each path within its roundings (the C pass rounds once, the torch path after
+    the norm and after each rotary product: 3 bf16 roundings of unit-scale values, 2^-8 each)."""
+    from pixeltriage.kernels.norm import rms_norm_zero_centred
+    from pixeltriage.kernels.rotary import apply_partial_rotary, norm_partial_rotary
+
+    g = torch.Generator().manual_seed(rotary_dim)
+    t, heads, dim = 37, 3, 64
+    x = (torch.randn(t, heads, 2 * dim, generator=g) * 3).to(dtype)[..., :dim]
+    weight = torch.randn(dim, generator=g) * 0.2
+    angles = torch.randn(t, rotary_dim, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    got = norm_partial_rotary(x, weight, 1e-6, cos, sin, native=native)
+    exact = apply_partial_rotary(rms_norm_zero_centred(x.double(), weight.double(), 1e-6), cos.double(), sin.double())
+    assert got.dtype == dtype and got.shape == (t, heads, dim)
+    tol = 1e-6 if dtype == torch.float32 else (2 ** -8 if native is None else 3 * 2 ** -8)
+    assert rel(got.double(), exact) <= tol

@@ -16,8 +16,8 @@ from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.conv import causal_conv1d_silu
 from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule, fla
 from pixeltriage.kernels.activation import silu_mul
-from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated, rms_norm_zero_centred
-from pixeltriage.kernels.rotary import apply_partial_rotary, mrope_cos_sin
+from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
+from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
 
 
 @dataclass
@@ -116,8 +116,8 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
         q_cos, q_sin = cos.index_select(0, rows), sin.index_select(0, rows)
     num_q = qg.shape[0]
     q, gate = qg.view(num_q, nh, 2 * hd).chunk(2, dim=-1)
-    q = apply_partial_rotary(rms_norm_zero_centred(q, w.q_norm, cfg.rms_norm_eps), q_cos, q_sin)
-    k = apply_partial_rotary(rms_norm_zero_centred(k.view(seq_len, nkv, hd), w.k_norm, cfg.rms_norm_eps), cos, sin)
+    q = norm_partial_rotary(q, w.q_norm, cfg.rms_norm_eps, q_cos, q_sin)
+    k = norm_partial_rotary(k.view(seq_len, nkv, hd), w.k_norm, cfg.rms_norm_eps, cos, sin)
     v = v.view(seq_len, nkv, hd)
     if rows is None:
         lengths = [seq_len] if cu_seqlens is None else [e - b for b, e in zip(cu_seqlens, cu_seqlens[1:])]

@@ -36,6 +36,40 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
+def norm_partial_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                        native: bool | None = None) -> torch.Tensor:
+    """`apply_partial_rotary(rms_norm_zero_centred(x, weight, eps), cos, sin)`: the decoder attention's q and k.
+    x: [T, heads, head_dim]; cos/sin: [T, rotary_dim] -> x's dtype.
+
+    native: on the CPU, one C pass per row (`kernels.native`) in float32, rounded once, where the torch path
+    rounds the normed x and then each rotary product (transformers' order; the two agree within those
+    roundings), reading q straight from its strided [query | gate] projection. None: whenever available;
+    False: the torch path."""
+    if native is not False and x.device.type == "cpu":
+        out = _native_norm_rotary(x, weight, eps, cos, sin)
+        if out is not None:
+            return out
+    from pixeltriage.kernels.norm import rms_norm_zero_centred
+
+    return apply_partial_rotary(rms_norm_zero_centred(x, weight, eps), cos, sin)
+
+
+def _native_norm_rotary(x, weight, eps, cos, sin):
+    from pixeltriage.kernels import native
+
+    if (x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] == 0 or weight.numel() != x.shape[-1]
+            or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0] or cos.shape[1] > x.shape[-1]
+            or not native.handles(x)):
+        return None
+    n, heads, dim = x.shape
+    w = (1.0 + weight.float()).contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    ok = native.call("pt_norm_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), x.stride(1), w.data_ptr(), eps,
+                     cos.data_ptr(), sin.data_ptr(), n, heads, dim, cos.shape[1], out.data_ptr())
+    return out if ok else None
+
+
 def vision_rotary_cos_sin(hw_ids: torch.Tensor, head_dim: int, theta: float):
     """2-D rotary for the ViT. hw_ids: [N, 2] (row, col) -> cos, sin: [N, head_dim] float32."""
     spatial = head_dim // 2

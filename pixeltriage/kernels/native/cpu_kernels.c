@@ -287,6 +287,55 @@ int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *co
     return 0;
 }
 
+/* The decoder attention's q and k: zero-centred RMSNorm, then rotary on the first R features, in float32 and rounded
+ * once: y = x / sqrt(mean(x^2) + eps) * w (w: the norm's 1 + weight, float32 [D]); out[:R/2] = y1 cos - y2 sin,
+ * out[R/2:R] = y2 cos + y1 sin (y1, y2 the halves of y[:R]; cos, sin float32 [N, R], their matching halves);
+ * out[R:] = y[R:]. x: [N, G, D] (bf16 if bf16) with strides (x_n, x_g, 1); out: [N, G, D] contiguous, x's dtype. */
+int pt_norm_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w, float eps, const float *cos,
+                   const float *sin, int64_t N, int64_t G, int64_t D, int64_t R, void *out, int nthreads) {
+    if (N < 0 || G < 0 || D < 1 || D > 4096 || R < 0 || R > D || R % 2)
+        return 1;
+    int64_t half = R / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float y[4096];
+        const float *restrict c = cos + n * R, *restrict s = sin + n * R;
+        for (int64_t g = 0; g < G; g++) {
+            int64_t xo = n * x_n + g * x_g, oo = (n * G + g) * D;
+            if (bf16)
+                for (int64_t d = 0; d < D; d++)
+                    y[d] = bf16_to_float(((const uint16_t *)x)[xo + d]);
+            else
+                memcpy(y, (const float *)x + xo, (size_t)D * sizeof(float));
+            float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+            for (int64_t d = 0; d < D; d++)
+                sq += y[d] * y[d];
+            float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
+            for (int64_t d = 0; d < D; d++)
+                y[d] = y[d] * inv * w[d];
+            if (bf16) {
+                uint16_t *restrict o = (uint16_t *)out + oo;
+                for (int64_t d = 0; d < half; d++) {
+                    o[d] = float_to_bf16(y[d] * c[d] - y[d + half] * s[d]);
+                    o[d + half] = float_to_bf16(y[d + half] * c[d + half] + y[d] * s[d + half]);
+                }
+                for (int64_t d = R; d < D; d++)
+                    o[d] = float_to_bf16(y[d]);
+            } else {
+                float *restrict o = (float *)out + oo;
+                for (int64_t d = 0; d < half; d++) {
+                    o[d] = y[d] * c[d] - y[d + half] * s[d];
+                    o[d + half] = y[d + half] * c[d + half] + y[d] * s[d + half];
+                }
+                for (int64_t d = R; d < D; d++)
+                    o[d] = y[d];
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---- The delta rule's chunk matmuls --------------------------------------------------------------------------
  * Small dense products, [rows x d] x [d x cols] with cols a multiple of 16, as register-blocked outer products:
  * four rows by up to four 16-float vectors of columns are accumulated in registers over the shared dimension
