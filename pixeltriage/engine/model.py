@@ -124,7 +124,9 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
         o = segment_attention(q, k, v, lengths, causal=True)                   # [T, nh, hd]
     else:
         o = rows_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), rows, cu_seqlens).transpose(0, 1)
-    o = o.reshape(num_q, nh * hd) * torch.sigmoid(gate.reshape(num_q, nh * hd))
+    # the gate straight from its strided half of the projection, into the attention output in place: no copies of
+    # either (the same bf16 products)
+    o = o.mul_(torch.sigmoid(gate)).reshape(num_q, nh * hd)
     return o @ w.o_proj.t()
 
 
