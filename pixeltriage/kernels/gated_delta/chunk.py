@@ -319,12 +319,13 @@ def _native_chunked(plan, inputs, beta, gamma, qk_l2norm, scale):
         return None
     beta = beta.contiguous()
     out = gamma.new_empty(num_chunks * c, num_heads, v_dim)
+    state = gamma.new_empty(num_heads, k_dim, v_dim)
     # per thread: the decay matrix and T (2 C^2), q_start, w, normalised k (C K each), u (C V), intra (C^2),
-    # k_end^T (K C), the state (K V)
-    scratch = gamma.new_empty(torch.get_num_threads(), 3 * c * c + 4 * c * k_dim + c * v_dim + k_dim * v_dim)
+    # k_end^T (K C)
+    scratch = gamma.new_empty(torch.get_num_threads(), 3 * c * c + 4 * c * k_dim + c * v_dim)
     ok = native.call("pt_delta_chunked", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
                      k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(), plan.chunk_start.data_ptr(),
                      plan.chunk_len.data_ptr(), plan.restart.data_ptr(), num_chunks, num_heads, c, k_dim, v_dim,
                      int(qk_l2norm), L2NORM_EPS, gamma.data_ptr(), scale, LOG_DECAY_CUTOFF, _TINY, *conv_args,
-                     out.data_ptr(), scratch.data_ptr())
+                     out.data_ptr(), state.data_ptr(), scratch.data_ptr())
     return out if ok else None

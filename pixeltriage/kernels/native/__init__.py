@@ -201,5 +201,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_delta_chunked.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                                      _i64, _i64, _i64, _i64, _i64, _i32, ctypes.c_float, _ptr, ctypes.c_float,
                                      ctypes.c_float, ctypes.c_float, _ptr, _i32, _i64, _ptr, _i32, _i64, _i64, _ptr,
-                                     _ptr, _ptr, _i32]
+                                     _ptr, _ptr, _ptr, _i32]
     lib.pt_delta_chunked.restype = _i32
