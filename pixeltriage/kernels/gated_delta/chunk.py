@@ -213,7 +213,7 @@ class _Plan:
 
 def _torch_prep(q, k, k_beta, v_beta, gamma, scale):
     """(u, w, intra, q_start, k_end_t, chunk_decay) from the chunk layout ([N, H, C, K|V], gamma [N, H, C]) in
-    torch; q, k and k_beta are scaled in place. The reference of `pt_delta_prep`."""
+    torch; q, k and k_beta are scaled in place. The reference of `pt_delta_chunked`'s per-chunk part."""
     c = q.shape[-2]
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     decay = _decay(gamma[..., :, None] - gamma[..., None, :], ~causal)  # [N, H, C, C], causal incl. diagonal
@@ -234,7 +234,7 @@ def _torch_prep(q, k, k_beta, v_beta, gamma, scale):
 
 
 def _torch_loop(u, w, intra, q_start, k_end_t, chunk_decay, restart):
-    """The recurrence over chunks (the reference of `pt_delta_loop`), with S_n the state entering chunk n:
+    """The recurrence over chunks (the reference of `pt_delta_chunked`'s), with S_n the state entering chunk n:
     v_new_n = u_n - w_n S_n, out_n = q_start_n S_n + intra_n v_new_n, S_n+1 = decay_n S_n + k_end_n^T v_new_n.
     Four small matmuls per chunk, batched over heads and written in place; each chunk's output goes straight
     into the token-major layout while its state is in cache. u is overwritten by v_new. -> [N * C, H, V]"""

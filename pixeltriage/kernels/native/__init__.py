@@ -1,8 +1,10 @@
 """Small C kernels for the CPU path, compiled on first use with the machine's C compiler and loaded with ctypes.
 
 torch runs the engine's elementwise chains as one pass over memory per op; where a chain sits between two
-matmuls (the Gated DeltaNet's conv1d + SiLU is the largest) a C loop that keeps each row in registers does the
-same arithmetic in one pass. The source ships with the package (`cpu_kernels.c`, plain C11 + OpenMP, no torch
+matmuls a C loop that keeps each row in registers does the same arithmetic in one pass. The largest is the
+Gated DeltaNet's token mixing (`pt_delta_chunked`): conv1d + SiLU, L2 norms, each chunk's decays, UT inverse
+and small products (register-blocked FMA outer products) and the recurrence, in one pass per head whose
+working set stays in cache. The source ships with the package (`cpu_kernels.c`, plain C11 + OpenMP, no torch
 headers: it builds in about a second) and is built with `-O3 -march=native` into the engine's cache
 directory, keyed by the source, the compiler binary and this CPU's flags, so a cache shared between machines
 never hands one machine another's instructions. Built by GCC, the library links libgomp, which resolves to the

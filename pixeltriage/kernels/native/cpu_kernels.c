@@ -90,7 +90,8 @@ int pt_causal_conv1d_silu(const void *x, int x_bf16, int64_t x_stride, const flo
     return 0;
 }
 
-/* Gather token-major rows into the delta rule's chunk-major layout, scaling each (token, head) vector:
+/* Gather token-major rows into the delta rule's chunk-major layout, scaling each (token, head) vector (the torch
+ * path's layout where `pt_delta_chunked` declines the shapes):
  *   dst[row[t] / C][h][row[t] % C][:] = src[t][h][:] * s(t, h) * mult[t][h]
  *   dst2 (if not NULL): the same vector times s(t, h) * mult2[t][h] (k and k * beta from one read)
  * with s = 1 / sqrt(sum(src[t][h][:]^2) + eps) when l2norm, else 1; mult/mult2 NULL means 1. src: float32 with
