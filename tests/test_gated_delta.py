@@ -153,3 +153,30 @@ def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, monk
     assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="does not hold"):
         conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk + 1, dv)
+
+
+@pytest.mark.parametrize("where", ["g", "beta", "projection"])
+def test_nans_reach_the_output_on_both_paths(where):
+    """A NaN upstream comes out as NaN, not as plausible numbers: the C pass keeps NaN through its decay cut-off,
+    the UT inverse's flush of tiny values and a state update whose decay is exactly zero, as torch's ops do."""
+    from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(9)
+    t, h, d = 64, 2, 16
+    x = torch.randn(t, 3 * h * d, generator=gen)
+    weight = torch.randn(3 * h * d, 4, generator=gen) * 0.5
+    g = -F.softplus(torch.randn(t, h, generator=gen)) * 2.0
+    g[30:33] = -80.0                                         # a whole-chunk decay of exactly 0 after the NaN too
+    beta = torch.rand(t, h, generator=gen)
+    {"g": g, "beta": beta, "projection": x}[where][10, 0] = float("nan")
+    for native in (None, False):
+        out = conv_chunk_gated_delta_rule(x, weight, g, beta, h, d, d, chunk_size=16, native=native)
+        assert out[10:, 0].isnan().any(), (where, native)
+
+
+def test_shape_mismatches_raise_before_any_kernel_runs():
+    q, k, v, g, beta = inputs(20, heads=2, k_dim=16, v_dim=16)
+    with pytest.raises(ValueError, match=r"\[T, H, K\]"):
+        chunk_gated_delta_rule(q[:, :1], k[:, :1], v, g, beta)            # one key head, two value heads
+    with pytest.raises(ValueError, match=r"\[T, H, K\]"):
+        chunk_gated_delta_rule(q, k, v, g[:10], beta)

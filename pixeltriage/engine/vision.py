@@ -89,7 +89,7 @@ def _vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, i
     device = pixel_values.device
     merge = cfg.spatial_merge_size
     coords, pos, per_grid = [], [], {}
-    for grid in grid_thw:                       # an image's coordinates and position embeddings depend on its grid
+    for grid in map(tuple, grid_thw):           # an image's coordinates and position embeddings depend on its grid
         if grid not in per_grid:                # only: computed once per distinct grid (a batch's thumbnails share one)
             t, h, w = grid
             c = block_order_coords(h, w, merge, device).repeat(t, 1)

@@ -59,7 +59,7 @@ def _native_norm_rotary(x, weight, eps, cos, sin):
 
     if (x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] == 0 or weight.numel() != x.shape[-1]
             or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0] or cos.shape[1] > x.shape[-1]
-            or not native.handles(x)):
+            or not native.handles(x, weight, cos, sin)):
         return None
     n, heads, dim = x.shape
     w = (1.0 + weight.float()).contiguous()
@@ -114,7 +114,7 @@ def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     """x viewed as [N, G, D] (its middle dimensions merged, which their strides must allow) through the C kernel."""
     from pixeltriage.kernels import native
 
-    if x.dim() < 2 or x.stride(-1) != 1 or x.shape[-1] % 2 or not native.handles(x):
+    if x.dim() < 2 or x.stride(-1) != 1 or x.shape[-1] % 2 or not native.handles(x, cos, sin):
         return None
     n, d = x.shape[0], x.shape[-1]
     if cos.shape != (n, d) or sin.shape != (n, d):           # broadcast cos/sin: the torch path handles those

@@ -61,6 +61,10 @@ def chunk_gated_delta_rule(
     """
     seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
+    if (q.shape != k.shape or v.dim() != 3 or v.shape[:2] != (seq_len, num_heads)
+            or g.shape != (seq_len, num_heads) or beta.shape != (seq_len, num_heads)):
+        raise ValueError(f"q, k [T, H, K], v [T, H, V], g and beta [T, H] expected; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
     scale = k_dim ** -0.5 if scale is None else scale
     plan = _Plan(seq_len, cu_seqlens, chunk_size, native, q.device)
     if plan.num_chunks == 0:
@@ -116,9 +120,12 @@ def conv_chunk_gated_delta_rule(
     """
     seq_len, conv_dim = x.shape
     num_v_heads = beta.shape[1]
-    if conv_dim != 2 * num_k_heads * k_dim + num_v_heads * v_dim or num_v_heads % num_k_heads:
-        raise ValueError(f"projection width {conv_dim} does not hold {num_k_heads} key heads of {k_dim} and "
-                         f"{num_v_heads} value heads of {v_dim}")
+    if (num_k_heads < 1 or conv_dim != 2 * num_k_heads * k_dim + num_v_heads * v_dim or num_v_heads % num_k_heads
+            or conv_weight.dim() != 2 or conv_weight.shape[0] != conv_dim):
+        raise ValueError(f"projection width {conv_dim} (conv weight {tuple(conv_weight.shape)}) does not hold "
+                         f"{num_k_heads} key heads of {k_dim} and {num_v_heads} value heads of {v_dim}")
+    if g.shape != (seq_len, num_v_heads) or beta.shape != (seq_len, num_v_heads):
+        raise ValueError(f"g and beta [{seq_len}, {num_v_heads}] expected, got {tuple(g.shape)}, {tuple(beta.shape)}")
     if native is not False and x.device.type == "cpu":
         plan = _Plan(seq_len, cu_seqlens, chunk_size, native, x.device)
         if plan.num_chunks == 0:
@@ -302,7 +309,7 @@ def _native_chunked(plan, inputs, beta, gamma, qk_l2norm, scale):
     if conv:
         x, conv_weight, group, k_dim, v_dim = inputs
         if (x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1 or conv_weight.dim() != 2
-                or conv_weight.shape[0] != x.shape[1] or not native.handles(x)):
+                or conv_weight.shape[0] != x.shape[1] or not native.handles(x, conv_weight)):
             return None
         taps = conv_weight.float().t().contiguous()                  # [W, conv_dim]
         q = k = v = x.new_empty(0, 0, 0, dtype=torch.float32)
@@ -311,7 +318,8 @@ def _native_chunked(plan, inputs, beta, gamma, qk_l2norm, scale):
     else:
         q, k, v = inputs
         k_dim, v_dim = k.shape[-1], v.shape[-1]
-        if any(t.dtype != torch.float32 for t in inputs) or any(t.stride(-1) != 1 for t in inputs):
+        if (any(t.dtype != torch.float32 for t in inputs) or any(t.stride(-1) != 1 for t in inputs)
+                or not native.handles(*inputs)):
             return None
         conv_args = (None, 0, 0, None, 0, 0, 1, None)
     if (beta.dtype != torch.float32 or gamma.dtype != torch.float32 or not gamma.is_contiguous()

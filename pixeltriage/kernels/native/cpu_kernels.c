@@ -31,7 +31,7 @@ static inline float exp_f32(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
+    int32_t bits = ((int32_t)(n == n ? n : 0.0f) + 127) << 23;   /* NaN in: NaN out (through p), no UB cast */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
@@ -360,10 +360,11 @@ typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));   /*
 #endif
 #define VL 16
 
-/* c[r, 0:16 nv] = beta * c[r, :] + alpha * sum_{d < kd} a[r * lda + d] * b[d * ldb + 0:16 nv]  for r < 4.
- * beta == 0 stores without reading c. nv in 1..4 (a literal at each call, so that acc[][] lives in registers). */
+/* c[r, 0:16 nv] = beta * c[r, :] + alpha * sum_{d < kd} a[r * lda + d] * b[d * ldb + 0:16 nv]  for r < 4 when
+ * load, else alpha * sum (c not read). nv in 1..4 (a literal at each call, so that acc[][] lives in registers). */
 static inline __attribute__((always_inline)) void mm4(int nv, const float *a, int64_t lda, const float *b, int64_t ldb,
-                                                      int64_t kd, float *c, int64_t ldc, float alpha, float beta) {
+                                                      int64_t kd, float *c, int64_t ldc, float alpha, float beta,
+                                                      int load) {
     vf16 acc[4][4];
     for (int r = 0; r < 4; r++)
         for (int j = 0; j < nv; j++)
@@ -381,26 +382,26 @@ static inline __attribute__((always_inline)) void mm4(int nv, const float *a, in
     for (int r = 0; r < 4; r++)
         for (int j = 0; j < nv; j++) {
             vf16 *o = (vf16 *)(c + r * ldc + j * VL);
-            *o = beta == 0.0f ? alpha * acc[r][j] : beta * *o + alpha * acc[r][j];   /* no read of c at 0 */
+            *o = load ? beta * *o + alpha * acc[r][j] : alpha * acc[r][j];
         }
 }
 
 /* mm4 over a row block's first `ncols` columns (a multiple of 16), 64 at a time. */
 static inline void mm4_cols(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t kd, float *c,
-                            int64_t ldc, int64_t ncols, float alpha, float beta) {
+                            int64_t ldc, int64_t ncols, float alpha, float beta, int load) {
     int64_t j = 0;
     for (; j + 4 * VL <= ncols; j += 4 * VL)
-        mm4(4, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta);
+        mm4(4, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta, load);
     switch ((ncols - j) / VL) {
-    case 3: mm4(3, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta); break;
-    case 2: mm4(2, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta); break;
-    case 1: mm4(1, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta); break;
+    case 3: mm4(3, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta, load); break;
+    case 2: mm4(2, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta, load); break;
+    case 1: mm4(1, a, lda, b + j, ldb, kd, c + j, ldc, alpha, beta, load); break;
     default: break;
     }
 }
 
-/* exp(e) for a log decay e (<= 0 up to rounding), 0 below the cut-off (the torch path's `_decay`). */
-static inline float decay_exp(float e, float cutoff) { return e >= cutoff ? exp_f32(e > 0.0f ? 0.0f : e) : 0.0f; }
+/* exp(e) for a log decay e (<= 0 up to rounding), 0 below the cut-off (the torch path's `_decay`); NaN stays NaN. */
+static inline float decay_exp(float e, float cutoff) { return e < cutoff ? 0.0f : exp_f32(e > 0.0f ? 0.0f : e); }
 
 #define MAX_DELTA_CHUNK 256
 
@@ -442,8 +443,8 @@ typedef struct {
 #define MAX_DELTA_HEAD 512
 
 /* out[c] = silu(x[t, c0 + c] * taps[W - 1] + sum_{j < W - 1} x[t - W + 1 + j, c0 + c] * taps[j]) for c < n, rows
- * before seg0 (the token's packed sequence's first) read as zeros: `pt_causal_conv1d_silu`'s arithmetic, in its
- * order, for one token and channel range. */
+ * before seg0 (the token's packed sequence's first) read as zeros: `pt_causal_conv1d_silu`'s sum, in its order
+ * (its multiply-adds fused here), for one token and channel range. */
 static void conv_silu_span(const delta_args *a, int64_t t, int64_t seg0, int64_t c0, int64_t n, float *restrict out) {
     int W = a->W;
     const float *wl = a->taps + (int64_t)(W - 1) * a->conv_dim + c0;
@@ -545,8 +546,8 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
     /* t <- kb k^T and intra <- q k^T on their lower blocks (the rest of each 16-column vector is masked below) */
     for (int64_t i0 = 0; i0 < C; i0 += 4) {
         int64_t ncols = round16(i0 + 4);
-        mm4_cols(kbm + i0 * K, K, kt, C, K, t + i0 * C, C, ncols, 1.0f, 0.0f);
-        mm4_cols(qm + i0 * K, K, kt, C, K, im + i0 * C, C, ncols, 1.0f, 0.0f);
+        mm4_cols(kbm + i0 * K, K, kt, C, K, t + i0 * C, C, ncols, 1.0f, 0.0f, 0);
+        mm4_cols(qm + i0 * K, K, kt, C, K, im + i0 * C, C, ncols, 1.0f, 0.0f, 0);
     }
     for (int64_t i = 0; i < C; i++)
         for (int64_t j = 0; j < C; j++)
@@ -579,7 +580,7 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
                 *(vf16 *)(row + s0 + v * VL) = acc[v];
         }
         for (int64_t j = 0; j < i; j++)
-            row[j] = __builtin_fabsf(row[j]) > tiny ? row[j] : 0.0f;
+            row[j] = __builtin_fabsf(row[j]) <= tiny ? 0.0f : row[j];      /* hardshrink's: NaN stays NaN */
         row[i] = 1.0f;
         for (int64_t j = i + 1; j < C; j++)
             row[j] = 0.0f;
@@ -587,12 +588,12 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
     /* u = T vb over vb and, with T's columns scaled by exp(gamma_j), w = T diag(exp(gamma)) kb over kb;
      * bottom-up */
     for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
-        mm4_cols(t + i0 * C, C, vbm, V, i0 + 4, vbm + i0 * V, V, V, 1.0f, 0.0f);
+        mm4_cols(t + i0 * C, C, vbm, V, i0 + 4, vbm + i0 * V, V, V, 1.0f, 0.0f, 0);
     for (int64_t i = 0; i < C; i++)
         for (int64_t j = 0; j <= i; j++)
             t[i * C + j] *= gexp[j];
     for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
-        mm4_cols(t + i0 * C, C, kbm, K, i0 + 4, kbm + i0 * K, K, K, 1.0f, 0.0f);
+        mm4_cols(t + i0 * C, C, kbm, K, i0 + 4, kbm + i0 * K, K, K, 1.0f, 0.0f, 0);
     for (int64_t i = 0; i < C; i++) {
         float a = gexp[i] * scale;
         for (int64_t d = 0; d < K; d++)
@@ -609,13 +610,13 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
 static void delta_loop_chunk(float *vn, const float *wm, const float *qm, const float *im, const float *ktm, float cd,
                              float *S, float *o, int64_t ldo, int64_t C, int64_t K, int64_t V) {
     for (int64_t i0 = 0; i0 < C; i0 += 4)
-        mm4_cols(wm + i0 * K, K, S, V, K, vn + i0 * V, V, V, -1.0f, 1.0f);
+        mm4_cols(wm + i0 * K, K, S, V, K, vn + i0 * V, V, V, -1.0f, 1.0f, 1);
     for (int64_t i0 = 0; i0 < C; i0 += 4) {
-        mm4_cols(qm + i0 * K, K, S, V, K, o + i0 * ldo, ldo, V, 1.0f, 0.0f);
-        mm4_cols(im + i0 * C, C, vn, V, i0 + 4, o + i0 * ldo, ldo, V, 1.0f, 1.0f);
+        mm4_cols(qm + i0 * K, K, S, V, K, o + i0 * ldo, ldo, V, 1.0f, 0.0f, 0);
+        mm4_cols(im + i0 * C, C, vn, V, i0 + 4, o + i0 * ldo, ldo, V, 1.0f, 1.0f, 1);
     }
     for (int64_t r0 = 0; r0 < K; r0 += 4)
-        mm4_cols(ktm + r0 * C, C, vn, V, C, S + r0 * V, V, V, 1.0f, cd);
+        mm4_cols(ktm + r0 * C, C, vn, V, C, S + r0 * V, V, V, 1.0f, cd, 1);   /* 0 * inf stays NaN */
 }
 
 int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h,
