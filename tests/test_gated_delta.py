@@ -180,3 +180,14 @@ def test_shape_mismatches_raise_before_any_kernel_runs():
         chunk_gated_delta_rule(q[:, :1], k[:, :1], v, g, beta)            # one key head, two value heads
     with pytest.raises(ValueError, match=r"\[T, H, K\]"):
         chunk_gated_delta_rule(q, k, v, g[:10], beta)
+
+
+def test_default_chunk_is_the_torch_size_where_the_c_pass_declines(monkeypatch):
+    """Inputs the one-pass kernel does not take (bf16 q/k/v here) run the torch path at its own chunk size."""
+    from pixeltriage.kernels.gated_delta import chunk
+
+    sizes, real = [], chunk._torch_prep
+    monkeypatch.setattr(chunk, "_torch_prep", lambda q, *a: sizes.append(q.shape[-2]) or real(q, *a))
+    q, k, v, g, beta = inputs(100, k_dim=16, v_dim=32)
+    out = chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)
+    assert sizes == [chunk.TORCH_CHUNK] and out.shape == (100, 3, 32)

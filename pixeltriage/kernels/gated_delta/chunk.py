@@ -66,7 +66,7 @@ def chunk_gated_delta_rule(
         raise ValueError(f"q, k [T, H, K], v [T, H, V], g and beta [T, H] expected; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
     scale = k_dim ** -0.5 if scale is None else scale
-    plan = _Plan(seq_len, cu_seqlens, chunk_size, native, q.device)
+    plan = _Plan(seq_len, cu_seqlens, chunk_size, _c_kernel_takes(native, (q, k, v), k_dim, v_dim))
     if plan.num_chunks == 0:
         return q.new_zeros(seq_len, num_heads, v_dim, dtype=torch.float32)
     use_native = native is not False and q.device.type == "cpu"     # each C kernel checks its own inputs
@@ -127,7 +127,7 @@ def conv_chunk_gated_delta_rule(
     if g.shape != (seq_len, num_v_heads) or beta.shape != (seq_len, num_v_heads):
         raise ValueError(f"g and beta [{seq_len}, {num_v_heads}] expected, got {tuple(g.shape)}, {tuple(beta.shape)}")
     if native is not False and x.device.type == "cpu":
-        plan = _Plan(seq_len, cu_seqlens, chunk_size, native, x.device)
+        plan = _Plan(seq_len, cu_seqlens, chunk_size, _c_kernel_takes(native, (x,), k_dim, v_dim))
         if plan.num_chunks == 0:
             return x.new_zeros(seq_len, num_v_heads, v_dim, dtype=torch.float32)
         out = _native_chunked(plan, (x, conv_weight, num_v_heads // num_k_heads, k_dim, v_dim), beta, plan.gamma(g),
@@ -146,17 +146,27 @@ def conv_chunk_gated_delta_rule(
                                   cu_seqlens=cu_seqlens, qk_l2norm=True, native=native)
 
 
+def _c_kernel_takes(native: bool | None, inputs: tuple, k_dim: int, v_dim: int) -> bool:
+    """Whether `pt_delta_chunked` will run for these inputs (float32 q/k/v, or a float32/bf16 projection; head
+    dims multiples of 16; the library built), so the default chunk is its size and not the torch path's."""
+    if native is False or any(t.device.type != "cpu" for t in inputs) or k_dim % 16 or v_dim % 16:
+        return False
+    dtypes = (torch.float32,) if len(inputs) == 3 else (torch.float32, torch.bfloat16)
+    if any(t.dtype not in dtypes for t in inputs):
+        return False
+    from pixeltriage.kernels import native as native_kernels
+
+    return native_kernels.available()
+
+
 class _Plan:
     """How T tokens of packed sequences (cu_seqlens) fall into chunks of c: each sequence is padded to whole chunks
     on its own (zero rows leave the state untouched: k = 0, beta = 0, g = 0) and the state restarts at its first."""
 
-    def __init__(self, seq_len: int, cu_seqlens: list[int] | None, chunk_size: int | None, native: bool | None,
-                 device: torch.device):
+    def __init__(self, seq_len: int, cu_seqlens: list[int] | None, chunk_size: int | None, c_kernel: bool):
+        """c_kernel: whether `pt_delta_chunked` will take these inputs (picks the default chunk size)."""
         if chunk_size is None:
-            from pixeltriage.kernels import native as native_kernels
-
-            use_c = native is not False and device.type == "cpu" and native_kernels.available()
-            chunk_size = NATIVE_CHUNK if use_c else TORCH_CHUNK
+            chunk_size = NATIVE_CHUNK if c_kernel else TORCH_CHUNK
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
