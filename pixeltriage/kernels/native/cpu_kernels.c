@@ -5,7 +5,6 @@
  * bf16 inputs are read as the top half of a float32 (exact); all arithmetic is float32.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define MAX_CONV_WIDTH 16
@@ -40,53 +39,68 @@ static inline float exp_f32(float x) {
 /* SiLU, y / (1 + e^-y); 0 below y = -87, where e^-y leaves float's range (the true value is under 2e-36 there). */
 static inline float silu_f32(float y) { return y < -87.0f ? 0.0f : y / (1.0f + exp_f32(-y)); }
 
-/* Depthwise causal conv1d + SiLU over tokens-major rows:
- *   out[t, c] = silu(x[t, c] * w[W-1, c] + sum_{j < W-1} x[t-W+1+j, c] * w[j, c])
- * with rows before seg_start[t] (the first row of t's packed sequence) read as zeros. The sum runs in the order
- * written (the torch path's order). x: [T, C] (bf16 if x_bf16, else float32) with row stride x_stride;
- * taps: [W, C] float32; out: [T, C] float32, contiguous. Rows are independent: split over threads. */
-#define CONV_ROW(LOAD)                                                                                         \
-    for (int64_t c = 0; c < C; c++) {                                                                          \
-        float y = LOAD(rows[W - 1], c) * taps[(int64_t)(W - 1) * C + c];                                      \
-        for (int j = 0; j < W - 1; j++)                                                                        \
-            y += LOAD(rows[j], c) * taps[(int64_t)j * C + c];                                                  \
-        o[c] = silu_f32(y);                                                                                    \
-    }
-#define CONV_ROW4(LOAD)                                                                                        \
-    for (int64_t c = 0; c < C; c++) {                                                                          \
-        float y = LOAD(rows[3], c) * w3[c];                                                                    \
-        y += LOAD(rows[0], c) * w0[c];                                                                         \
-        y += LOAD(rows[1], c) * w1[c];                                                                         \
-        y += LOAD(rows[2], c) * w2[c];                                                                         \
-        o[c] = silu_f32(y);                                                                                    \
-    }
+/* One token's depthwise causal conv1d + SiLU over channels [c0, c0 + n):
+ *   out[c] = silu(x[t, c0 + c] * taps[W - 1, c0 + c] + sum_{j < W - 1} x[t - W + 1 + j, c0 + c] * taps[j, c0 + c])
+ * the sum in the order written (the torch path's), rows before seg0 (the first row of t's packed sequence) read as
+ * zeros. x: rows of `ldt` channels with row stride x_t (bf16 if x_bf16, else float32); taps: [W, ldt] float32. */
 #define LOAD_BF16(p, c) bf16_to_float(((const uint16_t *)(p))[c])
 #define LOAD_F32(p, c) (((const float *)(p))[c])
+/* all taps inside the sequence (the common case): each channel's sum in registers, one pass over out */
+#define CONV_SPAN4(LOAD)                                                                                       \
+    for (int64_t c = 0; c < n; c++) {                                                                          \
+        float y = LOAD(rows[3], c) * w[3][c];                                                                  \
+        y += LOAD(rows[0], c) * w[0][c];                                                                       \
+        y += LOAD(rows[1], c) * w[1][c];                                                                       \
+        y += LOAD(rows[2], c) * w[2][c];                                                                       \
+        out[c] = silu_f32(y);                                                                                  \
+    }
+#define CONV_SPAN(LOAD)                                                                                        \
+    for (int64_t c = 0; c < n; c++) {                                                                          \
+        float y = LOAD(rows[W - 1], c) * w[W - 1][c];                                                          \
+        for (int j = first; j < W - 1; j++)                                                                    \
+            y += LOAD(rows[j], c) * w[j][c];                                                                   \
+        out[c] = silu_f32(y);                                                                                  \
+    }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")                 /* the multiply-adds fused, as in the delta rule's pass */
+#endif
+static void conv_silu_span(const void *x, int x_bf16, int64_t x_t, const float *taps, int W, int64_t ldt, int64_t t,
+                           int64_t seg0, int64_t c0, int64_t n, float *restrict out) {
+    const void *rows[MAX_CONV_WIDTH];
+    const float *w[MAX_CONV_WIDTH];
+    size_t elem = x_bf16 ? 2 : 4;
+    int first = 0;                                   /* the first tap inside the sequence (taps before: zeros) */
+    for (int j = 0; j < W; j++) {
+        int64_t r = t - W + 1 + j;
+        if (r < seg0) {
+            first = j + 1;
+            r = t;                                   /* never read: a row inside the buffer all the same */
+        }
+        rows[j] = (const char *)x + (size_t)(r * x_t + c0) * elem;
+        w[j] = taps + (int64_t)j * ldt + c0;
+    }
+    if (W == 4 && first == 0) {
+        if (x_bf16) { CONV_SPAN4(LOAD_BF16) } else { CONV_SPAN4(LOAD_F32) }
+    } else {
+        if (x_bf16) { CONV_SPAN(LOAD_BF16) } else { CONV_SPAN(LOAD_F32) }
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+/* Depthwise causal conv1d + SiLU over tokens-major rows, `conv_silu_span` over all C channels of every row, rows
+ * before seg_start[t] read as zeros. x: [T, C] (bf16 if x_bf16) with row stride x_stride; taps: [W, C] float32;
+ * out: [T, C] float32, contiguous. Rows are independent: split over threads. */
 int pt_causal_conv1d_silu(const void *x, int x_bf16, int64_t x_stride, const float *taps, int W, float *out,
                           int64_t T, int64_t C, const int64_t *seg_start, int nthreads) {
     if (W < 1 || W > MAX_CONV_WIDTH || T < 0 || C < 0)
         return 1;
-    size_t elem = x_bf16 ? 2 : 4;
-    void *zero = calloc((size_t)(C > 0 ? C : 1), elem);
-    if (zero == NULL)
-        return 2;
-    const float *w0 = taps, *w1 = taps + C, *w2 = taps + 2 * C, *w3 = taps + 3 * C;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const void *rows[MAX_CONV_WIDTH];
-        for (int j = 0; j < W; j++) {
-            int64_t r = t - (W - 1) + j;
-            rows[j] = r >= seg_start[t] ? (const char *)x + (size_t)(r * x_stride) * elem : zero;
-        }
-        float *restrict o = out + t * C;
-        if (W == 4) {
-            if (x_bf16) { CONV_ROW4(LOAD_BF16) } else { CONV_ROW4(LOAD_F32) }
-        } else {
-            if (x_bf16) { CONV_ROW(LOAD_BF16) } else { CONV_ROW(LOAD_F32) }
-        }
-    }
-    free(zero);
+    for (int64_t t = 0; t < T; t++)
+        conv_silu_span(x, x_bf16, x_stride, taps, W, C, t, seg_start[t], 0, C, out + t * C);
     return 0;
 }
 
@@ -442,40 +456,6 @@ typedef struct {
 
 #define MAX_DELTA_HEAD 512
 
-/* out[c] = silu(x[t, c0 + c] * taps[W - 1] + sum_{j < W - 1} x[t - W + 1 + j, c0 + c] * taps[j]) for c < n, rows
- * before seg0 (the token's packed sequence's first) read as zeros: `pt_causal_conv1d_silu`'s sum, in its order
- * (its multiply-adds fused here), for one token and channel range. */
-static void conv_silu_span(const delta_args *a, int64_t t, int64_t seg0, int64_t c0, int64_t n, float *restrict out) {
-    int W = a->W;
-    const float *wl = a->taps + (int64_t)(W - 1) * a->conv_dim + c0;
-    if (a->x_bf16) {
-        const uint16_t *xr = (const uint16_t *)a->x + t * a->x_t + c0;
-        for (int64_t c = 0; c < n; c++)
-            out[c] = bf16_to_float(xr[c]) * wl[c];
-    } else {
-        const float *xr = (const float *)a->x + t * a->x_t + c0;
-        for (int64_t c = 0; c < n; c++)
-            out[c] = xr[c] * wl[c];
-    }
-    for (int j = 0; j < W - 1; j++) {
-        int64_t r = t - W + 1 + j;
-        if (r < seg0)
-            continue;
-        const float *wj = a->taps + (int64_t)j * a->conv_dim + c0;
-        if (a->x_bf16) {
-            const uint16_t *xr = (const uint16_t *)a->x + r * a->x_t + c0;
-            for (int64_t c = 0; c < n; c++)
-                out[c] += bf16_to_float(xr[c]) * wj[c];
-        } else {
-            const float *xr = (const float *)a->x + r * a->x_t + c0;
-            for (int64_t c = 0; c < n; c++)
-                out[c] += xr[c] * wj[c];
-        }
-    }
-    for (int64_t c = 0; c < n; c++)
-        out[c] = silu_f32(out[c]);
-}
-
 /* One chunk's prep for head h: its rows gathered straight into the outputs (q into qm, kb into kbm, vb into vbm,
  * k^T into kt) and transformed in place: u (over vbm) and w (over kbm) bottom-up, so that row block i reads only
  * rows <= i of the input it overwrites. Triangular products run over their nonzero blocks only. dec: 2 C^2 floats.
@@ -501,9 +481,10 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
         }
         const float *restrict qr, *restrict kr, *restrict vr;
         if (a->taps) {
-            conv_silu_span(a, t0 + i, seg0, hk * K, K, qc);
-            conv_silu_span(a, t0 + i, seg0, (nk + hk) * K, K, kc);
-            conv_silu_span(a, t0 + i, seg0, 2 * nk * K + h * V, V, vc);
+            conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, hk * K, K, qc);
+            conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, (nk + hk) * K, K, kc);
+            conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, 2 * nk * K + h * V, V,
+                           vc);
             qr = qc, kr = kc, vr = vc;
         } else {
             qr = q + (t0 + i) * q_t + h * q_h, kr = k + (t0 + i) * k_t + h * k_h, vr = v + (t0 + i) * v_t + h * v_h;
