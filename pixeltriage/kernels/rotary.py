@@ -65,7 +65,7 @@ def _native_norm_rotary(x, weight, eps, cos, sin):
     w = (1.0 + weight.float()).contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    ok = native.call("pt_norm_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), x.stride(1), w.data_ptr(), eps,
+    ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), x.stride(1), w.data_ptr(), eps,
                      cos.data_ptr(), sin.data_ptr(), n, heads, dim, cos.shape[1], out.data_ptr())
     return out if ok else None
 
@@ -130,6 +130,6 @@ def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
         groups *= size
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), group_stride, cos.data_ptr(),
-                     sin.data_ptr(), n, groups, d, out.data_ptr())
+    ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), group_stride, None, 0.0,
+                     cos.data_ptr(), sin.data_ptr(), n, groups, d, d, out.data_ptr())
     return out if ok else None

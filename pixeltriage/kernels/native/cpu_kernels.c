@@ -267,47 +267,14 @@ int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I,
     return 0;
 }
 
-/* Full-width rotary: out[n, g, :] = x * cos[n] + rotate_half(x) * sin[n], rotate_half(x) = [-x2, x1], computed in
- * float32 and rounded once to x's dtype. x: [N, G, D] (bf16 if bf16) with strides (x_n, x_g, 1); cos, sin: float32
- * [N, D] contiguous; out: [N, G, D] contiguous, x's dtype. D even. */
-int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *cos, const float *sin, int64_t N,
-              int64_t G, int64_t D, void *out, int nthreads) {
-    if (N < 0 || G < 0 || D < 2 || D % 2)
-        return 1;
-    int64_t half = D / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *restrict c = cos + n * D, *restrict s = sin + n * D;
-        for (int64_t g = 0; g < G; g++) {
-            int64_t xo = n * x_n + g * x_g, oo = (n * G + g) * D;
-            if (bf16) {
-                const uint16_t *restrict xv = (const uint16_t *)x + xo;
-                uint16_t *restrict o = (uint16_t *)out + oo;
-                for (int64_t d = 0; d < half; d++) {
-                    float a = bf16_to_float(xv[d]), p = bf16_to_float(xv[d + half]);
-                    o[d] = float_to_bf16(a * c[d] - p * s[d]);
-                    o[d + half] = float_to_bf16(p * c[d + half] + a * s[d + half]);
-                }
-            } else {
-                const float *restrict xv = (const float *)x + xo;
-                float *restrict o = (float *)out + oo;
-                for (int64_t d = 0; d < half; d++) {
-                    float a = xv[d], p = xv[d + half];
-                    o[d] = a * c[d] - p * s[d];
-                    o[d + half] = p * c[d + half] + a * s[d + half];
-                }
-            }
-        }
-    }
-    return 0;
-}
-
-/* The decoder attention's q and k: zero-centred RMSNorm, then rotary on the first R features, in float32 and rounded
- * once: y = x / sqrt(mean(x^2) + eps) * w (w: the norm's 1 + weight, float32 [D]); out[:R/2] = y1 cos - y2 sin,
- * out[R/2:R] = y2 cos + y1 sin (y1, y2 the halves of y[:R]; cos, sin float32 [N, R], their matching halves);
- * out[R:] = y[R:]. x: [N, G, D] (bf16 if bf16) with strides (x_n, x_g, 1); out: [N, G, D] contiguous, x's dtype. */
-int pt_norm_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w, float eps, const float *cos,
-                   const float *sin, int64_t N, int64_t G, int64_t D, int64_t R, void *out, int nthreads) {
+/* Rotary on the first R features, in float32 and rounded once, optionally after a zero-centred RMSNorm (the
+ * decoder attention's q and k; w NULL: none, the ViT's full-width rotary with R = D):
+ *   y = x / sqrt(mean(x^2) + eps) * w (w: the norm's 1 + weight, float32 [D]), or y = x;
+ *   out[:R/2] = y1 cos - y2 sin, out[R/2:R] = y2 cos + y1 sin (y1, y2 the halves of y[:R]; cos, sin float32 [N, R],
+ *   their matching halves); out[R:] = y[R:].
+ * x: [N, G, D] (bf16 if bf16) with strides (x_n, x_g, 1); out: [N, G, D] contiguous, x's dtype. */
+int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w, float eps, const float *cos,
+              const float *sin, int64_t N, int64_t G, int64_t D, int64_t R, void *out, int nthreads) {
     if (N < 0 || G < 0 || D < 1 || D > 4096 || R < 0 || R > D || R % 2)
         return 1;
     int64_t half = R / 2;
@@ -322,13 +289,15 @@ int pt_norm_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const floa
                     y[d] = bf16_to_float(((const uint16_t *)x)[xo + d]);
             else
                 memcpy(y, (const float *)x + xo, (size_t)D * sizeof(float));
-            float sq = 0.0f;
+            if (w) {
+                float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
-            for (int64_t d = 0; d < D; d++)
-                sq += y[d] * y[d];
-            float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
-            for (int64_t d = 0; d < D; d++)
-                y[d] = y[d] * inv * w[d];
+                for (int64_t d = 0; d < D; d++)
+                    sq += y[d] * y[d];
+                float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
+                for (int64_t d = 0; d < D; d++)
+                    y[d] = y[d] * inv * w[d];
+            }
             if (bf16) {
                 uint16_t *restrict o = (uint16_t *)out + oo;
                 for (int64_t d = 0; d < half; d++) {
