@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 from pixeltriage.engine.config import FULL, TextConfig
 from pixeltriage.engine.profiling import stage
-from pixeltriage.kernels.attention import segment_attention
-from pixeltriage.kernels.conv import causal_conv1d_silu
-from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule, fla
 from pixeltriage.kernels.activation import silu_mul
+from pixeltriage.kernels.attention import segment_attention
+from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule, conv_heads, fla
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
 from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
 
@@ -80,14 +79,8 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     # fla's Triton kernels take bf16/fp16 (their fp32 dots may run as TF32); a float32 forward on CUDA stays on
     # the exact torch chunked path, so float32 remains the reference on every device
     if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and fla.available():
-        q, k, v = causal_conv1d_silu(qkv, w.conv, cu_seqlens).split(
-            [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-        q, k = q.view(seq_len, hk, dk), k.view(seq_len, hk, dk)     # L2-normalised inside the delta rule
-        if hv != hk:
-            q = q.repeat_interleave(hv // hk, dim=1)
-            k = k.repeat_interleave(hv // hk, dim=1)
-        o = fla.chunk_gated_delta_rule_fla(q, k, v.view(seq_len, hv, dv), g, beta, cu_seqlens=cu_seqlens_device,
-                                           qk_l2norm=True)
+        q, k, v = conv_heads(qkv, w.conv, hk, dk, hv, dv, cu_seqlens)    # q, k L2-normalised inside the rule
+        o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens_device, qk_l2norm=True)
     else:   # the conv, then the chunked rule with q and k L2-normalised: [T, Hv, dv] float32 (one C pass on the CPU)
         o = conv_chunk_gated_delta_rule(qkv, w.conv, g, beta, hk, dk, dv, cu_seqlens=cu_seqlens)
     z = z.view(seq_len, hv, dv)

@@ -66,14 +66,15 @@ def chunk_gated_delta_rule(
         raise ValueError(f"q, k [T, H, K], v [T, H, V], g and beta [T, H] expected; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
     scale = k_dim ** -0.5 if scale is None else scale
-    plan = _Plan(seq_len, cu_seqlens, chunk_size, _c_kernel_takes(native, (q, k, v), k_dim, v_dim))
+    c_kernel = _c_kernel_takes(native, (q, k, v), k_dim, v_dim)
+    plan = _Plan(seq_len, cu_seqlens, chunk_size, c_kernel)
     if plan.num_chunks == 0:
         return q.new_zeros(seq_len, num_heads, v_dim, dtype=torch.float32)
     use_native = native is not False and q.device.type == "cpu"     # each C kernel checks its own inputs
     gamma = plan.gamma(g)
     # In C: one pass per head over its chunks, each chunk's matrices made and used while in cache (the state's
     # products included), straight from the token-major inputs
-    out = _native_chunked(plan, (q, k, v), beta, gamma, qk_l2norm, scale) if use_native else None
+    out = _native_chunked(plan, (q, k, v), beta, gamma, qk_l2norm, scale) if c_kernel else None
     if out is None:
         # In torch: the chunk layout (gathered in C where it can be), everything but the carried state batched
         # over chunks and heads (u, w: the UT transform's outputs; the causal intra-chunk scores; q decayed from
@@ -126,37 +127,49 @@ def conv_chunk_gated_delta_rule(
                          f"{num_k_heads} key heads of {k_dim} and {num_v_heads} value heads of {v_dim}")
     if g.shape != (seq_len, num_v_heads) or beta.shape != (seq_len, num_v_heads):
         raise ValueError(f"g and beta [{seq_len}, {num_v_heads}] expected, got {tuple(g.shape)}, {tuple(beta.shape)}")
-    if native is not False and x.device.type == "cpu":
-        plan = _Plan(seq_len, cu_seqlens, chunk_size, _c_kernel_takes(native, (x,), k_dim, v_dim))
+    if _c_kernel_takes(native, (x, conv_weight), k_dim, v_dim):
+        plan = _Plan(seq_len, cu_seqlens, chunk_size, True)
         if plan.num_chunks == 0:
             return x.new_zeros(seq_len, num_v_heads, v_dim, dtype=torch.float32)
         out = _native_chunked(plan, (x, conv_weight, num_v_heads // num_k_heads, k_dim, v_dim), beta, plan.gamma(g),
                               True, k_dim ** -0.5)
         if out is not None:
             return plan.unpad(out.view(plan.num_chunks * plan.c, num_v_heads, v_dim))
+    q, k, v = conv_heads(x, conv_weight, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens, native)
+    return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, qk_l2norm=True,
+                                  native=native)
+
+
+def conv_heads(x: torch.Tensor, conv_weight: torch.Tensor, num_k_heads: int, k_dim: int, num_v_heads: int,
+               v_dim: int, cu_seqlens: list[int] | None = None, native: bool | None = None):
+    """The Gated DeltaNet's conv1d + SiLU over its projection x [T, conv_dim], split into heads: q, k [T, Hv, k_dim]
+    (each key head repeated for its Hv / num_k_heads value heads) and v [T, Hv, v_dim], float32."""
     from pixeltriage.kernels.conv import causal_conv1d_silu
 
+    seq_len = x.shape[0]
     qkv = causal_conv1d_silu(x, conv_weight, cu_seqlens, native=native)
     q, k, v = qkv.split([num_k_heads * k_dim, num_k_heads * k_dim, num_v_heads * v_dim], dim=-1)
     q, k = q.view(seq_len, num_k_heads, k_dim), k.view(seq_len, num_k_heads, k_dim)
     if num_v_heads != num_k_heads:
         q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
         k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
-    return chunk_gated_delta_rule(q, k, v.view(seq_len, num_v_heads, v_dim), g, beta, chunk_size=chunk_size,
-                                  cu_seqlens=cu_seqlens, qk_l2norm=True, native=native)
+    return q, k, v.view(seq_len, num_v_heads, v_dim)
 
 
 def _c_kernel_takes(native: bool | None, inputs: tuple, k_dim: int, v_dim: int) -> bool:
-    """Whether `pt_delta_chunked` will run for these inputs (float32 q/k/v, or a float32/bf16 projection; head
-    dims multiples of 16; the library built), so the default chunk is its size and not the torch path's."""
-    if native is False or any(t.device.type != "cpu" for t in inputs) or k_dim % 16 or v_dim % 16:
-        return False
-    dtypes = (torch.float32,) if len(inputs) == 3 else (torch.float32, torch.bfloat16)
-    if any(t.dtype not in dtypes for t in inputs):
+    """Whether `pt_delta_chunked` takes these inputs: (q, k, v) float32, or (x, conv_weight) for conv mode (x
+    float32 or bf16, shapes checked by the caller), last dims contiguous, on the CPU; head dims multiples of 16;
+    the library built.
+    It decides the path and the default chunk size (the chunk itself is checked where it is known)."""
+    if native is False or k_dim % 16 or v_dim % 16:
         return False
     from pixeltriage.kernels import native as native_kernels
 
-    return native_kernels.available()
+    if len(inputs) == 3:
+        return (all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in inputs)
+                and native_kernels.handles(*inputs))
+    x, conv_weight = inputs
+    return x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and native_kernels.handles(x, conv_weight)
 
 
 class _Plan:
@@ -310,17 +323,13 @@ def _native_chunked(plan, inputs, beta, gamma, qk_l2norm, scale):
     its chunks with the state and the chunk's matrices in cache (rows gathered and L2-normalised on the way in;
     triangular products over their nonzero blocks). inputs: (q, k, v) token-major [T, H, K|V] float32, last dim
     contiguous; or (x, conv_weight, group, k_dim, v_dim) for conv mode (see `conv_chunk_gated_delta_rule`).
-    -> [N * C, H, V] token-major, or None where the kernel does not apply (head dims multiples of 16, the chunk a
-    multiple of 16 of at most 256, conv widths up to 16)."""
+    The inputs are ones `_c_kernel_takes`; -> [N * C, H, V] token-major, or None where the kernel does not apply
+    all the same (the chunk a multiple of 16 of at most 256, conv widths up to 16)."""
     from pixeltriage.kernels import native
 
     num_chunks, num_heads, c = gamma.shape
-    conv = len(inputs) == 5
-    if conv:
+    if len(inputs) == 5:
         x, conv_weight, group, k_dim, v_dim = inputs
-        if (x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1 or conv_weight.dim() != 2
-                or conv_weight.shape[0] != x.shape[1] or not native.handles(x, conv_weight)):
-            return None
         taps = conv_weight.float().t().contiguous()                  # [W, conv_dim]
         q = k = v = x.new_empty(0, 0, 0, dtype=torch.float32)
         conv_args = (x.data_ptr(), native.is_bf16(x), x.stride(0), taps.data_ptr(), taps.shape[0], x.shape[1], group,
@@ -328,12 +337,9 @@ def _native_chunked(plan, inputs, beta, gamma, qk_l2norm, scale):
     else:
         q, k, v = inputs
         k_dim, v_dim = k.shape[-1], v.shape[-1]
-        if (any(t.dtype != torch.float32 for t in inputs) or any(t.stride(-1) != 1 for t in inputs)
-                or not native.handles(*inputs)):
-            return None
         conv_args = (None, 0, 0, None, 0, 0, 1, None)
     if (beta.dtype != torch.float32 or gamma.dtype != torch.float32 or not gamma.is_contiguous()
-            or not native.handles(beta, gamma) or c % 16 or c > 256 or k_dim % 16 or v_dim % 16):
+            or not native.handles(beta, gamma) or c % 16 or c > 256):
         return None
     beta = beta.contiguous()
     out = gamma.new_empty(num_chunks * c, num_heads, v_dim)
