@@ -229,7 +229,8 @@ def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype, stri
     assert torch.equal(x, x0) and torch.equal(gate, gate0)
 
 
-def test_fused_linear_falls_back_once_when_onednn_refuses(monkeypatch, caplog):
+def _onednn_refuses(monkeypatch):
+    """oneDNN's linear primitive raising as a build without it for this CPU/dtype would, its state reset."""
     from pixeltriage.kernels import linear
 
     def refuse(*args):
@@ -240,6 +241,12 @@ def test_fused_linear_falls_back_once_when_onednn_refuses(monkeypatch, caplog):
 
     monkeypatch.setattr(linear, "_STATE", {"ok": True, "bf16": True})
     monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
+
+
+def test_fused_linear_falls_back_once_when_onednn_refuses(monkeypatch, caplog):
+    from pixeltriage.kernels import linear
+
+    _onednn_refuses(monkeypatch)
     x, w = torch.randn(5, 8), torch.randn(3, 8)
     with caplog.at_level("WARNING"):
         got = linear.linear_act(x, w, None, "gelu")
@@ -355,14 +362,7 @@ def test_linear_matches_f_linear(dtype, bias, monkeypatch):
     assert got.dtype == dtype and got.shape == (300, 200)
     assert rel(got.double(), want.double()) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
 
-    def refuse(*args):
-        raise RuntimeError("no such primitive here")
-
-    class Ops:
-        _linear_pointwise = staticmethod(refuse)
-
-    monkeypatch.setattr(linear, "_STATE", {"ok": True, "bf16": True})
-    monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
+    _onednn_refuses(monkeypatch)
     assert torch.equal(linear.linear(x, w, b), want)
     assert linear._STATE["ok"] is (not bias)            # only a layer with a bias asked oneDNN
 

@@ -44,29 +44,32 @@ def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
     return _STATE["ok"] and (dtype != torch.bfloat16 or _STATE.get("bf16", False))
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str,
+                   algorithm: str) -> torch.Tensor | None:
+    """oneDNN's linear primitive with post-op `attr` where it applies (CPU, float32/bf16, one dtype throughout),
+    else None. A oneDNN build without the primitive for this CPU/dtype raises once: logged, and the callers take
+    their torch path from then on (which differs by at most one rounding of the output)."""
+    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype
+            or (bias is not None and bias.dtype != x.dtype) or not _fused_available(x.dtype)):
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+    except RuntimeError as e:
+        _STATE["ok"] = False
+        log.warning("oneDNN linear (post-op %s) unavailable (%s); using F.linear from now on", attr, e)
+        return None
+
+
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
-    if (act in _POST_OPS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype) and _fused_available(x.dtype)):
-        attr, algorithm = _POST_OPS[act]
-        try:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
-        except RuntimeError as e:      # a oneDNN build without this primitive for the CPU/dtype: the reference,
-            _STATE["ok"] = False       # which differs by one rounding of the output, from now on
-            log.warning("oneDNN fused linear + %s unavailable (%s); using F.linear + activation", act, e)
-    return linear_act_reference(x, weight, bias, act)
+    out = _onednn_linear(x, weight, bias, *_POST_OPS[act]) if act in _POST_OPS else None
+    return out if out is not None else linear_act_reference(x, weight, bias, act)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T + bias, as `F.linear`; with a bias on the CPU, oneDNN's linear primitive (see the module)."""
-    if (bias is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.dtype == x.dtype and bias.dtype == x.dtype and _fused_available(x.dtype)):
-        try:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        except RuntimeError as e:
-            _STATE["ok"] = False
-            log.warning("oneDNN linear unavailable (%s); using F.linear", e)
-    return F.linear(x, weight, bias)
+    out = _onednn_linear(x, weight, bias, "none", "") if bias is not None else None
+    return out if out is not None else F.linear(x, weight, bias)
 
 
 def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
