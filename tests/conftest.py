@@ -55,3 +55,13 @@ def native(request, monkeypatch):
     monkeypatch.setattr(native_kernels, "library", lambda: Counting())
     yield None
     assert called, "native=None, but no C kernel ran"
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Every C kernel call of the test, as (kernel name, its arguments), the calls still made."""
+    from pixeltriage.kernels import native as native_kernels
+
+    calls, real = [], native_kernels.call
+    monkeypatch.setattr(native_kernels, "call", lambda name, *args: calls.append((name, args)) or real(name, *args))
+    return calls

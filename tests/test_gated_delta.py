@@ -67,7 +67,7 @@ def test_l2norm_inside_equals_l2norm_before(seq_len, native):
 
 @pytest.mark.parametrize("chunk_size", [16, 48, 64])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen, monkeypatch):
+def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen, native_calls):
     """`pt_delta_chunked` (per head, each chunk's matrices, triangular products by blocks, u and w written in place,
     then its step of the recurrence) against the torch prep and loop: <= 1e-6 relative in
     float32, and against the plain recurrence. Packed sequences restart the state mid-batch; decays strong enough
@@ -75,14 +75,12 @@ def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen, monkeypat
     from pixeltriage.kernels import native
 
     assert native.available(), native.status()
-    ran, real = [], native.call
-    monkeypatch.setattr(native, "call", lambda name, *args: ran.append(name) or real(name, *args))
     q, k, v, g, beta = inputs(300, heads=4, k_dim=32, v_dim=48, seed=3)
     g[100:140] -= 25.0                                   # every decay across these tokens under the cut-off
     bounds = [0, 37, 101, 101, 300] if varlen else None
     want = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=bounds, native=False)
     got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=bounds, native=None)
-    assert "pt_delta_chunked" in ran
+    assert "pt_delta_chunked" in [name for name, _ in native_calls]
     assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-6
     # against the (float64-accumulating) recurrence: the chunked form's own float32 error, which both paths share,
     # measured 4.6e-6 (chunk 16) to 1.7e-5 (chunk 48) on these inputs
@@ -92,30 +90,23 @@ def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen, monkeypat
         assert (got[b:e] - ref).abs().max().item() / ref.abs().max().item() <= 5e-5
 
 
-def test_c_chunk_kernels_decline_what_they_do_not_handle(monkeypatch):
+def test_c_chunk_kernels_decline_what_they_do_not_handle(native_calls):
     """Head dims that are not multiples of 16 (and chunks over 256) go to the torch prep and loop."""
-    from pixeltriage.kernels import native
-
-    ran, real = [], native.call
-    monkeypatch.setattr(native, "call", lambda name, *args: ran.append(name) or real(name, *args))
     args = inputs(70, k_dim=12, v_dim=20)
     out = chunk_gated_delta_rule(*args, native=None)
-    assert "pt_delta_chunked" not in ran
+    assert "pt_delta_chunked" not in [name for name, _ in native_calls]
     ref = recurrent_gated_delta_rule(*args)
     assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
 
 
-def test_default_chunk_is_the_c_kernels_size_where_they_run(monkeypatch):
+def test_default_chunk_is_the_c_kernels_size_where_they_run(native_calls):
     """chunk_size=None: 32-token chunks through the C kernels, 64 on the torch path; either within the chunked
     form's float32 error of the recurrence (the two sizes round differently: 2.4e-6 apart here)."""
-    from pixeltriage.kernels import native
     from pixeltriage.kernels.gated_delta import chunk
 
-    seen, real = [], native.call
-    monkeypatch.setattr(native, "call", lambda name, *args: seen.append((name, args)) or real(name, *args))
     args = inputs(200, k_dim=16, v_dim=32, seed=5)
     got = chunk_gated_delta_rule(*args, native=None)
-    prep = [a for name, a in seen if name == "pt_delta_chunked"]
+    prep = [a for name, a in native_calls if name == "pt_delta_chunked"]
     assert prep and prep[0][15] == chunk.NATIVE_CHUNK                  # (..., restart, N, H, C, K, V, ...)
     ref = recurrent_gated_delta_rule(*args)
     for out in (got, chunk_gated_delta_rule(*args, native=False)):      # NATIVE_CHUNK, TORCH_CHUNK
@@ -127,13 +118,12 @@ def test_default_chunk_is_the_c_kernels_size_where_they_run(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("bounds", [None, [0, 5, 5, 77, 160]])
-def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, monkeypatch):
+def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, native_calls):
     """The Gated DeltaNet's conv + SiLU, head split and chunked rule in one C pass (conv mode of
     `pt_delta_chunked`: q, k, v made from the projection where they are used) against `causal_conv1d_silu` then
     `chunk_gated_delta_rule` in torch: <= 1e-5 relative (float32 sums in other orders, the conv's multiply-adds
     fused). The projection is a strided slice of a wider one, as the layer's; packed sequences (an empty one too)
     keep the conv from reading across a boundary; key heads shared by `group` value heads."""
-    from pixeltriage.kernels import native
     from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
 
     gen = torch.Generator().manual_seed(group)
@@ -144,10 +134,8 @@ def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, monk
     weight = torch.randn(conv_dim, 4, generator=gen) * 0.5
     g = -F.softplus(torch.randn(t, hv, generator=gen)) * 2.0
     beta = torch.rand(t, hv, generator=gen)
-    calls, real = [], native.call
-    monkeypatch.setattr(native, "call", lambda name, *args: calls.append((name, args)) or real(name, *args))
     got = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds)
-    assert any(name == "pt_delta_chunked" and args[24] for name, args in calls)     # conv mode ran
+    assert any(name == "pt_delta_chunked" and args[24] for name, args in native_calls)     # conv mode ran
     want = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds, native=False)
     assert got.shape == want.shape == (t, hv, dv)
     assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-5
