@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from pixeltriage.kernels.norm import rms_norm_zero_centred
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -49,8 +51,6 @@ def norm_partial_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: 
         out = _native_norm_rotary(x, weight, eps, cos, sin)
         if out is not None:
             return out
-    from pixeltriage.kernels.norm import rms_norm_zero_centred
-
     return apply_partial_rotary(rms_norm_zero_centred(x, weight, eps), cos, sin)
 
 
