@@ -4,16 +4,28 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from pixeltriage.bench import cpu
 from pixeltriage.cli import main
 
 
-def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, capsys, restore_threads):
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path / "cache"))
     assert main(["bench", "cpu", "--preset", "tiny", "--dtype", "float32", "--repeats", "2", "--memories", "3",
-                 "--tokens", "600", "--json"]) == 0
+                 "--tokens", "600", "--threads", "1", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
+    assert r["threads"] == 1
+    # the ceiling: transformers' time over the FLOPs at the GEMM rate; the speed-up is that times the fraction
+    assert r["gemm_bound_s"] == pytest.approx(r["tflop"] / r["gemm_tflops"])
+    assert r["speedup"] == pytest.approx(r["ceiling_speedup"] * r["fraction_of_gemm"])
     assert r["memories"] == 3 and 0 < r["tokens"] <= 600
     assert len(r["engine_times"]) == 2 and len(r["transformers_times"]) == 2
     assert r["speedup"] == r["transformers_s"] / r["engine_s"]
@@ -23,6 +35,7 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     buf = io.StringIO()
     cpu.print_table(r, buf)
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
+    assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
     drifted = dict(r, gemm_tflops_before_after=[0.7, 2.1])
     buf = io.StringIO()
     cpu.print_table(drifted, buf)
@@ -38,3 +51,11 @@ def test_paired_speedups_cancel_a_steady_drift():
     assert cpu.paired_speedups(engine, hf) == pytest.approx([3.0, 3.0])
     assert abs(statistics.median(hf) / statistics.median(engine) - 3.0) > 0.4
     assert cpu.paired_speedups([1.0, 2.0], [3.0, 3.0, 3.0]) == [2.0, 1.5, 1.5]   # more transformers runs
+
+
+@pytest.mark.parametrize("command", ["cpu", "latency"])
+def test_bench_threads_must_be_positive(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", command, "--threads", "0"])
+    assert exit_.value.code == 2
+    assert "--threads: must be at least 1, got 0" in capsys.readouterr().err

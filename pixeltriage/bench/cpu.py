@@ -8,7 +8,9 @@ each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up to ~2
     speed-up (the ratio of the medians, and each transformers run against the engine runs timed beside it), the
     machine's GEMM rate measured before and after the timed runs (their mean; a note when they differ by more
     than 25%), and the fraction of it the engine achieves (analytic FLOPs of the forward from
-    pixeltriage.bench.flops / engine median); a per-stage breakdown of the engine (vision, gated_delta, attention, mlp, head).
+    pixeltriage.bench.flops / engine median); the ceiling: transformers' median over the time those FLOPs take at
+    the GEMM rate, the speed-up of an engine whose only cost were matmuls (the achieved speed-up over it is the
+    fraction above); a per-stage breakdown of the engine (vision, gated_delta, attention, mlp, head).
 """
 from __future__ import annotations
 
@@ -124,6 +126,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     rate = statistics.fmean(rates)
     engine_s, hf_s = statistics.median(engine_times), statistics.median(hf_times)
     achieved = flop_rate(flops.total, engine_s, rate)
+    # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach
+    gemm_bound_s = flops.total / (rate * 1e12)
     return {
         "preset": preset, "dtype": dtype, "threads": torch.get_num_threads(), "tokens": state.num_tokens,
         "memories": state.num_memories, "engine_s": engine_s, "transformers_s": hf_s, "speedup": hf_s / engine_s,
@@ -131,6 +135,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "paired_speedups": paired_speedups(engine_times, hf_times),
         "tflop": flops.total / 1e12, "gemm_tflops": rate, "gemm_tflops_before_after": rates,
         "achieved_tflops": achieved["tflops"], "fraction_of_gemm": achieved["of_gemm"], "stages_s": stages,
+        "gemm_bound_s": gemm_bound_s, "ceiling_speedup": hf_s / gemm_bound_s,
     }
 
 
@@ -163,6 +168,9 @@ def print_table(r: dict, out=None) -> None:
     print(f"  GEMM rate     {r['gemm_tflops']:.3f} TFLOP/s measured ({before:.3f} before, {after:.3f} after the timed "
           f"runs); engine achieves {r['achieved_tflops']:.3f} TFLOP/s = {100 * r['fraction_of_gemm']:.0f}% of it",
           file=out)
+    print(f"  ceiling       {r['ceiling_speedup']:.2f}x   (transformers' median over the {r['tflop']:.3f} TFLOP done at the "
+          f"measured GEMM rate, {r['gemm_bound_s'] * 1e3:.0f} ms: the speed-up of an engine with no cost but matmuls)",
+          file=out)
     if max(before, after) > DRIFT_WARNING * min(before, after):
         print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
@@ -178,10 +186,30 @@ def add_cpu_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed engine runs after one warm-up (default 5)")
     p.add_argument("--memories", type=int, default=10)
     p.add_argument("--tokens", type=int, default=2300, help="target state length (default 2300)")
+    add_threads_argument(p)
     p.add_argument("--json", action="store_true")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for every implementation timed (default: torch's, one per core)")
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads (which the native kernels use too) for a benchmark run; None leaves them."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 def run_cpu(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     r = cpu_report(args.preset, args.dtype, args.repeats, args.memories, args.tokens,
                    progress=lambda s: print(s, file=sys.stderr, flush=True))
     if args.json:

@@ -285,6 +285,7 @@ def plot(r: dict, path: str) -> None:
 
 
 def add_latency_arguments(p: argparse.ArgumentParser) -> None:
+    from pixeltriage.bench.cpu import add_threads_argument
     from pixeltriage.weights.demo import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -298,10 +299,14 @@ def add_latency_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="DIR", default=None, help="write a profiler trace and a per-stage table")
     p.add_argument("--plot", metavar="PNG", default=None, help="draw latency and TFLOP (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0)
+    add_threads_argument(p)
     p.add_argument("--json", action="store_true")
 
 
 def run_latency(args: argparse.Namespace) -> int:
+    from pixeltriage.bench.cpu import set_threads
+
+    set_threads(args.threads)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     ks = tuple(int(k) for k in args.k.split(",") if k.strip())
     r = latency_report(args.preset, args.device, dtype, args.batch, args.questions, ks, args.answering_scale,
