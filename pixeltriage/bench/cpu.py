@@ -157,7 +157,8 @@ def paired_speedups(engine_times: list[float], hf_times: list[float]) -> list[fl
 
 def print_table(r: dict, out=None) -> None:
     out = sys.stdout if out is None else out
-    print(f"bench cpu: preset {r['preset']}, {r['dtype']}, {r['threads']} threads; state {r['tokens']} tokens, "
+    threads = f"{r['threads']} thread{'s' * (r['threads'] != 1)}"
+    print(f"bench cpu: preset {r['preset']}, {r['dtype']}, {threads}; state {r['tokens']} tokens, "
           f"{r['memories']} memories; {r['tflop']:.3f} TFLOP per forward", file=out)
     print(f"  engine        median {r['engine_s'] * 1e3:9.1f} ms", file=out)
     print(f"  transformers  median {r['transformers_s'] * 1e3:9.1f} ms   (torch path, same state)", file=out)
@@ -168,9 +169,9 @@ def print_table(r: dict, out=None) -> None:
     print(f"  GEMM rate     {r['gemm_tflops']:.3f} TFLOP/s measured ({before:.3f} before, {after:.3f} after the timed "
           f"runs); engine achieves {r['achieved_tflops']:.3f} TFLOP/s = {100 * r['fraction_of_gemm']:.0f}% of it",
           file=out)
-    print(f"  ceiling       {r['ceiling_speedup']:.2f}x   (transformers' median over the {r['tflop']:.3f} TFLOP done at the "
-          f"measured GEMM rate, {r['gemm_bound_s'] * 1e3:.0f} ms: the speed-up of an engine with no cost but matmuls)",
-          file=out)
+    print(f"  ceiling       {r['ceiling_speedup']:.2f}x   (transformers' median over the {r['tflop']:.3f} TFLOP done "
+          f"at the measured GEMM rate, {r['gemm_bound_s'] * 1e3:.0f} ms: the speed-up of an engine with no cost but "
+          "matmuls)", file=out)
     if max(before, after) > DRIFT_WARNING * min(before, after):
         print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)

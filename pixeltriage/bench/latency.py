@@ -233,7 +233,8 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
 
 def print_report(r: dict, out=None) -> None:
     out = sys.stdout if out is None else out
-    print(f"bench latency: System One {r['preset']} ({r['dtype']}, {r['device']}, {r['threads']} threads)", file=out)
+    threads = f"{r['threads']} thread{'s' * (r['threads'] != 1)}"
+    print(f"bench latency: System One {r['preset']} ({r['dtype']}, {r['device']}, {threads})", file=out)
     for name, row in r["system_one"].items():
         print(f"  {name:<8} p50 {row['p50'] * 1e3:8.1f} ms  p90 {row['p90'] * 1e3:8.1f} ms  p99 "
               f"{row['p99'] * 1e3:8.1f} ms  {row['questions_per_s']:.2f} questions/s", file=out)
