@@ -12,6 +12,35 @@ BENCHES: dict[str, str] = {
 }
 
 
+def int_at_least(minimum: int):
+    """An argparse type: an integer of at least `minimum` (argparse reports anything else as a usage error)."""
+    def check(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    check.__name__ = "int"            # argparse's word for a value int() rejects: "invalid int value"
+    return check
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="CPU threads for every implementation timed (default: torch's, one per core)")
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads (which the native kernels use too) for a benchmark run; None leaves them."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def threads_label(threads: int) -> str:
+    return f"{threads} thread{'s' * (threads != 1)}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pixeltriage.cli import add_commands
 

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pixeltriage.bench.cli import int_at_least
 from pixeltriage.bench.flops import (
     ANSWERING_MODELS,
     SYSTEM_ONE_CONFIGS,
@@ -174,13 +175,6 @@ def _budgets(text: str) -> list[int]:
     return ks
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
-
-
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="dmv")
     parser.add_argument("--answering", choices=list(ANSWERING_MODELS), default="qwen2.5-vl-7b")
@@ -191,10 +185,10 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     custom = parser.add_argument_group("custom scenario")
     custom.add_argument("--image-sizes", type=_image_sizes, help="retrieved images, ranked: WxH,WxH,...")
-    custom.add_argument("--text-tokens", type=_non_negative, help="prompt tokens besides images and proxies")
-    custom.add_argument("--proxy-tokens", type=_non_negative, default=20, help="tokens of one text proxy")
+    custom.add_argument("--text-tokens", type=int_at_least(0), help="prompt tokens besides images and proxies")
+    custom.add_argument("--proxy-tokens", type=int_at_least(0), default=20, help="tokens of one text proxy")
     custom.add_argument("--keep-proxy", action="store_true", help="an opened image keeps its text proxy")
-    custom.add_argument("--state-text-tokens", type=_non_negative,
+    custom.add_argument("--state-text-tokens", type=int_at_least(0),
                         help="System One state tokens besides thumbnails (default: 128 per memory)")
 
 

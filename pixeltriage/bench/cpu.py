@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from PIL import Image, ImageDraw
 
+from pixeltriage.bench.cli import add_threads_argument, set_threads, threads_label
 from pixeltriage.bench.timing import flop_rate, gemm_tflops
 
 if TYPE_CHECKING:
@@ -157,8 +158,7 @@ def paired_speedups(engine_times: list[float], hf_times: list[float]) -> list[fl
 
 def print_table(r: dict, out=None) -> None:
     out = sys.stdout if out is None else out
-    threads = f"{r['threads']} thread{'s' * (r['threads'] != 1)}"
-    print(f"bench cpu: preset {r['preset']}, {r['dtype']}, {threads}; state {r['tokens']} tokens, "
+    print(f"bench cpu: preset {r['preset']}, {r['dtype']}, {threads_label(r['threads'])}; state {r['tokens']} tokens, "
           f"{r['memories']} memories; {r['tflop']:.3f} TFLOP per forward", file=out)
     print(f"  engine        median {r['engine_s'] * 1e3:9.1f} ms", file=out)
     print(f"  transformers  median {r['transformers_s'] * 1e3:9.1f} ms   (torch path, same state)", file=out)
@@ -189,24 +189,6 @@ def add_cpu_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2300, help="target state length (default 2300)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for every implementation timed (default: torch's, one per core)")
-
-
-def set_threads(threads: int | None) -> None:
-    """torch's intra-op threads (which the native kernels use too) for a benchmark run; None leaves them."""
-    if threads is not None:
-        torch.set_num_threads(threads)
 
 
 def run_cpu(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+from pixeltriage.bench.cli import add_threads_argument, set_threads, threads_label
 from pixeltriage.bench.flops import ANSWERING_MODELS
 from pixeltriage.bench.timing import device_peak_tflops, flop_rate, gemm_tflops, percentiles, timed
 
@@ -233,8 +234,8 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
 
 def print_report(r: dict, out=None) -> None:
     out = sys.stdout if out is None else out
-    threads = f"{r['threads']} thread{'s' * (r['threads'] != 1)}"
-    print(f"bench latency: System One {r['preset']} ({r['dtype']}, {r['device']}, {threads})", file=out)
+    print(f"bench latency: System One {r['preset']} ({r['dtype']}, {r['device']}, {threads_label(r['threads'])})",
+          file=out)
     for name, row in r["system_one"].items():
         print(f"  {name:<8} p50 {row['p50'] * 1e3:8.1f} ms  p90 {row['p90'] * 1e3:8.1f} ms  p99 "
               f"{row['p99'] * 1e3:8.1f} ms  {row['questions_per_s']:.2f} questions/s", file=out)
@@ -286,7 +287,6 @@ def plot(r: dict, path: str) -> None:
 
 
 def add_latency_arguments(p: argparse.ArgumentParser) -> None:
-    from pixeltriage.bench.cpu import add_threads_argument
     from pixeltriage.weights.demo import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -305,8 +305,6 @@ def add_latency_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_latency(args: argparse.Namespace) -> int:
-    from pixeltriage.bench.cpu import set_threads
-
     set_threads(args.threads)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     ks = tuple(int(k) for k in args.k.split(",") if k.strip())
