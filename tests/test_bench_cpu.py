@@ -53,9 +53,19 @@ def test_paired_speedups_cancel_a_steady_drift():
     assert cpu.paired_speedups([1.0, 2.0], [3.0, 3.0, 3.0]) == [2.0, 1.5, 1.5]   # more transformers runs
 
 
-@pytest.mark.parametrize("command", ["cpu", "latency"])
-def test_bench_threads_must_be_positive(command, capsys):
+@pytest.mark.parametrize("argv,message", [
+    (["cpu", "--threads", "0"], "--threads: must be at least 1, got 0"),
+    (["latency", "--threads", "0"], "--threads: must be at least 1, got 0"),
+    (["cpu", "--repeats", "0"], "--repeats: must be at least 1, got 0"),
+    (["cpu", "--memories", "-1"], "--memories: must be at least 0, got -1"),
+    (["latency", "--batch", "0"], "--batch: must be at least 1, got 0"),
+    (["load", "--repeats", "0"], "--repeats: must be at least 1, got 0"),
+    (["cost", "--scenario", "custom", "--text-tokens", "-1"], "--text-tokens: must be at least 0, got -1"),
+    (["cpu", "--threads", "two"], "--threads: invalid int value: 'two'"),
+])
+def test_bench_counts_out_of_range_are_usage_errors(argv, message, capsys):
+    """Counts a benchmark cannot run with (no timed runs, no threads, negative sizes) stop at the command line."""
     with pytest.raises(SystemExit) as exit_:
-        main(["bench", command, "--threads", "0"])
+        main(["bench", *argv])
     assert exit_.value.code == 2
-    assert "--threads: must be at least 1, got 0" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

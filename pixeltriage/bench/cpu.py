@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.cli import add_threads_argument, set_threads, threads_label
+from pixeltriage.bench.cli import add_threads_argument, int_at_least, set_threads, threads_label
 from pixeltriage.bench.timing import flop_rate, gemm_tflops
 
 if TYPE_CHECKING:
@@ -184,9 +184,9 @@ def add_cpu_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", default="bench-small", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--repeats", type=int, default=5, help="timed engine runs after one warm-up (default 5)")
-    p.add_argument("--memories", type=int, default=10)
-    p.add_argument("--tokens", type=int, default=2300, help="target state length (default 2300)")
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed engine runs after one warm-up (default 5)")
+    p.add_argument("--memories", type=int_at_least(0), default=10)
+    p.add_argument("--tokens", type=int_at_least(1), default=2300, help="target state length (default 2300)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true")
 

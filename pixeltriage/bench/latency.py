@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.cli import add_threads_argument, set_threads, threads_label
+from pixeltriage.bench.cli import add_threads_argument, int_at_least, set_threads, threads_label
 from pixeltriage.bench.flops import ANSWERING_MODELS
 from pixeltriage.bench.timing import device_peak_tflops, flop_rate, gemm_tflops, percentiles, timed
 
@@ -293,8 +293,8 @@ def add_latency_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: float32 on the CPU, bfloat16 on CUDA")
-    p.add_argument("--batch", type=int, default=4, help="batch size of the batched run (default 4)")
-    p.add_argument("--questions", type=int, default=24, help="timed questions (default 24)")
+    p.add_argument("--batch", type=int_at_least(1), default=4, help="batch size of the batched run (default 4)")
+    p.add_argument("--questions", type=int_at_least(1), default=24, help="timed questions (default 24)")
     p.add_argument("--k", default="1,2", help="budgets for ours@k (default 1,2)")
     p.add_argument("--answering-scale", default="tiny", choices=sorted(ANSWERING_SCALES))
     p.add_argument("--profile", metavar="DIR", default=None, help="write a profiler trace and a per-stage table")

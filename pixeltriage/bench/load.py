@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from pixeltriage.bench.cli import int_at_least
+
 METHODS = ("packed", "directory", "transformers")
 
 
@@ -162,7 +164,7 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", default="2b", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int_at_least(1), default=3)
     p.add_argument("--json", action="store_true")
 
 
