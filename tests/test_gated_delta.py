@@ -179,3 +179,21 @@ def test_default_chunk_is_the_torch_size_where_the_c_pass_declines(monkeypatch):
     q, k, v, g, beta = inputs(100, k_dim=16, v_dim=32)
     out = chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)
     assert sizes == [chunk.TORCH_CHUNK] and out.shape == (100, 3, 32)
+
+
+def test_layers_share_one_chunk_plan_and_leave_it_as_it_was():
+    """Every layer of a forward asks for the same packed layout: one plan, built once, unchanged by the runs that
+    read it (two runs on the same layout give the same result, bit for bit, on both paths)."""
+    from pixeltriage.kernels.gated_delta import chunk
+
+    bounds = [0, 37, 101, 101, 300]
+    plan = chunk._plan(300, bounds, None, True)
+    assert chunk._plan(300, list(bounds), None, True) is plan and chunk._plan(300, bounds, None, False) is not plan
+    restart = plan.restart.clone()
+    q, k, v, g, beta = inputs(300, heads=2, k_dim=16, v_dim=16, seed=11)
+    for native in (None, False):
+        first = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, native=native)
+        assert torch.equal(chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, native=native), first)
+    assert torch.equal(plan.restart, restart)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk._plan(300, [0, 400], None, True)
