@@ -1,45 +1,67 @@
-"""PixelTriage: decide which retrieved memories deserve pixels, in one forward pass."""
-from pixeltriage.errors import (
-    BackendUnavailableError,
-    CheckpointError,
-    InvalidMemoryError,
-    NonFiniteScoreError,
-    PixelTriageError,
-    StateTooLongError,
-)
-from pixeltriage.engine.cache import Cache
-from pixeltriage.engine.cost import cost_ratio, delivery_cost, visual_tokens
-from pixeltriage.engine.host import pixel_host_messages, stamp_tag, text_host_messages
-from pixeltriage.engine.policy import RateGate, downsize_all, random_policy, retrieval_order, token_budget, top_k
-from pixeltriage.engine.scorer import Scorer
-from pixeltriage.engine.state import State
-from pixeltriage.engine.types import Memory, Scores
+"""PixelTriage: decide which retrieved memories deserve pixels, in one forward pass.
+
+The public names below are imported on first use (PEP 562), so `import pixeltriage` and the command line's
+`--help` do not pay for torch until a name that needs it is touched.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Cache",
-    "RateGate",
-    "cost_ratio",
-    "delivery_cost",
-    "downsize_all",
-    "pixel_host_messages",
-    "random_policy",
-    "retrieval_order",
-    "stamp_tag",
-    "text_host_messages",
-    "token_budget",
-    "top_k",
-    "visual_tokens",
-    "Memory",
-    "Scorer",
-    "Scores",
-    "State",
-    "BackendUnavailableError",
-    "CheckpointError",
-    "InvalidMemoryError",
-    "NonFiniteScoreError",
-    "PixelTriageError",
-    "StateTooLongError",
-    "__version__",
-]
+# public name -> the module that defines it
+_EXPORTS = {
+    "Cache": "pixeltriage.engine.cache",
+    "Memory": "pixeltriage.engine.types",
+    "Scores": "pixeltriage.engine.types",
+    "Scorer": "pixeltriage.engine.scorer",
+    "State": "pixeltriage.engine.state",
+    "RateGate": "pixeltriage.engine.policy",
+    "downsize_all": "pixeltriage.engine.policy",
+    "random_policy": "pixeltriage.engine.policy",
+    "retrieval_order": "pixeltriage.engine.policy",
+    "token_budget": "pixeltriage.engine.policy",
+    "top_k": "pixeltriage.engine.policy",
+    "cost_ratio": "pixeltriage.engine.cost",
+    "delivery_cost": "pixeltriage.engine.cost",
+    "visual_tokens": "pixeltriage.engine.cost",
+    "pixel_host_messages": "pixeltriage.engine.host",
+    "stamp_tag": "pixeltriage.engine.host",
+    "text_host_messages": "pixeltriage.engine.host",
+    "tune_malloc": "pixeltriage.engine.cpu_memory",
+    "BackendUnavailableError": "pixeltriage.errors",
+    "CheckpointError": "pixeltriage.errors",
+    "InvalidMemoryError": "pixeltriage.errors",
+    "NonFiniteScoreError": "pixeltriage.errors",
+    "PixelTriageError": "pixeltriage.errors",
+    "StateTooLongError": "pixeltriage.errors",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pixeltriage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value            # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:                      # for type checkers and IDEs: the same names, imported eagerly
+    from pixeltriage.engine.cache import Cache
+    from pixeltriage.engine.cost import cost_ratio, delivery_cost, visual_tokens
+    from pixeltriage.engine.cpu_memory import tune_malloc
+    from pixeltriage.engine.host import pixel_host_messages, stamp_tag, text_host_messages
+    from pixeltriage.engine.policy import RateGate, downsize_all, random_policy, retrieval_order, token_budget, top_k
+    from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.engine.state import State
+    from pixeltriage.engine.types import Memory, Scores
+    from pixeltriage.errors import (BackendUnavailableError, CheckpointError, InvalidMemoryError, NonFiniteScoreError,
+                                    PixelTriageError, StateTooLongError)

@@ -11,20 +11,25 @@ Episode JSON (one object, or a list of such objects):
       ]
     }
 
-`image` is a local file path, relative to the episode file's folder; `key` names an image stored
-in a write-time cache (`--cache DB`). `note`, `dialogue` and `date` are optional strings.
+`image` is a local file path, relative to the episode file's folder (to the working directory for
+an episode read from standard input); `key` names an image stored in a write-time cache (`--cache
+DB`). `note`, `dialogue` and `date` are optional strings; a memory given by `key` without a `note`
+uses the note cached with its image.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 from pathlib import Path
+from typing import TextIO
 
 from PIL import Image, ImageDraw
 
-from pixeltriage.engine.config import read_json
+from pixeltriage.config import read_json
 from pixeltriage.engine.types import Memory
-from pixeltriage.errors import InvalidMemoryError, PixelTriageError
+from pixeltriage.errors import PixelTriageError
 
 
 class EpisodeError(PixelTriageError, ValueError):
@@ -34,12 +39,26 @@ class EpisodeError(PixelTriageError, ValueError):
 MEMORY_FIELDS = {"image", "key", "note", "dialogue", "date"}
 
 
-def load_episodes(path: str | Path) -> list[tuple[str, list[Memory]]]:
-    path = Path(path)
-    data = read_json(path, EpisodeError, (dict, list))
-    items = data if isinstance(data, list) else [data]
-    return [parse_episode(item, path.parent, f"{path}[{i}]" if isinstance(data, list) else str(path))
-            for i, item in enumerate(items)]
+def load_episodes(source: str | os.PathLike | TextIO) -> list[tuple[str, list[Memory]]]:
+    """Every episode of a file (or of a text stream such as sys.stdin, whose image paths are relative to the
+    working directory), checked before anything is scored: the shape, the field types and that every image file
+    exists. Errors are EpisodeError naming the file, the episode (when the file holds a list) and the memory,
+    numbered from 1."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        data, name, base = read_json(path, EpisodeError, (dict, list)), str(path), path.parent
+    else:
+        name = getattr(source, "name", "<stream>")
+        name, base = "standard input" if name == "<stdin>" else name, Path.cwd()
+        try:
+            data = json.loads(source.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EpisodeError(f"{name}: not valid JSON ({e})") from None
+        if not isinstance(data, (dict, list)):
+            raise EpisodeError(f"{name}: expected a JSON object or array, found {type(data).__name__}")
+    if isinstance(data, dict):
+        return [parse_episode(data, base, name)]
+    return [parse_episode(item, base, f"{name}, episode {i} of {len(data)}") for i, item in enumerate(data, start=1)]
 
 
 def parse_episode(data, base: Path, source: str) -> tuple[str, list[Memory]]:
@@ -49,20 +68,27 @@ def parse_episode(data, base: Path, source: str) -> tuple[str, list[Memory]]:
     if not isinstance(raw, list):
         raise EpisodeError(f"{source}: 'memories' must be a list")
     memories = []
-    for i, m in enumerate(raw):
+    for number, m in enumerate(raw, start=1):
+        where = f"{source}: memory {number}"
         if not isinstance(m, dict):
-            raise EpisodeError(f"{source}: memory {i} must be an object")
+            raise EpisodeError(f"{where} must be an object")
         unknown = set(m) - MEMORY_FIELDS
         if unknown:
-            raise EpisodeError(f"{source}: memory {i} has unknown fields {sorted(unknown)}")
-        for name in ("image", "key", "note", "dialogue", "date"):
-            if name in m and m[name] is not None and not isinstance(m[name], str):
-                raise InvalidMemoryError(f"'{name}' must be a string in {source}", i)
-        if ("image" in m) == ("key" in m):
-            raise EpisodeError(f"{source}: memory {i} needs exactly one of 'image' or 'key'")
-        image = str(base / m["image"]) if "image" in m else None
+            raise EpisodeError(f"{where} has unknown fields {sorted(unknown)} (known: {sorted(MEMORY_FIELDS)})")
+        for field in sorted(MEMORY_FIELDS):
+            if field in m and m[field] is not None and not isinstance(m[field], str):
+                raise EpisodeError(f"{where}: '{field}' must be a string, found {type(m[field]).__name__}")
+        if (m.get("image") is None) == (m.get("key") is None):
+            raise EpisodeError(f"{where} needs exactly one of 'image' (a file path) or 'key' (a cache key)")
+        image = None
+        if m.get("image") is not None:
+            image = base / m["image"]
+            if not image.is_file():
+                raise EpisodeError(f"{where}: image file {image} not found" + (" (it is a directory)"
+                                                                                if image.is_dir() else ""))
+            image = str(image)
         memories.append(Memory(image=image, key=m.get("key"), note=m.get("note"),
-                               dialogue=m.get("dialogue", ""), date=m.get("date", "")))
+                               dialogue=m.get("dialogue") or "", date=m.get("date") or ""))
     return data["question"], memories
 
 

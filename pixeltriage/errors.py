@@ -12,13 +12,14 @@ class CheckpointError(PixelTriageError):
 class InvalidMemoryError(PixelTriageError, ValueError):
     """A memory (its image, note, dialogue or date) cannot be scored.
 
-    `index` is the memory's position in the retrieved list (None when unknown).
+    `index` is the memory's 0-based position in the retrieved list (None when unknown); the message numbers
+    memories from 1, as every table, report and the state template do ("memory 3" is `memories[2]`).
     """
 
     def __init__(self, message: str, index: int | None = None):
         self.index = index
         self.reason = message
-        prefix = f"memory {index}: " if index is not None else ""
+        prefix = f"memory {index + 1}: " if index is not None else ""
         super().__init__(prefix + message)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pixeltriage.engine.config import ImageConfig, TriageConfig
+from pixeltriage.config import ImageConfig, TriageConfig
 from pixeltriage.weights.tokenizer import build_tokenizer, save_tokenizer, special_token_ids
 
 

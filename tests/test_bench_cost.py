@@ -1,18 +1,16 @@
 """`pixeltriage bench cost`: the --json shape, the table, and the orderings the costs must obey."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
 from pixeltriage.bench import cost
+from pixeltriage.cli import main
 
 
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser()
-    cost.add_cost_arguments(parser)
-    code = cost.run_cost(parser.parse_args(argv))
+    code = main(["bench", "cost", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -99,11 +97,10 @@ def test_custom_scenario_needs_its_inputs(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--k", "0"], ["--k", "a,b"], ["--scenario", "custom", "--image-sizes", "10x"]])
-def test_bad_arguments_are_rejected(argv):
-    parser = argparse.ArgumentParser()
-    cost.add_cost_arguments(parser)
-    with pytest.raises(SystemExit):
-        parser.parse_args(argv)
+def test_bad_arguments_are_rejected(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "cost", *argv])
+    assert exit_.value.code == 2 and "error:" in capsys.readouterr().err
 
 
 def test_kept_proxy_costs_more_than_replaced():

@@ -1,4 +1,3 @@
-import argparse
 import hashlib
 import io
 import json
@@ -16,7 +15,6 @@ import pytest
 import torch
 from PIL import Image
 
-from pixeltriage.engine import cache as cache_module
 from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError, CorruptEntryError, image_key
 from pixeltriage.engine.image import encode_png, make_thumbnail, to_rgb
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
@@ -356,9 +354,9 @@ def test_kill_during_writes_leaves_a_consistent_cache(tmp_path):
 # --- command line --------------------------------------------------------------------------------
 
 def _cli(argv):
-    parser = argparse.ArgumentParser(prog="pixeltriage cache")
-    cache_module.add_arguments(parser)
-    return cache_module.run(parser.parse_args(argv))
+    from pixeltriage.cli import main
+
+    return main(["cache", *argv])
 
 
 def test_cli_put_and_stats(tmp_path, capsys):
@@ -382,15 +380,16 @@ def test_cli_put_and_stats(tmp_path, capsys):
     assert stats["bytes"] > 0 and stats["path"] == str(db)
 
 
-def test_cli_errors(tmp_path):
-    with pytest.raises(PixelTriageError, match="no such cache"):
+def test_cli_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:                  # usage errors, before anything is opened
         _cli(["stats", str(tmp_path / "none.db")])
+    assert exit_.value.code == 2 and "none.db: no such file" in capsys.readouterr().err
     bad = tmp_path / "notes.json"
     bad.write_text("[1, 2]")
     img = tmp_path / "a.png"
     img.write_bytes(noise_png(22))
-    with pytest.raises(PixelTriageError, match="JSON object"):
-        _cli(["put", str(tmp_path / "x.db"), str(img), "--notes", str(bad)])
+    assert _cli(["put", str(tmp_path / "x.db"), str(img), "--notes", str(bad)]) == 2
+    assert "JSON object" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _cli([])
 

@@ -1,16 +1,25 @@
-"""The main job through the CLI: score an episode file, and the demo."""
+"""The command line as a user meets it: the main job (score, demo), fast help and usage errors, one-line errors
+with exit 2 for every bad argument, input or file, exit 130 on interrupt, memories numbered from 1."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import pytest
 from PIL import Image
 
-from pixeltriage.cli import main
+from pixeltriage import Cache
+from pixeltriage.cli import COMMANDS, main
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                    os.environ.get("PYTHONPATH", "")])}
 
 
 def write_episode(tmp_path):
-    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos").mkdir(exist_ok=True)
     Image.new("RGB", (640, 480), (200, 40, 40)).save(tmp_path / "photos" / "mug.png")
     Image.new("RGB", (300, 500), (40, 200, 40)).save(tmp_path / "photos" / "bike.jpg")
     episode = {"question": "What colour was the mug?", "memories": [
@@ -22,12 +31,28 @@ def write_episode(tmp_path):
     return path
 
 
+def run_cli(*argv, stdin=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "pixeltriage", *argv], capture_output=True, text=True,
+                          input=stdin, env=ENV, timeout=timeout)
+
+
+def assert_one_line_error(err: str, *needles: str):
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err
+    assert lines and lines[-1].startswith(("error:", "pixeltriage")), err
+    assert all(n in err for n in needles), err
+
+
+# -- the main job ------------------------------------------------------------------------------------------------
+
 def test_score_json(tiny_checkpoint, tmp_path, capsys):
     episode = write_episode(tmp_path)
     assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(episode), "--k", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [m["open"] for m in report["memories"]].count(True) == 1
     assert 0 <= report["p_vis"] <= 1
+    assert [m["index"] for m in report["memories"]] == [1, 2]
+    assert report["memories"][0]["image"] == str(tmp_path / "photos" / "mug.png")     # each memory's image
     vt = report["visual_tokens"]
     assert vt["open_all"] > vt["delivery"] > 0
 
@@ -38,19 +63,174 @@ def test_score_table_and_bad_episode(tiny_checkpoint, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "p_vis" in out and "pixels" in out
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"question": "q", "memories": [{"image": "photos/missing.png"}]}))
+    bad.write_text(json.dumps({"question": "q", "memories": [{"image": "photos/mug.png"},
+                                                             {"image": "photos/missing.png"}]}))
     assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(bad)]) == 2
-    assert "memory 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "memory 2: image file" in err and "missing.png not found" in err          # numbered from 1
+
+
+def test_an_error_in_a_file_of_several_episodes_names_the_episode(tiny_checkpoint, tmp_path, capsys):
+    write_episode(tmp_path)
+    Image.new("RGB", (1000, 1)).save(tmp_path / "photos" / "line.png")                # scores nowhere: 1000:1
+    good = {"question": "q", "memories": [{"image": "photos/mug.png"}]}
+    bad = {"question": "q", "memories": [{"image": "photos/mug.png"}, {"image": "photos/line.png"}]}
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps([good, bad]))
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(path), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert len(out.strip().splitlines()) == 1                                          # the first one scored
+    assert f"{path}, episode 2 of 2: memory 2:" in err and "aspect ratio" in err
+    path.write_text(json.dumps([good, {"question": 3}]))                               # shape errors: before loading
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(path)]) == 2
+    assert f"{path}, episode 2 of 2: expected an object" in capsys.readouterr().err
+
+
+def test_cached_notes_and_keys_are_shown(tiny_checkpoint, tmp_path, capsys):
+    write_episode(tmp_path)
+    db = tmp_path / "cache.db"
+    with Cache(db) as cache:
+        key = cache.put(tmp_path / "photos" / "mug.png", note="a red mug on a desk")
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"question": "q", "memories": [{"key": key, "date": "2026-01-02"}]}))
+    args = ["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(path), "--cache", str(db)]
+    assert main([*args, "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memories"][0]
+    assert memory["key"] == key and memory["note"] == "a red mug on a desk" and "image" not in memory
+    assert main(args) == 0
+    assert "a red mug on a desk" in capsys.readouterr().out
+
+
+def test_episode_from_stdin_with_options_after_the_subcommand(tiny_checkpoint, tmp_path):
+    write_episode(tmp_path)
+    episode = json.dumps({"question": "q", "memories": [{"image": str(tmp_path / "photos" / "mug.png")}]})
+    out = run_cli("score", "--checkpoint", str(tiny_checkpoint), "--episode", "-", "--json", "--device", "cpu",
+                  "-vv", stdin=episode)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["memories"][0]["index"] == 1
+    assert "DEBUG" in out.stderr or "INFO" in out.stderr                               # -vv after the subcommand
 
 
 def test_module_and_demo(tmp_path):
-    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "pixeltriage", "demo"], capture_output=True, text=True, env=env,
-                         timeout=900)
+    out = subprocess.run([sys.executable, "-m", "pixeltriage", "demo", "--device", "cpu"], capture_output=True,
+                         text=True, env={**ENV, "PIXELTRIAGE_CACHE": str(tmp_path)}, timeout=900)
     assert out.returncode == 0, out.stderr
     assert "p_vis" in out.stdout and "k=1 opens memories" in out.stdout and "meaningless" in out.stdout
 
 
-def test_an_episode_path_that_is_a_directory_is_a_clear_error(tiny_checkpoint, tmp_path, capsys):
-    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(tmp_path)]) == 2
-    assert f"{tmp_path}: cannot read" in capsys.readouterr().err
+# -- help and usage errors: no torch, no model ------------------------------------------------------------------
+
+HELP_PROBE = """
+import contextlib, io, sys
+from pixeltriage.cli import build_parser
+commands = {commands!r}
+for argv in commands:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            build_parser().parse_args(argv + ["--help"])
+        except SystemExit as e:
+            assert e.code == 0, (argv, e.code)
+    assert "usage:" in out.getvalue(), argv
+heavy = sorted(m for m in ("torch", "transformers", "numpy", "PIL", "fastapi", "ray") if m in sys.modules)
+print(heavy)
+"""
+
+
+def every_command() -> list[list[str]]:
+    from pixeltriage.cli import build_parser
+
+    found = [[]]
+
+    def walk(parser, prefix):
+        for action in parser._actions:
+            if action.__class__.__name__ == "_SubParsersAction":
+                for name, sub in action.choices.items():
+                    found.append(prefix + [name])
+                    walk(sub, prefix + [name])
+    walk(build_parser(), [])
+    return found
+
+
+def test_help_of_every_command_imports_nothing_heavy():
+    commands = every_command()
+    assert {c[0] for c in commands if c} == set(COMMANDS) and ["bench", "cpu"] in commands
+    out = subprocess.run([sys.executable, "-c", HELP_PROBE.format(commands=commands)], capture_output=True,
+                         text=True, env=ENV, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"                  # what makes --help answer at once: nothing heavy imported
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["score", "--checkpoint", "{ckpt}", "--episode", "{episode}", "--k", "-1"], "--k: must be at least 0"),
+    (["score", "--checkpoint", "{ckpt}", "--episode", "{episode}", "--gate-rate", "1.5"], "--gate-rate: must be in"),
+    (["score", "--checkpoint", "{ckpt}", "--episode", "{episode}", "--cache", "{file}/c.db"], "is not a directory"),
+    (["score", "--checkpoint", "{tmp}/none", "--episode", "{episode}"], "none: no such file or directory"),
+    (["score", "--checkpoint", "{ckpt}", "--episode", "{tmp}"], "(it is a directory)"),
+    (["score", "--checkpoint", "{ckpt}", "--episode", "{episode}", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["demo", "--preset", "huge"], "invalid choice: 'huge'"),
+    (["pack", "{ckpt}", "{tmp}"], "is a directory"),
+    (["init-demo", "{ckpt}"], "is not an empty directory"),
+    (["cache", "stats", "{tmp}/none.db"], "no such file"),
+    (["bench", "cpu", "--repeats", "0"], "--repeats: must be at least 1"),
+    (["scroe"], "invalid choice: 'scroe'"),
+])
+def test_usage_errors_are_one_line_and_load_nothing(argv, needle, tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    episode = write_episode(tmp_path)
+    values = {"ckpt": tiny_checkpoint, "episode": episode, "file": tmp_path / "file", "tmp": tmp_path}
+    monkeypatch.setattr("pixeltriage.engine.scorer.Scorer.load", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit) as exit_:
+        main([a.format(**values) for a in argv])
+    assert exit_.value.code == 2
+    assert_one_line_error(capsys.readouterr().err, needle)
+
+
+def test_input_and_file_problems_are_one_line(tiny_checkpoint, tmp_path):
+    out = run_cli("score", "--checkpoint", str(tiny_checkpoint), "--episode", "-", stdin="{not json")
+    assert out.returncode == 2
+    assert_one_line_error(out.stderr, "standard input: not valid JSON")
+    out = run_cli("score", "--checkpoint", str(tiny_checkpoint), "--episode", str(write_episode(tmp_path)),
+                  "--device", "cuda")
+    assert out.returncode == 2
+    assert_one_line_error(out.stderr, "CUDA is not available")
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    out = run_cli("init-demo", str(readonly / "ckpt"))
+    if os.geteuid() != 0:                  # root writes anywhere
+        assert out.returncode == 2
+        assert_one_line_error(out.stderr, "Permission denied")
+
+
+def test_interrupt_exits_130_without_a_traceback(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "pixeltriage", "demo"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**ENV, "PIXELTRIAGE_CACHE": str(tmp_path)})
+    deadline = time.monotonic() + 60
+    maps = Path(f"/proc/{proc.pid}/maps")
+    while "libtorch" not in (maps.read_text() if maps.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.02)                   # interrupt while torch is being imported: the first seconds
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+
+
+def test_choice_lists_agree_with_the_library():
+    from pixeltriage.bench.cost import SCENARIOS
+    from pixeltriage.bench.flops import ANSWERING_MODELS, SYSTEM_ONE_CONFIGS
+    from pixeltriage.bench.latency import ANSWERING_SCALES
+    from pixeltriage.cli import bench, common
+    from pixeltriage.weights.demo import PRESETS
+    from pixeltriage.weights.layout import DTYPES
+
+    assert sorted(common.DTYPE_NAMES) == sorted(DTYPES)
+    assert sorted(common.DEMO_PRESETS) == sorted(PRESETS)
+    assert list(bench.SCENARIOS) == list(SCENARIOS)
+    assert list(bench.ANSWERING_MODELS) == list(ANSWERING_MODELS)
+    assert list(bench.SYSTEM_ONE_CONFIGS) == list(SYSTEM_ONE_CONFIGS)
+    assert sorted(bench.ANSWERING_SCALES) == sorted(ANSWERING_SCALES)
+
+
+def test_version():
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("pixeltriage ")

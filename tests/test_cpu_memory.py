@@ -41,3 +41,28 @@ def test_cpu_path_never_imports_gpu_kernels(tiny_checkpoint):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_loading_and_scoring_leave_malloc_alone(tiny_checkpoint):
+    """A host that embeds the engine keeps its process-wide malloc settings unless it calls tune_malloc itself."""
+    code = ("from pixeltriage import Scorer; from pixeltriage.episode import sample_episode; "
+            "from pixeltriage.engine.cpu_memory import tune_malloc; "
+            f"Scorer.load({str(tiny_checkpoint)!r}).score(*sample_episode()); "
+            "info = tune_malloc.cache_info(); print(info.hits + info.misses)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0"           # never called
+
+
+def test_the_command_line_tunes_malloc(tiny_checkpoint, monkeypatch, tmp_path):
+    from pixeltriage.cli import main
+    from pixeltriage.engine import cpu_memory
+
+    calls = []
+    monkeypatch.setattr(cpu_memory, "tune_malloc", lambda: calls.append(1) or True)
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
+    from test_cli import write_episode
+
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(write_episode(tmp_path)),
+                 "--json"]) == 0
+    assert calls == [1]

@@ -1,4 +1,3 @@
-import argparse
 import dataclasses
 import json
 import threading
@@ -8,7 +7,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
+from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
 from pixeltriage.weights import demo
 from pixeltriage.weights.tokenizer import SPECIAL_TOKENS
@@ -218,10 +217,9 @@ def test_cached_checkpoint_concurrent_callers(tmp_path, monkeypatch):
 
 
 def test_cli_run(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
-    args = parser.parse_args([str(tmp_path / "out"), "--preset", "tiny", "--seed", "2", "--dtype", "bfloat16"])
-    assert demo.run(args) == 0
+    from pixeltriage.cli import main
+
+    assert main(["init-demo", str(tmp_path / "out"), "--preset", "tiny", "--seed", "2", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     counts = demo.count_parameters(tmp_path / "out")
     assert counts == {"backbone": 408232, "head": 2 * 16 * 64}

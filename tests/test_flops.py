@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pixeltriage.bench import flops as F
 from pixeltriage.bench.hf import force_transformers_torch_path
-from pixeltriage.engine.config import FULL, LINEAR, ModelConfig
+from pixeltriage.config import FULL, LINEAR, ModelConfig
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
 TOLERANCE = 0.02
@@ -260,7 +260,7 @@ def test_the_2b_flop_preset_is_the_2b_demo_checkpoint_shape():
     (the demo caps max_position_embeddings, which no FLOP depends on)."""
     import dataclasses
 
-    from pixeltriage.engine.config import ModelConfig
+    from pixeltriage.config import ModelConfig
     from pixeltriage.weights.demo import hf_config
 
     flop_cfg = dataclasses.asdict(F.system_one_config("2b"))

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image, ImageFile
 
 from pixeltriage.engine import image as image_mod
-from pixeltriage.engine.config import ImageConfig
+from pixeltriage.config import ImageConfig
 from pixeltriage.engine.image import (
     encode_png,
     make_thumbnail,
@@ -304,7 +304,7 @@ def test_invalid_images_raise_with_index(tmp_path, make_source, needle):
         preprocess(source, ImageConfig(), index=7)
     assert info.value.index == 7
     assert needle in info.value.reason
-    assert str(info.value).startswith("memory 7: ")
+    assert str(info.value).startswith("memory 8: ")                  # messages number memories from 1
 
 
 def test_extreme_aspect_ratio_raises_invalid_memory():

@@ -66,7 +66,7 @@ def test_loading_at_the_packed_dtype_copies_nothing(packed):
 def test_fingerprints_are_stable_and_follow_the_content(tiny_checkpoint, packed, tmp_path):
     again = pack_checkpoint(tiny_checkpoint, tmp_path / "again.safetensors", dtype=torch.bfloat16)
     assert again["fingerprint"] == Scorer.load(packed[torch.bfloat16], dtype=torch.bfloat16).checkpoint_fingerprint
-    from pixeltriage.engine.config import ModelConfig
+    from pixeltriage.config import ModelConfig
 
     text = ModelConfig.from_file(tiny_checkpoint / "config.json").text
     a, b = lora_pair(text.hidden_size, text.intermediate_size, 4, seed=0)
@@ -77,7 +77,7 @@ def test_fingerprints_are_stable_and_follow_the_content(tiny_checkpoint, packed,
 
 
 def test_adapter_merged_at_pack_time(tiny_checkpoint, tmp_path, episode):
-    from pixeltriage.engine.config import ModelConfig
+    from pixeltriage.config import ModelConfig
 
     text = ModelConfig.from_file(tiny_checkpoint / "config.json").text
     a, b = lora_pair(text.hidden_size, text.intermediate_size, 4, seed=1)
@@ -176,6 +176,26 @@ def test_a_device_that_cannot_run_is_an_error_naming_the_checkpoint(tiny_checkpo
         Scorer.load(tiny_checkpoint, device="cuda")
 
 
+def test_pack_keeps_the_checkpoint_dtype_by_default_and_warns_when_narrowing(tiny_checkpoint, tmp_path, caplog):
+    from pixeltriage.weights.packed import checkpoint_dtype
+
+    assert checkpoint_dtype(tiny_checkpoint) == torch.float32            # the tiny demo checkpoint is float32
+    with caplog.at_level("WARNING", logger="pixeltriage.weights.packed"):
+        kept = pack_checkpoint(tiny_checkpoint, tmp_path / "kept.safetensors")
+    assert kept["dtype"] == "F32" and not caplog.records
+    with caplog.at_level("WARNING", logger="pixeltriage.weights.packed"):
+        pack_checkpoint(tiny_checkpoint, tmp_path / "narrow.safetensors", dtype=torch.bfloat16)
+    assert "rounds every float32 weight to bfloat16" in caplog.text
+
+
+def test_pack_cli_warns_on_stderr_when_narrowing(tiny_checkpoint, tmp_path):
+    from test_cli import run_cli
+
+    out = run_cli("pack", str(tiny_checkpoint), str(tmp_path / "p.safetensors"), "--dtype", "bfloat16", "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert "WARNING" in out.stderr and "rounds every float32 weight to bfloat16" in out.stderr
+
+
 def test_pack_cli(tiny_checkpoint, tmp_path, capsys, episode):
     dst = tmp_path / "cli.safetensors"
     assert main(["pack", str(tiny_checkpoint), str(dst), "--dtype", "float32", "--quiet"]) == 0
@@ -206,8 +226,9 @@ def test_verify_cli(tiny_checkpoint, packed, tmp_path, capsys):
     _patch_tensor(changed, "text.norm", lambda t: t.__setitem__(1, t[1] * 2))
     assert main(["verify", str(changed)]) == 2
     assert "changed.safetensors: contents do not match" in capsys.readouterr().err
-    assert main(["verify", str(tmp_path / "missing")]) == 2
-    assert "not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:                 # a usage error: nothing is loaded
+        main(["verify", str(tmp_path / "missing")])
+    assert exit_.value.code == 2 and "no such file or directory" in capsys.readouterr().err
 
 
 def test_verify_catches_a_vision_fingerprint_that_is_not_the_weights(packed, tmp_path):

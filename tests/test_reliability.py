@@ -118,7 +118,7 @@ def test_every_stored_image_scores_or_names_the_memory(scorer, name):
         with pytest.raises(InvalidMemoryError) as info:
             scorer.score(QUESTION, memories)
         assert info.value.index == 1 and re.search(expect, info.value.reason), str(info.value)
-        assert str(info.value).startswith("memory 1: ")
+        assert str(info.value).startswith("memory 2: ")              # numbered from 1 in messages
 
 
 # -- text --------------------------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_invalid_unicode_and_non_utf8_bytes_become_replacement_characters(scorer
 
 @pytest.mark.parametrize("value", [3, ["a"], 2.5])
 def test_non_string_text_is_a_clear_error(scorer, value):
-    with pytest.raises(InvalidMemoryError, match="memory 0: note must be a string"):
+    with pytest.raises(InvalidMemoryError, match="memory 1: note must be a string"):
         scorer.pack(QUESTION, [Memory(image=Image.new("RGB", (32, 32)), note=value)])
 
 

@@ -96,10 +96,10 @@ def test_memories_by_key_use_the_cached_thumbnail_and_note(tiny_checkpoint, cach
 
 def test_key_errors_name_the_memory(tiny_checkpoint, cache):
     key = cache.put(images()[0])
-    with pytest.raises(InvalidMemoryError, match="memory 1: .*no cache"):
+    with pytest.raises(InvalidMemoryError, match="memory 2: .*no cache"):
         Scorer.load(tiny_checkpoint).score(QUESTION, [Memory(image=images()[1]), Memory(key=key)])
     scorer = Scorer.load(tiny_checkpoint, cache=cache)
-    with pytest.raises(InvalidMemoryError, match="memory 1: key 'f+' is not in the cache"):
+    with pytest.raises(InvalidMemoryError, match="memory 2: key 'f+' is not in the cache"):
         scorer.score(QUESTION, [Memory(key=key), Memory(key="f" * 64)])
 
 

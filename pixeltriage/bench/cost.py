@@ -24,7 +24,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pixeltriage.bench.cli import int_at_least
 from pixeltriage.bench.flops import (
     ANSWERING_MODELS,
     SYSTEM_ONE_CONFIGS,
@@ -150,46 +149,6 @@ def format_report(report: dict) -> str:
     for k, value in tf["ours"].items():
         lines.append(f"{'ours@' + k + ' (+System One)':<22}{vis['ours'][k]:>14}{value:>10.1f}{value / open_all:>13.1%}")
     return "\n".join(lines)
-
-
-def _image_sizes(text: str) -> list[ImageSize]:
-    sizes = []
-    for item in text.split(","):
-        try:
-            width, height = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"image size {item!r} is not WIDTHxHEIGHT") from None
-        if width <= 0 or height <= 0:
-            raise argparse.ArgumentTypeError(f"image size {item!r} must be positive")
-        sizes.append((width, height))
-    return sizes
-
-
-def _budgets(text: str) -> list[int]:
-    try:
-        ks = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--k {text!r} is not a comma-separated list of integers") from None
-    if min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"--k values must be >= 1, found {text!r}")
-    return ks
-
-
-def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="dmv")
-    parser.add_argument("--answering", choices=list(ANSWERING_MODELS), default="qwen2.5-vl-7b")
-    parser.add_argument("--system-one", choices=list(SYSTEM_ONE_CONFIGS), default="2b")
-    parser.add_argument("--k", type=_budgets, default=[1, 2, 3], help="budgets, e.g. 1,2,3")
-    parser.add_argument("--cached-vision", action="store_true",
-                        help="System One's vision tower outputs are cached at write time (its FLOPs are skipped)")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    custom = parser.add_argument_group("custom scenario")
-    custom.add_argument("--image-sizes", type=_image_sizes, help="retrieved images, ranked: WxH,WxH,...")
-    custom.add_argument("--text-tokens", type=int_at_least(0), help="prompt tokens besides images and proxies")
-    custom.add_argument("--proxy-tokens", type=int_at_least(0), default=20, help="tokens of one text proxy")
-    custom.add_argument("--keep-proxy", action="store_true", help="an opened image keeps its text proxy")
-    custom.add_argument("--state-text-tokens", type=int_at_least(0),
-                        help="System One state tokens besides thumbnails (default: 128 per memory)")
 
 
 def run_cost(args: argparse.Namespace) -> int:

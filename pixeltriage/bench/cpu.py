@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.cli import add_threads_argument, int_at_least, set_threads, threads_label
-from pixeltriage.bench.timing import flop_rate, gemm_tflops
+from pixeltriage.bench.timing import flop_rate, gemm_tflops, set_threads, threads_label
 
 if TYPE_CHECKING:
     from pixeltriage.engine.state import State
@@ -83,7 +82,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     from pixeltriage.bench.flops import scorer_flops, total
     from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
     from pixeltriage.engine import profiling
-    from pixeltriage.engine.scorer import Scorer, parse_dtype
+    from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.weights.layout import parse_dtype
     from pixeltriage.weights.demo import demo_checkpoint
 
     torch_dtype = parse_dtype(dtype)
@@ -177,18 +177,6 @@ def print_table(r: dict, out=None) -> None:
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
     print("  engine stages (median ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages_s"].items()),
           file=out)
-
-
-def add_cpu_arguments(p: argparse.ArgumentParser) -> None:
-    from pixeltriage.weights.demo import PRESETS
-
-    p.add_argument("--preset", default="bench-small", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed engine runs after one warm-up (default 5)")
-    p.add_argument("--memories", type=int_at_least(0), default=10)
-    p.add_argument("--tokens", type=int_at_least(1), default=2300, help="target state length (default 2300)")
-    add_threads_argument(p)
-    p.add_argument("--json", action="store_true")
 
 
 def run_cpu(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pixeltriage.engine.config import FULL, LINEAR, ModelConfig
+from pixeltriage.config import FULL, LINEAR, ModelConfig
 from pixeltriage.engine.image import smart_resize  # the Qwen processors' resize, one implementation
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS
 

@@ -88,7 +88,9 @@ def timing(preset: str, device: torch.device, iters: int, batch: int, progress) 
     flops = total(scorer_flops(scorer, state)).total
     flops_cached = total(scorer_flops(scorer, state, cached_vision=True)).total
     progress("measuring the GEMM rate")
-    gemm = gemm_tflops(device, dtype)
+    # the CPU runs only check this script's logic: a small GEMM (a CPU without bf16 matmul units takes
+    # minutes over the full-size one)
+    gemm = gemm_tflops(device, dtype, n=None if device.type == "cuda" else 256)
     peak = device_peak_tflops(device)
     p50, p50c = statistics.median(per_q), statistics.median(per_q_cached)
     batch_s = statistics.median(batch_times)
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--batch", type=int, default=32)
     args = p.parse_args(argv)
+    from pixeltriage.engine.cpu_memory import tune_malloc
+
+    tune_malloc()                      # as the command line does
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here", file=sys.stderr)

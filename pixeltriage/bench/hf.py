@@ -25,7 +25,7 @@ def force_transformers_torch_path(module=None) -> None:
 
 def state_packer(directory: str | os.PathLike):
     """The engine's StatePacker for a checkpoint directory, without loading any weight."""
-    from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
+    from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
     from pixeltriage.engine.state import StatePacker, TextEncoder
 
     d = Path(directory)

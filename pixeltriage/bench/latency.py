@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.cli import add_threads_argument, int_at_least, set_threads, threads_label
 from pixeltriage.bench.flops import ANSWERING_MODELS
-from pixeltriage.bench.timing import device_peak_tflops, flop_rate, gemm_tflops, percentiles, timed
+from pixeltriage.bench.timing import (device_peak_tflops, flop_rate, gemm_tflops, percentiles, set_threads,
+                                      threads_label, timed)
 
 SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
          (720, 1280), (512, 384)]
@@ -196,7 +196,8 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
 def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questions=24, ks=(1, 2),
                    answering_scale="tiny", profile: str | None = None, seed: int = 0, progress=print) -> dict:
     from pixeltriage.engine.policy import top_k
-    from pixeltriage.engine.scorer import Scorer, parse_dtype
+    from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.weights.layout import parse_dtype
     from pixeltriage.weights.demo import demo_checkpoint
 
     dev, tdtype = torch.device(device), parse_dtype(dtype)
@@ -286,28 +287,10 @@ def plot(r: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def add_latency_arguments(p: argparse.ArgumentParser) -> None:
-    from pixeltriage.weights.demo import PRESETS
-
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: float32 on the CPU, bfloat16 on CUDA")
-    p.add_argument("--batch", type=int_at_least(1), default=4, help="batch size of the batched run (default 4)")
-    p.add_argument("--questions", type=int_at_least(1), default=24, help="timed questions (default 24)")
-    p.add_argument("--k", default="1,2", help="budgets for ours@k (default 1,2)")
-    p.add_argument("--answering-scale", default="tiny", choices=sorted(ANSWERING_SCALES))
-    p.add_argument("--profile", metavar="DIR", default=None, help="write a profiler trace and a per-stage table")
-    p.add_argument("--plot", metavar="PNG", default=None, help="draw latency and TFLOP (needs matplotlib)")
-    p.add_argument("--seed", type=int, default=0)
-    add_threads_argument(p)
-    p.add_argument("--json", action="store_true")
-
-
 def run_latency(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    ks = tuple(int(k) for k in args.k.split(",") if k.strip())
+    ks = tuple(args.k)
     r = latency_report(args.preset, args.device, dtype, args.batch, args.questions, ks, args.answering_scale,
                        args.profile, args.seed, progress=lambda s: print(s, file=sys.stderr, flush=True))
     if args.json:

@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-from pixeltriage.bench.cli import int_at_least
 
 METHODS = ("packed", "directory", "transformers")
 
@@ -34,8 +33,11 @@ def _child(method: str, path: str, dtype_name: str) -> dict:
     t0 = time.perf_counter()
     import torch
 
-    import pixeltriage  # noqa: F401  (the package imports torch; neither is part of a load)
+    import pixeltriage.engine.scorer  # noqa: F401  (the engine's imports are not part of a load)
+    from pixeltriage.engine.cpu_memory import tune_malloc
     from pixeltriage.episode import sample_episode
+
+    tune_malloc()                      # as the command line does
 
     dtype = getattr(torch, dtype_name)
     out: dict = {"method": method, "import_s": time.perf_counter() - t0}
@@ -104,7 +106,7 @@ def weights_bytes(directory: Path, itemsize: int) -> int:
 
 
 def load_report(preset: str = "2b", dtype: str = "bfloat16", repeats: int = 3, progress=print) -> dict:
-    from pixeltriage.engine.scorer import parse_dtype
+    from pixeltriage.weights.layout import parse_dtype
     from pixeltriage.paths import cache_dir
     from pixeltriage.weights.demo import demo_checkpoint
     from pixeltriage.weights.packed import pack_checkpoint
@@ -157,15 +159,6 @@ def print_table(report: dict, out=None) -> None:
           f"{report['first_score_speedup_vs_directory']:.1f}x. The packed file and transformers both map their "
           "weights lazily (their load excludes reading them, their first score includes it); the directory "
           "load reads, converts and checks every value", file=out)
-
-
-def add_load_arguments(p: argparse.ArgumentParser) -> None:
-    from pixeltriage.weights.demo import PRESETS
-
-    p.add_argument("--preset", default="2b", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--repeats", type=int_at_least(1), default=3)
-    p.add_argument("--json", action="store_true")
 
 
 def run_load(args: argparse.Namespace) -> int:

@@ -45,9 +45,9 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "mean": statistics.fmean(xs) if xs else float("nan")}
 
 
-def gemm_tflops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16) -> float:
-    """The achieved TFLOP/s of a square matmul in `dtype` (8192 on a GPU, 2048 on the CPU), median."""
-    n = 8192 if device.type == "cuda" else 2048
+def gemm_tflops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16, n: int | None = None) -> float:
+    """The achieved TFLOP/s of a square n x n matmul in `dtype` (default n: 8192 on a GPU, 2048 on the CPU), median."""
+    n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device, dtype=dtype)
     t = statistics.median(timed(lambda: a @ a, 10 if device.type == "cuda" else 5, warmup=2, device=device))
     return 2 * n ** 3 / t / 1e12
@@ -71,3 +71,13 @@ def flop_rate(flop: float, seconds: float, gemm_tflops: float | None, peak_tflop
     tflops = flop / seconds / 1e12 if seconds and flop else 0.0
     return {"tflops": tflops, "of_gemm": tflops / gemm_tflops if gemm_tflops else None,
             "mfu": tflops / peak_tflops if peak_tflops else None}
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads (which the native kernels use too) for a benchmark run; None leaves them."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def threads_label(threads: int) -> str:
+    return f"{threads} thread{'s' * (threads != 1)}"

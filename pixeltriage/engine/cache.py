@@ -29,14 +29,11 @@ safetensors bytes, checksum). A version-1 file gains the two size columns on ope
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
-import json
 import logging
 import os
 import sqlite3
-import sys
 import threading
 import time
 from pathlib import Path
@@ -44,7 +41,6 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from pixeltriage.engine.config import read_json
 from pixeltriage.engine.image import display_size, encode_png, local_path, thumbnail
 from pixeltriage.engine.types import ImageSource
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
@@ -383,49 +379,3 @@ def _sha256(data: bytes) -> str:
 def _check_fingerprint(fingerprint: str) -> None:
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint must be a non-empty str, found {fingerprint!r}")
-
-
-# --- command line: `pixeltriage cache put DB IMAGES... [--notes FILE]`, `pixeltriage cache stats DB`
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="cache_command", metavar="ACTION")
-    sub.required = True
-    put = sub.add_parser("put", help="store thumbnails (and notes) of images",
-                         description="Store the 336-px thumbnail of each image, and its note, "
-                                     "and print 'KEY<TAB>PATH' per image.")
-    put.add_argument("db", help="cache file (created if missing)")
-    put.add_argument("images", nargs="+", help="image files")
-    put.add_argument("--notes", metavar="FILE",
-                     help="JSON object {image: note}; an image is matched by its path as given "
-                          "on the command line, else by its file name")
-    stats = sub.add_parser("stats", help="print the cache's counts and sizes as JSON")
-    stats.add_argument("db", help="cache file")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.cache_command == "stats":
-        if not Path(args.db).is_file():
-            raise PixelTriageError(f"{args.db}: no such cache file")
-        with Cache(args.db) as cache:
-            print(json.dumps(cache.stats(), indent=2))
-        return 0
-    notes = _read_notes(args.notes) if args.notes else {}
-    used = set()
-    with Cache(args.db) as cache:
-        for path in args.images:
-            name = path if path in notes else os.path.basename(path)
-            note = notes.get(name, "")
-            if name in notes:
-                used.add(name)
-            print(f"{cache.put(path, note)}\t{path}")
-    unused = sorted(set(notes) - used)
-    if unused:
-        print(f"warning: {len(unused)} notes match no image given, e.g. {unused[0]!r}", file=sys.stderr)
-    return 0
-
-
-def _read_notes(path: str) -> dict[str, str]:
-    notes = read_json(path, PixelTriageError)
-    if not all(isinstance(v, str) for v in notes.values()):
-        raise PixelTriageError(f"{path}: notes file must be a JSON object of strings {{image: note}}")
-    return notes

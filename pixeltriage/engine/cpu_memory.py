@@ -1,4 +1,4 @@
-"""glibc malloc settings for CPU inference, applied once per process when a Scorer loads onto the CPU.
+"""glibc malloc settings for CPU inference: `tune_malloc()`, called by the process that owns its memory.
 
 The forward allocates and frees many tensors of 1-100 MiB per layer. glibc serves a large block with a fresh
 mmap and unmaps it on free, so every such tensor pays page faults on first touch, and returns heap memory to the
@@ -8,7 +8,10 @@ come back warm: measured on the bench-small Gated DeltaNet layer, the delta rule
 97 -> 60 ms; at the 2b shape the conv (56 MiB blocks, above any mmap threshold) 100 -> 44-65 ms.
 The cost is that freed memory stays with the process (RSS holds its high-water mark, up to 1 GiB more).
 
-Opt out with PIXELTRIAGE_MALLOC_TUNING=0 (e.g. when the host tunes malloc itself, or preloads jemalloc).
+The settings are process-wide and cannot be undone, so loading a Scorer never applies them: a host that embeds
+the engine calls `pixeltriage.tune_malloc()` once if it wants them. The engine's own processes (the command
+line, the server, the benchmarks) call it; PIXELTRIAGE_MALLOC_TUNING=0 turns it off there too (e.g. under
+jemalloc, or where the host tunes malloc itself).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from pixeltriage.engine import profiling
-from pixeltriage.engine.config import TextConfig
+from pixeltriage.config import TextConfig
 from pixeltriage.engine.model import TextWeights, decoder_forward
 
 DEFAULT_BUCKETS = (512, 1024, 2048, 3072, 4096, 6144, 8192)

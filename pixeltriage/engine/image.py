@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, TiffImagePlugin, UnidentifiedImageError, WebPImagePlugin  # noqa: F401
 
-from pixeltriage.engine.config import ImageConfig
+from pixeltriage.config import ImageConfig
 from pixeltriage.errors import InvalidMemoryError
 
 # Refused before any pixel data is decoded: equal to PIL's own default `Image.MAX_IMAGE_PIXELS`

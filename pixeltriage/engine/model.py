@@ -5,52 +5,17 @@ returns the last decoder output before the final norm, which the head applies on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from pixeltriage.engine.config import FULL, TextConfig
+from pixeltriage.config import FULL, TextConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.activation import silu_mul
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule, conv_heads, fla
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
 from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
-
-
-@dataclass
-class LinearAttentionWeights:
-    in_proj: torch.Tensor   # [conv_dim + value_dim + 2 * Hv, hidden]: qkv | z | b | a
-    conv: torch.Tensor      # [conv_dim, kernel]
-    A_log: torch.Tensor     # [Hv]
-    dt_bias: torch.Tensor   # [Hv]
-    norm: torch.Tensor      # [value_head_dim]
-    out_proj: torch.Tensor  # [hidden, value_dim]
-
-
-@dataclass
-class FullAttentionWeights:
-    qkv: torch.Tensor       # [heads * 2 * head_dim + 2 * kv_heads * head_dim, hidden]; per head: query | gate
-    q_norm: torch.Tensor    # [head_dim]
-    k_norm: torch.Tensor    # [head_dim]
-    o_proj: torch.Tensor    # [hidden, heads * head_dim]
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    attn: LinearAttentionWeights | FullAttentionWeights
-    gate_up: torch.Tensor   # [2 * ffn, hidden]: gate | up
-    down: torch.Tensor      # [hidden, ffn]
-
-
-@dataclass
-class TextWeights:
-    embed: torch.Tensor     # [vocab, hidden]
-    layers: list[LayerWeights]
-    norm: torch.Tensor      # [hidden]
+from pixeltriage.weights.layout import FullAttentionWeights, LayerWeights, LinearAttentionWeights, TextWeights
 
 
 def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,

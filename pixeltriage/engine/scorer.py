@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -14,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
+from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.engine.model import decoder_forward
 from pixeltriage.engine.profiling import stage
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS, State, StatePacker, TextEncoder
@@ -22,9 +19,9 @@ from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.engine.vision import vision_forward
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, NonFiniteScoreError
 from pixeltriage.kernels.head import HeadOutput, decision_head, final_norm_rows, resolve_head_backend
-from pixeltriage.weights.layout import EngineWeights
-from pixeltriage.weights.adapter import is_adapter_dir
-from pixeltriage.weights.loader import load_checkpoint
+from pixeltriage.weights.layout import EngineWeights, parse_dtype
+from pixeltriage.weights.loader import check_finite, load_directory
+from pixeltriage.weights.packed import PackedCheckpoint, vision_fingerprint
 
 if TYPE_CHECKING:
     from pixeltriage.engine.cache import Cache
@@ -32,18 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 SMALL_TENSOR = 1 << 20     # elements: the weights a packed load reads on every load (all but the matrices)
-
-
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
 
 
 class Scorer:
@@ -146,34 +132,18 @@ class Scorer:
         if device.type == "cuda":
             log.info("CUDA implementations: %s", cuda_implementations(head, allow_slow))
         if device.type == "cpu":
-            from pixeltriage.engine.cpu_memory import tune_malloc
             from pixeltriage.kernels import native
 
-            tune_malloc()
             native.library()            # built (first time on this machine) or found now, not in the first forward
             log.info("native CPU kernels: %s", native.status())
         if path.is_file():
             return cls._load_packed(path, device, dtype, cache, head_backend, adapter, bool(verify))
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: checkpoint directory (or packed file) not found")
-        model_cfg = ModelConfig.from_file(path / "config.json")
-        image_cfg = ImageConfig.from_file(path / "preprocessor_config.json")
-        triage_cfg = TriageConfig.from_file(path / "pixeltriage.json")
-        tokenizer = path / "tokenizer.json"
-        if not tokenizer.is_file():
-            raise CheckpointError(f"{tokenizer}: file not found")
-        encoder = TextEncoder(tokenizer)
-        if adapter is None and is_adapter_dir(path):
-            adapter = path
-        weights = load_checkpoint(path, model_cfg, triage_cfg.head_dim, dtype, device,
-                                  Path(adapter) if adapter is not None else None, verify is not False)
-        return cls(model_cfg, image_cfg, triage_cfg, encoder, weights, device, dtype, cache, head_backend)
+        ckpt = load_directory(path, dtype, device, Path(adapter) if adapter is not None else None, verify is not False)
+        return cls(ckpt.model_config, ckpt.image_config, ckpt.triage_config, TextEncoder(ckpt.tokenizer_file),
+                   ckpt.weights, device, dtype, cache, head_backend)
 
     @classmethod
     def _load_packed(cls, path: Path, device, dtype, cache, head_backend, adapter, verify: bool) -> "Scorer":
-        from pixeltriage.weights.loader import check_finite
-        from pixeltriage.weights.packed import PackedCheckpoint
-
         if adapter is not None:
             raise CheckpointError(f"{path}: a packed checkpoint has its adapter merged already; merge another at "
                                   "pack time (pixeltriage pack SRC DST --adapter DIR)")
@@ -441,23 +411,6 @@ def check_device_dtype(device: torch.device, dtype: torch.dtype, path: Path) -> 
             raise CheckpointError(f"{path}: this CPU build of torch cannot run {dtype} matmuls ({e})") from None
     else:
         raise CheckpointError(f"{path}: device type {device.type!r} is not supported (cpu or cuda)")
-
-
-def vision_fingerprint(weights: EngineWeights, model_cfg: ModelConfig, image_cfg: ImageConfig,
-                       triage_cfg: TriageConfig, device_type: str = "cpu") -> str:
-    """SHA-256 over the vision weights as loaded (dtype included), the vision config, the image rules, the
-    thumbnail size and the device type: what keys cached vision features."""
-    from pixeltriage.weights.packed import flatten, tensor_bytes
-
-    tensors = list(flatten(weights.vision)[0].values())               # field order
-    h = hashlib.sha256(b"pixeltriage-vision-features-v1")
-    meta = {"device": device_type, "vision": dataclasses.asdict(model_cfg.vision), "image": image_cfg.to_dict(),
-            "thumbnail": triage_cfg.thumbnail_size, "dtype": sorted({str(t.dtype) for t in tensors})}
-    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
-    for t in tensors:
-        h.update(str((t.dtype, tuple(t.shape))).encode())
-        h.update(tensor_bytes(t))
-    return h.hexdigest()
 
 
 def _to_scores(out: HeadOutput, counts: list[int]) -> list[Scores]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
+from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.engine.image import preprocess, preprocess_thumbnail
 from pixeltriage.engine.types import Memory
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, StateTooLongError

@@ -1,48 +1,17 @@
 """System One's vision tower: patches -> ViT (full attention within each image) -> merged visual rows."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from pixeltriage.engine.config import VisionConfig
+from pixeltriage.config import VisionConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.linear import linear, linear_act
 from pixeltriage.kernels.norm import add_layer_norm
 from pixeltriage.kernels.rotary import apply_rotary_float, vision_rotary_cos_sin
+from pixeltriage.weights.layout import VisionBlockWeights, VisionWeights
 
 EPS = 1e-6   # the ViT's LayerNorm epsilon
-
-
-@dataclass
-class VisionBlockWeights:
-    norm1_w: torch.Tensor
-    norm1_b: torch.Tensor
-    qkv_w: torch.Tensor     # [3 * hidden, hidden]
-    qkv_b: torch.Tensor
-    proj_w: torch.Tensor
-    proj_b: torch.Tensor
-    norm2_w: torch.Tensor
-    norm2_b: torch.Tensor
-    fc1_w: torch.Tensor
-    fc1_b: torch.Tensor
-    fc2_w: torch.Tensor
-    fc2_b: torch.Tensor
-
-
-@dataclass
-class VisionWeights:
-    patch_w: torch.Tensor   # [hidden, channels * temporal * patch * patch]
-    patch_b: torch.Tensor
-    pos_embed: torch.Tensor  # [num_position_embeddings, hidden]
-    blocks: list[VisionBlockWeights]
-    merger_norm_w: torch.Tensor
-    merger_norm_b: torch.Tensor
-    merger_fc1_w: torch.Tensor  # [hidden * merge^2, hidden * merge^2]
-    merger_fc1_b: torch.Tensor
-    merger_fc2_w: torch.Tensor  # [out_hidden, hidden * merge^2]
-    merger_fc2_b: torch.Tensor
 
 
 def block_order_coords(grid_h: int, grid_w: int, merge: int, device=None) -> torch.Tensor:

@@ -14,7 +14,6 @@ one tensor however large the model.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import fcntl
@@ -26,19 +25,20 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
-from torch import nn
-from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
-from pixeltriage.engine.config import FULL, LINEAR, ImageConfig, TriageConfig
+from pixeltriage.config import FULL, LINEAR, ImageConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
 from pixeltriage.paths import cache_dir
 from pixeltriage.weights.reader import safetensors_header, tensor_numels
 from pixeltriage.weights.tokenizer import (QWEN_FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_tokenizer, save_tokenizer,
                                            special_token_ids)
+
+if TYPE_CHECKING:        # transformers is imported where a checkpoint is written: loading one never needs it
+    from torch import nn
+    from transformers import Qwen3_5Config
 
 TIED_KEY = "lm_head.weight"
 HEAD_KEYS = ("head.decision.weight", "head.candidate.weight")
@@ -120,8 +120,10 @@ def _resolve_dtype(preset: Preset, dtype: str | torch.dtype | None) -> torch.dty
     return resolved
 
 
-def hf_config(preset: str | Preset, dtype: str | torch.dtype | None = None) -> Qwen3_5Config:
+def hf_config(preset: str | Preset, dtype: str | torch.dtype | None = None) -> "Qwen3_5Config":
     """The transformers config of a preset, as written to config.json."""
+    from transformers import Qwen3_5Config
+
     p = get_preset(preset) if isinstance(preset, str) else preset
     ids = p.special_ids()
     # Deep copies: the config classes may complete nested dicts (rope parameters) in place.
@@ -153,8 +155,12 @@ def _log_uniform(low: float, high: float):
     return lambda out, gen: out.uniform_(low, high, generator=gen).log_()
 
 
-def _initializer(module: nn.Module, param_name: str):
+def _initializer(module: "nn.Module", param_name: str):
     """Values that keep activations sane and make norm-formula mistakes visible."""
+    from torch import nn
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5GatedDeltaNet, Qwen3_5RMSNorm,
+                                                              Qwen3_5RMSNormGated)
+
     if isinstance(module, Qwen3_5GatedDeltaNet) and param_name == "A_log":
         return _log_uniform(1.0, 16.0)
     if isinstance(module, Qwen3_5GatedDeltaNet) and param_name == "dt_bias":
@@ -168,8 +174,10 @@ def _initializer(module: nn.Module, param_name: str):
     return _normal(0.0, 0.02)  # Linear, Embedding and patch Conv3d weights; every bias
 
 
-def backbone_specs(config: Qwen3_5Config) -> list[TensorSpec]:
+def backbone_specs(config: "Qwen3_5Config") -> list[TensorSpec]:
     """Every tensor of model.safetensors, named and shaped as transformers' model has them."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
     with torch.device("meta"):
         model = Qwen3_5ForConditionalGeneration(config)
     init_of = {}
@@ -181,7 +189,7 @@ def backbone_specs(config: Qwen3_5Config) -> list[TensorSpec]:
             if not (config.tie_word_embeddings and key == TIED_KEY)]
 
 
-def head_specs(config: Qwen3_5Config, head_dim: int) -> list[TensorSpec]:
+def head_specs(config: "Qwen3_5Config", head_dim: int) -> list[TensorSpec]:
     hidden = config.text_config.hidden_size
     # std 1/sqrt(hidden) on unit-RMS rows gives O(1) logits, so demo scores are not all 0.5.
     return [TensorSpec(key, (head_dim, hidden), _normal(0.0, hidden ** -0.5)) for key in HEAD_KEYS]
@@ -336,19 +344,3 @@ def count_parameters(path: str | os.PathLike) -> dict[str, int]:
         counts[part] += sum(tensor_numels(file).values())
     return counts
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", help="directory to create (absent or empty)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape (default: tiny)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="weight dtype (default: float32 for tiny, bfloat16 otherwise)")
-
-
-def run(args: argparse.Namespace) -> int:
-    path = write_demo_checkpoint(args.dir, args.preset, args.seed, args.dtype, progress=True)
-    counts = count_parameters(path)
-    print(f"wrote demo checkpoint '{args.preset}' (seed {args.seed}) to {path}: "
-          f"{counts['backbone'] + counts['head']:,} parameters "
-          f"({counts['backbone']:,} backbone + {counts['head']:,} decision head)")
-    return 0

@@ -6,18 +6,12 @@ embedding as a matrix. Checkpoint names are this module's business only.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from pixeltriage.engine.config import FULL, ModelConfig
-from pixeltriage.engine.model import (
-    FullAttentionWeights,
-    LayerWeights,
-    LinearAttentionWeights,
-    TextWeights,
-)
-from pixeltriage.engine.vision import VisionBlockWeights, VisionWeights
+from pixeltriage.config import FULL, ModelConfig
 from pixeltriage.errors import CheckpointError
 from pixeltriage.weights.reader import TensorSource
 
@@ -27,9 +21,85 @@ HEAD_CANDIDATE = "head.candidate.weight"
 FLOAT32_FIELDS = frozenset({"A_log", "dt_bias", "head_decision", "head_candidate"})
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype, or its name in DTYPES, as the torch dtype; ValueError naming the choices otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
 def field_dtype(field: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype the engine keeps field `field` in, for an engine of `dtype`."""
     return torch.float32 if field in FLOAT32_FIELDS else dtype
+
+
+@dataclass
+class LinearAttentionWeights:
+    in_proj: torch.Tensor   # [conv_dim + value_dim + 2 * Hv, hidden]: qkv | z | b | a
+    conv: torch.Tensor      # [conv_dim, kernel]
+    A_log: torch.Tensor     # [Hv]
+    dt_bias: torch.Tensor   # [Hv]
+    norm: torch.Tensor      # [value_head_dim]
+    out_proj: torch.Tensor  # [hidden, value_dim]
+
+
+@dataclass
+class FullAttentionWeights:
+    qkv: torch.Tensor       # [heads * 2 * head_dim + 2 * kv_heads * head_dim, hidden]; per head: query | gate
+    q_norm: torch.Tensor    # [head_dim]
+    k_norm: torch.Tensor    # [head_dim]
+    o_proj: torch.Tensor    # [hidden, heads * head_dim]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: LinearAttentionWeights | FullAttentionWeights
+    gate_up: torch.Tensor   # [2 * ffn, hidden]: gate | up
+    down: torch.Tensor      # [hidden, ffn]
+
+
+@dataclass
+class TextWeights:
+    embed: torch.Tensor     # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor      # [hidden]
+
+
+@dataclass
+class VisionBlockWeights:
+    norm1_w: torch.Tensor
+    norm1_b: torch.Tensor
+    qkv_w: torch.Tensor     # [3 * hidden, hidden]
+    qkv_b: torch.Tensor
+    proj_w: torch.Tensor
+    proj_b: torch.Tensor
+    norm2_w: torch.Tensor
+    norm2_b: torch.Tensor
+    fc1_w: torch.Tensor
+    fc1_b: torch.Tensor
+    fc2_w: torch.Tensor
+    fc2_b: torch.Tensor
+
+
+@dataclass
+class VisionWeights:
+    patch_w: torch.Tensor   # [hidden, channels * temporal * patch * patch]
+    patch_b: torch.Tensor
+    pos_embed: torch.Tensor  # [num_position_embeddings, hidden]
+    blocks: list[VisionBlockWeights]
+    merger_norm_w: torch.Tensor
+    merger_norm_b: torch.Tensor
+    merger_fc1_w: torch.Tensor  # [hidden * merge^2, hidden * merge^2]
+    merger_fc1_b: torch.Tensor
+    merger_fc2_w: torch.Tensor  # [out_hidden, hidden * merge^2]
+    merger_fc2_b: torch.Tensor
 
 
 @dataclass
@@ -142,3 +212,59 @@ def _vision_weights(take: _Taker, cfg: ModelConfig, prefix: str) -> VisionWeight
         merger_fc2_w=take(prefix + "merger.linear_fc2.weight", (v.out_hidden_size, merged)),
         merger_fc2_b=take(prefix + "merger.linear_fc2.bias", (v.out_hidden_size,)),
     )
+
+
+# -- EngineWeights <-> flat tensors (the packed file's layout) --------------------------------------------
+
+_CLASSES = {cls.__name__: cls for cls in (EngineWeights, TextWeights, LayerWeights, LinearAttentionWeights,
+                                           FullAttentionWeights, VisionWeights, VisionBlockWeights)}
+
+
+def flatten(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], object]:
+    """(name -> tensor in a fixed order, a JSON-able structure that `unflatten` turns back into `obj`)."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix.rstrip("."): obj}, None
+    if isinstance(obj, list):
+        tensors, items = {}, []
+        for i, item in enumerate(obj):
+            t, s = flatten(item, f"{prefix}{i}.")
+            tensors.update(t)
+            items.append(s)
+        return tensors, {"list": items}
+    if dataclasses.is_dataclass(obj):
+        name = type(obj).__name__
+        if name not in _CLASSES:
+            raise TypeError(f"cannot pack a {name}")
+        tensors, fields = {}, {}
+        for f in dataclasses.fields(obj):
+            t, s = flatten(getattr(obj, f.name), f"{prefix}{f.name}.")
+            tensors.update(t)
+            fields[f.name] = s
+        return tensors, {"class": name, "fields": fields}
+    raise TypeError(f"cannot pack a {type(obj).__name__}")
+
+
+def unflatten(structure, tensors: dict[str, torch.Tensor], prefix: str = "", source: str = ""):
+    if structure is None:
+        name = prefix.rstrip(".")
+        if name not in tensors:
+            raise CheckpointError(f"{source}: packed file lacks tensor '{name}'")
+        return tensors[name]
+    if not isinstance(structure, dict):
+        raise CheckpointError(f"{source}: malformed 'structure' metadata at '{prefix}'")
+    if "list" in structure:
+        return [unflatten(s, tensors, f"{prefix}{i}.", source) for i, s in enumerate(structure["list"])]
+    cls = _CLASSES.get(structure.get("class"))
+    if cls is None:
+        raise CheckpointError(f"{source}: unknown class {structure.get('class')!r} in 'structure' metadata")
+    fields = structure.get("fields", {})
+    expected = [f.name for f in dataclasses.fields(cls)]
+    if sorted(fields) != sorted(expected):
+        raise CheckpointError(f"{source}: {cls.__name__} fields {sorted(fields)} differ from {sorted(expected)}")
+    return cls(**{k: unflatten(fields[k], tensors, f"{prefix}{k}.", source) for k in expected})
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's raw bytes (on the CPU, contiguous), for hashing and writing."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")

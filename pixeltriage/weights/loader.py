@@ -1,13 +1,14 @@
 """Loading a System One checkpoint directory into the engine's fused layout."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pixeltriage.engine.config import ModelConfig
+from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
-from pixeltriage.weights.layout import EngineWeights, build_engine_weights
+from pixeltriage.weights.layout import EngineWeights, build_engine_weights, flatten
 from pixeltriage.weights.reader import TensorSource, weight_files
 
 HEAD_FILE = "decision_head.safetensors"
@@ -31,6 +32,38 @@ def detect_layout(names: list[str], where: Path) -> str:
                               "(transformers) or 'backbone.language_model.' (Valen export))")
     raise CheckpointError(f"{where}: ambiguous layout: holds both 'model.language_model.*' and "
                           "'backbone.language_model.*' tensors")
+
+
+@dataclass(frozen=True)
+class CheckpointDirectory:
+    """A checkpoint directory as loaded: its three configs, the tokenizer file and the engine weights."""
+
+    path: Path
+    model_config: ModelConfig
+    image_config: ImageConfig
+    triage_config: TriageConfig
+    tokenizer_file: Path
+    weights: EngineWeights
+
+
+def load_directory(path: Path, dtype: torch.dtype, device: torch.device, adapter: Path | None = None,
+                   verify: bool = True) -> CheckpointDirectory:
+    """Read a checkpoint directory (see docs/checkpoints.md): configs first (a bad one fails before any tensor is
+    read), then the weights with the adapter merged; `adapter=None` takes one inside the directory itself."""
+    from pixeltriage.weights.adapter import is_adapter_dir     # adapter.py imports this module's LAYOUTS
+
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint not found (a directory, or a file written by `pixeltriage pack`)")
+    model_cfg = ModelConfig.from_file(path / "config.json")
+    image_cfg = ImageConfig.from_file(path / "preprocessor_config.json")
+    triage_cfg = TriageConfig.from_file(path / "pixeltriage.json")
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise CheckpointError(f"{tokenizer}: file not found")
+    if adapter is None and is_adapter_dir(path):
+        adapter = path
+    weights = load_checkpoint(path, model_cfg, triage_cfg.head_dim, dtype, device, adapter, verify)
+    return CheckpointDirectory(path, model_cfg, image_cfg, triage_cfg, tokenizer, weights)
 
 
 def load_checkpoint(directory: Path, cfg: ModelConfig, head_dim: int, dtype: torch.dtype,
@@ -60,8 +93,6 @@ def load_checkpoint(directory: Path, cfg: ModelConfig, head_dim: int, dtype: tor
 def check_finite(weights: EngineWeights, source: str | Path, max_numel: int | None = None) -> None:
     """NaN/Inf anywhere in the weights is an error at load, not a silent mis-score later. With `max_numel`, only
     tensors of at most that many elements are read (norms, A_log, dt_bias, conv taps, biases, the head)."""
-    from pixeltriage.weights.packed import flatten
-
     checked = [(name, t) for name, t in flatten(weights)[0].items()
                if t.is_floating_point() and t.numel() and (max_numel is None or t.numel() <= max_numel)]
     if not checked:

@@ -1,6 +1,6 @@
 """The packed checkpoint: one safetensors file in the engine's fused layout, ready to map and run.
 
-`pixeltriage pack SRC DST [--adapter DIR] [--dtype bfloat16]` loads a checkpoint directory the usual way (either
+`pixeltriage pack SRC DST [--adapter DIR] [--dtype D]` loads a checkpoint directory the usual way (either
 key layout, LoRA merged, fused, cast) and writes every engine tensor under its engine name (`text.layers.3.attn.
 in_proj`, `vision.blocks.0.qkv_w`, `head_decision`, ...). The safetensors metadata carries everything else a
 Scorer needs, so the file stands alone:
@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import mmap
 import os
 import sys
@@ -33,12 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pixeltriage.engine import model as model_mod
-from pixeltriage.engine import vision as vision_mod
-from pixeltriage.engine.config import ImageConfig, ModelConfig, TriageConfig
+from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
 from pixeltriage.weights import layout as layout_mod
-from pixeltriage.weights.reader import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_header
+from pixeltriage.weights.layout import flatten, tensor_bytes, unflatten
+from pixeltriage.weights.loader import check_finite, load_directory
+from pixeltriage.weights.reader import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_header, weight_files
+
+log = logging.getLogger(__name__)
 
 FORMAT = "pixeltriage-packed"
 FORMAT_VERSION = "1"
@@ -47,64 +50,9 @@ _FROM_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 TEXT_FILES = {"config": "config.json", "preprocessor_config": "preprocessor_config.json",
               "pixeltriage": "pixeltriage.json", "tokenizer": "tokenizer.json", "tokenizer_config": "tokenizer_config.json"}
 _OPTIONAL_TEXTS = ("tokenizer_config",)
-_CLASSES = {cls.__name__: cls for cls in (
-    layout_mod.EngineWeights, model_mod.TextWeights, model_mod.LayerWeights, model_mod.LinearAttentionWeights,
-    model_mod.FullAttentionWeights, vision_mod.VisionWeights, vision_mod.VisionBlockWeights)}
-
-
-# -- EngineWeights <-> flat tensors ---------------------------------------------------------------------------
-
-def flatten(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], object]:
-    """(name -> tensor in a fixed order, a JSON-able structure that `unflatten` turns back into `obj`)."""
-    if isinstance(obj, torch.Tensor):
-        return {prefix.rstrip("."): obj}, None
-    if isinstance(obj, list):
-        tensors, items = {}, []
-        for i, item in enumerate(obj):
-            t, s = flatten(item, f"{prefix}{i}.")
-            tensors.update(t)
-            items.append(s)
-        return tensors, {"list": items}
-    if dataclasses.is_dataclass(obj):
-        name = type(obj).__name__
-        if name not in _CLASSES:
-            raise TypeError(f"cannot pack a {name}")
-        tensors, fields = {}, {}
-        for f in dataclasses.fields(obj):
-            t, s = flatten(getattr(obj, f.name), f"{prefix}{f.name}.")
-            tensors.update(t)
-            fields[f.name] = s
-        return tensors, {"class": name, "fields": fields}
-    raise TypeError(f"cannot pack a {type(obj).__name__}")
-
-
-def unflatten(structure, tensors: dict[str, torch.Tensor], prefix: str = "", source: str = ""):
-    if structure is None:
-        name = prefix.rstrip(".")
-        if name not in tensors:
-            raise CheckpointError(f"{source}: packed file lacks tensor '{name}'")
-        return tensors[name]
-    if not isinstance(structure, dict):
-        raise CheckpointError(f"{source}: malformed 'structure' metadata at '{prefix}'")
-    if "list" in structure:
-        return [unflatten(s, tensors, f"{prefix}{i}.", source) for i, s in enumerate(structure["list"])]
-    cls = _CLASSES.get(structure.get("class"))
-    if cls is None:
-        raise CheckpointError(f"{source}: unknown class {structure.get('class')!r} in 'structure' metadata")
-    fields = structure.get("fields", {})
-    expected = [f.name for f in dataclasses.fields(cls)]
-    if sorted(fields) != sorted(expected):
-        raise CheckpointError(f"{source}: {cls.__name__} fields {sorted(fields)} differ from {sorted(expected)}")
-    return cls(**{k: unflatten(fields[k], tensors, f"{prefix}{k}.", source) for k in expected})
 
 
 # -- writing ------------------------------------------------------------------------------------------------
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A tensor's raw bytes (on the CPU, contiguous), for hashing and writing."""
-    t = t.detach().to("cpu").contiguous()
-    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
 
 def content_fingerprint(tensors: dict[str, torch.Tensor], texts: dict[str, str]) -> str:
     h = hashlib.sha256(b"pixeltriage-packed-v1")
@@ -117,29 +65,78 @@ def content_fingerprint(tensors: dict[str, torch.Tensor], texts: dict[str, str])
     return h.hexdigest()
 
 
-def pack_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, adapter: str | os.PathLike | None = None,
-                    dtype: torch.dtype = torch.bfloat16, progress: bool = False) -> dict:
-    """Write the packed file `dst` from the checkpoint directory `src`; returns its metadata (no tensors)."""
-    from pixeltriage.engine.scorer import Scorer, vision_fingerprint
+def vision_fingerprint(weights: layout_mod.EngineWeights, model_cfg: ModelConfig, image_cfg: ImageConfig,
+                       triage_cfg: TriageConfig, device_type: str = "cpu") -> str:
+    """SHA-256 over the vision weights as loaded (dtype included), the vision config, the image rules, the
+    thumbnail size and the device type: what keys cached vision features."""
+    tensors = list(flatten(weights.vision)[0].values())               # field order
+    h = hashlib.sha256(b"pixeltriage-vision-features-v1")
+    meta = {"device": device_type, "vision": dataclasses.asdict(model_cfg.vision), "image": image_cfg.to_dict(),
+            "thumbnail": triage_cfg.thumbnail_size, "dtype": sorted({str(t.dtype) for t in tensors})}
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    for t in tensors:
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
 
+
+def checkpoint_dtype(directory: str | os.PathLike) -> torch.dtype:
+    """The dtype a checkpoint directory stores its weights in: the floating dtype holding most of its elements
+    (a bfloat16 checkpoint may keep a few float32 vectors), from the safetensors headers alone."""
+    elements: dict[str, int] = {}
+    for file in weight_files(Path(directory)):
+        header, _ = read_safetensors_header(file)
+        header.pop("__metadata__", None)
+        for entry in header.values():
+            if entry.get("dtype") in _FROM_NAME:
+                elements[entry["dtype"]] = elements.get(entry["dtype"], 0) + int(np.prod(entry["shape"], dtype=np.int64))
+    if not elements:
+        raise CheckpointError(f"{directory}: no float32, bfloat16 or float16 weights found")
+    return _FROM_NAME[max(elements, key=elements.get)]
+
+
+def narrowing(source: torch.dtype, target: torch.dtype) -> str | None:
+    """Why writing `source` weights as `target` loses information, or None when it does not."""
+    if source == target or target == torch.float32:
+        return None
+    if source == torch.float32:
+        return f"rounds every float32 weight to {str(target).removeprefix('torch.')}"
+    return "float16 has a narrower range than bfloat16" if target == torch.float16 else \
+        "bfloat16 keeps fewer mantissa bits than float16"
+
+
+def pack_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                    dtype: torch.dtype | None = None, progress: bool = False) -> dict:
+    """Write the packed file `dst` from the checkpoint directory `src`; returns its metadata (no tensors).
+
+    dtype: of the packed weights; None (the default) keeps the checkpoint's own (`checkpoint_dtype`). A dtype that
+    loses information (float32 -> bfloat16, say) is logged as a warning: its scores are the scores of a
+    checkpoint at that dtype, not of the directory at its own."""
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise CheckpointError(f"{src}: checkpoint directory not found")
     if dst.exists() and dst.is_dir():
         raise CheckpointError(f"{dst}: is a directory; the packed checkpoint is a single file")
+    stored = checkpoint_dtype(src)
+    dtype = stored if dtype is None else dtype
     if dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"cannot pack to {dtype}; choose one of {sorted(str(d) for d in SAFETENSORS_DTYPES)}")
+    lost = narrowing(stored, dtype)
+    if lost is not None:
+        log.warning("packing %s (stored as %s) as %s %s; its scores will match the directory loaded at %s, not at "
+                    "%s", src, _name(stored), _name(dtype), lost, _name(dtype), _name(stored))
     _say(progress, f"loading {src}" + (f" with adapter {adapter}" if adapter else "") + f" as {dtype}")
-    scorer = Scorer.load(src, dtype=dtype, adapter=adapter, verify=True)   # every value checked once, here
-    tensors, structure = flatten(scorer.weights)
+    ckpt = load_directory(src, dtype, torch.device("cpu"), Path(adapter) if adapter is not None else None,
+                          verify=True)                                      # every value checked once, here
+    tensors, structure = flatten(ckpt.weights)
     texts = {key: (src / name).read_text(encoding="utf-8") for key, name in TEXT_FILES.items()
              if key not in _OPTIONAL_TEXTS or (src / name).is_file()}
     _say(progress, f"fingerprinting {len(tensors)} tensors")
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": SAFETENSORS_DTYPES[dtype],
                 "structure": json.dumps(structure, separators=(",", ":")),
                 "fingerprint": content_fingerprint(tensors, texts),
-                "vision_fingerprint": vision_fingerprint(scorer.weights, scorer.model_config, scorer.image_config,
-                                                         scorer.triage_config),
+                "vision_fingerprint": vision_fingerprint(ckpt.weights, ckpt.model_config, ckpt.image_config,
+                                                         ckpt.triage_config),
                 **texts}
     _write(dst, tensors, metadata, progress)
     return {k: v for k, v in metadata.items() if k not in texts and k != "structure"}
@@ -218,9 +215,6 @@ class PackedCheckpoint:
         time (the file was modified or damaged since), or a vision_fingerprint that is not its vision weights', is
         a CheckpointError naming the file. `mapped`: this file's `mapped()` weights, when the caller has them.
         (It checks the file as it is now: one modified after this check is mapped as modified.)"""
-        from pixeltriage.engine.scorer import vision_fingerprint
-        from pixeltriage.weights.loader import check_finite
-
         weights = self.mapped() if mapped is None else mapped
         check_finite(weights, self.path)
         tensors, _ = flatten(weights)
@@ -271,51 +265,6 @@ class PackedCheckpoint:
         return unflatten(structure, tensors, source=str(self.path))
 
 
-# -- command line: `pixeltriage pack SRC DST [--adapter DIR] [--dtype bfloat16]` ------------------------------
-
-def add_arguments(parser) -> None:
-    parser.add_argument("src", help="checkpoint directory (transformers or Valen layout)")
-    parser.add_argument("dst", help="packed file to write (replaced atomically if it exists)")
-    parser.add_argument("--adapter", metavar="DIR", default=None,
-                        help="PEFT LoRA adapter directory to merge (default: one inside SRC, if any)")
-    from pixeltriage.engine.scorer import DTYPES
-
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
-
-
-def run(args) -> int:
-    from pixeltriage.engine.scorer import parse_dtype
-
-    info = pack_checkpoint(args.src, args.dst, adapter=args.adapter, dtype=parse_dtype(args.dtype),
-                           progress=not args.quiet)
-    print(json.dumps({"path": str(args.dst), **info}, indent=2))
-    return 0
-
-
-# -- command line: `pixeltriage verify PATH` ---------------------------------------------------------------------
-
-def add_verify_arguments(parser) -> None:
-    parser.add_argument("path", help="packed file (every value read, bytes checked against its fingerprint) or "
-                                     "checkpoint directory (loaded with every value checked)")
-
-
-def run_verify(args) -> int:
-    path = Path(args.path)
-    if path.is_file():
-        packed = PackedCheckpoint(path)
-        packed.verify()
-        info = {"path": str(path), "ok": True, "kind": "packed", "dtype": packed.metadata["dtype"],
-                "fingerprint": packed.fingerprint}
-    else:
-        from pixeltriage.engine.scorer import Scorer
-
-        Scorer.load(path, verify=True)
-        info = {"path": str(path), "ok": True, "kind": "directory"}
-    print(json.dumps(info, indent=2))
-    return 0
-
-
 def _say(on: bool, message: str) -> None:
     if on:
         print(message, file=sys.stderr, flush=True)
@@ -335,3 +284,7 @@ def _progress(on: bool, total: int, label: str):
         if bar.n >= total:
             bar.close()
     return update
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

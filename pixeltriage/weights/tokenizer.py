@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pixeltriage.engine.config import DEFAULT_TEMPLATE
+from pixeltriage.config import DEFAULT_TEMPLATE
 
 # Qwen's special tokens in id order; Qwen3.5 puts the first at 248044.
 SPECIAL_TOKENS: tuple[str, ...] = (

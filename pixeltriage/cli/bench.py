@@ -1,0 +1,113 @@
+"""`pixeltriage bench ...`: benchmark and cost-report subcommands (their work is in `pixeltriage.bench`)."""
+from __future__ import annotations
+
+import argparse
+
+from pixeltriage.cli.common import DEMO_PRESETS, DEVICES, VERBOSITY, add_threads_argument, int_at_least
+
+# the choices of the library's tables (tests/test_cli.py checks that they agree)
+SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.cost.SCENARIOS
+ANSWERING_MODELS = ("qwen2.5-vl-7b", "qwen3.5-27b", "qwen3.5-397b")  # pixeltriage.bench.flops.ANSWERING_MODELS
+SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltriage.bench.flops.SYSTEM_ONE_CONFIGS
+ANSWERING_SCALES = ("7b", "small", "tiny")                           # pixeltriage.bench.latency.ANSWERING_SCALES
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    sub.required = True
+    for name, (help_text, add) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[VERBOSITY])
+        add(p)
+        p.set_defaults(_bench=name)
+
+
+def run(args: argparse.Namespace) -> int:
+    import importlib
+
+    from pixeltriage.engine.cpu_memory import tune_malloc
+
+    tune_malloc()              # as the engine's other processes do; the figures are measured with it
+    module = importlib.import_module(f"pixeltriage.bench.{args._bench}")
+    return getattr(module, f"run_{args._bench}")(args)
+
+
+def _add_cost(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="dmv")
+    p.add_argument("--answering", choices=ANSWERING_MODELS, default="qwen2.5-vl-7b")
+    p.add_argument("--system-one", choices=SYSTEM_ONE_CONFIGS, default="2b")
+    p.add_argument("--k", type=_budgets, default=[1, 2, 3], help="budgets, e.g. 1,2,3")
+    p.add_argument("--cached-vision", action="store_true",
+                   help="System One's vision tower outputs are cached at write time (its FLOPs are skipped)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    custom = p.add_argument_group("custom scenario")
+    custom.add_argument("--image-sizes", type=_image_sizes, help="retrieved images, ranked: WxH,WxH,...")
+    custom.add_argument("--text-tokens", type=int_at_least(0), help="prompt tokens besides images and proxies")
+    custom.add_argument("--proxy-tokens", type=int_at_least(0), default=20, help="tokens of one text proxy")
+    custom.add_argument("--keep-proxy", action="store_true", help="an opened image keeps its text proxy")
+    custom.add_argument("--state-text-tokens", type=int_at_least(0),
+                        help="System One state tokens besides thumbnails (default: 128 per memory)")
+
+
+def _add_cpu(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="bench-small", choices=DEMO_PRESETS)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed engine runs after one warm-up (default 5)")
+    p.add_argument("--memories", type=int_at_least(0), default=10)
+    p.add_argument("--tokens", type=int_at_least(1), default=2300, help="target state length (default 2300)")
+    add_threads_argument(p)
+    p.add_argument("--json", action="store_true")
+
+
+def _add_latency(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--batch", type=int_at_least(1), default=4, help="batch size of the batched run (default 4)")
+    p.add_argument("--questions", type=int_at_least(1), default=24, help="timed questions (default 24)")
+    p.add_argument("--k", type=_budgets, default=[1, 2], help="budgets for ours@k (default 1,2)")
+    p.add_argument("--answering-scale", default="tiny", choices=ANSWERING_SCALES)
+    p.add_argument("--profile", metavar="DIR", default=None, help="write a profiler trace and a per-stage table")
+    p.add_argument("--plot", metavar="PNG", default=None, help="draw latency and TFLOP (needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0)
+    add_threads_argument(p)
+    p.add_argument("--json", action="store_true")
+
+
+def _add_load(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="2b", choices=DEMO_PRESETS)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--repeats", type=int_at_least(1), default=3)
+    p.add_argument("--json", action="store_true")
+
+
+def _image_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.split(","):
+        try:
+            width, height = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"image size {item!r} is not WIDTHxHEIGHT") from None
+        if width <= 0 or height <= 0:
+            raise argparse.ArgumentTypeError(f"image size {item!r} must be positive")
+        sizes.append((width, height))
+    return sizes
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        ks = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k {text!r} is not a comma-separated list of integers") from None
+    if min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"--k values must be >= 1, found {text!r}")
+    return ks
+
+
+# name -> (help, the function adding its arguments); `pixeltriage.bench.{name}` holds `run_{name}(args)`
+BENCHES = {
+    "cost": ("per-question TFLOP and visual tokens: System One + ours@k vs open-all prefill", _add_cost),
+    "cpu": ("engine vs transformers' eager forward on the same state, GEMM rate, stages", _add_cpu),
+    "latency": ("System One latency over an episode stream vs the answering prefill, --profile, --plot",
+                _add_latency),
+    "load": ("start-up time and peak memory: packed file vs directory vs transformers", _add_load),
+}

@@ -1,0 +1,118 @@
+"""What the commands share: argument types that check values at parse time, and the choices they offer.
+
+Everything here is stdlib: building the parser must not import torch. The choice lists name what the
+library's tables hold (`tests/test_cli.py` checks that they agree).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")          # pixeltriage.weights.layout.DTYPES
+DEMO_PRESETS = ("2b", "bench-small", "tiny")               # pixeltriage.weights.demo.PRESETS
+DEVICES = ("cpu", "cuda")
+
+VERBOSITY = argparse.ArgumentParser(add_help=False)
+VERBOSITY.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                       help="more logging (-vv: debug, and tracebacks)")
+
+
+def version() -> str:
+    from pixeltriage import __version__
+
+    return __version__
+
+
+def int_at_least(minimum: int):
+    """An argparse type: an integer of at least `minimum` (argparse reports anything else as a usage error)."""
+    def check(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    check.__name__ = "int"            # argparse's word for a value int() rejects: "invalid int value"
+    return check
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:        # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+fraction.__name__ = "float"
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+positive_float.__name__ = "float"
+
+
+def existing_path(text: str) -> str:
+    """An argparse type: a file or directory that exists."""
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such file or directory")
+    return text
+
+
+def existing_file(text: str) -> str:
+    """An argparse type: a readable regular file."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such file" + (" (it is a directory)" if os.path.isdir(text)
+                                                                     else ""))
+    return text
+
+
+def input_file(text: str) -> str:
+    """An argparse type: `-` (standard input) or an existing regular file."""
+    return text if text == "-" else existing_file(text)
+
+
+def new_file(text: str) -> str:
+    """An argparse type: a path a file can be created at (or is): not a directory, and its parent a directory or
+    creatable."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory; give a file name")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {parent} is not a directory")
+    return text
+
+
+def new_directory(text: str) -> str:
+    """An argparse type: a directory to create: absent or empty, and not under a file."""
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise argparse.ArgumentTypeError(f"{text}: already exists and is not an empty directory")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {parent} is not a directory")
+    return text
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="CPU threads for every implementation timed (default: torch's, one per core)")
+
+
+def add_device_arguments(p: argparse.ArgumentParser, dtype_default: str | None = None) -> None:
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (default: cpu)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=dtype_default,
+                   help=f"weights and activations (default: {dtype_default or 'float32 on the CPU, bfloat16 on CUDA'})")
+
+
+def device_dtype(args: argparse.Namespace) -> str:
+    """The dtype name `add_device_arguments` resolves to."""
+    return args.dtype or ("bfloat16" if args.device == "cuda" else "float32")

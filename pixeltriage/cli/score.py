@@ -1,0 +1,108 @@
+"""`pixeltriage score` (episode files -> delivery decisions) and `pixeltriage demo` (the built-in episode)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+
+from pixeltriage.cli.common import (DEMO_PRESETS, add_device_arguments, device_dtype, existing_path, fraction,
+                                    input_file, int_at_least, new_file)
+
+
+def add_score_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, type=existing_path,
+                   help="System One checkpoint directory or packed file")
+    p.add_argument("--episode", required=True, type=input_file,
+                   help="episode JSON file, one episode or a list of them ('-': standard input; docs/state.md)")
+    p.add_argument("--k", type=int_at_least(0), default=2, help="open the k memories with the highest gain (default 2)")
+    p.add_argument("--gate-rate", type=fraction, default=None,
+                   help="open images only for questions whose p_vis ranks in this top fraction of the stream")
+    add_device_arguments(p)
+    p.add_argument("--cache", metavar="DB", type=new_file, default=None,
+                   help="write-time cache file (pixeltriage cache put): memories may be given by key, thumbnails "
+                        "are read from it and vision-tower outputs are stored in it for later questions")
+    p.add_argument("--json", action="store_true", help="print one JSON object per episode")
+    p.add_argument("--verify", action="store_true",
+                   help="read every weight of a packed checkpoint at load (NaN/Inf, fingerprint); directories "
+                        "are always checked")
+
+
+def run_score(args: argparse.Namespace) -> int:
+    from pixeltriage.engine.cache import Cache
+    from pixeltriage.engine.cpu_memory import tune_malloc
+    from pixeltriage.engine.policy import RateGate
+    from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.episode import load_episodes
+    from pixeltriage.errors import PixelTriageError
+    from pixeltriage.report import decision_report, print_report
+
+    episodes = load_episodes(sys.stdin if args.episode == "-" else args.episode)   # all checked before loading
+    gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
+    tune_malloc()
+    with Cache(args.cache) if args.cache else contextlib.nullcontext() as cache:
+        scorer = Scorer.load(args.checkpoint, device=args.device, dtype=device_dtype(args), cache=cache,
+                             verify=args.verify or None)
+        for number, (question, memories) in enumerate(episodes, start=1):
+            try:
+                scores = scorer.score(question, memories)
+            except PixelTriageError as e:
+                if len(episodes) == 1:
+                    raise
+                print(f"error: {_episode_name(args.episode)}, episode {number} of {len(episodes)}: {e}", file=sys.stderr)
+                return 2
+            report = decision_report(question, memories, scores, args.k, gate, cache=cache)
+            if args.json:
+                print(json.dumps(report), flush=True)
+            else:
+                print_report(report)
+                print(flush=True)
+    return 0
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS,
+                   help="demo checkpoint shape (default: tiny; built once and cached)")
+    p.add_argument("--seed", type=int, default=0)
+    add_device_arguments(p)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from pixeltriage.engine.cpu_memory import tune_malloc
+    from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.episode import sample_episode
+    from pixeltriage.report import decision_report, print_report
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    t0 = time.perf_counter()
+    path = demo_checkpoint(args.preset, args.seed)
+    print(f"demo checkpoint ({args.preset}, seed {args.seed}): {path} (ready in {time.perf_counter() - t0:.1f} s)")
+    tune_malloc()
+    dtype = device_dtype(args)
+    scorer = Scorer.load(path, device=args.device, dtype=dtype)
+    question, memories = sample_episode(args.seed)
+    t1 = time.perf_counter()
+    state = scorer.pack(question, memories)
+    scores = scorer.score_states([state])[0]
+    t2 = time.perf_counter()
+    print(f"state: {state.num_tokens} tokens, {state.num_memories} memories, "
+          f"{int(state.image_grid_thw.prod(-1).sum()) if state.num_memories else 0} patches; "
+          f"packed and scored in {1000 * (t2 - t1):.0f} ms ({dtype}, {args.device})\n")
+    for k in (1, 2):
+        report = decision_report(question, memories, scores, k, None)
+        if k == 1:
+            print_report(report)
+        opened = [m["index"] for m in report["memories"] if m["open"]]
+        print(f"k={k} opens memories {opened}; visual tokens {report['visual_tokens']['delivery']} of "
+              f"{report['visual_tokens']['open_all']} (open-all)")
+    print("\nThis demo checkpoint has random weights: its scores are meaningless; they show the pipeline.\n"
+          "Score your own episodes with:\n"
+          "  pixeltriage score --checkpoint DIR --episode FILE.json [--k 2]\n"
+          "(episode format: docs/state.md; a runnable host: examples/host.py).")
+    return 0
+
+
+def _episode_name(episode: str) -> str:
+    return "standard input" if episode == "-" else episode
+
