@@ -14,7 +14,6 @@ import math
 import os
 import re
 import struct
-import warnings
 
 import numpy as np
 import torch
@@ -119,10 +118,11 @@ def local_path(source, index: int | None = None) -> str:
 
 def _open_stream(fp, name: str, index: int | None) -> Image.Image:
     try:
-        # PIL only warns between 1x and 2x its limit; make that a refusal like ours.
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(fp, formats=IMAGE_FORMATS)
+        # Between 1x and 2x its limit PIL only warns; `_decode` refuses those from the header. No
+        # warnings.catch_warnings here: it swaps the process-wide filter list, which is not thread-safe (a
+        # host's own filters can be lost when two threads decode at once). Where warnings are errors, the
+        # warning is caught below.
+        img = Image.open(fp, formats=IMAGE_FORMATS)
     except UnidentifiedImageError as e:
         raise InvalidMemoryError(f"{name}: not a recognised image (accepted formats: "
                                  f"{', '.join(IMAGE_FORMATS)})", index) from e
