@@ -315,6 +315,10 @@ TEMPLATE_PLACEHOLDERS: dict[str, tuple[str, ...]] = {
 }
 
 
+_TRIAGE_KEYS = {"format_version", "head", "state", "template"}
+_STATE_KEYS = {"thumbnail_size", "max_question_tokens", "max_memory_text_tokens", "max_state_tokens"}
+
+
 @dataclass(frozen=True)
 class TriageConfig:
     """pixeltriage.json: the state template, thumbnail and text budgets, head dimension."""
@@ -361,6 +365,13 @@ class TriageConfig:
             raise CheckpointError(f"{source}: unsupported format_version {version}")
         head = d.get("head", {})
         state = d.get("state", {})
+        for where, value, known in (("", d, _TRIAGE_KEYS), ("head.", head, {"dim"}), ("state.", state, _STATE_KEYS)):
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{source}: '{where.rstrip('.')}' must be an object")
+            unknown = sorted(set(value) - known)
+            if unknown:                   # a misspelt budget would otherwise be ignored without a word
+                raise CheckpointError(f"{source}: unknown keys {[where + k for k in unknown]}; known: "
+                                      f"{sorted(where + k for k in known)}")
         template = dict(DEFAULT_TEMPLATE)
         template.update(d.get("template", {}))
         return cls(

@@ -102,6 +102,20 @@ def test_bad_template_placeholder(tiny_copy):
         Scorer.load(tiny_copy)
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda cfg: cfg["state"].update(max_state_token=100), "state.max_state_token"),   # a misspelt budget
+    (lambda cfg: cfg.update(templates={}), "'templates'"),
+    (lambda cfg: cfg["head"].update(dimension=8), "head.dimension"),
+    (lambda cfg: cfg.update(state=[]), "'state' must be an object"),
+])
+def test_unknown_pixeltriage_json_keys_are_errors(tiny_copy, edit, needle):
+    cfg = json.loads((tiny_copy / "pixeltriage.json").read_text())
+    edit(cfg)
+    (tiny_copy / "pixeltriage.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=needle):
+        Scorer.load(tiny_copy)
+
+
 def test_truncated_safetensors(tiny_copy):
     path = tiny_copy / "model.safetensors"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
