@@ -2,26 +2,37 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# CPU wheel of torch; GPU users install their own torch build before `make`.
+# CPU wheel of torch; GPU users install their own torch build into $(VENV) before `make`.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test bench venv clean
 
-$(VENV)/.installed: pyproject.toml
+# the venv with torch in it (a CUDA torch already there is kept)
+$(VENV)/.torch:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
 	touch $@
+
+# what the demo needs: the package and its runtime dependencies
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e .
+	touch $@
+
+# everything the test suite needs (the test extra: Triton for the fused head under its interpreter, peft, the
+# server's and the retrieval index's dependencies, ...); implies the demo's
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e ".[test]"
+	touch $@ $(VENV)/.installed
 
 venv: $(VENV)/.installed
 
-demo: venv
+demo: $(VENV)/.installed
 	$(VENV)/bin/pixeltriage demo
 
-test: venv
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
-bench: venv
+bench: $(VENV)/.installed-test
 	$(PY) -m pytest -q -o addopts="" -m bench --benchmark-only --benchmark-columns=min,median,max,rounds tests/bench
 
 clean:
