@@ -1,0 +1,52 @@
+"""What a host does with PixelTriage: score the retrieved memories, choose which open as pixels, build the prompt.
+
+    python examples/host.py                                  # the built-in demo checkpoint (random weights)
+    python examples/host.py --checkpoint path/to/system-one  # a trained System One checkpoint
+
+It scores examples/episode.json (a question and four retrieved memories), opens the top-k memories by gain,
+and prints the answering model's messages (transformers chat format) for a host that delivers pixels, with each
+image shown by its path.
+"""
+import argparse
+import json
+from pathlib import Path
+
+from pixeltriage import RateGate, Scorer, delivery_cost, pixel_host_messages, top_k
+from pixeltriage.engine.image import display_size
+from pixeltriage.episode import load_episodes
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", help="System One checkpoint (default: the demo checkpoint, built once)")
+    p.add_argument("--episode", default=str(HERE / "episode.json"))
+    p.add_argument("--k", type=int, default=1, help="memories to open as pixels (default 1)")
+    p.add_argument("--gate-rate", type=float, default=None,
+                   help="open images only for questions whose p_vis is in this top fraction of the stream")
+    args = p.parse_args()
+    if args.checkpoint is None:
+        from pixeltriage.weights.demo import demo_checkpoint
+
+        args.checkpoint = demo_checkpoint("tiny")
+
+    question, memories = load_episodes(args.episode)[0]
+    scorer = Scorer.load(args.checkpoint)                      # float32 on the CPU
+    scores = scorer.score(question, memories)                  # one forward: p_vis, a gain per memory
+    delivery = top_k(scores, args.k)                           # the k highest gains open as pixels
+    if args.gate_rate is not None:                             # a host keeps one gate for its whole stream
+        gate = RateGate(args.gate_rate)
+        if not gate.opens(scores.p_vis):
+            delivery = [False] * len(memories)
+    messages = pixel_host_messages(question, memories, delivery, seen_time=True)
+
+    sizes = [display_size(m.image) for m in memories]
+    print(f"p_vis {scores.p_vis:.3f}; gains " + ", ".join(f"{g:.3f}" for g in scores.gains))
+    print(f"open as pixels: {[i + 1 for i, d in enumerate(delivery) if d]}; visual tokens (Qwen2.5-VL) "
+          f"{delivery_cost(delivery, sizes)} of {delivery_cost([True] * len(sizes), sizes)} for open-all")
+    print(json.dumps(messages, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""examples/: the committed episode loads and stays small, and examples/host.py runs as README shows it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pixeltriage.episode import load_episodes
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def test_the_example_episode_loads_and_its_images_are_kilobytes():
+    (question, memories), = load_episodes(EXAMPLES / "episode.json")
+    assert question and len(memories) == 4
+    for memory in memories:
+        assert Path(memory.image).stat().st_size < 32 * 1024
+
+
+def test_host_example_scores_and_builds_a_pixel_prompt(tmp_path):
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(EXAMPLES / "host.py"), "--k", "2"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    first, second, rest = out.stdout.split("\n", 2)
+    assert first.startswith("p_vis ") and second.startswith("open as pixels: [")
+    messages = json.loads(rest)
+    images = [part for part in messages[-1]["content"] if part["type"] == "image"]
+    assert len(images) == 2 and all(Path(part["image"]).is_file() for part in images)
