@@ -101,6 +101,14 @@ def test_cached_notes_and_keys_are_shown(tiny_checkpoint, tmp_path, capsys):
     assert "a red mug on a desk" in capsys.readouterr().out
 
 
+def test_a_key_memory_without_a_cache_is_a_usage_error(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"question": "q", "memories": [{"key": "ab" * 32}]}))
+    monkeypatch.setattr("pixeltriage.engine.scorer.Scorer.load", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(path)]) == 2
+    assert "memory 1 is given by cache key; pass the cache that holds it with --cache DB" in capsys.readouterr().err
+
+
 def test_episode_from_stdin_with_options_after_the_subcommand(tiny_checkpoint, tmp_path):
     write_episode(tmp_path)
     episode = json.dumps({"question": "q", "memories": [{"image": str(tmp_path / "photos" / "mug.png")}]})

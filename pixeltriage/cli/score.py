@@ -39,6 +39,13 @@ def run_score(args: argparse.Namespace) -> int:
     from pixeltriage.report import decision_report, print_report
 
     episodes = load_episodes(sys.stdin if args.episode == "-" else args.episode)   # all checked before loading
+    if args.cache is None:
+        for number, (_, memories) in enumerate(episodes, start=1):
+            keyed = next((i for i, m in enumerate(memories, start=1) if m.key is not None), None)
+            if keyed is not None:
+                where = f", episode {number} of {len(episodes)}" if len(episodes) > 1 else ""
+                raise PixelTriageError(f"{_episode_name(args.episode)}{where}: memory {keyed} is given by cache "
+                                       "key; pass the cache that holds it with --cache DB")
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     tune_malloc()
     with Cache(args.cache) if args.cache else contextlib.nullcontext() as cache:
