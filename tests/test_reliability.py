@@ -2,7 +2,7 @@
 documented error naming the memory; hostile text never changes the state's structure; threads agree with serial
 calls; no pickle, no network, no remote code.
 
-The counts README's reliability section reports are the sizes of the case lists below (and of
+The counts docs/reliability.md reports are the sizes of the case lists below (and of
 tests/test_image.py, tests/test_cache.py), asserted here so the two cannot drift silently.
 """
 from __future__ import annotations

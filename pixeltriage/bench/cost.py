@@ -6,7 +6,8 @@ ours@k opens the first k retrieved images (the ranking; every image when fewer t
 sends the rest as text proxies; its compute includes one System One forward over the question and
 the thumbnails of the retrieved images.
 
-Scenario presets (the paper's Sections 6.1 and 6.4; sizes not given there are stated as chosen):
+Scenario presets (the PixelTriage paper's, "Decide Before You Look", Sections 6.1 and 6.4; sizes not
+given there are stated as chosen):
 - dmv: 10 retrieved product photos of 1120x840 px, 1200 Qwen2.5-VL tokens each (the paper: ~12k
   for all ten); 2450 prompt tokens besides the images' captions, 25 tokens per caption, an opened
   image keeps its caption. System One state: 10 thumbnails + 1280 tokens = 2280 tokens.

@@ -1,4 +1,4 @@
-"""The write-time cache (Section 4.1): per stored image, a 336-px thumbnail and a short note.
+"""The write-time cache: per stored image, a 336-px thumbnail and a short note, made once when the host stores it.
 
 One SQLite file in WAL mode, safe to use from several threads (one connection per thread) and
 several processes at once (every write is one short `BEGIN IMMEDIATE` transaction, and waits

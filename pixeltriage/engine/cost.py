@@ -1,4 +1,4 @@
-"""Visual cost of a delivery: the answering model's visual tokens for the images it opens (Eq. 1).
+"""Visual cost of a delivery: the answering model's visual tokens for the images it opens.
 
     c(d) = sum_i d_i * tau(x_i)
 

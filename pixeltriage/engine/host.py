@@ -1,4 +1,4 @@
-"""Applying a delivery in the host's prompt (Section 4.4), as transformers chat-template messages.
+"""Applying a delivery in the host's own prompt format, as transformers chat-template messages.
 
 Messages are `{"role": ..., "content": [{"type": "text", "text": ...}, {"type": "image", "image": ...}]}`
 lists, ready for `processor.apply_chat_template`.

@@ -1,9 +1,9 @@
 """Delivery policies: turn System One's scores into a delivery d (True = open as pixels).
 
-- `top_k`: pi_k of Section 4.3, the k highest gains.
-- `RateGate`: the question-level gate of Section 7.4 / Appendix B, set by its opening rate.
+- `top_k`: the k memories with the highest gains (the budget k is the accuracy/cost knob).
+- `RateGate`: a question-level gate on p_vis, set by the fraction of a stream's questions it opens.
 - `token_budget`: open by descending gain while a visual-token budget allows.
-- Baselines for A/B tests (Section 6.1): `retrieval_order`, `random_policy`, `downsize_all`.
+- Baselines for A/B tests: `retrieval_order`, `random_policy`, `downsize_all`.
 
 Every policy is deterministic: ties in gain go to the earlier retrieved memory.
 """
@@ -68,7 +68,7 @@ class RateGate:
       `rate` of the questions.
     - Cold start: with an empty window the first question always opens, and the opening rate
       approaches `rate` as the window fills. `calibrate` seeds the window with unlabeled p_vis
-      values (e.g. 50 earlier questions, Appendix B) to skip this phase.
+      values (e.g. those of 50 earlier questions) to skip this phase.
     - rate = 1 opens every question; window = 1 compares each question with itself only and
       so opens every question too.
     """
@@ -160,7 +160,7 @@ def random_policy(n: int, k: int, seed: int) -> list[bool]:
 
 def downsize_all(image_sizes: Sequence[tuple[int, int]], budget_tokens: int,
                  model: str | TokenRule = "qwen2.5-vl") -> list[tuple[int, int]]:
-    """Baseline (Appendix F): open every image, each down-sized to an equal share of the budget.
+    """Baseline: open every image, each down-sized to an equal share of the budget.
 
     Every image gets share = budget_tokens // n tokens. An image whose tokens are already at most
     its share keeps its (width, height); any other is resized, aspect ratio kept as closely as

@@ -75,7 +75,7 @@ class Scorer:
              head_backend: str = "auto", adapter: str | os.PathLike | None = None,
              allow_slow: bool = False, verify: bool | None = None,
              cuda_graphs: bool | Sequence[int] = False) -> "Scorer":
-        """Load a System One checkpoint directory (see README: checkpoint format).
+        """Load a System One checkpoint directory (docs/checkpoints.md).
 
         Weights in transformers' layout or Valen's export layout (auto-detected). adapter: a PEFT LoRA adapter
         directory merged at load; by default one is used when the checkpoint directory itself holds
