@@ -25,6 +25,15 @@ _EXPORTS = {
     "RegionGrid": "pixeltriage.retrieval.regions",
     "REGION_NAMES": "pixeltriage.retrieval.regions",
     "region_crops": "pixeltriage.retrieval.regions",
+    "Encoder": "pixeltriage.retrieval.encoder",
+    "SiglipEncoder": "pixeltriage.retrieval.encoder",
+    "preprocess_images": "pixeltriage.retrieval.encoder",
+    "Hit": "pixeltriage.retrieval.index",
+    "RegionIndex": "pixeltriage.retrieval.index",
+    "exact_search": "pixeltriage.retrieval.search",
+    "QuantizedSearch": "pixeltriage.retrieval.search",
+    "demo_encoder": "pixeltriage.retrieval.demo",
+    "write_demo_encoder": "pixeltriage.retrieval.demo",
 }
 
 __all__ = list(_EXPORTS)
@@ -44,4 +53,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from pixeltriage.retrieval.demo import demo_encoder, write_demo_encoder
+    from pixeltriage.retrieval.encoder import Encoder, SiglipEncoder, preprocess_images
+    from pixeltriage.retrieval.index import Hit, RegionIndex
     from pixeltriage.retrieval.regions import REGION_NAMES, Box, RegionGrid, region_crops
+    from pixeltriage.retrieval.search import QuantizedSearch, exact_search
