@@ -9,7 +9,7 @@ with a warning and recomputed, since the image is at hand.
 Query time: `search(question)` encodes the question, scores every indexed image by the max of its region
 similarities (or by the whole image alone, the control) and returns the top hits with the winning region. The
 vectors are read from the cache once and then refreshed incrementally: each search fetches only rows written
-since the last one (by this or any other process), and reloads everything when rows have disappeared. Corrupt
+since the last one (by this or any other process), and reads everything again after rows were deleted. Corrupt
 rows are deleted with a warning and those images are reported by `unindexed()`, never a crash.
 """
 from __future__ import annotations
@@ -86,8 +86,8 @@ class RegionIndex:
         self._vectors = torch.zeros(0, self._regions, self.encoder.dim)      # [capacity, R, D]; rows [:n] in use
         self._keys: list[str] = []
         self._row_of: dict[str, int] = {}
-        self._seq = 0
-        self._ignored: set[int] = set()          # seqs of sound rows of the wrong shape, counted but not searched
+        self._seq = 0                            # the last row read
+        self._deletions: int | None = None       # the cache's count of deleted rows when everything was read
         self._quantized: QuantizedSearch | None = None
 
     # -- write time ----------------------------------------------------------------------------------------------
@@ -230,16 +230,12 @@ class RegionIndex:
             return self._refresh()
 
     def _refresh(self) -> int:
-        last, count = self.cache.region_state(self.fingerprint)
-        if last == self._seq and count == len(self._keys) + len(self._ignored):
-            return 0
-        read = self._read_after(self._seq)
-        last, count = self.cache.region_state(self.fingerprint)
-        # with no row written since the read, the stored rows are a subset of those held: fewer means deletions
-        if last == self._seq and count != len(self._keys) + len(self._ignored):
+        last, deletions = self.cache.region_state(self.fingerprint)
+        if deletions != self._deletions:          # rows held may be gone: read everything again
             self._reset()
-            read = self._read_after(0)
-        return read
+            self._deletions = deletions
+            return self._read_after(0)
+        return self._read_after(self._seq) if last > self._seq else 0
 
     def _read_after(self, seq: int) -> int:
         read = 0
@@ -253,7 +249,7 @@ class RegionIndex:
         if vectors.shape != (self._regions, self.encoder.dim):
             log.warning("cache %s: region vectors of %s have shape %s, expected (%d, %d); not searched (index the "
                         "image again)", self.cache.path, key, vectors.shape, self._regions, self.encoder.dim)
-            self._ignored.add(seq)
+            self._remove(key)                     # the row replaced what was held
             return
         row = self._row_of.get(key)
         if row is None:
@@ -264,6 +260,19 @@ class RegionIndex:
         elif self._quantized is not None:
             self._quantized.stale = True          # its codes of this row are the old vectors
         self._vectors[row] = torch.from_numpy(vectors)
+
+    def _remove(self, key: str) -> None:
+        row = self._row_of.pop(key, None)
+        if row is None:
+            return
+        last = len(self._keys) - 1
+        if row != last:                           # the last row takes its place
+            self._vectors[row] = self._vectors[last]
+            self._keys[row] = self._keys[last]
+            self._row_of[self._keys[row]] = row
+        self._keys.pop()
+        if self._quantized is not None:
+            self._quantized.stale = True
 
     def _grow(self, rows: int) -> None:
         if rows <= len(self._vectors):

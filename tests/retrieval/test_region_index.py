@@ -175,6 +175,19 @@ def test_rows_written_or_removed_elsewhere_are_followed(cache, tmp_path):
     assert [h.key for h in index.search("red", top=5)] == [first] and len(index) == 1
 
 
+def test_a_row_of_the_wrong_shape_is_not_searched_and_recomputed_by_add(cache, caplog):
+    encoder = ColourEncoder()
+    index = RegionIndex(cache, encoder)
+    keys = index.add_many([corner_cue(), thin_stripes(), plain(GREY)])
+    assert len(index.search("red", top=5)) == 3
+    cache.put_regions(keys[0], index.fingerprint, np.ones((3, 4), np.float32))       # a sound row, but 3 regions
+    with caplog.at_level(logging.WARNING):
+        assert [h.key for h in index.search("red", top=5)] == [keys[1], keys[2]]
+    assert "have shape (3, 4), expected (5, 4); not searched" in caplog.text
+    index.add(corner_cue())
+    assert encoder.images_encoded == 20 and [h.key for h in index.search("red", top=1)] == [keys[0]]
+
+
 def test_add_many_names_the_bad_image(cache, tmp_path):
     index = RegionIndex(cache, ColourEncoder(), images_per_batch=2)
     images = [plain(GREY), corner_cue(), b"not an image", thin_stripes()]
@@ -265,7 +278,7 @@ def test_concurrent_writer_processes(tmp_path):
         keys = [image_key(img) for img in images]
         assert set().union(*(set(out.split()) for out, _ in outputs)) == set(keys)
         assert cache.integrity_check() == "ok" and len(cache) == 20
-        assert cache.region_state(reader.fingerprint)[1] == 20
+        assert cache.region_fingerprints() == {reader.fingerprint: 20}
         hits = reader.search("red", top=20)                  # incremental: rows from three other processes
         assert len(reader) == 20 and sorted(h.key for h in hits) == sorted(keys)
         for hit in hits:

@@ -49,18 +49,21 @@ def test_round_trip_and_replacement_get_new_sequence_numbers(cache):
     assert third > second > first
     assert [(r.key, r.seq) for r in cache.region_rows("enc", after=second)] == [(a, third)]
     assert np.array_equal(cache.get_regions(a, "enc"), vectors(4))
-    assert cache.region_state("enc") == (third, 2)
+    assert cache.region_state("enc") == (third, 0)                               # a replacement deletes nothing
     assert cache.region_fingerprints() == {"enc": 2, "other": 1}
     stats = cache.stats()
     assert stats["region_rows"] == 3 and stats["region_bytes"] == (2 * 5 * 8 + 2 * 3) * 4
 
 
-def test_sequence_numbers_are_never_reused(cache):
+def test_sequence_numbers_are_never_reused_and_deletions_are_counted(cache):
     keys = [cache.put(noise_png(i)) for i in range(3)]
     seqs = [cache.put_regions(k, "enc", vectors(i)) for i, k in enumerate(keys)]
-    cache._conn().execute("DELETE FROM images WHERE key = ?", (keys[2],))           # cascades to its vectors
-    assert cache.region_state("enc") == (seqs[1], 2)
+    cache.put_regions(keys[2], "other", vectors(5))
+    cache._conn().execute("DELETE FROM images WHERE key = ?", (keys[2],))           # cascades to its two rows
+    assert cache.region_state("enc") == (seqs[1], 2) and cache.region_fingerprints() == {"enc": 2}
     assert cache.put_regions(keys[0], "enc", vectors(9)) > seqs[2]                 # AUTOINCREMENT
+    cache._conn().execute("DELETE FROM regions WHERE key = ?", (keys[1],))
+    assert cache.region_state("enc")[1] == 3 and cache.region_state("other") == (0, 3)
 
 
 def test_paging_reads_every_row_in_order(cache):
@@ -110,7 +113,7 @@ def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, dama
     with caplog.at_level(logging.WARNING, logger="pixeltriage.engine.cache"):
         assert [r.key for r in cache.region_rows("enc")] == [b]
     assert f"region vectors of {a} (enc) are corrupt" in caplog.text
-    assert cache.region_state("enc")[1] == 1                         # deleted
+    assert cache.region_fingerprints() == {"enc": 1} and cache.region_state("enc")[1] == 1     # deleted
     assert cache.keys_without_regions("enc") == [a]
     cache.put_regions(a, "enc", vectors(1))                          # recomputed from the image
     assert np.array_equal(cache.get_regions(a, "enc"), vectors(1))
@@ -123,7 +126,7 @@ def test_get_regions_of_a_corrupt_row(cache, caplog):
         conn.execute("UPDATE regions SET checksum = ?", (hashlib.sha256(b"x").hexdigest(),))
     with caplog.at_level(logging.WARNING):
         assert cache.get_regions(key, "enc") is None
-    assert "corrupt" in caplog.text and cache.region_state("enc") == (0, 0)
+    assert "corrupt" in caplog.text and cache.region_state("enc") == (0, 1)
 
 
 def test_keys_without_regions(cache):
@@ -155,6 +158,8 @@ def test_older_files_gain_the_regions_table(tmp_path, version):
         assert c.size(key) == ((48, 32) if version == 2 else None)
         c.put_regions(key, "enc", vectors(0))
         assert np.array_equal(c.get_regions(key, "enc"), vectors(0))
+        c._conn().execute("DELETE FROM images")
+        assert c.region_state("enc") == (0, 1)                                  # the trigger came with it
         assert c.integrity_check() == "ok"
     with raw(path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
