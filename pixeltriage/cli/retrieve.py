@@ -67,7 +67,7 @@ def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
                    help="score each image by its whole-image embedding only (the control), not by its best region")
     p.add_argument("--index", choices=INDEX_BACKENDS, default="auto",
                    help="exact brute force, the faiss index (an 8-bit scan, re-scored exactly) or auto (faiss from "
-                        "20k indexed images on; default)")
+                        "5k indexed images on; default)")
     p.add_argument("--json", action="store_true", help="print one JSON object per question")
 
 

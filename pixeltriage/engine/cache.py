@@ -27,8 +27,9 @@ Region vectors (for `pixeltriage.retrieval`): `put_regions` / `get_regions` / `r
 matrix [R, D] per (key, fingerprint): the L2-normalised embeddings of an image's regions, raw little-endian
 bytes with a SHA-256 checksum over the key, the fingerprint, the shape and the bytes. Every write gives the row
 a new, never reused `seq` (AUTOINCREMENT), so a reader holding the vectors in memory fetches only the rows
-written after the last `seq` it saw, and a trigger counts deleted rows, so it knows when to read everything again. A row that fails its checksum or shape is deleted with a warning and read
-as missing; only the image itself can recompute it.
+written after the last `seq` it saw, and a trigger counts deleted rows, so it knows when to read everything
+again. A row that fails its checksum or shape is deleted with a warning and read as missing; only the image
+itself can recompute it.
 
 Schema (PRAGMA user_version = 3): images(key, thumbnail PNG, checksum, note, width, height: the original
 image's displayed size, for visual-token costs), features(key -> images.key ON DELETE CASCADE, fingerprint,

@@ -30,7 +30,8 @@ from pixeltriage.engine.types import ImageSource
 from pixeltriage.errors import InvalidMemoryError
 from pixeltriage.retrieval.encoder import Encoder
 from pixeltriage.retrieval.regions import Box, RegionGrid, region_crops
-from pixeltriage.retrieval.search import BACKENDS, FAISS_MIN_IMAGES, QuantizedSearch, Ranked, exact_search, faiss_available
+from pixeltriage.retrieval.search import (BACKENDS, FAISS_MIN_IMAGES, QuantizedSearch, Ranked, exact_search,
+                                          faiss_available)
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 Along each axis of length L the two tiles have the same length a = ceil(L * (1 + overlap) / 2) and sit flush
 with the two edges: [0, a) and [L - a, L). They share a central band of 2a - L >= overlap * L pixels (one
 pixel more on an odd side with no overlap asked, since both tiles keep one size). Every box is exact integer
-arithmetic on `overlap` read as the decimal it prints as, non-empty for any image of at least 1 x 1 pixel, and the tiles of a
-1- or 2-pixel side are that whole side.
+arithmetic on `overlap` read as the decimal it prints as, non-empty for any image of at least 1 x 1 pixel,
+and the tiles of a 1- or 2-pixel side are that whole side.
 
 Why 0.25 by default: the paper states no overlap. With a quarter of the side shared, any object up to a
 quarter of each side (6.25% of the area, ~3.7x the median 1.7% cue of DMV-Bench) lies whole inside one tile

@@ -97,7 +97,8 @@ def test_choices_agree_with_the_library():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["retrieve", "--cache", "{db}", "--encoder", "{enc}", "--question", "q", "--top", "0"], "--top: must be at least 1"),
+    (["retrieve", "--cache", "{db}", "--encoder", "{enc}", "--question", "q", "--top", "0"],
+     "--top: must be at least 1"),
     (["retrieve", "--cache", "{db}", "--encoder", "{enc}", "--question", "q", "--overlap", "1"], "must be in [0, 1)"),
     (["retrieve", "--cache", "{db}", "--encoder", "{tmp}/none", "--question", "q"], "none: no such directory"),
     (["retrieve", "--cache", "{db}", "--encoder", "{tmp}", "--question", "q"], "no config.json"),
