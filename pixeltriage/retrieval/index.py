@@ -101,7 +101,7 @@ class RegionIndex:
     def add_many(self, images: Sequence[ImageSource], notes: Sequence[str] | None = None, *,
                  recompute: bool = False) -> list[str]:
         """`add` for many images, their crops encoded in batches; returns their keys in order. An unreadable image
-        raises InvalidMemoryError naming its position (from 1); the images before its batch are stored."""
+        raises InvalidMemoryError naming its position (from 1); the batches before its own are stored in full."""
         notes = [""] * len(images) if notes is None else list(notes)
         if len(notes) != len(images):
             raise ValueError(f"{len(images)} images but {len(notes)} notes")
@@ -112,18 +112,18 @@ class RegionIndex:
         return keys
 
     def _add_batch(self, items: Iterable[tuple[int, ImageSource, str]], recompute: bool) -> list[str]:
-        keys, pending = [], []
+        keys, pending = [], {}
         for index, image, note in items:
             key, source = self._put(image, note, index)
             keys.append(key)
-            if recompute or not self._sound(key):
-                pending.append((key, region_crops(source, self.grid, index)))
+            if key not in pending and (recompute or not self._sound(key)):       # a repeated image: encoded once
+                pending[key] = region_crops(source, self.grid, index)
         if pending:
-            crops = [crop for _, image_crops in pending for crop in image_crops]
+            crops = [crop for image_crops in pending.values() for crop in image_crops]
             vectors = self._normalised(self.encoder.encode_images(crops), len(crops), "encode_images")
             regions = self._regions
             self.cache.put_regions_many(self.fingerprint, [(key, vectors[i * regions:(i + 1) * regions])
-                                                           for i, (key, _) in enumerate(pending)])
+                                                           for i, key in enumerate(pending)])
         return keys
 
     def _put(self, image: ImageSource, note: str, index: int) -> tuple[str, ImageSource]:

@@ -127,6 +127,8 @@ def test_adding_is_idempotent_and_recompute_re_encodes(cache):
     assert cache.note(key) == "first"
     index.add(corner_cue(), note="second", recompute=True)
     assert encoder.images_encoded == 10 and cache.note(key) == "second"
+    assert index.add_many([thin_stripes(), thin_stripes()]) == [image_key(thin_stripes())] * 2
+    assert encoder.images_encoded == 15                                       # a repeated image is encoded once
     assert key == image_key(corner_cue())
 
 
