@@ -28,6 +28,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "NaN/Inf, and a packed file's bytes against its fingerprint"),
     "init-demo": ("pixeltriage.cli.checkpoint", "init_demo", "write a demo checkpoint with seeded random weights"),
     "bench": ("pixeltriage.cli.bench", "", "benchmarks and cost reports"),
+    "retrieve": ("pixeltriage.cli.retrieve", "retrieve", "rank cached images for a question by their best region"),
+    "init-encoder-demo": ("pixeltriage.cli.retrieve", "init_encoder_demo",
+                          "write a demo SigLIP 2 encoder with seeded random weights"),
 }
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pixeltriage.cli.common import DEMO_PRESETS, DEVICES, VERBOSITY, add_threads_argument, int_at_least
+from pixeltriage.cli.common import DEMO_PRESETS, DEVICES, VERBOSITY, add_threads_argument, existing_path, int_at_least
 
 # the choices of the library's tables (tests/test_cli.py checks that they agree)
 SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.cost.SCENARIOS
@@ -80,6 +80,43 @@ def _add_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _add_retrieval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encoder", metavar="DIR", type=existing_path, default=None,
+                   help="SigLIP 2 checkpoint directory (default: the cached 'base' demo, siglip2-base-patch16-224's "
+                        "shapes; written on first use, ~720 MB)")
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--images", type=int_at_least(1), default=8,
+                   help="synthetic photos encoded at write time (default 8)")
+    p.add_argument("--image-size", type=_image_size, default=(1280, 960), help="WIDTHxHEIGHT (default 1280x960)")
+    p.add_argument("--batch", type=int_at_least(1), default=4,
+                   help="images per batch of the batched write-time run (default 4: 20 crops per forward)")
+    p.add_argument("--repeats", type=int_at_least(1), default=2, help="timed write-time runs (default 2)")
+    p.add_argument("--stored", type=_counts, default=[10_000, 100_000],
+                   help="stored images to search, e.g. 10000,100000 (default)")
+    p.add_argument("--queries", type=int_at_least(1), default=30, help="timed questions per size (default 30)")
+    p.add_argument("--load", type=int_at_least(0), default=10_000,
+                   help="images whose vectors are read back from a cache file, cold (default 10000; 0: skip)")
+    add_threads_argument(p)
+    p.add_argument("--json", action="store_true")
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    sizes = _image_sizes(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"one WIDTHxHEIGHT, not a list: {text!r}")
+    return sizes[0]
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts must be >= 1, found {text!r}")
+    return counts
+
+
 def _image_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
@@ -110,4 +147,6 @@ BENCHES = {
     "latency": ("System One latency over an episode stream vs the answering prefill, --profile, --plot",
                 _add_latency),
     "load": ("start-up time and peak memory: packed file vs directory vs transformers", _add_load),
+    "retrieval": ("region retrieval: images/s at write time, question and search latency at 10k and 100k images",
+                  _add_retrieval),
 }

@@ -1,7 +1,9 @@
-"""`pixeltriage cache put DB IMAGES... [--notes FILE]` and `pixeltriage cache stats DB`: the write-time cache."""
+"""`pixeltriage cache put DB IMAGES... [--notes FILE] [--index-encoder DIR]` and `pixeltriage cache stats DB`: the
+write-time cache."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -10,6 +12,8 @@ from pixeltriage.cli.common import VERBOSITY, existing_file, new_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pixeltriage.cli.retrieve import add_encoder_arguments      # stdlib only, as this module
+
     sub = parser.add_subparsers(dest="cache_command", metavar="ACTION")
     sub.required = True
     put = sub.add_parser("put", help="store thumbnails (and notes) of images", parents=[VERBOSITY],
@@ -20,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     put.add_argument("--notes", metavar="FILE", type=existing_file,
                      help="JSON object {image: note}; an image is matched by its path as given "
                           "on the command line, else by its file name")
+    index = put.add_argument_group("region index (pixeltriage retrieve)")
+    add_encoder_arguments(index, "--index-encoder", required=False)
     stats = sub.add_parser("stats", help="print the cache's counts and sizes as JSON", parents=[VERBOSITY])
     stats.add_argument("db", type=existing_file, help="cache file")
 
@@ -33,17 +39,55 @@ def run(args: argparse.Namespace) -> int:
         return 0
     notes = _read_notes(args.notes) if args.notes else {}
     used = set()
+    chosen = []
+    for path in args.images:
+        name = path if path in notes else os.path.basename(path)
+        chosen.append(notes.get(name, ""))
+        if name in notes:
+            used.add(name)
     with Cache(args.db) as cache:
-        for path in args.images:
-            name = path if path in notes else os.path.basename(path)
-            note = notes.get(name, "")
-            if name in notes:
-                used.add(name)
-            print(f"{cache.put(path, note)}\t{path}", flush=True)
+        if args.index_encoder:
+            _put_indexed(cache, args, chosen)
+        else:
+            for path, note in zip(args.images, chosen):
+                with _naming(path):
+                    key = cache.put(path, note)
+                print(f"{key}\t{path}", flush=True)
     unused = sorted(set(notes) - used)
     if unused:
         print(f"warning: {len(unused)} notes match no image given, e.g. {unused[0]!r}", file=sys.stderr)
     return 0
+
+
+def _put_indexed(cache, args: argparse.Namespace, notes: list[str]) -> None:
+    """Put the images and store their region vectors, a batch of images encoded at a time."""
+    from pixeltriage.cli.retrieve import load_encoder
+    from pixeltriage.errors import InvalidMemoryError
+    from pixeltriage.retrieval.index import RegionIndex
+    from pixeltriage.retrieval.regions import RegionGrid
+
+    index = RegionIndex(cache, load_encoder(args, args.index_encoder), RegionGrid(args.overlap))
+    step = index.images_per_batch
+    for start in range(0, len(args.images), step):
+        paths = args.images[start:start + step]
+        try:
+            keys = index.add_many(paths, notes[start:start + step])
+        except InvalidMemoryError as e:
+            with _naming(paths[e.index]):
+                raise
+        for key, path in zip(keys, paths):
+            print(f"{key}\t{path}", flush=True)
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+    """An unreadable image's error names its file (the cache words errors about the bytes it read)."""
+    from pixeltriage.errors import InvalidMemoryError, PixelTriageError
+
+    try:
+        yield
+    except InvalidMemoryError as e:
+        raise PixelTriageError(e.reason if path in e.reason else f"{path}: {e.reason}") from None
 
 
 def _read_notes(path: str) -> dict[str, str]:
