@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "NaN/Inf, and a packed file's bytes against its fingerprint"),
     "init-demo": ("pixeltriage.cli.checkpoint", "init_demo", "write a demo checkpoint with seeded random weights"),
     "bench": ("pixeltriage.cli.bench", "", "benchmarks and cost reports"),
+    "serve": ("pixeltriage.cli.serve", "serve", "an HTTP scoring service: dynamic batching, backpressure, metrics"),
 }
 
 
