@@ -62,14 +62,17 @@ class ImageRoot:
             raise InvalidRequestError(f"{relative!r} is not a file under the image root", field) from None
         except OSError as e:
             raise InvalidRequestError(f"{relative!r} cannot be opened ({e.strerror})", field) from None
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
+        try:
+            info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidRequestError(f"{relative!r} is not a regular file", field)
             if info.st_size > self.max_bytes:
                 raise InvalidRequestError(f"{relative!r} is {info.st_size} bytes, above the server's limit of "
                                           f"{self.max_bytes}", field)
-            return f.read(self.max_bytes + 1)[: self.max_bytes]
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read(self.max_bytes + 1)[: self.max_bytes]
+        finally:
+            os.close(fd)
 
     def resolve(self, relative: str, field: str) -> Path:
         """The real path of `relative` under the root, or InvalidRequestError naming the rule it breaks."""
