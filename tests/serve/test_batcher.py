@@ -157,6 +157,7 @@ def test_deadline_cancel_admission_and_close(forward):
     assert "waiting" not in sum(forward.batches, [])
     assert b.wait_idle(10) and b.admitted == 0
     forward.gate.clear()
+    forward.entered.clear()
     b.submit([prepared("in forward", 10)], far())
     assert forward.entered.wait(10)
     queued = b.submit([prepared("queued", 10)], far())
