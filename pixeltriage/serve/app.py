@@ -9,6 +9,7 @@ shutting down; 504 the request's deadline passed before its forward began. Error
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -23,7 +24,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pixeltriage.engine.cache import CacheMissError
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
                                 PixelTriageError, ServiceUnavailableError, StateTooLongError)
 from pixeltriage.serve.batcher import Scored
@@ -251,20 +251,22 @@ FAILURE_OF = {"invalid_memory": "invalid_input", "invalid_input": "invalid_input
               "not_found": "not_found", "no_cache": "no_cache"}
 
 
-# (error class, status, error_type), the first match wins
-KINDS = ((InvalidMemoryError, 422, "invalid_memory"), (StateTooLongError, 422, "state_too_long"),
-         (InvalidRequestError, 422, "invalid_input"), (OverloadedError, 429, "overloaded"),
-         (DeadlineExceededError, 504, "deadline"), (ServiceUnavailableError, 503, "unavailable"),
-         (CacheMissError, 404, "not_found"))
+@functools.cache
+def _kinds() -> tuple:
+    """(error class, status, error_type), the first match wins (the cache module imports torch: on first use)."""
+    from pixeltriage.engine.cache import CacheMissError
+
+    return ((InvalidMemoryError, 422, "invalid_memory"), (StateTooLongError, 422, "state_too_long"),
+            (InvalidRequestError, 422, "invalid_input"), (OverloadedError, 429, "overloaded"),
+            (DeadlineExceededError, 504, "deadline"), (ServiceUnavailableError, 503, "unavailable"),
+            (CacheMissError, 404, "not_found"), (NoCacheError, 501, "no_cache"))
 
 
 def error_kind(error: BaseException) -> tuple[int, str]:
     """(HTTP status, error_type) of an error raised while answering (a FieldError: of the error it carries)."""
     if isinstance(error, FieldError):
         error = error.error
-    if isinstance(error, NoCacheError):
-        return 501, "no_cache"
-    for cls, status, kind in KINDS:
+    for cls, status, kind in _kinds():
         if isinstance(error, cls):
             return status, kind
     return 500, "internal"
@@ -293,9 +295,8 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         log.debug("%s: %d %s (field %s)", request.url.path, status, kind, field)
         return _error(status, kind, message, field, headers, **extra)
 
-    for cls in (FieldError, InvalidRequestError, OverloadedError, DeadlineExceededError, ServiceUnavailableError,
-                CacheMissError, NoCacheError):
-        app.add_exception_handler(cls, known)
+    app.add_exception_handler(FieldError, known)
+    app.add_exception_handler(PixelTriageError, known)             # every typed error, by error_kind
 
     @app.exception_handler(ClientDisconnected)
     async def gone(request: Request, e: ClientDisconnected):
