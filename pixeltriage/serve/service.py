@@ -5,6 +5,8 @@ process and each Ray Serve replica hold one.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -284,8 +286,8 @@ class Service:
     def info(self) -> dict:
         from pixeltriage import __version__
 
-        out = {"version": __version__, "status": self.status, **{k: v for k, v in self.describe.items()},
-               "limits": self.config.limits()}
+        out = {"version": __version__, "status": self.status, **self.describe,
+               "instance": {"host": socket.gethostname(), "pid": os.getpid()}, "limits": self.config.limits()}
         scorer = self.scorer
         if scorer is None:
             return out
