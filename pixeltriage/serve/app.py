@@ -22,6 +22,7 @@ from typing import Sequence
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
@@ -297,6 +298,11 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
 
     app.add_exception_handler(FieldError, known)
     app.add_exception_handler(PixelTriageError, known)             # every typed error, by error_kind
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):   # unknown routes, unparsable bodies
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_input")
+        return _error(e.status_code, kind, str(e.detail), headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientDisconnected)
     async def gone(request: Request, e: ClientDisconnected):
