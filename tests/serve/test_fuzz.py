@@ -2,7 +2,7 @@
 no operation answers 5xx, whatever it is sent."""
 import httpx
 import pytest
-from conftest import API_KEY
+from serving import API_KEY
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 

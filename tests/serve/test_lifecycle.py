@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import ENV, ServerProcess, b64, image_bytes, metric
+from serving import ENV, ServerProcess, b64, image_bytes, metric
 
 from pixeltriage import Cache
 

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from conftest import ServerProcess, b64, image_bytes, metric
+from serving import ServerProcess, b64, image_bytes, metric
 
 from pixeltriage.errors import DeadlineExceededError, OverloadedError
 

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import ENV, assert_scores_close, episode
+from serving import ENV, assert_scores_close, episode
 
 from pixeltriage.errors import PixelTriageError
 

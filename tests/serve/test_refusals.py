@@ -5,7 +5,7 @@ import threading
 
 import httpx
 import pytest
-from conftest import API_KEY, assert_scores_close, b64, episode, image_bytes
+from serving import API_KEY, assert_scores_close, b64, episode, image_bytes
 
 from pixeltriage import InvalidMemoryError, Memory, StateTooLongError
 from pixeltriage.errors import AuthenticationError, InvalidRequestError

@@ -3,7 +3,7 @@ float32) whatever shared its forward; client batches split across forwards; poli
 import threading
 
 import pytest
-from conftest import assert_scores_close, b64, episode, image_bytes, metric
+from serving import assert_scores_close, b64, episode, image_bytes, metric
 from PIL import Image
 
 from pixeltriage import Cache, Memory, RateGate
