@@ -139,6 +139,15 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise UsageError("--gpus-per-replica needs --device cuda")
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def serve_config(args: argparse.Namespace):
     from pathlib import Path
 
@@ -175,6 +184,9 @@ def run_serve(args: argparse.Namespace) -> int:
     service = Service(config, spec.load, describe={"checkpoint": args.checkpoint})
     print(f"pixeltriage serve: listening on {url}; loading {args.checkpoint} (GET /ready answers 200 once ready)",
           file=sys.stderr, flush=True)
+    if not config.api_keys and not _loopback(host):
+        print(f"pixeltriage serve: warning: {host} is reachable from other machines and no --api-key-file is set",
+              file=sys.stderr, flush=True)
     server.run(service, sock, access_log=args.access_log,
                on_ready=lambda: print(f"pixeltriage serve: ready on {url}", file=sys.stderr, flush=True))
     print("pixeltriage serve: stopped", file=sys.stderr, flush=True)

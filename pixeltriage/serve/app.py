@@ -105,6 +105,8 @@ async def _score(service: Service, request: Request, questions: Sequence[tuple],
     arrival = request.scope.get(ARRIVAL) or time.monotonic()
     limit = service.config.request_timeout if timeout is None else min(timeout, service.config.request_timeout)
     deadline = arrival + limit
+    log.debug("%s: %d question(s), %d memories, %s bytes", request.url.path, len(questions),
+              sum(len(q[1]) for q in questions), request.headers.get("content-length", "?"))   # lengths only
     prepares = [service.prepare(q, memories, policy, prefix) for q, memories, policy, _, prefix in questions]
     futures = service.batcher.submit(prepares, deadline, priority)
     scored = await _wait(futures, deadline, request.receive)

@@ -48,10 +48,11 @@ def test_kill_9_loses_no_committed_row_and_sigterm_drains(tiny_checkpoint, tmp_p
         assert cache.note(keys[3]) == "note 3"
 
     second = ServerProcess(tiny_checkpoint, tmp_path / "second.log", "--cache", str(db),
-                           "--graceful-timeout", "60").wait_ready()
+                           "--graceful-timeout", "60", "-vv").wait_ready()             # debug logging
     with httpx.Client(base_url=second.url, timeout=120) as http:
         assert [http.get(f"/v1/memories/{key}").json()["note"] for key in keys] == [f"note {i}" for i in range(5)]
-        heavy = {"question": "heavy", "memories": [{"image": b64(image_bytes((336, 336), seed=i))} for i in range(16)]}
+        heavy = {"question": "private-question-4711", "memories": [
+            {"image": b64(image_bytes((336, 336), seed=i)), "note": "private-note-0815"} for i in range(16)]}
         answers = []
         threads = [threading.Thread(target=lambda: answers.append(http.post("/v1/score", json=heavy)))
                    for _ in range(3)]
@@ -75,6 +76,8 @@ def test_kill_9_loses_no_committed_row_and_sigterm_drains(tiny_checkpoint, tmp_p
     assert second.proc.wait(60) == 0
     output = second.output()
     assert "Traceback" not in output and "stopped" in output
+    assert "DEBUG" in output and "16 memories" in output                # lengths are logged, never the text
+    assert "private-" not in output and heavy["memories"][0]["image"][:40] not in output
     assert not Path(f"{db}-wal").exists()                        # closed cleanly: the last connection checkpointed
     with Cache(db) as cache:
         assert cache.integrity_check() == "ok" and len(cache) >= 5

@@ -6,7 +6,7 @@ import pytest
 from serving import assert_scores_close, b64, episode, image_bytes, metric
 from PIL import Image
 
-from pixeltriage import Cache, Memory, RateGate
+from pixeltriage import Cache, InvalidMemoryError, Memory, RateGate
 from pixeltriage.engine.cache import CacheMissError
 from pixeltriage.report import delivery, image_size
 
@@ -150,3 +150,44 @@ def test_info_and_openapi(http, served):
     assert {"/v1/score", "/v1/score/batch", "/v1/memories", "/v1/memories/{key}", "/health", "/ready"} <= set(
         schema["paths"])
     assert http.get("/docs").status_code == 200
+
+
+def test_async_client(served, library):
+    import asyncio
+
+    from pixeltriage.serve import AsyncClient
+
+    episodes = [episode(600 + i, 1 + i % 3) for i in range(6)]
+
+    async def run():
+        async with AsyncClient(served.url, api_key=served.key, retries=0) as c:
+            singles = await asyncio.gather(*(c.score(q, m) for q, m in episodes))
+            batch = await c.score_batch(episodes)
+            decided = await c.decide(*episodes[0], k=1)
+            with pytest.raises(InvalidMemoryError):
+                await c.score("q", [Memory(image=b"not an image")])
+            return singles, batch, decided, await c.ready(), await c.health()
+
+    singles, batch, decided, ready, health = asyncio.run(run())
+    for got, again, (q, m) in zip(singles, batch, episodes):
+        want = library.score(q, m)
+        assert_scores_close(got, want)
+        assert_scores_close(again, want)
+    assert sum(decided.open) == 1 and ready and health == {"status": "ok"}
+
+
+def test_score_batch_splits_a_long_list_into_requests_the_server_takes(client, library):
+    episodes = [(f"question {i}", []) for i in range(35)]              # more than --max-client-batch (32)
+    results = client.score_batch(episodes)
+    assert len(results) == 35
+    assert_scores_close(results[34], library.score("question 34", []))
+
+
+def test_timing_headers(http):
+    response = http.post("/v1/score", json={"question": "q", "memories": [{"image": b64(image_bytes())}]})
+    assert response.status_code == 200
+    timing = response.json()["timing"]
+    for header, key in (("x-queue-time", "queue_ms"), ("x-inference-time", "forward_ms"),
+                        ("x-preprocess-time", "preprocess_ms")):
+        assert abs(float(response.headers[header]) - timing[key]) < 1e-2
+    assert float(response.headers["x-total-time"]) >= float(response.headers["x-inference-time"])
