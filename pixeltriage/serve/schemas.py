@@ -92,8 +92,8 @@ class Delivery(BaseModel):
 
 class VisualTokens(BaseModel):
     model: str
-    open_all: int
-    delivery: Optional[int] = Field(None, description="with a policy: the delivered images' tokens")
+    open_all: int = Field(description="the answering model's visual tokens with every image opened")
+    delivery: int = Field(description="... with this delivery's images opened")
 
 
 class Timing(BaseModel):
@@ -112,8 +112,8 @@ class ScoreResponse(BaseModel):
     relevance: list[float]
     relevance_none: float
     state_tokens: int
-    delivery: Optional[Delivery]
-    visual_tokens: Optional[VisualTokens]
+    delivery: Optional[Delivery] = Field(description="with a policy")
+    visual_tokens: Optional[VisualTokens] = Field(description="with a policy, when every image's size is known")
     timing: Timing
 
 

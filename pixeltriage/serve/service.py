@@ -212,7 +212,8 @@ class Service:
                     decoded.append(to_memory(m, f"{prefix}memories[{i}]", image_root))
                 field = f"{prefix}memories"
                 state = scorer.pack(question, decoded)
-                sizes = [image_size(m, i, scorer.cache) for i, m in enumerate(decoded)]
+                # the answering model's visual tokens are reported with a delivery only: no policy, no headers read
+                sizes = [image_size(m, i, scorer.cache) for i, m in enumerate(decoded)] if policy else []
             except InvalidMemoryError as e:
                 raise FieldError(f"{prefix}memories[{e.index}].{memories[e.index].source}"
                                  if e.index is not None and e.index < len(memories) else field, e) from None
@@ -231,14 +232,10 @@ class Service:
 
     def decide(self, scores, sizes: list, policy: Policy | None) -> tuple[dict | None, dict | None]:
         """(delivery, visual_tokens) of the response for one scored question."""
-        from pixeltriage.engine.cost import delivery_cost
         from pixeltriage.report import delivery
 
         if policy is None:
-            if None in sizes:
-                return None, None
-            return None, {"model": "qwen2.5-vl", "open_all": delivery_cost([True] * len(sizes), sizes),
-                          "delivery": None}
+            return None, None
 
         def run(gate):
             return delivery(scores, policy.k, gate, sizes, policy.answering_model, policy.token_budget)

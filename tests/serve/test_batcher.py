@@ -131,7 +131,7 @@ def test_a_failing_prepare_fails_its_question_only(forward):
     assert good.result(10).meta == "good"
     with pytest.raises(ValueError, match="undecodable"):
         bad.result(10)
-    assert b.admitted == 0
+    assert b.wait_idle(10) and b.admitted == 0
     b.close()
 
 
