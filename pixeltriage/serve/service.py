@@ -204,19 +204,15 @@ class Service:
         scorer, image_root = self.scorer, self.image_root
 
         def prepare():
-            field = f"{prefix}memories"
             try:
-                decoded = []
-                for i, m in enumerate(memories):
-                    field = f"{prefix}memories[{i}].{m.source}"
-                    decoded.append(to_memory(m, f"{prefix}memories[{i}]", image_root))
-                field = f"{prefix}memories"
+                decoded = [to_memory(m, f"{prefix}memories[{i}]", image_root) for i, m in enumerate(memories)]
                 state = scorer.pack(question, decoded)
                 # the answering model's visual tokens are reported with a delivery only: no policy, no headers read
                 sizes = [image_size(m, i, scorer.cache) for i, m in enumerate(decoded)] if policy else []
             except InvalidMemoryError as e:
-                raise FieldError(f"{prefix}memories[{e.index}].{memories[e.index].source}"
-                                 if e.index is not None and e.index < len(memories) else field, e) from None
+                known = e.index is not None and 0 <= e.index < len(memories)
+                raise FieldError(f"{prefix}memories[{e.index}].{memories[e.index].source}" if known
+                                 else f"{prefix}memories", e) from None
             except StateTooLongError as e:
                 raise FieldError(f"{prefix}memories", e) from None
             except InvalidRequestError as e:
