@@ -33,3 +33,44 @@ class NonFiniteScoreError(PixelTriageError, FloatingPointError):
 
 class BackendUnavailableError(PixelTriageError, RuntimeError):
     """A requested kernel backend (Triton, fla) cannot run on this device."""
+
+
+class InvalidRequestError(PixelTriageError, ValueError):
+    """A request the scoring service refuses as it is: a field of the wrong type, beyond a limit, or a body too large.
+
+    `field` names the request field (`memories[2].image`, `questions[0].policy.k`; None for the whole body) and
+    `status` the HTTP status it came with (422, 413).
+    """
+
+    def __init__(self, message: str, field: str | None = None, status: int = 422):
+        self.field = field
+        self.status = status
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class ServiceError(PixelTriageError):
+    """The scoring service did not answer the request; `status` is the HTTP status (None when no response came)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        self.status = status
+        super().__init__(message)
+
+
+class OverloadedError(ServiceError):
+    """The service's queue has no room for the request's questions (429); retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float, status: int | None = 429):
+        self.retry_after = retry_after
+        super().__init__(message, status)
+
+
+class DeadlineExceededError(ServiceError, TimeoutError):
+    """The request passed its deadline before it was scored (504) and was dropped from the queue."""
+
+
+class ServiceUnavailableError(ServiceError):
+    """The service is loading, shutting down or unreachable (503, or no response)."""
+
+
+class AuthenticationError(ServiceError):
+    """The service wants a valid API key (401)."""

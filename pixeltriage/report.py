@@ -1,12 +1,13 @@
-"""A delivery decision as a report: which memories open, their scores, the visual tokens (for `pixeltriage score`)."""
+"""A delivery decision as a report: which memories open, their scores, the visual tokens (for `pixeltriage score` and
+the scoring service)."""
 from __future__ import annotations
 
 import os
 import sys
 
-from pixeltriage.engine.cost import delivery_cost
+from pixeltriage.engine.cost import delivery_cost, visual_tokens
 from pixeltriage.engine.image import display_size
-from pixeltriage.engine.policy import RateGate, top_k
+from pixeltriage.engine.policy import RateGate, token_budget, top_k
 from pixeltriage.engine.types import Memory, Scores
 
 
@@ -49,35 +50,55 @@ def image_reference(memory: Memory) -> dict:
     return {}
 
 
+def delivery(scores: Scores, k: int | None, gate: RateGate | None, sizes: list[tuple[int, int] | None],
+             answering: str = "qwen2.5-vl", budget: int | None = None) -> dict:
+    """Which memories open for one scored question: {"open": [bool per memory], "gate_open": bool}, and
+    "visual_tokens" ({"model", "open_all", "delivery"}) when every image's size in `sizes` is known.
+
+    k: open the k highest gains (None: no cap). budget: open by descending gain while the answering model's visual
+    tokens fit (`token_budget`; at most k of them when k is given); it needs every size. gate: a closed gate opens
+    nothing (the question's p_vis joins the gate's window either way)."""
+    n = len(scores.gains)
+    known = all(s is not None for s in sizes)
+    if budget is None:
+        opened = top_k(scores, n if k is None else k)
+    else:
+        if not known:
+            raise ValueError("a token budget needs every image's size")
+        opened = token_budget(scores, budget, [visual_tokens(s, answering) for s in sizes])
+        if k is not None:
+            capped = set(sorted((i for i in range(n) if opened[i]), key=lambda i: (-scores.gains[i], i))[:k])
+            opened = [i in capped for i in range(n)]
+    gate_open = gate.opens(scores.p_vis) if gate is not None else True
+    if not gate_open:
+        opened = [False] * n
+    out = {"open": opened, "gate_open": gate_open}
+    if known:
+        out["visual_tokens"] = {"model": answering, "open_all": delivery_cost([True] * n, sizes, answering),
+                                "delivery": delivery_cost(opened, sizes, answering)}
+    return out
+
+
 def decision_report(question: str, memories: list[Memory], scores: Scores, k: int, gate: RateGate | None,
                     answering: str = "qwen2.5-vl", cache=None) -> dict:
     """The decision for one scored question as a JSON-able dict: p_vis, whether the gate opened, and per memory
     (numbered from 1) its scores, whether it opens, its date, note and image; visual tokens of open-all and of
     this delivery when every image's size is known."""
-    opened = top_k(scores, k)
-    gate_open = gate.opens(scores.p_vis) if gate is not None else True
-    if not gate_open:
-        opened = [False] * len(opened)
-    sizes = [image_size(m, i, cache) for i, m in enumerate(memories)]
-    known = [s for s in sizes if s is not None]
+    decided = delivery(scores, k, gate, [image_size(m, i, cache) for i, m in enumerate(memories)], answering)
     report = {
         "question": question,
         "p_vis": scores.p_vis,
-        "gate_open": gate_open,
+        "gate_open": decided["gate_open"],
         "k": k,
         "memories": [
             {"index": i + 1, "gain": g, "relevance": r, "open": o, "date": m.date, "note": shown_note(m, cache),
              **image_reference(m)}
-            for i, (m, g, r, o) in enumerate(zip(memories, scores.gains, scores.relevance, opened))
+            for i, (m, g, r, o) in enumerate(zip(memories, scores.gains, scores.relevance, decided["open"]))
         ],
         "relevance_none": scores.relevance_none,
     }
-    if len(known) == len(sizes):
-        report["visual_tokens"] = {
-            "model": answering,
-            "open_all": delivery_cost([True] * len(sizes), sizes, answering),
-            "delivery": delivery_cost(opened, sizes, answering),
-        }
+    if "visual_tokens" in decided:
+        report["visual_tokens"] = decided["visual_tokens"]
     return report
 
 

@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "retrieve": ("pixeltriage.cli.retrieve", "retrieve", "rank cached images for a question by their best region"),
     "init-encoder-demo": ("pixeltriage.cli.retrieve", "init_encoder_demo",
                           "write a demo SigLIP 2 encoder with seeded random weights"),
+    "serve": ("pixeltriage.cli.serve", "serve", "an HTTP scoring service: dynamic batching, backpressure, metrics"),
 }
 
 

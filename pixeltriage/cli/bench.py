@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from pixeltriage.cli.common import DEMO_PRESETS, DEVICES, VERBOSITY, add_threads_argument, existing_path, int_at_least
+from pixeltriage.cli.common import (DEMO_PRESETS, DEVICES, VERBOSITY, add_threads_argument, existing_path,
+                                    int_at_least, positive_float)
 
 # the choices of the library's tables (tests/test_cli.py checks that they agree)
 SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.cost.SCENARIOS
@@ -117,6 +118,36 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--clients", type=int_at_least(1), default=8, help="closed-loop concurrent clients (default 8)")
+    p.add_argument("--rate", type=positive_float, default=None,
+                   help="open-loop requests/s (default: twice the closed-loop throughput, a 2x overload)")
+    p.add_argument("--duration", type=positive_float, default=10.0, help="seconds per phase at most (default 10)")
+    p.add_argument("--requests", type=int_at_least(1), default=300, help="requests per phase at most (default 300)")
+    p.add_argument("--episodes", type=int_at_least(1), default=24, help="distinct episodes (default 24)")
+    p.add_argument("--memories", type=int_at_least(0), default=10, help="memories per question (default 10)")
+    p.add_argument("--max-queued", type=int_at_least(1), default=32, help="the server's --max-queued (default 32)")
+    p.add_argument("--max-wait-ms", type=_milliseconds, default=0.0, help="the server's --max-wait-ms (default 0)")
+    p.add_argument("--max-batch-tokens", type=int_at_least(1), default=None, help="the server's --max-batch-tokens")
+    p.add_argument("--no-overhead", action="store_true", help="skip the HTTP stack's trivial-endpoint timing")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
+def _milliseconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):                 # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+_milliseconds.__name__ = "float"
+
+
 def _image_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
@@ -149,4 +180,5 @@ BENCHES = {
     "load": ("start-up time and peak memory: packed file vs directory vs transformers", _add_load),
     "retrieval": ("region retrieval: images/s at write time, question and search latency at 10k and 100k images",
                   _add_retrieval),
+    "serve": ("the scoring service under closed- and open-loop load vs in-process Scorer.score", _add_serve),
 }

@@ -1,0 +1,481 @@
+"""`pixeltriage bench serve`: the scoring service under load, against in-process `Scorer.score` in the same run.
+
+    pixeltriage bench serve [--preset tiny|bench-small|2b] [--device cpu|cuda] [--dtype ...] [--clients N]
+                            [--rate R] [--duration S] [--requests N] [--memories M] [--max-queued Q] [--json]
+
+Seeded episodes of M memories (JPEG bytes of varied photo sizes, dialogue, notes) are scored in this process first
+(`Scorer.score`: every response's expected answer). Then `pixeltriage serve` starts as a subprocess and this process
+drives it over loopback with pre-encoded request bodies: one client, each request right after the same episode was
+scored in-process (paired, so that other load on the machine falls on both); a closed loop with N clients, between
+two serial in-process runs (the serial questions/s it is compared with); an open loop at R requests/s (default:
+twice the N-client throughput, i.e. 2x overload) against a queue of Q questions. Every phase is bounded by S seconds
+and N requests; warm-up requests are excluded. Every response is checked against its own request (the id it echoes
+and the expected scores, 1e-5), so a lost or mixed-up response is counted. Also measured: the per-request cost of
+the HTTP stack on a trivial GET (raw uvicorn ASGI, a Starlette route, a FastAPI route, this service's /health
+through its guard), each in its own server process, the apps in turn, sequential keep-alive requests.
+
+The issue's goals are benchmark goals, printed beside the figures, not test assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import math
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pixeltriage.bench.timing import percentiles
+
+SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
+         (720, 1280), (512, 384)]
+TOLERANCE = 1e-5
+WARMUP_REQUESTS = 2
+OVERHEAD_REQUESTS = 2000
+READY_TIMEOUT = 600.0
+_LISTENING = re.compile(r"listening on (http://\S+?);")
+
+
+# -- episodes --------------------------------------------------------------------------------------------------------
+def episodes(count: int, memories: int, seed: int = 0):
+    """Seeded (question, memories) with JPEG bytes of varied photo sizes, and their request bodies' memory lists."""
+    from PIL import Image, ImageDraw
+
+    from pixeltriage.bench.cpu import WORDS
+    from pixeltriage.engine.types import Memory
+
+    rng = random.Random(seed)
+    out = []
+    for q in range(count):
+        mems = []
+        for i in range(memories):
+            size = rng.choice(SIZES)
+            img = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
+            draw = ImageDraw.Draw(img)
+            for _ in range(5):
+                x, y = rng.randrange(size[0]), rng.randrange(size[1])
+                draw.rectangle((x, y, x + size[0] // 4, y + size[1] // 5), fill=tuple(rng.randrange(256)
+                                                                                      for _ in range(3)))
+            buffer = io.BytesIO()
+            img.save(buffer, format="JPEG", quality=85)
+            mems.append(Memory(image=buffer.getvalue(), note=f"picture {i + 1}",
+                               dialogue=" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))),
+                               date=f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"))
+        out.append((f"question {q}: which picture shows the {rng.choice(WORDS)}?", mems))
+    return out
+
+
+def request_body(question, memories, request_id: str) -> bytes:
+    return json.dumps({"id": request_id, "question": question, "memories": [
+        {"image": base64.b64encode(m.image).decode("ascii"), "note": m.note, "dialogue": m.dialogue, "date": m.date}
+        for m in memories]}).encode()
+
+
+# -- in-process ------------------------------------------------------------------------------------------------------
+class Local:
+    """`Scorer.score` in this process, on the same episodes: the expected answers and the serial reference."""
+
+    def __init__(self, checkpoint, device: str, dtype: str, eps):
+        from pixeltriage.engine.scorer import Scorer
+
+        self.scorer = Scorer.load(checkpoint, device=device, dtype=dtype)
+        self.eps = eps
+        self.expected = [self.scorer.score(q, m) for q, m in eps]          # also the warm-up
+
+    def time_one(self, episode: int) -> float:
+        q, m = self.eps[episode]
+        t0 = time.perf_counter()
+        self.scorer.score(q, m)
+        return time.perf_counter() - t0
+
+    def serial(self, duration: float, max_requests: int) -> dict:
+        """Questions one after another for `duration` s (at least one pass over the episodes): latency, questions/s."""
+        latencies, start = [], time.perf_counter()
+        while len(latencies) < max_requests and (time.perf_counter() - start < duration
+                                                 or len(latencies) < len(self.eps)):
+            latencies.append(self.time_one(len(latencies) % len(self.eps)))
+        return {"latency": percentiles(latencies), "questions_per_s": len(latencies) / (time.perf_counter() - start),
+                "requests": len(latencies)}
+
+
+# -- the server ------------------------------------------------------------------------------------------------------
+class ServerProcess:
+    """`pixeltriage serve` in a subprocess on port 0; `url` once it printed it, ready once /ready answers 200."""
+
+    def __init__(self, argv: list[str]):
+        self.log = tempfile.NamedTemporaryFile("w+b", prefix="pixeltriage-bench-serve-", suffix=".log")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pixeltriage", *argv, "--port", "0"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = None
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            if self.url is None:
+                found = _LISTENING.search(self.output())
+                self.url = found.group(1) if found else None
+            else:
+                try:
+                    if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
+
+    def memory_mib(self) -> dict:
+        """Resident and peak resident memory of the server process (Linux /proc), MiB."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return {}
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        return {name: int(fields[key].split()[0]) / 1024 for name, key in (("rss", "VmRSS"), ("peak", "VmHWM"))
+                if key in fields}
+
+    def stop(self, timeout: float = 120.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        return self.proc.returncode
+
+
+# -- load ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Phase:
+    """One load phase's outcome: latencies of the 200s, statuses, and every response checked."""
+
+    name: str
+    latencies: list[float] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+    batch_questions: list[int] = field(default_factory=list)
+    mixed_up: int = 0
+    lost: int = 0
+    wall: float = 0.0
+    offered_rate: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, status: str, latency: float | None = None, batch: int | None = None, mixed_up: bool = False,
+               lost: bool = False) -> None:
+        with self._lock:
+            self.statuses[status] = self.statuses.get(status, 0) + 1
+            if latency is not None:
+                self.latencies.append(latency)
+            if batch is not None:
+                self.batch_questions.append(batch)
+            self.mixed_up += mixed_up
+            self.lost += lost
+
+    def summary(self) -> dict:
+        ok = len(self.latencies)
+        out = {"phase": self.name, "requests": sum(self.statuses.values()), "ok": ok, "statuses": self.statuses,
+               "latency": percentiles(self.latencies), "questions_per_s": ok / self.wall if self.wall else 0.0,
+               "mixed_up": self.mixed_up, "lost": self.lost, "wall_s": self.wall}
+        if self.batch_questions:
+            out["batch_questions"] = {"max": max(self.batch_questions),
+                                      "mean": statistics.fmean(self.batch_questions)}
+        if self.offered_rate is not None:
+            out["offered_rate"] = self.offered_rate
+        return out
+
+
+class Driver:
+    """Sends pre-encoded requests and checks each answer against its own request."""
+
+    def __init__(self, url: str, eps, expected, connections: int):
+        import httpx
+
+        self.http = httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_connections=connections,
+                                                                                 max_keepalive_connections=connections))
+        self.eps, self.expected = eps, expected
+        self.bodies = [request_body(q, m, "") for q, m in eps]
+
+    def send(self, phase: Phase | None, episode: int, request_id: str) -> None:
+        import httpx
+
+        body = self.bodies[episode].replace(b'"id": ""', f'"id": "{request_id}"'.encode(), 1)
+        t0 = time.perf_counter()
+        try:
+            response = self.http.post("/v1/score", content=body, headers={"content-type": "application/json"})
+        except httpx.HTTPError as e:
+            if phase is not None:
+                phase.record(f"no answer ({type(e).__name__})", lost=True)
+            return
+        latency = time.perf_counter() - t0
+        if phase is None:
+            return
+        if response.status_code != 200:
+            phase.record(str(response.status_code))
+            return
+        result = response.json()
+        phase.record("200", latency, result["timing"]["batch_questions"],
+                     mixed_up=result.get("id") != request_id or not _matches(result, self.expected[episode]))
+
+    def interleaved(self, local: Local, duration: float, max_requests: int) -> tuple[Phase, list[float], list[float]]:
+        """One client, each request right after the same episode scored in-process: the pairs see the same machine
+        (other load on it shifts both). -> (the server phase, in-process latencies, server - in-process per pair)."""
+        phase, local_times, differences = Phase("1 client"), [], []
+        for i in range(WARMUP_REQUESTS):
+            self.send(None, i % len(self.eps), f"warm-{i}")
+        start = time.perf_counter()
+        n = 0
+        while n < max_requests and time.perf_counter() - start < duration:
+            episode = n % len(self.eps)
+            local_times.append(local.time_one(episode))
+            before = len(phase.latencies)
+            self.send(phase, episode, f"1 client-{n}")
+            if len(phase.latencies) > before:
+                differences.append(phase.latencies[-1] - local_times[-1])
+            n += 1
+        phase.wall = sum(phase.latencies) or 1e-9
+        return phase, local_times, differences
+
+    def close_loop(self, name: str, clients: int, duration: float, max_requests: int) -> Phase:
+        phase, counter, lock = Phase(name), iter(range(10 ** 9)), threading.Lock()
+        for i in range(WARMUP_REQUESTS * clients):
+            self.send(None, i % len(self.eps), f"warm-{i}")
+        stop_at = time.perf_counter() + duration
+
+        def client(c: int):
+            while time.perf_counter() < stop_at:
+                with lock:
+                    n = next(counter)
+                if n >= max_requests:
+                    return
+                self.send(phase, n % len(self.eps), f"{name}-{c}-{n}")
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        phase.wall = time.perf_counter() - start
+        return phase
+
+    def open_loop(self, name: str, rate: float, duration: float, max_requests: int, seed: int = 0) -> Phase:
+        """Poisson arrivals at `rate`/s, each sent at once on its own thread (the server's queue decides)."""
+        phase, rng = Phase(name, offered_rate=rate), random.Random(seed)
+        total = min(max_requests, max(1, math.ceil(rate * duration)))
+        with ThreadPoolExecutor(max_workers=min(512, total)) as pool:
+            start = due = time.perf_counter()
+            for n in range(total):
+                due += rng.expovariate(rate)
+                time.sleep(max(0.0, due - time.perf_counter()))
+                pool.submit(self.send, phase, n % len(self.eps), f"{name}-{n}")
+        phase.wall = time.perf_counter() - start
+        return phase
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _matches(result: dict, want) -> bool:
+    return (len(result["gains"]) == len(want.gains) and abs(result["p_vis"] - want.p_vis) <= TOLERANCE
+            and abs(result["relevance_none"] - want.relevance_none) <= TOLERANCE
+            and all(abs(a - b) <= TOLERANCE for a, b in zip(result["gains"], want.gains))
+            and all(abs(a - b) <= TOLERANCE for a, b in zip(result["relevance"], want.relevance)))
+
+
+# -- the HTTP stack's own cost ---------------------------------------------------------------------------------------
+TRIVIAL_APPS = {
+    "raw uvicorn ASGI": """
+async def app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b'{"status":"ok"}'})
+""",
+    "Starlette route": """
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+async def health(request):
+    return Response(b'{"status":"ok"}', media_type="application/json")
+app = Starlette(routes=[Route("/health", health)])
+""",
+    "FastAPI route": """
+from fastapi import FastAPI
+from fastapi.responses import Response
+app = FastAPI()
+@app.get("/health")
+async def health():
+    return Response(b'{"status":"ok"}', media_type="application/json")
+""",
+    "pixeltriage app /health": """
+from pixeltriage.serve.app import create_app
+from pixeltriage.serve.config import ServeConfig
+from pixeltriage.serve.service import Service
+app = create_app(Service(ServeConfig(), lambda: None))
+""",
+}
+
+_TRIVIAL_SERVER = """
+import socket, sys, uvicorn
+{app}
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); sock.listen(128)
+print("PORT", sock.getsockname()[1], flush=True)
+uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")).run(sockets=[sock])
+"""
+
+
+def framework_overhead(requests: int = OVERHEAD_REQUESTS, rounds: int = 5) -> dict[str, float]:
+    """Median seconds per sequential keep-alive GET /health of each trivial app, each in its own uvicorn process,
+    the apps taken in turn for `rounds` rounds (so that other load on the machine falls on all of them)."""
+    import httpx
+
+    procs, clients, times = {}, {}, {name: [] for name in TRIVIAL_APPS}
+    try:
+        for name, source in TRIVIAL_APPS.items():
+            procs[name] = subprocess.Popen([sys.executable, "-c", _TRIVIAL_SERVER.format(app=source)],
+                                           stdout=subprocess.PIPE, text=True)
+            port = int(procs[name].stdout.readline().split()[1])          # "PORT n", printed once it listens
+            clients[name] = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+            for _ in range(50):
+                clients[name].get("/health")
+        for _ in range(rounds):
+            for name, http in clients.items():
+                for _ in range(requests // rounds):
+                    t0 = time.perf_counter()
+                    http.get("/health")
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        for http in clients.values():
+            http.close()
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(30)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# -- the run ---------------------------------------------------------------------------------------------------------
+def run_serve(args: argparse.Namespace) -> int:
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    checkpoint = demo_checkpoint(args.preset)
+    eps = episodes(args.episodes, args.memories, args.seed)
+    body_mib = statistics.fmean(len(request_body(q, m, "")) for q, m in eps) / 2 ** 20
+    report = {"preset": args.preset, "device": args.device, "dtype": dtype, "episodes": args.episodes,
+              "memories": args.memories, "request_mib": body_mib, "clients": args.clients,
+              "max_queued": args.max_queued, "max_wait_ms": args.max_wait_ms, "load_average": os.getloadavg()[0]}
+    report["overhead_s"] = framework_overhead() if not args.no_overhead else {}
+    local = Local(checkpoint, args.device, dtype, eps)
+    argv = ["serve", "--checkpoint", str(checkpoint), "--device", args.device, "--dtype", dtype,
+            "--max-queued", str(args.max_queued), "--max-client-batch", str(min(32, args.max_queued)),
+            "--max-wait-ms", str(args.max_wait_ms)]
+    if args.max_batch_tokens:
+        argv += ["--max-batch-tokens", str(args.max_batch_tokens)]
+    server = ServerProcess(argv)
+    phases = []
+    try:
+        server.wait_ready()
+        driver = Driver(server.url, eps, local.expected, connections=max(64, args.clients * 2))
+        try:
+            one, local_times, differences = driver.interleaved(local, args.duration, args.requests)
+            phases.append(one)
+            report["in_process"] = {"latency": percentiles(local_times), "requests": len(local_times),
+                                    "paired_difference": percentiles(differences)}
+            serial = [local.serial(args.duration / 2, args.requests)]
+            phases.append(driver.close_loop(f"{args.clients} clients", args.clients, args.duration, args.requests))
+            serial.append(local.serial(args.duration / 2, args.requests))
+            report["in_process"]["serial_questions_per_s"] = [s["questions_per_s"] for s in serial]
+            rate = args.rate or 2 * phases[1].summary()["questions_per_s"]
+            memory_before = server.memory_mib()
+            phases.append(driver.open_loop(f"open loop {rate:.1f}/s", rate, args.duration,
+                                           max(args.requests, math.ceil(rate * args.duration))))
+            report["server_memory_mib"] = {"before_open_loop": memory_before, "after": server.memory_mib()}
+        finally:
+            driver.close()
+        import httpx
+
+        report["server_metrics"] = _batch_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
+    finally:
+        report["server_exit_code"] = server.stop()
+    report["phases"] = [p.summary() for p in phases]
+    report["load_average_after"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+def _batch_metrics(text: str) -> dict:
+    values = {}
+    for line in text.splitlines():
+        for name in ("pixeltriage_batch_questions_sum", "pixeltriage_batch_questions_count",
+                     "pixeltriage_batch_tokens_sum", "pixeltriage_forward_failures_total"):
+            if line.startswith(name + " "):
+                values[name] = float(line.split()[1])
+    return values
+
+
+def print_report(r: dict) -> None:
+    ms = 1000.0
+    print(f"bench serve: {r['preset']} preset, {r['dtype']} on {r['device']}, {r['episodes']} episodes x "
+          f"{r['memories']} memories ({r['request_mib']:.2f} MiB per request), server --max-queued "
+          f"{r['max_queued']} --max-wait-ms {r['max_wait_ms']:g}; machine load {r['load_average']:.2f} -> "
+          f"{r['load_average_after']:.2f} (1-min average)")
+    if r["overhead_s"]:
+        base = r["overhead_s"]["raw uvicorn ASGI"]
+        print(f"HTTP stack per request (trivial GET /health, {OVERHEAD_REQUESTS} sequential keep-alive requests per "
+              "app, apps in turn, median round trip):")
+        for name, t in r["overhead_s"].items():
+            extra = "" if name == "raw uvicorn ASGI" else f"  ({1e6 * (t - base):+.0f} us)"
+            print(f"  {name:<26} {1e6 * t:7.0f} us{extra}")
+    local = r["in_process"]
+    lat = local["latency"]
+    serial = local["serial_questions_per_s"]
+    print(f"{'in-process Scorer.score':<28} p50 {ms * lat['p50']:8.1f} ms  p90 {ms * lat['p90']:8.1f}  "
+          f"p99 {ms * lat['p99']:8.1f}  (interleaved with the 1-client requests); serial "
+          f"{serial[0]:.2f} and {serial[1]:.2f} questions/s (before and after the {r['clients']}-client phase)")
+    reference = statistics.fmean(serial)
+    for p in r["phases"]:
+        lat = p["latency"]
+        if p["phase"] == "1 client":
+            extra = f"  server - in-process per pair: median {ms * local['paired_difference']['p50']:+.1f} ms"
+        else:
+            extra = f"  {p['questions_per_s']:6.2f} questions/s ({p['questions_per_s'] / reference:.2f}x serial)"
+        batches = p.get("batch_questions")
+        batch_text = f"; batches up to {batches['max']} (mean {batches['mean']:.1f})" if batches else ""
+        statuses = ", ".join(f"{k}: {v}" for k, v in sorted(p["statuses"].items()))
+        print(f"server, {p['phase']:<20} p50 {ms * lat['p50']:8.1f} ms  p90 {ms * lat['p90']:8.1f}  p99 "
+              f"{ms * lat['p99']:8.1f}{extra}")
+        print(f"{'':<28} statuses {{{statuses}}}; lost {p['lost']}, mixed-up {p['mixed_up']}{batch_text}")
+    mem = r.get("server_memory_mib", {})
+    if mem.get("after"):
+        print(f"server memory: RSS {mem['before_open_loop'].get('rss', 0):.0f} MiB before the open loop, "
+              f"{mem['after'].get('rss', 0):.0f} after (peak {mem['after'].get('peak', 0):.0f})")
+    print(f"server exit code after SIGTERM: {r['server_exit_code']}")
+    one, many, over = r["phases"]
+    overload_ok = (over["lost"] == 0 and over["mixed_up"] == 0 and set(over["statuses"]) <= {"200", "429"}
+                   and r["server_exit_code"] == 0)
+    print("goals: 1 client p50 within 3 ms of in-process: "
+          f"{'met' if one['ok'] and local['paired_difference']['p50'] <= 0.003 else 'not met'}; "
+          f"{r['clients']} clients >= in-process serial: "
+          f"{'met' if many['questions_per_s'] >= reference else 'not met'}; overload: "
+          f"{'met' if overload_ok else 'not met'} (zero lost or mixed-up, only 200s and 429s, no crash)")

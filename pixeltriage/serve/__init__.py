@@ -1,0 +1,53 @@
+"""System One as a service: `pixeltriage serve` (an ASGI app over a dynamic batcher), its clients, Ray Serve replicas.
+
+    from pixeltriage.serve import Client
+    scores = Client("http://127.0.0.1:8080").score(question, memories)   # the same Scores as Scorer.score
+
+Names are imported on first use, as in `pixeltriage`: importing the package loads neither FastAPI nor torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "Client": "pixeltriage.serve.client",
+    "AsyncClient": "pixeltriage.serve.client",
+    "Decision": "pixeltriage.serve.client",
+    "ServeConfig": "pixeltriage.serve.config",
+    "Service": "pixeltriage.serve.service",
+    "ModelSpec": "pixeltriage.serve.service",
+    "Batcher": "pixeltriage.serve.batcher",
+    "create_app": "pixeltriage.serve.app",
+    "AuthenticationError": "pixeltriage.errors",
+    "DeadlineExceededError": "pixeltriage.errors",
+    "InvalidRequestError": "pixeltriage.errors",
+    "OverloadedError": "pixeltriage.errors",
+    "ServiceError": "pixeltriage.errors",
+    "ServiceUnavailableError": "pixeltriage.errors",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pixeltriage.serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:
+    from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidRequestError, OverloadedError,
+                                    ServiceError, ServiceUnavailableError)
+    from pixeltriage.serve.app import create_app
+    from pixeltriage.serve.batcher import Batcher
+    from pixeltriage.serve.client import AsyncClient, Client, Decision
+    from pixeltriage.serve.config import ServeConfig
+    from pixeltriage.serve.service import ModelSpec, Service

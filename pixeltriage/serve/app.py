@@ -1,0 +1,448 @@
+"""The ASGI application: FastAPI routes over a `Service`, behind one plain ASGI guard (auth, admission, payload limit).
+
+Status codes: 200; 401 missing or wrong API key; 404 unknown cache key; 413 body past --payload-limit; 422 a field of
+the wrong type or value, an image that does not decode, an unknown cache key in a question, too many memories or
+questions, a state too long; 429 the queue is full (Retry-After); 501 /v1/memories without --cache; 503 loading or
+shutting down; 504 the request's deadline passed before its forward began. Error bodies are
+`{"error": message, "error_type": kind, "field": "memories[2].image" or null}`.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import math
+import time
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from typing import Sequence
+
+from fastapi import FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
+                                PixelTriageError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.serve.batcher import Scored
+from pixeltriage.serve.schemas import (CACHE_KEY, BatchRequest, BatchResponse, ErrorBody, MemoryInfo, MemoryPut,
+                                       Policy, ScoreRequest, ScoreResponse, Status)
+from pixeltriage.serve.service import FieldError, Service
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/ready", "/metrics")           # answered without an API key
+SCORING_PATHS = ("/v1/score", "/v1/score/batch")
+ROUTES = ("/v1/score", "/v1/score/batch", "/v1/memories", "/health", "/ready", "/info", "/metrics", "/docs",
+          "/openapi.json")
+ARRIVAL = "pixeltriage.arrival"                          # scope key: when the request's first byte was seen
+CLIENT_CLOSED = 499                                      # the status recorded for a client that went away
+
+ERROR_RESPONSES = {status: {"model": ErrorBody, "description": text} for status, text in (
+    (401, "missing or wrong API key"), (413, "the body is larger than --payload-limit"),
+    (422, "a field of the wrong type or value, naming it"), (429, "the queue is full; retry after Retry-After s"),
+    (503, "loading or shutting down"), (504, "the deadline passed before the forward began"))}
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before its answer was ready; its queued questions were dropped."""
+
+
+def create_app(service: Service, *, own_lifespan: bool = True) -> FastAPI:
+    """The HTTP API over `service`. own_lifespan: close the service at the app's shutdown (a server process); a
+    host that manages the service's life itself passes False."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        if own_lifespan:
+            await asyncio.to_thread(service.close)
+
+    from pixeltriage import __version__
+
+    app = FastAPI(title="PixelTriage", version=__version__, lifespan=lifespan, redoc_url=None,
+                  description="System One as a service: which retrieved memories deserve pixels. See docs/serve.md.")
+    app.state.service = service
+    _add_error_handlers(app, service)
+    _add_scoring_routes(app, service)
+    _add_memory_routes(app, service)
+    _add_status_routes(app, service)
+    app.add_middleware(Guard, service=service)
+    return app
+
+
+# -- scoring ---------------------------------------------------------------------------------------------------------
+def _add_scoring_routes(app: FastAPI, service: Service) -> None:
+    @app.post("/v1/score", response_model=ScoreResponse, responses=ERROR_RESPONSES, tags=["scoring"])
+    async def score(body: ScoreRequest, request: Request):
+        """Score one question and its memories (one state, one forward shared with whatever else is ready)."""
+        service.check_question(body.memories, "")
+        questions = [(body.question, body.memories, body.policy, body.id, "")]
+        results, headers = await _score(service, request, questions, body.timeout_s, body.priority)
+        return _json(results[0], headers)
+
+    @app.post("/v1/score/batch", response_model=BatchResponse, responses=ERROR_RESPONSES, tags=["scoring"])
+    async def score_batch(body: BatchRequest, request: Request):
+        """Score several questions, each as its own state; they are split across forwards as the budget needs."""
+        if len(body.questions) > service.config.max_client_batch:
+            raise InvalidRequestError(f"{len(body.questions)} questions; this server takes at most "
+                                      f"{service.config.max_client_batch} per request (--max-client-batch): send "
+                                      "the rest in another request", "questions")
+        questions = []
+        for j, q in enumerate(body.questions):
+            service.check_question(q.memories, f"questions[{j}].")
+            questions.append((q.question, q.memories, q.policy or body.policy, q.id, f"questions[{j}]."))
+        results, headers = await _score(service, request, questions, body.timeout_s, body.priority)
+        return _json({"results": results}, headers)
+
+
+async def _score(service: Service, request: Request, questions: Sequence[tuple], timeout: float | None,
+                 priority: int) -> tuple[list[dict], dict[str, str]]:
+    """Admit, wait (deadline, disconnect) and answer the questions of one request -> (results, timing headers)."""
+    arrival = request.scope.get(ARRIVAL) or time.monotonic()
+    limit = service.config.request_timeout if timeout is None else min(timeout, service.config.request_timeout)
+    deadline = arrival + limit
+    log.debug("%s: %d question(s), %d memories, %s bytes", request.url.path, len(questions),
+              sum(len(q[1]) for q in questions), request.headers.get("content-length", "?"))   # lengths only
+    prepares = [service.prepare(q, memories, policy, prefix) for q, memories, policy, _, prefix in questions]
+    futures = service.batcher.submit(prepares, deadline, priority)
+    scored = await _wait(futures, deadline, request.receive)
+    now = time.monotonic()
+    results = [_result(service, s, q[2], q[3], arrival, now) for s, q in zip(scored, questions)]
+    total = now - arrival
+    service.metrics.request_duration.observe(total)
+    headers = {"x-queue-time": _ms(max(s.timing.queue for s in scored)),
+               "x-preprocess-time": _ms(max(s.timing.preprocess for s in scored)),
+               "x-inference-time": _ms(max(s.timing.forward for s in scored)),
+               "x-total-time": _ms(total)}
+    return results, headers
+
+
+async def _wait(futures: list[Future], deadline: float, receive: Receive) -> list[Scored]:
+    """The futures' results; on a disconnect or at the deadline the questions still waiting are cancelled (a
+    question already in its forward is waited for: it finishes within that forward)."""
+    gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no "never retrieved" noise
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait((gathered, watcher), timeout=max(0.0, deadline - time.monotonic()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if gathered in done:
+            return _results(gathered, futures)
+        cancelled = [f.cancel() for f in futures]
+        if watcher in done:
+            raise ClientDisconnected()
+        if any(cancelled):
+            raise DeadlineExceededError("the request passed its deadline before it was scored; it was dropped "
+                                        "from the queue", 504)
+        await asyncio.wait((gathered,))
+        return _results(gathered, futures)
+    finally:
+        watcher.cancel()
+
+
+def _results(gathered: asyncio.Future, futures: list[Future]) -> list[Scored]:
+    if gathered.cancelled() or gathered.exception() is not None:
+        for f in futures:
+            f.cancel()
+    return gathered.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _result(service: Service, scored: Scored, policy: Policy | None, request_id: str | None, arrival: float,
+            now: float) -> dict:
+    scores = scored.scores
+    delivery, visual = service.decide(scores, scored.meta, policy)
+    t = scored.timing
+    return {"id": request_id, "p_vis": scores.p_vis, "gains": scores.gains, "relevance": scores.relevance,
+            "relevance_none": scores.relevance_none, "state_tokens": scored.tokens, "delivery": delivery,
+            "visual_tokens": visual,
+            "timing": {"queue_ms": 1000 * t.queue, "preprocess_ms": 1000 * t.preprocess,
+                       "forward_ms": 1000 * t.forward, "total_ms": 1000 * (now - arrival),
+                       "batch_questions": t.batch_questions, "batch_tokens": t.batch_tokens}}
+
+
+def _json(content, headers: dict[str, str] | None = None, status: int = 200) -> Response:
+    # json.dumps writes floats as their shortest round-trip repr: clients read back the library's exact values
+    return Response(json.dumps(content, allow_nan=False, separators=(",", ":")).encode(), status,
+                    headers=headers, media_type="application/json")
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.3f}"
+
+
+# -- the write-time cache --------------------------------------------------------------------------------------------
+def _add_memory_routes(app: FastAPI, service: Service) -> None:
+    @app.post("/v1/memories", response_model=MemoryInfo, responses=ERROR_RESPONSES, tags=["memories"])
+    async def put_memory(body: MemoryPut):
+        """Put an image (base64, or a path under --image-root) and its note into the write-time cache -> its key.
+        Idempotent: a second put keeps the row; a non-empty note replaces the stored one."""
+        _need_cache(service)
+        return _json(await _write(service, service.put_memory, body.image, body.path, body.note))
+
+    @app.get("/v1/memories/{key}", response_model=MemoryInfo, responses=ERROR_RESPONSES, tags=["memories"])
+    async def get_memory(key: str = Path(pattern=CACHE_KEY)):
+        """A cached image's note, sizes and whether its vision features are stored for this server's model."""
+        _need_cache(service)
+        return _json(await _write(service, service.memory_info, key))
+
+
+def _need_cache(service: Service) -> None:
+    if service.cache is None:
+        raise NoCacheError("this server has no write-time cache; start it with --cache DB")
+
+
+class NoCacheError(PixelTriageError):
+    """/v1/memories on a server started without --cache."""
+
+
+async def _write(service: Service, fn, *args):
+    """Run one cache call on a worker thread; past max_queued waiting calls, 429 (they decode images too)."""
+    if service.pending_writes >= service.config.max_queued:
+        raise OverloadedError(f"{service.pending_writes} cache writes are waiting", 1)
+    service.pending_writes += 1
+    try:
+        return await asyncio.to_thread(fn, *args)
+    finally:
+        service.pending_writes -= 1
+
+
+# -- status ----------------------------------------------------------------------------------------------------------
+def _add_status_routes(app: FastAPI, service: Service) -> None:
+    @app.get("/health", response_model=Status, tags=["status"])
+    async def health():
+        """Alive: the process answers (the model may still be loading; see /ready)."""
+        return _json({"status": "ok"})
+
+    @app.get("/ready", response_model=Status, responses={503: {"model": Status}}, tags=["status"])
+    async def ready():
+        """200 once the checkpoint is loaded and a warm-up forward at the full batch budget ran; 503 while loading
+        or shutting down."""
+        status = service.status
+        return _json({"status": status}, status=200 if status == "ready" else 503)
+
+    @app.get("/info", tags=["status"])
+    async def info():
+        """Checkpoint fingerprints, model shape, device, dtype, the kernel each op uses, limits, version."""
+        return _json(service.info())
+
+    @app.get("/metrics", tags=["status"], response_class=Response)
+    async def metrics():
+        """Prometheus text format (the service's own registry)."""
+        if service.scorer is not None:
+            service.metrics.vision_counts(service.scorer.vision_counts)
+        body, content_type = service.metrics.expose()
+        return Response(body, media_type=content_type)
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+def _error(status: int, kind: str, message: str, field: str | None = None, headers: dict | None = None,
+           **extra) -> Response:
+    return _json({"error": message, "error_type": kind, "field": field, **extra}, headers, status)
+
+
+FAILURE_OF = {"invalid_memory": "invalid_input", "invalid_input": "invalid_input", "state_too_long": "state_too_long",
+              "overloaded": "overloaded", "deadline": "deadline", "unavailable": "unavailable",
+              "not_found": "not_found", "no_cache": "no_cache"}
+
+
+@functools.cache
+def _kinds() -> tuple:
+    """(error class, status, error_type), the first match wins (the cache module imports torch: on first use)."""
+    from pixeltriage.engine.cache import CacheMissError
+
+    return ((InvalidMemoryError, 422, "invalid_memory"), (StateTooLongError, 422, "state_too_long"),
+            (InvalidRequestError, 422, "invalid_input"), (OverloadedError, 429, "overloaded"),
+            (DeadlineExceededError, 504, "deadline"), (ServiceUnavailableError, 503, "unavailable"),
+            (CacheMissError, 404, "not_found"), (NoCacheError, 501, "no_cache"))
+
+
+def error_kind(error: BaseException) -> tuple[int, str]:
+    """(HTTP status, error_type) of an error raised while answering (a FieldError: of the error it carries)."""
+    if isinstance(error, FieldError):
+        error = error.error
+    for cls, status, kind in _kinds():
+        if isinstance(error, cls):
+            return status, kind
+    return 500, "internal"
+
+
+def _add_error_handlers(app: FastAPI, service: Service) -> None:
+    failures = service.metrics.failures
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        field = field_path(first.get("loc", ()))
+        failures.labels("invalid_input").inc()
+        return _error(422, "invalid_input", f"{field}: {first.get('msg')}" if field else str(first.get("msg")),
+                      field)
+
+    async def known(request: Request, e: Exception):
+        status, kind = error_kind(e)
+        failures.labels(FAILURE_OF.get(kind, "internal")).inc()
+        inner = e.error if isinstance(e, FieldError) else e
+        field = e.field if isinstance(e, FieldError) else getattr(e, "field", None)
+        message = str(inner) if isinstance(inner, InvalidRequestError) or not field else f"{field}: {inner}"
+        extra = {"reason": inner.reason} if isinstance(inner, InvalidMemoryError) else {}
+        headers = {"retry-after": str(math.ceil(inner.retry_after))} if isinstance(inner, OverloadedError) else None
+        log.debug("%s: %d %s (field %s)", request.url.path, status, kind, field)
+        return _error(status, kind, message, field, headers, **extra)
+
+    app.add_exception_handler(FieldError, known)
+    app.add_exception_handler(PixelTriageError, known)             # every typed error, by error_kind
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):   # unknown routes, unparsable bodies
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_input")
+        return _error(e.status_code, kind, str(e.detail), headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(request: Request, e: ClientDisconnected):
+        failures.labels("disconnected").inc()
+        return _error(CLIENT_CLOSED, "disconnected", "the client disconnected")
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception):            # the server logs the traceback after this
+        failures.labels("internal").inc()
+        return _error(500, "internal", f"internal error ({type(e).__name__}); the server log has the traceback")
+
+
+def field_path(loc: Sequence) -> str | None:
+    """A pydantic error location as a field path: ("body", "memories", 2, "image") -> "memories[2].image"."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "path", "query"):
+        parts = parts[1:]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part not in ("function-after[one_source()]",):
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+# -- the guard -------------------------------------------------------------------------------------------------------
+class Guard:
+    """Plain ASGI, before any routing: counts requests, checks the API key, refuses early (no body read) while not
+    ready, draining or full, and reads the body within --payload-limit (Content-Length or streamed: 413)."""
+
+    def __init__(self, app: ASGIApp, service: Service):
+        self.app, self.service = app, service
+        self.keys = [key.encode() for key in service.config.api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope[ARRIVAL] = time.monotonic()
+        path = scope["path"]
+        route = _route(path)
+        counted = self.service.metrics.requests
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                counted.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        refusal = self._refusal(scope, path)
+        if refusal is not None:
+            await refusal(scope, receive, counting_send)
+            return
+        if not path.startswith("/v1/") or scope["method"] not in ("POST", "PUT"):
+            await self.app(scope, receive, counting_send)
+            return
+        scoring = path in SCORING_PATHS
+        self.service.open_requests += scoring
+        try:
+            body = await self._body(scope, receive)
+            if isinstance(body, Response):
+                await body(scope, receive, counting_send)
+                return
+            await self.app(scope, _replay(body, receive), counting_send)
+        finally:
+            self.service.open_requests -= scoring
+
+    def _refusal(self, scope: Scope, path: str) -> Response | None:
+        service, failures = self.service, self.service.metrics.failures
+        if self.keys and path not in OPEN_PATHS and not self._authorized(scope):
+            failures.labels("unauthorized").inc()
+            return _error(401, "unauthorized", "a valid API key is needed: Authorization: Bearer KEY",
+                          headers={"www-authenticate": 'Bearer realm="pixeltriage"'})
+        if not path.startswith("/v1/"):
+            return None
+        if not service.admitting:
+            failures.labels("unavailable").inc()
+            return _error(503, "unavailable", f"the service is {service.status}; retry on another replica or later",
+                          headers={"retry-after": "1", "connection": "close"} if service.status != "loading"
+                          else {"retry-after": "5"})
+        if path in SCORING_PATHS and (service.batcher.free <= 0 or service.open_requests >= service.config.max_queued):
+            failures.labels("overloaded").inc()
+            return _error(429, "overloaded", f"the queue is full ({service.batcher.admitted} of "
+                          f"{service.config.max_queued} questions admitted)",
+                          headers={"retry-after": str(service.batcher.retry_after())})
+        return None
+
+    def _authorized(self, scope: Scope) -> bool:
+        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        found = False
+        for key in self.keys:                      # every key compared: the time does not tell which matched
+            found |= hmac.compare_digest(token, key)
+        return found
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes | Response:
+        limit = self.service.config.payload_limit
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return self._too_large(limit)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return _error(CLIENT_CLOSED, "disconnected", "the client disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return self._too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self, limit: int) -> Response:
+        self.service.metrics.failures.labels("payload_too_large").inc()
+        return _error(413, "payload_too_large", f"the request body is larger than this server's payload limit of "
+                      f"{limit} bytes (--payload-limit); split a batch or send smaller images",
+                      headers={"connection": "close"})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the buffered body once, then the connection's own messages (its disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _route(path: str) -> str:
+    if path.startswith("/v1/memories/"):
+        return "/v1/memories/{key}"
+    return path if path in ROUTES else "other"

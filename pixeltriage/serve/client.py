@@ -1,0 +1,404 @@
+"""Clients of `pixeltriage serve`: `Client` (sync) and `AsyncClient` (asyncio), both on httpx.
+
+    client = Client("http://127.0.0.1:8080", api_key=None)
+    scores = client.score(question, memories)          # the Scores that Scorer.score returns for the same input
+
+Memories are the library's `Memory`: an image given as bytes, a local file path or a PIL image is sent as base64 (a
+PIL image losslessly, as PNG, or TIFF for modes PNG lacks, with its EXIF orientation), a cache key as the key. The
+server's refusals come back as the library's typed errors: InvalidMemoryError (with its index), StateTooLongError,
+InvalidRequestError (with the field), CacheMissError, OverloadedError (with retry_after), DeadlineExceededError,
+ServiceUnavailableError, AuthenticationError, ServiceError. Connection failures, 502, 503 and 429 are retried
+`retries` times (scoring is idempotent; a retried question may count twice in a server-side rate gate), after
+Retry-After when the server gives one, at most `max_retry_wait` seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import httpx
+
+from pixeltriage.engine.types import Memory, Scores
+from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
+                                OverloadedError, ServiceError, ServiceUnavailableError, StateTooLongError)
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+RETRIED_STATUS = (429, 502, 503)
+_MEMORY_INDEX = re.compile(r"memories\[(\d+)\]")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I;16")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A scored question with the server's delivery under a policy.
+
+    open: per memory, whether its pixels are delivered (None without a policy); gate_open: whether the rate gate
+    let images through; visual_tokens: {"model", "open_all", "delivery"} when every image's size is known;
+    timing: the server's queue / preprocess / forward / total milliseconds and the batch it ran in."""
+
+    scores: Scores
+    open: list[bool] | None
+    gate_open: bool | None
+    visual_tokens: dict | None
+    state_tokens: int
+    timing: dict
+    id: str | None = None
+
+
+# -- requests --------------------------------------------------------------------------------------------------------
+def encode_memories(memories: Sequence[Memory]) -> list[dict]:
+    """Memories as the API's JSON objects (images as base64). Raises InvalidMemoryError(reason, index) for what the
+    library would refuse the same way: not a Memory, text that is not a string, an unreadable image source."""
+    return [_encode_memory(m, i) for i, m in enumerate(memories)]
+
+
+def _encode_memory(m: Memory, index: int) -> dict:
+    if not isinstance(m, Memory):
+        raise InvalidMemoryError(f"expected a pixeltriage.Memory, got {type(m).__name__}", index)
+    out: dict[str, Any] = {"note": _text(m.note, "note", index) if m.note is not None else None,
+                           "dialogue": _text(m.dialogue, "dialogue", index), "date": _text(m.date, "date", index)}
+    if m.key is not None:
+        out["key"] = m.key
+    else:
+        out["image"] = base64.b64encode(_image_bytes(m.image, index)).decode("ascii")
+    return out
+
+
+def _text(value, what: str, index: int | None) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="replace")
+    if not isinstance(value, str):
+        raise InvalidMemoryError(f"{what} must be a string, got {type(value).__name__}", index)
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:         # lone surrogates: repaired as the library repairs them
+            return value.encode("utf-16", errors="surrogatepass").decode("utf-16", errors="replace")
+    return value
+
+
+def _image_bytes(image, index: int | None) -> bytes:
+    if isinstance(image, (bytes, bytearray)):
+        if not image:
+            raise InvalidMemoryError("image bytes are empty", index)
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        path = os.fsdecode(os.fspath(image))
+        if _URL.match(path):
+            raise InvalidMemoryError(f"{path}: URLs are not accepted; pass a local file path or the image bytes",
+                                     index)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise InvalidMemoryError(f"{path}: image file not found", index) from None
+        except OSError as e:
+            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from None
+        if not data:
+            raise InvalidMemoryError(f"{path}: image file is empty (0 bytes)", index)
+        return data
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return _lossless(image)
+    raise InvalidMemoryError(f"an image must be a PIL image, bytes or a path, found {type(image).__name__}", index)
+
+
+def _lossless(image) -> bytes:
+    """A PIL image as bytes that decode to the same pixels and orientation: PNG, or TIFF for modes PNG lacks."""
+    buffer = io.BytesIO()
+    exif = image.getexif()
+    options = {"exif": exif.tobytes()} if len(exif) else {}
+    image.save(buffer, format="PNG" if image.mode in PNG_MODES else "TIFF", **options)
+    return buffer.getvalue()
+
+
+def _policy(k, token_budget, gate_rate, gate_stream, answering_model) -> dict:
+    return {"k": k, "token_budget": token_budget, "gate_rate": gate_rate, "gate_stream": gate_stream,
+            "answering_model": answering_model}
+
+
+def _question_body(question, memories, **extra) -> dict:
+    body = {"question": _text(question, "question", None), "memories": encode_memories(list(memories))}
+    body.update({k: v for k, v in extra.items() if v is not None})
+    return body
+
+
+# -- responses -------------------------------------------------------------------------------------------------------
+def scores_of(result: dict) -> Scores:
+    return Scores(p_vis=result["p_vis"], gains=list(result["gains"]), relevance=list(result["relevance"]),
+                  relevance_none=result["relevance_none"])
+
+
+def decision_of(result: dict) -> Decision:
+    delivery = result.get("delivery")
+    return Decision(scores=scores_of(result), open=delivery["open"] if delivery else None,
+                    gate_open=delivery["gate_open"] if delivery else None, visual_tokens=result.get("visual_tokens"),
+                    state_tokens=result["state_tokens"], timing=result["timing"], id=result.get("id"))
+
+
+def error_of(response: httpx.Response) -> Exception:
+    """The library's typed error for an error response."""
+    status = response.status_code
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    message = str(body.get("error") or f"HTTP {status} {response.reason_phrase}")
+    kind, field = body.get("error_type"), body.get("field")
+    if status == 401:
+        return AuthenticationError(message, status)
+    if status == 429:
+        return OverloadedError(message, _retry_after(response) or 1.0, status)
+    if status == 503:
+        return ServiceUnavailableError(message, status)
+    if status == 504:
+        return DeadlineExceededError(message, status)
+    if status == 404 and kind == "not_found":
+        from pixeltriage.engine.cache import CacheMissError
+
+        return CacheMissError(response.url.path.rsplit("/", 1)[-1], message)
+    if kind == "invalid_memory" and field and (index := _MEMORY_INDEX.findall(field)):
+        error = InvalidMemoryError(str(body.get("reason") or message), int(index[-1]))
+        error.field = field
+        return error
+    if kind == "state_too_long":
+        return StateTooLongError(message.removeprefix(f"{field}: ") if field else message)
+    if status in (413, 422):
+        return InvalidRequestError(message.removeprefix(f"{field}: ") if field else message, field, status)
+    return ServiceError(message, status)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return max(0.0, float(response.headers.get("retry-after", "")))
+    except ValueError:
+        return None
+
+
+class _Retry:
+    """When to try again: a connection failure, 502, 503 or 429, `retries` times, backing off."""
+
+    def __init__(self, retries: int, max_wait: float):
+        self.left, self.max_wait, self.attempt = retries, max_wait, 0
+
+    def wait_after(self, response: httpx.Response | None) -> float | None:
+        """Seconds to wait before the next try, or None to stop."""
+        if self.left <= 0 or (response is not None and response.status_code not in RETRIED_STATUS):
+            return None
+        self.left -= 1
+        self.attempt += 1
+        given = _retry_after(response) if response is not None else None
+        return min(self.max_wait, given if given is not None else 0.1 * 2 ** (self.attempt - 1))
+
+
+CONNECTION_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
+                     httpx.ConnectTimeout)
+
+
+# -- the clients -----------------------------------------------------------------------------------------------------
+class _Base:
+    def __init__(self, url: str, api_key: str | None, timeout: float, retries: int, max_retry_wait: float):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.retries, self.max_retry_wait = retries, max_retry_wait
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._batch_size: int | None = None
+
+    def _http_timeout(self, timeout_s: float | None) -> float:
+        # the server drops a request at its deadline; give the answer time to arrive
+        return self.timeout if timeout_s is None else min(self.timeout, timeout_s + 5.0)
+
+    def _batch_body(self, chunk, policy, timeout_s, priority) -> dict:
+        return {"questions": [_question_body(q, m) for q, m in chunk], "policy": policy, "timeout_s": timeout_s,
+                "priority": priority}
+
+
+class Client(_Base):
+    """A synchronous client (thread-safe: httpx's connection pool). Use as a context manager, or call close()."""
+
+    def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, *, timeout: float = 120.0,
+                 retries: int = 2, max_retry_wait: float = 10.0, transport: httpx.BaseTransport | None = None):
+        super().__init__(url, api_key, timeout, retries, max_retry_wait)
+        self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport)
+
+    def score(self, question: str, memories: Sequence[Memory], *, timeout_s: float | None = None,
+              priority: int = 0) -> Scores:
+        """p_vis, gains and relevance for one question: what `Scorer.score(question, memories)` returns."""
+        return scores_of(self._score(_question_body(question, memories, timeout_s=timeout_s, priority=priority),
+                                     timeout_s))
+
+    def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
+               token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
+               answering_model: str = "qwen2.5-vl", timeout_s: float | None = None, priority: int = 0,
+               id: str | None = None) -> Decision:
+        """Scores and the server's delivery under a policy (top k, a visual-token budget, a rate gate)."""
+        body = _question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
+                                                                 answering_model),
+                              timeout_s=timeout_s, priority=priority, id=id)
+        return decision_of(self._score(body, timeout_s))
+
+    def score_batch(self, episodes: Sequence[tuple[str, Sequence[Memory]]], *, timeout_s: float | None = None,
+                    priority: int = 0) -> list[Scores]:
+        """Scores of several (question, memories) episodes, in order; sent in requests of at most the server's
+        --max-client-batch questions."""
+        episodes, size, out = list(episodes), self.batch_size(), []
+        for start in range(0, len(episodes), size):
+            body = self._batch_body(episodes[start:start + size], None, timeout_s, priority)
+            out += [scores_of(r) for r in self._request("POST", "/v1/score/batch", body, timeout_s)["results"]]
+        return out
+
+    def put_memory(self, image, note: str = "") -> str:
+        """Put an image (bytes, a local path or a PIL image) and its note into the server's write-time cache; its key."""
+        body = {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"), "note": _text(note, "note", None)}
+        return self._request("POST", "/v1/memories", body)["key"]
+
+    def memory(self, key: str) -> dict:
+        """A cached image's metadata (note, sizes, features_cached); CacheMissError when absent."""
+        return self._request("GET", f"/v1/memories/{key}")
+
+    def health(self) -> dict:
+        return self._request("GET", "/health")
+
+    def ready(self) -> bool:
+        try:
+            return self._http.get("/ready").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def info(self) -> dict:
+        return self._request("GET", "/info")
+
+    def batch_size(self) -> int:
+        if self._batch_size is None:
+            self._batch_size = int(self.info()["limits"]["max_client_batch"])
+        return self._batch_size
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _score(self, body: dict, timeout_s: float | None) -> dict:
+        return self._request("POST", "/v1/score", body, timeout_s)
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+        retry = _Retry(self.retries, self.max_retry_wait)
+        while True:
+            try:
+                response = self._http.request(method, path, json=body, timeout=self._http_timeout(timeout_s))
+            except CONNECTION_ERRORS as e:
+                wait = retry.wait_after(None)
+                if wait is None:
+                    raise ServiceUnavailableError(f"{self.url}{path}: no answer ({type(e).__name__}: {e})") from None
+                time.sleep(wait)
+                continue
+            except httpx.TimeoutException as e:
+                raise DeadlineExceededError(f"{self.url}{path}: no answer within the client's timeout ({e})") from None
+            if response.status_code == 200:
+                return response.json()
+            wait = retry.wait_after(response)
+            if wait is None:
+                raise error_of(response)
+            time.sleep(wait)
+
+
+class AsyncClient(_Base):
+    """The asyncio client: the same methods as `Client`, awaited."""
+
+    def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, *, timeout: float = 120.0,
+                 retries: int = 2, max_retry_wait: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
+                 max_connections: int = 100):
+        super().__init__(url, api_key, timeout, retries, max_retry_wait)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
+                                       limits=httpx.Limits(max_connections=max_connections))
+
+    async def score(self, question: str, memories: Sequence[Memory], *, timeout_s: float | None = None,
+                    priority: int = 0) -> Scores:
+        body = _question_body(question, memories, timeout_s=timeout_s, priority=priority)
+        return scores_of(await self._request("POST", "/v1/score", body, timeout_s))
+
+    async def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
+                     token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
+                     answering_model: str = "qwen2.5-vl", timeout_s: float | None = None, priority: int = 0,
+                     id: str | None = None) -> Decision:
+        body = _question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
+                                                                 answering_model),
+                              timeout_s=timeout_s, priority=priority, id=id)
+        return decision_of(await self._request("POST", "/v1/score", body, timeout_s))
+
+    async def score_batch(self, episodes: Sequence[tuple[str, Sequence[Memory]]], *, timeout_s: float | None = None,
+                          priority: int = 0) -> list[Scores]:
+        episodes, size, out = list(episodes), await self.batch_size(), []
+        for start in range(0, len(episodes), size):
+            body = self._batch_body(episodes[start:start + size], None, timeout_s, priority)
+            out += [scores_of(r) for r in (await self._request("POST", "/v1/score/batch", body, timeout_s))["results"]]
+        return out
+
+    async def put_memory(self, image, note: str = "") -> str:
+        body = {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"), "note": _text(note, "note", None)}
+        return (await self._request("POST", "/v1/memories", body))["key"]
+
+    async def memory(self, key: str) -> dict:
+        return await self._request("GET", f"/v1/memories/{key}")
+
+    async def health(self) -> dict:
+        return await self._request("GET", "/health")
+
+    async def ready(self) -> bool:
+        try:
+            return (await self._http.get("/ready")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def info(self) -> dict:
+        return await self._request("GET", "/info")
+
+    async def batch_size(self) -> int:
+        if self._batch_size is None:
+            self._batch_size = int((await self.info())["limits"]["max_client_batch"])
+        return self._batch_size
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+        retry = _Retry(self.retries, self.max_retry_wait)
+        while True:
+            try:
+                response = await self._http.request(method, path, json=body, timeout=self._http_timeout(timeout_s))
+            except CONNECTION_ERRORS as e:
+                wait = retry.wait_after(None)
+                if wait is None:
+                    raise ServiceUnavailableError(f"{self.url}{path}: no answer ({type(e).__name__}: {e})") from None
+                await asyncio.sleep(wait)
+                continue
+            except httpx.TimeoutException as e:
+                raise DeadlineExceededError(f"{self.url}{path}: no answer within the client's timeout ({e})") from None
+            if response.status_code == 200:
+                return response.json()
+            wait = retry.wait_after(response)
+            if wait is None:
+                raise error_of(response)
+            await asyncio.sleep(wait)

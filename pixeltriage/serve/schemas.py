@@ -1,0 +1,156 @@
+"""Request and response bodies of the /v1 API (pydantic v2, strict: no type coercion, unknown fields refused).
+
+Memories and questions are numbered from 0 in field paths (`memories[2].image`, as JSON indexes them) and from 1
+in messages ("memory 3"), as everywhere in the engine.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CACHE_KEY = r"^[0-9a-f]{64}$"               # pixeltriage.Cache keys: SHA-256 hex of the image's bytes
+ANSWERING_MODELS = ("qwen2.5-vl", "qwen3.5")  # pixeltriage.engine.cost.RULES
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class MemoryIn(Strict):
+    """One retrieved memory: exactly one of `image` (base64, or a data URI `data:image/...;base64,...`), `key` (a
+    write-time cache key, needs the server's --cache) or `path` (relative to the server's --image-root)."""
+
+    image: Optional[str] = Field(None, description="the encoded image (JPEG, PNG, GIF, WebP, BMP, TIFF) as base64 "
+                                                   "or a data URI")
+    key: Optional[str] = Field(None, pattern=CACHE_KEY, description="a write-time cache key (POST /v1/memories)")
+    path: Optional[str] = Field(None, min_length=1, max_length=4096,
+                                description="a file under the server's --image-root, relative to it")
+    note: Optional[str] = Field(None, description="the memory's note; for a `key` memory, null means the cached note")
+    dialogue: str = ""
+    date: str = ""
+
+    @model_validator(mode="after")
+    def one_source(self) -> "MemoryIn":
+        given = [name for name in ("image", "key", "path") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a memory needs exactly one of 'image', 'key' or 'path' (found {given or 'none'})")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The field that names the image: "image", "key" or "path"."""
+        return "image" if self.image is not None else "key" if self.key is not None else "path"
+
+
+class Policy(Strict):
+    """A delivery rule applied to the scores: the k highest gains, within a visual-token budget, behind a rate gate."""
+
+    k: Optional[int] = Field(None, ge=0, description="open at most the k highest-gain memories (null: no cap)")
+    token_budget: Optional[int] = Field(None, ge=0, description="open by descending gain while the answering "
+                                                                "model's visual tokens fit this budget")
+    gate_rate: Optional[float] = Field(None, gt=0, le=1, description="open images only for questions whose p_vis "
+                                                                     "ranks in this top fraction of the stream")
+    gate_stream: str = Field("default", min_length=1, max_length=128,
+                             description="which stream's rate gate: one gate per (stream, rate)")
+    answering_model: Literal[ANSWERING_MODELS] = Field("qwen2.5-vl",
+                                                       description="whose image processor counts visual tokens")
+
+
+class ScoreRequest(Strict):
+    question: str
+    memories: list[MemoryIn] = Field(default_factory=list)
+    policy: Optional[Policy] = None
+    id: Optional[str] = Field(None, max_length=256, description="echoed in the response")
+    timeout_s: Optional[float] = Field(None, gt=0, description="a deadline shorter than the server's "
+                                                               "--request-timeout")
+    priority: int = Field(0, ge=0, le=9, description="higher is prepared and scored first")
+
+
+class BatchQuestion(Strict):
+    question: str
+    memories: list[MemoryIn] = Field(default_factory=list)
+    policy: Optional[Policy] = Field(None, description="this question's rule (default: the batch's)")
+    id: Optional[str] = Field(None, max_length=256)
+
+
+class BatchRequest(Strict):
+    questions: list[BatchQuestion] = Field(min_length=1)
+    policy: Optional[Policy] = None
+    timeout_s: Optional[float] = Field(None, gt=0)
+    priority: int = Field(0, ge=0, le=9)
+
+
+class Delivery(BaseModel):
+    open: list[bool] = Field(description="per memory, whether its pixels are delivered")
+    opened: list[int] = Field(description="the delivered memories, numbered from 1")
+    gate_open: bool
+    k: Optional[int]
+    token_budget: Optional[int]
+    gate_rate: Optional[float]
+
+
+class VisualTokens(BaseModel):
+    model: str
+    open_all: int = Field(description="the answering model's visual tokens with every image opened")
+    delivery: int = Field(description="... with this delivery's images opened")
+
+
+class Timing(BaseModel):
+    queue_ms: float = Field(description="admitted -> its forward began, preprocessing excluded")
+    preprocess_ms: float = Field(description="base64 and image decoding, thumbnails, tokenizing, packing")
+    forward_ms: float = Field(description="the forward this question ran in (shared with its batch)")
+    total_ms: float = Field(description="arrival -> response")
+    batch_questions: int
+    batch_tokens: int
+
+
+class ScoreResponse(BaseModel):
+    id: Optional[str]
+    p_vis: float
+    gains: list[float]
+    relevance: list[float]
+    relevance_none: float
+    state_tokens: int
+    delivery: Optional[Delivery] = Field(description="with a policy")
+    visual_tokens: Optional[VisualTokens] = Field(description="with a policy, when every image's size is known")
+    timing: Timing
+
+
+class BatchResponse(BaseModel):
+    results: list[ScoreResponse]
+
+
+class MemoryPut(Strict):
+    image: Optional[str] = Field(None, description="base64 or a data URI")
+    path: Optional[str] = Field(None, min_length=1, max_length=4096, description="relative to --image-root")
+    note: str = ""
+
+    @model_validator(mode="after")
+    def one_source(self) -> "MemoryPut":
+        if (self.image is None) == (self.path is None):
+            raise ValueError("exactly one of 'image' or 'path' is needed")
+        return self
+
+
+class MemoryInfo(BaseModel):
+    key: str
+    note: str
+    width: Optional[int] = Field(description="the original image's displayed width (null for old cache rows)")
+    height: Optional[int]
+    thumbnail_width: int
+    thumbnail_height: int
+    features_cached: bool = Field(description="vision features stored for this server's model")
+
+
+class ErrorBody(BaseModel):
+    error: str
+    error_type: str = Field(description="invalid_input, invalid_memory, state_too_long, payload_too_large, "
+                                        "unauthorized, overloaded, deadline, unavailable, not_found, no_cache, "
+                                        "internal")
+    field: Optional[str] = Field(None, description="the request field, e.g. memories[2].image")
+    reason: Optional[str] = Field(None, description="invalid_memory: the library's reason, without 'memory N: '")
+
+
+class Status(BaseModel):
+    status: str

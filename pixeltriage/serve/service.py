@@ -1,0 +1,341 @@
+"""One scoring service: the scorer, its batcher, the write-time cache, the rate gates and the metrics, and their life
+(loading -> ready -> draining -> stopped, or failed). The ASGI app (`app.py`) is a thin layer over it; a server
+process and each Ray Serve replica hold one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from pixeltriage.errors import InvalidMemoryError, InvalidRequestError, StateTooLongError
+from pixeltriage.serve.batcher import Batcher, Prepare
+from pixeltriage.serve.config import ServeConfig
+from pixeltriage.serve.inputs import ImageRoot, decode_image, to_memory
+from pixeltriage.serve.metrics import Metrics
+from pixeltriage.serve.schemas import MemoryIn, Policy
+
+if TYPE_CHECKING:
+    from pixeltriage.engine.cache import Cache
+    from pixeltriage.engine.policy import RateGate
+    from pixeltriage.engine.scorer import Scorer
+
+log = logging.getLogger(__name__)
+
+WARM_UP_SIDE = 336
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load: a checkpoint on a device, with an optional write-time cache file (plain values, so that a Ray
+    replica can be handed one)."""
+
+    checkpoint: str
+    device: str = "cpu"
+    dtype: str | None = None           # None: float32 on the CPU, bfloat16 on CUDA
+    cache: str | None = None
+    verify: bool = False
+    threads: int | None = None         # torch's intra-op threads for the forward (None: torch's default)
+
+    def load(self) -> "Scorer":
+        import torch
+
+        from pixeltriage.engine.cache import Cache
+        from pixeltriage.engine.scorer import Scorer
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        dtype = self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+        cache = Cache(self.cache) if self.cache else None
+        try:
+            return Scorer.load(self.checkpoint, device=self.device, dtype=dtype, cache=cache,
+                               verify=self.verify or None)
+        except BaseException:
+            if cache is not None:
+                cache.close()
+            raise
+
+
+class FieldError(Exception):
+    """A question's error with the request field it concerns (`questions[1].memories[2].image`)."""
+
+    def __init__(self, field: str | None, error: Exception):
+        self.field, self.error = field, error
+        super().__init__(f"{field}: {error}" if field else str(error))
+
+
+class Gates:
+    """The rate gates: one `RateGate` per (stream, rate), the least recently used dropped past `max_gates`.
+
+    A gate's threshold is a rank over the recent p_vis of its own stream, so hosts whose questions differ keep
+    apart by naming their stream; decisions are made in the order answers complete."""
+
+    def __init__(self, window: int, max_gates: int):
+        self.window, self.max_gates = window, max_gates
+        self._gates: OrderedDict[tuple[str, float], "RateGate"] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def decide(self, stream: str, rate: float, decide: Callable[["RateGate"], dict]) -> dict:
+        from pixeltriage.engine.policy import RateGate
+
+        with self._lock:
+            gate = self._gates.pop((stream, rate), None) or RateGate(rate, self.window)
+            self._gates[(stream, rate)] = gate
+            while len(self._gates) > self.max_gates:
+                self._gates.popitem(last=False)
+            return decide(gate)
+
+    def __len__(self) -> int:
+        return len(self._gates)
+
+
+class Service:
+    """Loads the model (`load`, or `start_loading` in the background), admits and scores questions, drains."""
+
+    def __init__(self, config: ServeConfig, loader: Callable[[], "Scorer"], *, describe: dict | None = None):
+        self.config = config
+        self.loader = loader
+        self.describe = dict(describe or {})
+        self.metrics = Metrics()
+        self.metrics.queue_capacity.set(config.max_queued)
+        self.gates = Gates(config.gate_window, config.max_gates)
+        self.image_root = ImageRoot(config.image_root, config.payload_limit) if config.image_root else None
+        self.scorer: "Scorer | None" = None
+        self.batcher: Batcher | None = None
+        self.status = "loading"            # loading, ready, draining, stopped, failed
+        self.error: BaseException | None = None
+        self.open_requests = 0             # scoring requests between arrival and response (the body bound)
+        self.pending_writes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def cache(self) -> "Cache | None":
+        return self.scorer.cache if self.scorer is not None else None
+
+    # -- life ----------------------------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the scorer, run one warm-up forward at the full batch budget, start the batcher: then ready."""
+        start = time.monotonic()
+        scorer = self.loader()
+        budget = self.config.max_batch_tokens or scorer.max_batch_tokens
+        scorer.max_batch_tokens = budget
+        warm_up(scorer, budget)
+        scorer.vision_fingerprint              # computed once now, not in the first question's forward
+        batcher = Batcher(scorer.score_states, max_batch_tokens=budget, max_wait_ms=self.config.max_wait_ms,
+                          max_queued=self.config.max_queued, preprocess_threads=self.config.preprocess_threads,
+                          observer=self.metrics)
+        with self._lock:
+            if self.status != "loading":       # shut down while loading
+                if scorer.cache is not None:
+                    scorer.cache.close()
+                return
+            self.scorer, self.batcher = scorer, batcher
+            batcher.start()
+            self.status = "ready"
+        self.metrics.ready.set(1)
+        self.metrics.build.info({k: str(v) for k, v in self.build_info().items()})
+        log.info("ready in %.1f s: batch budget %d tokens, queue %d questions", time.monotonic() - start, budget,
+                 self.config.max_queued)
+
+    def start_loading(self, on_failure: Callable[[BaseException], None],
+                      on_ready: Callable[[], None] | None = None) -> threading.Thread:
+        """`load` on a background thread (the server answers /health meanwhile); then `on_ready()`, or
+        `on_failure(error)` if it failed."""
+        def run():
+            try:
+                self.load()
+            except BaseException as e:
+                self.status, self.error = "failed", e
+                on_failure(e)
+                return
+            if on_ready is not None and self.status == "ready":
+                on_ready()
+
+        thread = threading.Thread(target=run, name="pixeltriage-load", daemon=True)
+        thread.start()
+        return thread
+
+    @property
+    def admitting(self) -> bool:
+        return self.status == "ready"
+
+    def drain(self, timeout: float) -> bool:
+        """Stop admitting (503 from now on) and wait up to `timeout` s for admitted questions; True if all finished."""
+        with self._lock:
+            if self.status == "ready":
+                self.status = "draining"
+            elif self.status == "loading":
+                self.status = "stopped"
+        self.metrics.ready.set(0)
+        if self.batcher is None:
+            return True
+        self.batcher.stop_admitting()
+        done = self.batcher.wait_idle(timeout)
+        if not done:
+            log.warning("graceful timeout (%.1f s): %d questions still admitted are refused", timeout,
+                        self.batcher.admitted)
+        return done
+
+    def close(self) -> None:
+        """Refuse what is still queued (503), stop the threads, close the cache. Idempotent."""
+        with self._lock:
+            self.status = "stopped" if self.status != "failed" else "failed"
+        self.metrics.ready.set(0)
+        if self.batcher is not None:
+            self.batcher.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    # -- scoring -------------------------------------------------------------------------------------------------
+    def check_question(self, memories: Sequence[MemoryIn], prefix: str) -> None:
+        if len(memories) > self.config.max_memories:
+            raise InvalidRequestError(f"{len(memories)} memories; this server scores at most "
+                                      f"{self.config.max_memories} per question (--max-memories)", f"{prefix}memories")
+
+    def prepare(self, question: str, memories: Sequence[MemoryIn], policy: Policy | None, prefix: str) -> Prepare:
+        """The preprocessing of one question, run on a preparation thread: -> (State, image sizes)."""
+        from pixeltriage.report import image_size
+
+        scorer, image_root = self.scorer, self.image_root
+
+        def prepare():
+            try:
+                decoded = [to_memory(m, f"{prefix}memories[{i}]", image_root) for i, m in enumerate(memories)]
+                state = scorer.pack(question, decoded)
+                # the answering model's visual tokens are reported with a delivery only: no policy, no headers read
+                sizes = [image_size(m, i, scorer.cache) for i, m in enumerate(decoded)] if policy else []
+            except InvalidMemoryError as e:
+                known = e.index is not None and 0 <= e.index < len(memories)
+                raise FieldError(f"{prefix}memories[{e.index}].{memories[e.index].source}" if known
+                                 else f"{prefix}memories", e) from None
+            except StateTooLongError as e:
+                raise FieldError(f"{prefix}memories", e) from None
+            except InvalidRequestError as e:
+                raise FieldError(e.field, e) from None
+            if policy is not None and policy.token_budget is not None and None in sizes:
+                unknown = sizes.index(None)
+                raise FieldError(f"{prefix}policy.token_budget", InvalidRequestError(
+                    f"needs every image's size, and memory {unknown + 1} (a cache row written before sizes were "
+                    "recorded) has none; put the image again"))
+            return state, sizes
+
+        return prepare
+
+    def decide(self, scores, sizes: list, policy: Policy | None) -> tuple[dict | None, dict | None]:
+        """(delivery, visual_tokens) of the response for one scored question."""
+        from pixeltriage.report import delivery
+
+        if policy is None:
+            return None, None
+
+        def run(gate):
+            return delivery(scores, policy.k, gate, sizes, policy.answering_model, policy.token_budget)
+
+        decided = (self.gates.decide(policy.gate_stream, policy.gate_rate, run) if policy.gate_rate is not None
+                   else run(None))
+        opened = decided["open"]
+        out = {"open": opened, "opened": [i + 1 for i, o in enumerate(opened) if o], "gate_open": decided["gate_open"],
+               "k": policy.k, "token_budget": policy.token_budget, "gate_rate": policy.gate_rate}
+        return out, decided.get("visual_tokens")
+
+    # -- the write-time cache ------------------------------------------------------------------------------------
+    def put_memory(self, image: str | None, path: str | None, note: str) -> dict:
+        """Decode (or read from under the image root) and `Cache.put` one image -> its metadata."""
+        if image is not None:
+            data = decode_image(image, "image")
+        elif self.image_root is None:
+            raise InvalidRequestError("path images need the server's --image-root; send the image as base64", "path")
+        else:
+            data = self.image_root.read(path, "path")
+        try:
+            key = self.cache.put(data, note)
+        except InvalidMemoryError as e:
+            raise InvalidRequestError(e.reason, "image" if image is not None else "path") from None
+        return self.memory_info(key)
+
+    def memory_info(self, key: str) -> dict:
+        """A cached image's metadata; CacheMissError when absent or damaged."""
+        cache = self.cache
+        thumbnail, note = cache.entry(key)
+        size = cache.size(key)
+        features = cache.get_features(key, self.scorer.vision_fingerprint) is not None
+        return {"key": key, "note": note, "width": size[0] if size else None, "height": size[1] if size else None,
+                "thumbnail_width": thumbnail.width, "thumbnail_height": thumbnail.height, "features_cached": features}
+
+    # -- /info ---------------------------------------------------------------------------------------------------
+    def build_info(self) -> dict:
+        from pixeltriage import __version__
+
+        scorer = self.scorer
+        return {"version": __version__, "checkpoint": self.describe.get("checkpoint", ""),
+                "device": str(scorer.device) if scorer else "", "dtype": str(scorer.dtype).removeprefix("torch.")
+                if scorer else ""}
+
+    def info(self) -> dict:
+        from pixeltriage import __version__
+
+        out = {"version": __version__, "status": self.status, **self.describe,
+               "instance": {"host": socket.gethostname(), "pid": os.getpid()}, "limits": self.config.limits()}
+        scorer = self.scorer
+        if scorer is None:
+            return out
+        text, vision = scorer.model_config.text, scorer.model_config.vision
+        out["limits"]["max_batch_tokens"] = scorer.max_batch_tokens
+        out["limits"]["max_state_tokens"] = scorer.packer.max_tokens
+        out.update({
+            "checkpoint_fingerprint": scorer.checkpoint_fingerprint,
+            "vision_fingerprint": scorer.vision_fingerprint,
+            "device": str(scorer.device),
+            "dtype": str(scorer.dtype).removeprefix("torch."),
+            "model": {"hidden_size": text.hidden_size, "layers": len(text.layer_types),
+                      "full_attention_layers": sum(t == "full_attention" for t in text.layer_types),
+                      "attention_heads": text.num_attention_heads, "kv_heads": text.num_key_value_heads,
+                      "vocab_size": text.vocab_size, "vision_depth": vision.depth,
+                      "vision_hidden_size": vision.hidden_size, "patch_size": vision.patch_size,
+                      "head_dim": scorer.triage_config.head_dim,
+                      "thumbnail_size": scorer.triage_config.thumbnail_size},
+            "kernels": kernels(scorer),
+            "cache": scorer.cache is not None,
+            "gates": {"active": len(self.gates), "window": self.config.gate_window, "max": self.config.max_gates},
+        })
+        return out
+
+
+def warm_up(scorer: "Scorer", budget: int) -> None:
+    """One forward at the full batch budget (copies of a one-image state, packed varlen), then one single question:
+    the first real requests then meet warm allocators and kernels. Runs without the cache (writes nothing to it)."""
+    from PIL import Image
+
+    from pixeltriage.engine.types import Memory
+
+    plain = scorer.with_cache(None)
+    plain.max_batch_tokens = budget
+    image = Image.new("RGB", (WARM_UP_SIDE, WARM_UP_SIDE), (127, 127, 127))
+    state = plain.pack("warm-up", [Memory(image=image, note="warm-up")])
+    plain.score_states([state] * max(1, budget // state.num_tokens))
+    plain.score_states([state])
+
+
+def kernels(scorer: "Scorer") -> dict[str, str]:
+    """Which implementation each op of the forward takes on this scorer's device and dtype."""
+    import torch
+
+    if scorer.device.type == "cuda":
+        from pixeltriage.engine.scorer import cuda_implementations
+
+        return cuda_implementations(scorer.head_backend, allow_slow=True)
+    from pixeltriage.kernels import native
+
+    c = native.handles(scorer.dtype)
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return {"gated_delta": "C one-pass chunked kernel" if c else "torch chunked",
+            "conv1d": "C causal conv1d + SiLU" if c else "torch shifted multiply-adds",
+            "norm": "C fused add + RMSNorm" if c else "torch", "rotary": "C rotary" if c else "torch",
+            "linear": "oneDNN linear with fused post-ops" if onednn else "torch linear",
+            "attention": "torch SDPA", "vision_attention": "torch SDPA per image", "head": scorer.head_backend,
+            "native_kernels": "available" if native.available() else native.status()}

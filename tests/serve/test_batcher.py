@@ -1,0 +1,179 @@
+"""The batcher in-process, with a stand-in forward: batches within the token budget (a question never split, one
+larger than the budget alone), one batch prepared ahead, priority, a failing forward retried per question,
+deadlines, cancellation, admission and close. The HTTP tests run the same code behind a real server."""
+import threading
+import time
+from concurrent.futures import CancelledError
+
+import pytest
+
+from pixeltriage.engine.types import Scores
+from pixeltriage.errors import DeadlineExceededError, OverloadedError, ServiceUnavailableError
+from pixeltriage.serve.batcher import Batcher
+
+
+class FakeState:
+    def __init__(self, name: str, tokens: int, poison: bool = False):
+        self.name, self.num_tokens, self.poison = name, tokens, poison
+
+
+class Forward:
+    """Records each forward's states; holds the next forward while `gate` is cleared; fails on a poisoned state."""
+
+    def __init__(self):
+        self.batches: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def __call__(self, states):
+        self.entered.set()
+        assert self.gate.wait(30)
+        self.batches.append([s.name for s in states])
+        if any(s.poison for s in states):
+            raise RuntimeError("a bad state")
+        return [Scores(p_vis=0.5, gains=[float(s.num_tokens)], relevance=[0.5], relevance_none=0.5) for s in states]
+
+
+def prepared(name, tokens, poison=False, log=None, delay=0.0):
+    def prepare():
+        if log is not None:
+            log.append(name)
+        time.sleep(delay)
+        return FakeState(name, tokens, poison), name
+    return prepare
+
+
+@pytest.fixture
+def forward():
+    return Forward()
+
+
+def make(forward, **kw):
+    b = Batcher(forward, **{"max_batch_tokens": 100, "max_queued": 16, "preprocess_threads": 2, **kw})
+    b.start()
+    return b
+
+
+def far():
+    return time.monotonic() + 30
+
+
+def test_batches_fill_the_budget_never_split_a_question_and_run_a_large_one_alone(forward):
+    b = make(forward)
+    forward.gate.clear()
+    first = b.submit([prepared("warm", 10)], far())
+    assert forward.entered.wait(10)                        # the worker is busy: what follows queues up
+    futures = b.submit([prepared(n, t) for n, t in (("a", 60), ("b", 30), ("c", 20), ("big", 150), ("d", 5))], far())
+    time.sleep(0.3)
+    forward.gate.set()
+    results = [f.result(10) for f in first + futures]
+    assert [r.meta for r in results] == ["warm", "a", "b", "c", "big", "d"]
+    assert forward.batches[0] == ["warm"]
+    assert all(sum({"a": 60, "b": 30, "c": 20, "d": 5}.get(n, 0) for n in batch) <= 100 or batch == ["big"]
+               for batch in forward.batches[1:])
+    assert ["big"] in forward.batches and sorted(sum(forward.batches, [])) == sorted(["warm", "a", "b", "c", "big", "d"])
+    assert results[1].timing.batch_questions == len(next(x for x in forward.batches if "a" in x))
+    b.close()
+
+
+def test_one_batch_is_prepared_ahead_and_no_more(forward):
+    b = make(forward, max_batch_tokens=50, preprocess_threads=1)
+    forward.gate.clear()
+    log = []
+    futures = b.submit([prepared(f"q{i}", 50, log=log) for i in range(6)], far())
+    assert forward.entered.wait(10)                        # q0 runs, q1 fills the budget ahead; nothing more
+    time.sleep(0.3)
+    assert log == ["q0", "q1"]
+    forward.gate.set()
+    assert [f.result(10).meta for f in futures] == [f"q{i}" for i in range(6)]
+    b.close()
+
+
+def test_priority_goes_first(forward):
+    b = make(forward, max_batch_tokens=10, preprocess_threads=1)
+    forward.gate.clear()
+    blocker = b.submit([prepared("blocker", 10)], far())
+    assert forward.entered.wait(10)
+    low = b.submit([prepared("low", 10)], far())
+    high = b.submit([prepared("high", 10)], far(), priority=5)
+    time.sleep(0.2)
+    forward.gate.set()
+    for f in blocker + low + high:
+        f.result(10)
+    assert forward.batches.index(["high"]) < forward.batches.index(["low"])
+    b.close()
+
+
+def test_a_failing_forward_is_retried_per_question_so_only_the_bad_one_fails(forward):
+    b = make(forward)
+    forward.gate.clear()
+    first = b.submit([prepared("warm", 10)], far())
+    assert forward.entered.wait(10)
+    futures = b.submit([prepared("a", 10), prepared("bad", 10, poison=True), prepared("c", 10)], far())
+    time.sleep(0.3)
+    forward.gate.set()
+    first[0].result(10)
+    assert futures[0].result(10).meta == "a" and futures[2].result(10).meta == "c"
+    with pytest.raises(RuntimeError, match="a bad state"):
+        futures[1].result(10)
+    assert ["a", "bad", "c"] in forward.batches and ["bad"] in forward.batches
+    b.close()
+
+
+def test_a_failing_prepare_fails_its_question_only(forward):
+    b = make(forward)
+
+    def broken():
+        raise ValueError("undecodable")
+
+    good, bad = b.submit([prepared("good", 10), broken], far())
+    assert good.result(10).meta == "good"
+    with pytest.raises(ValueError, match="undecodable"):
+        bad.result(10)
+    assert b.wait_idle(10) and b.admitted == 0
+    b.close()
+
+
+def test_deadline_cancel_admission_and_close(forward):
+    b = make(forward, max_queued=3)
+    forward.gate.clear()
+    running = b.submit([prepared("running", 10)], far())
+    assert forward.entered.wait(10)
+    late = b.submit([prepared("late", 10)], time.monotonic() + 0.05)
+    waiting = b.submit([prepared("waiting", 10)], far())
+    with pytest.raises(OverloadedError) as e:
+        b.submit([prepared("x", 1)], far())
+    assert 1 <= e.value.retry_after <= 60
+    assert waiting[0].cancel()                             # a cancelled question frees its slot at once
+    assert b.admitted == 2 and b.free == 1
+    time.sleep(0.1)
+    forward.gate.set()
+    running[0].result(10)
+    with pytest.raises(DeadlineExceededError):
+        late[0].result(10)
+    with pytest.raises(CancelledError):
+        waiting[0].result(0)
+    assert "waiting" not in sum(forward.batches, [])
+    assert b.wait_idle(10) and b.admitted == 0
+    forward.gate.clear()
+    forward.entered.clear()
+    b.submit([prepared("in forward", 10)], far())
+    assert forward.entered.wait(10)
+    queued = b.submit([prepared("queued", 10)], far())
+    threading.Timer(0.2, forward.gate.set).start()
+    b.close()
+    with pytest.raises(ServiceUnavailableError):
+        queued[0].result(10)
+    with pytest.raises(ServiceUnavailableError):
+        b.submit([prepared("after", 1)], far())
+
+
+def test_max_wait_lets_an_idle_worker_fill_a_partial_batch(forward):
+    b = make(forward, max_wait_ms=20_000)                  # ends early: the second question fills the budget
+    first = b.submit([prepared("a", 10)], far())
+    time.sleep(0.05)
+    second = b.submit([prepared("b", 90)], far())
+    first[0].result(10), second[0].result(10)
+    assert forward.batches == [["a", "b"]]
+    b.close()

@@ -1,0 +1,88 @@
+"""A server's life over real HTTP: one-line start-up errors, a kill -9 that loses no committed cache row, SIGTERM
+that stops admitting (503 on /v1 and /ready), finishes admitted work and closes the cache cleanly."""
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from serving import ENV, ServerProcess, b64, image_bytes, metric
+
+from pixeltriage import Cache
+
+
+def test_start_up_errors_are_one_line(tmp_path, tiny_checkpoint):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "pixeltriage", "serve", "--checkpoint", str(tiny_checkpoint),
+                              "--port", str(port)], capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == f"error: cannot listen on 127.0.0.1:{port}: address already in use"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{")
+    out = subprocess.run([sys.executable, "-m", "pixeltriage", "serve", "--checkpoint", str(broken), "--port", "0"],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: ") and "broken" in out.stderr
+
+
+def test_kill_9_loses_no_committed_row_and_sigterm_drains(tiny_checkpoint, tmp_path):
+    db = tmp_path / "cache.db"
+    first = ServerProcess(tiny_checkpoint, tmp_path / "first.log", "--cache", str(db)).wait_ready()
+    keys = []
+    with httpx.Client(base_url=first.url, timeout=60) as http:
+        for i in range(5):
+            response = http.post("/v1/memories", json={"image": b64(image_bytes(seed=i)), "note": f"note {i}"})
+            assert response.status_code == 200
+            keys.append(response.json()["key"])                  # answered: committed
+    first.proc.kill()
+    first.proc.wait(30)
+    with Cache(db) as cache:
+        assert all(key in cache for key in keys) and cache.integrity_check() == "ok"
+        assert cache.note(keys[3]) == "note 3"
+
+    second = ServerProcess(tiny_checkpoint, tmp_path / "second.log", "--cache", str(db),
+                           "--graceful-timeout", "60", "-vv").wait_ready()             # debug logging
+    with httpx.Client(base_url=second.url, timeout=120) as http:
+        assert [http.get(f"/v1/memories/{key}").json()["note"] for key in keys] == [f"note {i}" for i in range(5)]
+        heavy = {"question": "private-question-4711", "memories": [
+            {"image": b64(image_bytes((336, 336), seed=i)), "note": "private-note-0815"} for i in range(16)]}
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(http.post("/v1/score", json=heavy)))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while admitted(http) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        second.proc.send_signal(signal.SIGTERM)
+        while http.get("/ready").status_code == 200:
+            time.sleep(0.01)
+        assert http.get("/ready").json()["status"] == "draining"
+        refused = http.post("/v1/score", json={"question": "new", "memories": []})
+        assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
+        assert http.get("/health").status_code == 200
+        for t in threads:
+            t.join(120)
+    assert [a.status_code for a in answers] == [200, 200, 200]   # admitted work finished
+    assert all(len(a.json()["gains"]) == 16 for a in answers)
+    assert second.proc.wait(60) == 0
+    output = second.output()
+    assert "Traceback" not in output and "stopped" in output
+    assert "DEBUG" in output and "16 memories" in output                # lengths are logged, never the text
+    assert "private-" not in output and heavy["memories"][0]["image"][:40] not in output
+    assert not Path(f"{db}-wal").exists()                        # closed cleanly: the last connection checkpointed
+    with Cache(db) as cache:
+        assert cache.integrity_check() == "ok" and len(cache) >= 5
+
+
+def admitted(http: httpx.Client) -> float:
+    text = http.get("/metrics").text
+    return metric(text, "pixeltriage_queue_size") + metric(text, "pixeltriage_queue_running")
