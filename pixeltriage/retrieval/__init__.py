@@ -21,14 +21,14 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "Box": "pixeltriage.retrieval.regions",
+    "Box": "pixeltriage.retrieval.types",
     "RegionGrid": "pixeltriage.retrieval.regions",
     "REGION_NAMES": "pixeltriage.retrieval.regions",
     "region_crops": "pixeltriage.retrieval.regions",
     "Encoder": "pixeltriage.retrieval.encoder",
     "SiglipEncoder": "pixeltriage.retrieval.encoder",
     "preprocess_images": "pixeltriage.retrieval.encoder",
-    "Hit": "pixeltriage.retrieval.index",
+    "Hit": "pixeltriage.retrieval.types",
     "RegionIndex": "pixeltriage.retrieval.index",
     "exact_search": "pixeltriage.retrieval.search",
     "QuantizedSearch": "pixeltriage.retrieval.search",
@@ -55,6 +55,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from pixeltriage.retrieval.demo import demo_encoder, write_demo_encoder
     from pixeltriage.retrieval.encoder import Encoder, SiglipEncoder, preprocess_images
-    from pixeltriage.retrieval.index import Hit, RegionIndex
-    from pixeltriage.retrieval.regions import REGION_NAMES, Box, RegionGrid, region_crops
+    from pixeltriage.retrieval.index import RegionIndex
+    from pixeltriage.retrieval.regions import REGION_NAMES, RegionGrid, region_crops
+    from pixeltriage.retrieval.types import Box, Hit
     from pixeltriage.retrieval.search import QuantizedSearch, exact_search

@@ -18,7 +18,6 @@ import hashlib
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -29,29 +28,14 @@ from pixeltriage.engine.image import local_path
 from pixeltriage.engine.types import ImageSource
 from pixeltriage.errors import InvalidMemoryError
 from pixeltriage.retrieval.encoder import Encoder
-from pixeltriage.retrieval.regions import Box, RegionGrid, region_crops
+from pixeltriage.retrieval.regions import RegionGrid, region_crops
 from pixeltriage.retrieval.search import (BACKENDS, FAISS_MIN_IMAGES, QuantizedSearch, Ranked, exact_search,
                                           faiss_available)
+from pixeltriage.retrieval.types import Hit
 
 log = logging.getLogger(__name__)
 
 _PAGE = 4096                  # rows per read while loading
-
-
-@dataclass(frozen=True)
-class Hit:
-    """One retrieved image: its cache key, its score (the cosine similarity of the question and the winning
-    region), the winning region's name and its box in the displayed image (None when the cache does not know
-    the image's size)."""
-
-    key: str
-    score: float
-    region: str
-    box: Box | None
-
-    def to_dict(self) -> dict:
-        return {"key": self.key, "score": self.score, "region": self.region,
-                "box": None if self.box is None else list(self.box)}
 
 
 def index_fingerprint(encoder_fingerprint: str, grid: RegionGrid) -> str:

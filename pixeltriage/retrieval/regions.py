@@ -16,23 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import NamedTuple
 
 from PIL import Image
 
 from pixeltriage.engine.image import open_image, to_rgb
+from pixeltriage.retrieval.types import Box
 
 REGION_NAMES = ("whole", "top-left", "top-right", "bottom-left", "bottom-right")
 DEFAULT_OVERLAP = 0.25
-
-
-class Box(NamedTuple):
-    """A pixel rectangle [left, right) x [top, bottom), PIL's crop order."""
-
-    left: int
-    top: int
-    right: int
-    bottom: int
 
 
 @dataclass(frozen=True)
