@@ -8,6 +8,7 @@ import sys
 
 from pixeltriage.cli.common import (add_device_arguments, device_dtype, existing_path, fraction, int_at_least,
                                     new_file, positive_float)
+from pixeltriage.cli.retrieve import DEFAULT_OVERLAP, encoder_directory, overlap
 
 DEFAULTS = {"max_queued": 256, "max_client_batch": 32, "max_memories": 64, "request_timeout": 60.0,
             "payload_limit": 32.0, "preprocess_threads": 2, "gate_window": 1000, "max_gates": 256,
@@ -72,6 +73,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                            "thumbnails and vision features are reused")
     data.add_argument("--image-root", metavar="DIR", type=directory, default=None,
                       help="allow memories given by 'path', relative to DIR (never outside it)")
+    data.add_argument("--index-encoder", metavar="DIR", type=encoder_directory, default=None,
+                      help="SigLIP 2 checkpoint directory: POST /v1/memories also stores each image's region "
+                           "vectors and POST /v1/retrieve ranks the cached images (needs --cache; docs/retrieval.md)")
+    data.add_argument("--index-overlap", metavar="F", type=overlap, default=DEFAULT_OVERLAP,
+                      help=f"the region grid's overlap (default {DEFAULT_OVERLAP}; as the vectors were indexed with)")
     data.add_argument("--max-memories", metavar="N", type=int_at_least(1), default=DEFAULTS["max_memories"],
                       help=f"memories per question (default {DEFAULTS['max_memories']}); more: 422")
     batching = p.add_argument_group("batching and overload")
@@ -137,6 +143,8 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--min-replicas {args.min_replicas} is above --max-replicas {args.max_replicas}")
     if args.gpus_per_replica is not None and args.device != "cuda":
         raise UsageError("--gpus-per-replica needs --device cuda")
+    if args.index_encoder is not None and args.cache is None:
+        raise UsageError("--index-encoder needs --cache DB: the region vectors are stored in the write-time cache")
 
 
 def _loopback(host: str) -> bool:
@@ -169,7 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = serve_config(args)
     spec = ModelSpec(checkpoint=args.checkpoint, device=args.device, dtype=device_dtype(args), cache=args.cache,
-                     verify=args.verify, threads=args.threads)
+                     verify=args.verify, threads=args.threads, index_encoder=args.index_encoder,
+                     index_overlap=args.index_overlap)
     if args.ray:
         from pixeltriage.serve.ray import run_ray
 
@@ -181,7 +190,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = server.bind(args.host, args.port)
     host, bound = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
-    service = Service(config, spec.load, describe={"checkpoint": args.checkpoint})
+    service = Service(config, spec.load, describe={"checkpoint": args.checkpoint}, index_loader=spec.load_index)
     print(f"pixeltriage serve: listening on {url}; loading {args.checkpoint} (GET /ready answers 200 once ready)",
           file=sys.stderr, flush=True)
     if not config.api_keys and not _loopback(host):

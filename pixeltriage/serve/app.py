@@ -2,7 +2,8 @@
 
 Status codes: 200; 401 missing or wrong API key; 404 unknown cache key; 413 body past --payload-limit; 422 a field of
 the wrong type or value, an image that does not decode, an unknown cache key in a question, too many memories or
-questions, a state too long; 429 the queue is full (Retry-After); 501 /v1/memories without --cache; 503 loading or
+questions, a state too long; 429 the queue is full (Retry-After); 501 /v1/memories without --cache or /v1/retrieve
+without --index-encoder; 503 loading or
 shutting down; 504 the request's deadline passed before its forward began. Error bodies are
 `{"error": message, "error_type": kind, "field": "memories[2].image" or null}`.
 """
@@ -29,14 +30,14 @@ from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, Inval
                                 PixelTriageError, ServiceUnavailableError, StateTooLongError)
 from pixeltriage.serve.batcher import Scored
 from pixeltriage.serve.schemas import (CACHE_KEY, BatchRequest, BatchResponse, ErrorBody, MemoryInfo, MemoryPut,
-                                       Policy, ScoreRequest, ScoreResponse, Status)
+                                       Policy, RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status)
 from pixeltriage.serve.service import FieldError, Service
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")           # answered without an API key
 SCORING_PATHS = ("/v1/score", "/v1/score/batch")
-ROUTES = ("/v1/score", "/v1/score/batch", "/v1/memories", "/health", "/ready", "/info", "/metrics", "/docs",
+ROUTES = ("/v1/score", "/v1/score/batch", "/v1/memories", "/v1/retrieve", "/health", "/ready", "/info", "/metrics", "/docs",
           "/openapi.json")
 ARRIVAL = "pixeltriage.arrival"                          # scope key: when the request's first byte was seen
 CLIENT_CLOSED = 499                                      # the status recorded for a client that went away
@@ -195,13 +196,23 @@ def _add_memory_routes(app: FastAPI, service: Service) -> None:
         return _json(await _write(service, service.memory_info, key))
 
 
+    @app.post("/v1/retrieve", response_model=RetrieveResponse, responses=ERROR_RESPONSES, tags=["memories"])
+    async def retrieve(body: RetrieveRequest):
+        """Rank the cached images for a question by their best region (MaxSim over SigLIP 2 vectors stored at write
+        time by /v1/memories), or by the whole image with `whole_image`: what to hand /v1/score."""
+        if service.index is None:
+            raise NoCacheError("this server has no region index; start it with --cache DB --index-encoder DIR")
+        hits = await _write(service, service.retrieve, [body.question], body.top, body.whole_image)
+        return _json({"hits": hits[0]})
+
+
 def _need_cache(service: Service) -> None:
     if service.cache is None:
         raise NoCacheError("this server has no write-time cache; start it with --cache DB")
 
 
 class NoCacheError(PixelTriageError):
-    """/v1/memories on a server started without --cache."""
+    """/v1/memories on a server started without --cache, /v1/retrieve without --index-encoder."""
 
 
 async def _write(service: Service, fn, *args):

@@ -265,8 +265,14 @@ class Client(_Base):
         return self._request("POST", "/v1/memories", body)["key"]
 
     def memory(self, key: str) -> dict:
-        """A cached image's metadata (note, sizes, features_cached); CacheMissError when absent."""
+        """A cached image's metadata (note, sizes, features_cached, regions_indexed); CacheMissError when absent."""
         return self._request("GET", f"/v1/memories/{key}")
+
+    def retrieve(self, question: str, top: int = 10, *, whole_image: bool = False) -> list:
+        """The server's region-index ranking of its cached images for `question`: `pixeltriage.retrieval.Hit`s, as
+        `RegionIndex.search` returns them (needs a server started with --index-encoder)."""
+        body = {"question": _text(question, "question", None), "top": top, "whole_image": whole_image}
+        return _hits(self._request("POST", "/v1/retrieve", body))
 
     def health(self) -> dict:
         return self._request("GET", "/health")
@@ -357,6 +363,10 @@ class AsyncClient(_Base):
     async def memory(self, key: str) -> dict:
         return await self._request("GET", f"/v1/memories/{key}")
 
+    async def retrieve(self, question: str, top: int = 10, *, whole_image: bool = False) -> list:
+        body = {"question": _text(question, "question", None), "top": top, "whole_image": whole_image}
+        return _hits(await self._request("POST", "/v1/retrieve", body))
+
     async def health(self) -> dict:
         return await self._request("GET", "/health")
 
@@ -402,3 +412,10 @@ class AsyncClient(_Base):
             if wait is None:
                 raise error_of(response)
             await asyncio.sleep(wait)
+
+
+def _hits(response: dict) -> list:
+    from pixeltriage.retrieval.types import Box, Hit
+
+    return [Hit(h["key"], h["score"], h["region"], None if h["box"] is None else Box(*h["box"]))
+            for h in response["hits"]]

@@ -11,6 +11,7 @@ Retry-After, as a single server does. Each replica keeps its own rate gates (doc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import signal
@@ -37,7 +38,7 @@ def replica_class():
             from pixeltriage.serve.service import Service
 
             tune_malloc()
-            self.service = Service(config, spec.load, describe=describe)
+            self.service = Service(config, spec.load, describe=describe, index_loader=spec.load_index)
             self.service.load()
 
         def __serve_build_asgi_app__(self):
@@ -61,8 +62,7 @@ def deployment(spec: ModelSpec, config: ServeConfig, *, replicas: int | None = 1
     from ray import serve
 
     if spec.device == "cpu" and spec.threads is None:
-        spec = ModelSpec(spec.checkpoint, spec.device, spec.dtype, spec.cache, spec.verify,
-                         threads=max(1, math.floor(cpus)))
+        spec = dataclasses.replace(spec, threads=max(1, math.floor(cpus)))
     options = dict(name=DEPLOYMENT_NAME, ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
                    max_ongoing_requests=max_ongoing_requests or config.max_queued,
                    max_queued_requests=max_queued_requests,

@@ -141,6 +141,27 @@ class MemoryInfo(BaseModel):
     thumbnail_width: int
     thumbnail_height: int
     features_cached: bool = Field(description="vision features stored for this server's model")
+    regions_indexed: Optional[bool] = Field(None, description="region vectors stored for this server's encoder "
+                                                              "(null: the server has no --index-encoder)")
+
+
+class RetrieveRequest(Strict):
+    """A question to rank the cached images for, by their best region (DeliverMem R1)."""
+
+    question: str = Field(max_length=65536)
+    top: int = Field(10, ge=1, le=1000, description="images to return")
+    whole_image: bool = Field(False, description="score by the whole-image embedding only (the control)")
+
+
+class RetrieveHit(BaseModel):
+    key: str
+    score: float = Field(description="cosine similarity of the question and the winning region")
+    region: str = Field(description="whole, top-left, top-right, bottom-left or bottom-right")
+    box: Optional[list[int]] = Field(description="the region in the displayed image: [left, top, right, bottom]")
+
+
+class RetrieveResponse(BaseModel):
+    hits: list[RetrieveHit]
 
 
 class ErrorBody(BaseModel):

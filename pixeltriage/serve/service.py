@@ -21,6 +21,7 @@ from pixeltriage.serve.metrics import Metrics
 from pixeltriage.serve.schemas import MemoryIn, Policy
 
 if TYPE_CHECKING:
+    from pixeltriage.retrieval.index import RegionIndex
     from pixeltriage.engine.cache import Cache
     from pixeltriage.engine.policy import RateGate
     from pixeltriage.engine.scorer import Scorer
@@ -41,6 +42,8 @@ class ModelSpec:
     cache: str | None = None
     verify: bool = False
     threads: int | None = None         # torch's intra-op threads for the forward (None: torch's default)
+    index_encoder: str | None = None   # a SigLIP 2 directory: /v1/memories also indexes regions, /v1/retrieve ranks
+    index_overlap: float | None = None # the region grid's overlap (None: the retrieval default)
 
     def load(self) -> "Scorer":
         import torch
@@ -59,6 +62,21 @@ class ModelSpec:
             if cache is not None:
                 cache.close()
             raise
+
+    def load_index(self, cache: "Cache") -> "RegionIndex | None":
+        """The region index over the scorer's cache (DeliverMem R1), when an encoder was given."""
+        if self.index_encoder is None:
+            return None
+        import torch
+
+        from pixeltriage.retrieval.encoder import SiglipEncoder
+        from pixeltriage.retrieval.index import RegionIndex
+        from pixeltriage.retrieval.regions import RegionGrid
+
+        dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        encoder = SiglipEncoder.load(self.index_encoder, device=self.device, dtype=dtype)
+        grid = RegionGrid() if self.index_overlap is None else RegionGrid(self.index_overlap)
+        return RegionIndex(cache, encoder, grid)
 
 
 class FieldError(Exception):
@@ -97,9 +115,12 @@ class Gates:
 class Service:
     """Loads the model (`load`, or `start_loading` in the background), admits and scores questions, drains."""
 
-    def __init__(self, config: ServeConfig, loader: Callable[[], "Scorer"], *, describe: dict | None = None):
+    def __init__(self, config: ServeConfig, loader: Callable[[], "Scorer"], *, describe: dict | None = None,
+                 index_loader: Callable[["Cache"], "RegionIndex | None"] | None = None):
         self.config = config
         self.loader = loader
+        self.index_loader = index_loader
+        self.index: "RegionIndex | None" = None    # the region index, when the server was given an encoder
         self.describe = dict(describe or {})
         self.metrics = Metrics()
         self.metrics.queue_capacity.set(config.max_queued)
@@ -122,6 +143,10 @@ class Service:
         """Load the scorer, run one warm-up forward at the full batch budget, start the batcher: then ready."""
         start = time.monotonic()
         scorer = self.loader()
+        if self.index_loader is not None and scorer.cache is not None:
+            self.index = self.index_loader(scorer.cache)
+            if self.index is not None:
+                self.index.refresh()               # read the stored vectors now, not in the first search
         budget = self.config.max_batch_tokens or scorer.max_batch_tokens
         scorer.max_batch_tokens = budget
         warm_up(scorer, budget)
@@ -253,7 +278,7 @@ class Service:
         else:
             data = self.image_root.read(path, "path")
         try:
-            key = self.cache.put(data, note)
+            key = self.index.add(data, note) if self.index is not None else self.cache.put(data, note)
         except InvalidMemoryError as e:
             raise InvalidRequestError(e.reason, "image" if image is not None else "path") from None
         return self.memory_info(key)
@@ -265,7 +290,21 @@ class Service:
         size = cache.size(key)
         features = cache.get_features(key, self.scorer.vision_fingerprint) is not None
         return {"key": key, "note": note, "width": size[0] if size else None, "height": size[1] if size else None,
-                "thumbnail_width": thumbnail.width, "thumbnail_height": thumbnail.height, "features_cached": features}
+                "thumbnail_width": thumbnail.width, "thumbnail_height": thumbnail.height, "features_cached": features,
+                "regions_indexed": None if self.index is None else self._indexed(key)}
+
+    def _indexed_images(self) -> int:
+        self.index.refresh()
+        return len(self.index)
+
+    def _indexed(self, key: str) -> bool:
+        self.index.refresh()                       # rows written since the last search, by any process
+        return key in self.index
+
+    def retrieve(self, questions: Sequence[str], top: int, whole_image: bool) -> list[list[dict]]:
+        """The region index's ranking of the cached images for each question (MaxSim, or the whole-image control)."""
+        hits = self.index.search_many(list(questions), top, whole_image=whole_image)
+        return [[hit.to_dict() for hit in found] for found in hits]
 
     # -- /info ---------------------------------------------------------------------------------------------------
     def build_info(self) -> dict:
@@ -301,6 +340,8 @@ class Service:
                       "thumbnail_size": scorer.triage_config.thumbnail_size},
             "kernels": kernels(scorer),
             "cache": scorer.cache is not None,
+            "region_index": None if self.index is None else {"images": self._indexed_images(),
+                                                             "fingerprint": self.index.fingerprint},
             "gates": {"active": len(self.gates), "window": self.config.gate_window, "max": self.config.max_gates},
         })
         return out

@@ -35,6 +35,25 @@ def served(tiny_checkpoint, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def encoder_dir(tmp_path_factory):
+    from pixeltriage.retrieval.demo import write_demo_encoder
+
+    return write_demo_encoder(tmp_path_factory.mktemp("siglip") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def indexed(tiny_checkpoint, encoder_dir, tmp_path_factory):
+    """A server with a region index (--index-encoder, the tiny demo SigLIP 2) over its own cache."""
+    base = tmp_path_factory.mktemp("indexed")
+    server = ServerProcess(tiny_checkpoint, base / "server.log", "--cache", str(base / "cache.db"),
+                           "--index-encoder", str(encoder_dir))
+    server.wait_ready()
+    server.db = base / "cache.db"
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def client(served):
     from pixeltriage.serve import Client
