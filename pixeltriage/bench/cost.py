@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pixeltriage.bench.flops import (
-    ANSWERING_MODELS,
-    SYSTEM_ONE_CONFIGS,
     SYSTEM_ONE_HEAD_DIM,
     answering_model,
     paper_state,
