@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pixeltriage.errors import CheckpointError
-from pixeltriage.weights.loader import LAYOUTS
+from pixeltriage.weights.layout import LAYOUTS
 from pixeltriage.weights.reader import open_safetensors
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,26 @@ HEAD_DECISION = "head.decision.weight"
 HEAD_CANDIDATE = "head.candidate.weight"
 # engine fields kept in float32 whatever the engine dtype (the decay parameters feed exp/softplus; the head is fp32)
 FLOAT32_FIELDS = frozenset({"A_log", "dt_bias", "head_decision", "head_candidate"})
+
+
+LAYOUTS = {
+    # name: (text prefix, vision prefix)
+    "transformers": ("model.language_model.", "model.visual."),
+    "valen": ("backbone.language_model.", "backbone.visual."),
+}
+
+
+def detect_layout(names: list[str], where: Path) -> str:
+    """Which key layout the checkpoint uses: transformers' (`model.language_model.*`, `model.visual.*`) or
+    Valen's export (`backbone.language_model.*`, `backbone.visual.*`). Both or neither -> CheckpointError."""
+    found = [layout for layout, (text, _) in LAYOUTS.items() if any(n.startswith(text) for n in names)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise CheckpointError(f"{where}: no backbone tensors found (expected keys under 'model.language_model.' "
+                              "(transformers) or 'backbone.language_model.' (Valen export))")
+    raise CheckpointError(f"{where}: ambiguous layout: holds both 'model.language_model.*' and "
+                          "'backbone.language_model.*' tensors")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,30 +8,11 @@ import torch
 
 from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
-from pixeltriage.weights.layout import EngineWeights, build_engine_weights, flatten
+from pixeltriage.weights.adapter import LoraAdapter, is_adapter_dir
+from pixeltriage.weights.layout import LAYOUTS, EngineWeights, build_engine_weights, detect_layout, flatten
 from pixeltriage.weights.reader import TensorSource, weight_files
 
 HEAD_FILE = "decision_head.safetensors"
-
-
-LAYOUTS = {
-    # name: (text prefix, vision prefix)
-    "transformers": ("model.language_model.", "model.visual."),
-    "valen": ("backbone.language_model.", "backbone.visual."),
-}
-
-
-def detect_layout(names: list[str], where: Path) -> str:
-    """Which key layout the checkpoint uses: transformers' (`model.language_model.*`, `model.visual.*`) or
-    Valen's export (`backbone.language_model.*`, `backbone.visual.*`). Both or neither -> CheckpointError."""
-    found = [layout for layout, (text, _) in LAYOUTS.items() if any(n.startswith(text) for n in names)]
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        raise CheckpointError(f"{where}: no backbone tensors found (expected keys under 'model.language_model.' "
-                              "(transformers) or 'backbone.language_model.' (Valen export))")
-    raise CheckpointError(f"{where}: ambiguous layout: holds both 'model.language_model.*' and "
-                          "'backbone.language_model.*' tensors")
 
 
 @dataclass(frozen=True)
@@ -50,8 +31,6 @@ def load_directory(path: Path, dtype: torch.dtype, device: torch.device, adapter
                    verify: bool = True) -> CheckpointDirectory:
     """Read a checkpoint directory (see docs/checkpoints.md): configs first (a bad one fails before any tensor is
     read), then the weights with the adapter merged; `adapter=None` takes one inside the directory itself."""
-    from pixeltriage.weights.adapter import is_adapter_dir     # adapter.py imports this module's LAYOUTS
-
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint not found (a directory, or a file written by `pixeltriage pack`)")
     model_cfg = ModelConfig.from_file(path / "config.json")
@@ -70,8 +49,6 @@ def load_checkpoint(directory: Path, cfg: ModelConfig, head_dim: int, dtype: tor
                     device: torch.device, adapter: Path | None = None, verify: bool = True) -> EngineWeights:
     """Backbone shards (+ decision_head.safetensors when present, + a LoRA adapter merged at read) ->
     EngineWeights in the engine's fused layout; all or nothing. verify: NaN/Inf anywhere is an error."""
-    from pixeltriage.weights.adapter import LoraAdapter
-
     files = weight_files(directory)
     head = directory / HEAD_FILE
     if head.is_file():
