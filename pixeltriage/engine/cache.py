@@ -111,6 +111,14 @@ CREATE TRIGGER IF NOT EXISTS regions_deleted AFTER DELETE ON regions BEGIN
     UPDATE region_log SET deletions = deletions + 1 WHERE id = 0;
 END
 """
+# An image's region vectors and features go with it whether or not the deleting connection enabled foreign keys
+# (the sqlite3 shell and Python's sqlite3 leave them off, so ON DELETE CASCADE alone would leave orphans behind).
+_IMAGES_TRIGGER = """
+CREATE TRIGGER images_deleted AFTER DELETE ON images BEGIN
+    DELETE FROM regions WHERE key = OLD.key;
+    DELETE FROM features WHERE key = OLD.key;
+END
+"""
 
 
 class CacheMissError(PixelTriageError, KeyError):
@@ -228,9 +236,15 @@ class Cache:
         return self._row(key, "note")[0]
 
     def size(self, key: str) -> tuple[int, int] | None:
-        """The original image's displayed (width, height); None for rows written by schema version 1."""
+        """The original image's displayed (width, height); None for rows written by schema version 1, and for a
+        damaged size (not two positive integers: the size is outside the thumbnail's checksum), with a warning."""
         width, height = self._row(key, "width, height")
-        return None if width is None or height is None else (int(width), int(height))
+        if width is None or height is None:
+            return None
+        if type(width) is not int or type(height) is not int or width < 1 or height < 1:
+            log.warning("cache %s: the stored size of %s is damaged (%r x %r); treated as unknown", self.path, key, width, height)
+            return None
+        return width, height
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
@@ -315,6 +329,11 @@ class Cache:
             if last is None:
                 return
             after = last
+
+    def delete_region_row(self, seq: int) -> None:
+        """Delete one regions row by its seq (never reused: a row rewritten since has another)."""
+        with self._write() as conn:
+            conn.execute("DELETE FROM regions WHERE seq = ?", (int(seq),))
 
     def region_state(self, fingerprint: str) -> tuple[int, int]:
         """(the highest seq of `fingerprint`, the number of regions rows ever deleted, of any fingerprint): what a
@@ -451,6 +470,12 @@ class Cache:
                 conn.execute(_REGIONS_TRIGGER)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = 'images_deleted'"
+                            ).fetchone() is None:
+                conn.execute(_IMAGES_TRIGGER)
+                # rows a delete without foreign keys left behind before the trigger existed
+                conn.execute("DELETE FROM regions WHERE key NOT IN (SELECT key FROM images)")
+                conn.execute("DELETE FROM features WHERE key NOT IN (SELECT key FROM images)")
 
 
 class _Transaction:

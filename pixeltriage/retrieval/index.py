@@ -232,9 +232,10 @@ class RegionIndex:
 
     def _apply(self, seq: int, key: str, vectors) -> None:
         if vectors.shape != (self._regions, self.encoder.dim):
-            log.warning("cache %s: region vectors of %s have shape %s, expected (%d, %d); not searched (index the "
-                        "image again)", self.cache.path, key, vectors.shape, self._regions, self.encoder.dim)
+            log.warning("cache %s: region vectors of %s have shape %s, expected (%d, %d); deleting the row (index "
+                        "the image again)", self.cache.path, key, vectors.shape, self._regions, self.encoder.dim)
             self._remove(key)                     # the row replaced what was held
+            self.cache.delete_region_row(seq)     # so that unindexed() names the image, as for a corrupt row
             return
         row = self._row_of.get(key)
         if row is None:

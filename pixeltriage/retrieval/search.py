@@ -67,20 +67,24 @@ def _exact_chunk(vectors: torch.Tensor, queries: torch.Tensor, top: int, whole_i
     else:
         scores, regions = (vectors.reshape(n * r, d) @ queries.T).view(n, r, -1).max(dim=1)   # [N, m] each
     k = min(top, n)
-    best, rows = scores.T.topk(k, dim=1)                                  # [m, k]
-    # topk leaves equal scores in no set order: by row, then stably by score
-    by_row = rows.argsort(dim=1)
-    best, rows = best.gather(1, by_row), rows.gather(1, by_row)
-    order = best.argsort(dim=1, descending=True, stable=True)
-    best, rows = best.gather(1, order), rows.gather(1, order)
-    return Ranked(best, rows, regions.T.gather(1, rows))
+    by_query = scores.T                                                   # [m, N]
+    kth = by_query.topk(k, dim=1).values[:, -1:]                          # [m, 1]
+    # topk picks among scores equal to the k-th in no set order: every row tied with it is a candidate, and the
+    # candidates are ordered by score, then by row, so ties at the cut-off go to the lower row as well
+    picked = []
+    for query, cut in zip(by_query, kth):
+        candidates = (query >= cut).nonzero().squeeze(1)                  # ascending rows
+        order = query[candidates].argsort(descending=True, stable=True)[:k]
+        picked.append(candidates[order])
+    rows = torch.stack(picked) if picked else torch.zeros(0, k, dtype=torch.long)
+    return Ranked(by_query.gather(1, rows), rows, regions.T.gather(1, rows))
 
 
 class QuantizedSearch:
     """faiss `IndexScalarQuantizer` (8 bits per dimension, inner product) over every region vector, proposing
     candidate images for `exact_search` (see the module docstring). Rows are appended as the store grows;
     replaced rows make it stale, and it is rebuilt (retrained) on the next search, as it is when the store has
-    doubled since it was trained."""
+    doubled since it was trained, or when appended rows fall outside the range its quantizer was trained on."""
 
     def __init__(self, candidate_factor: int = 2):
         self.faiss = import_faiss()
@@ -88,15 +92,24 @@ class QuantizedSearch:
         self.index = None
         self.rows = 0
         self.trained_rows = 0
+        self.low = self.high = None        # per-dimension range the quantizer was trained on
         self.stale = True
 
     def sync(self, vectors: torch.Tensor) -> None:
         """Bring the index up to `vectors` [N, R, D] (rows only ever appended, unless marked stale)."""
         n = len(vectors)
-        if self.stale or self.index is None or n < self.rows or n > 2 * max(self.trained_rows, 1):
+        if self.stale or self.index is None or n < self.rows or n > 2 * max(self.trained_rows, 1) \
+                or not self.trained_rows:
             self._build(vectors)
         elif n > self.rows:
-            self.index.add(_flat(vectors[self.rows:]))
+            added = _flat(vectors[self.rows:])
+            # the 8-bit codes cover each dimension's range seen at training: rows outside it would be clipped and
+            # lose candidates, so they retrain the quantizer instead of being appended
+            slack = 0.1 * (self.high - self.low)           # a little past the extremes costs nothing measurable
+            if (added.min(axis=0) < self.low - slack).any() or (added.max(axis=0) > self.high + slack).any():
+                self._build(vectors)
+                return
+            self.index.add(added)
             self.rows = n
 
     def _build(self, vectors: torch.Tensor) -> None:
@@ -107,12 +120,16 @@ class QuantizedSearch:
             flat = _flat(vectors)
             index.train(flat)
             index.add(flat)
+            self.low, self.high = flat.min(axis=0), flat.max(axis=0)
         self.index, self.rows, self.trained_rows, self.stale = index, n, n, False
 
     def search(self, vectors: torch.Tensor, queries: torch.Tensor, top: int) -> Ranked:
         """Top-`top` images per query, scored exactly: vectors [N, R, D] (what `sync` last saw), queries [m, D]."""
         n, r, _ = vectors.shape
         k = min(top, n)
+        if len(queries) == 0:
+            empty = torch.zeros(0, k)
+            return Ranked(empty, empty.long(), empty.long())
         if k == 0 or self.index is None or self.rows != n:
             raise RuntimeError("QuantizedSearch.search before sync with these vectors")
         _, hits = self.index.search(queries.contiguous().numpy(), min(self.candidate_factor * top * r, n * r))

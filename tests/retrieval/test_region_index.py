@@ -185,7 +185,8 @@ def test_a_row_of_the_wrong_shape_is_not_searched_and_recomputed_by_add(cache, c
     cache.put_regions(keys[0], index.fingerprint, np.ones((3, 4), np.float32))       # a sound row, but 3 regions
     with caplog.at_level(logging.WARNING):
         assert [h.key for h in index.search("red", top=5)] == [keys[1], keys[2]]
-    assert "have shape (3, 4), expected (5, 4); not searched" in caplog.text
+    assert "have shape (3, 4), expected (5, 4); deleting the row" in caplog.text
+    assert index.unindexed() == [keys[0]]                                              # named, as a corrupt row is
     index.add(corner_cue())
     assert encoder.images_encoded == 20 and [h.key for h in index.search("red", top=1)] == [keys[0]]
 

@@ -139,6 +139,7 @@ def test_keys_without_regions(cache):
 def _downgrade(path, version: int) -> None:
     """Make a current file look like one written by schema `version` (1 or 2)."""
     with raw(path) as conn:
+        conn.execute("DROP TRIGGER images_deleted")                          # neither version had it
         conn.execute("DROP TABLE regions")
         if version == 1:
             conn.execute("ALTER TABLE images DROP COLUMN width")
@@ -165,3 +166,41 @@ def test_older_files_gain_the_regions_table(tmp_path, version):
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
         indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert "regions_by_fingerprint" in indexes
+
+
+def test_deleting_an_image_without_foreign_keys_deletes_its_vectors(cache):
+    """The sqlite3 shell and Python's sqlite3 leave foreign keys off; the image's rows still go with it."""
+    a, b = cache.put(noise_png(1)), cache.put(noise_png(2))
+    cache.put_regions(a, "enc", vectors(1))
+    cache.put_regions(b, "enc", vectors(2))
+    conn = raw(cache.path)
+    assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 0
+    conn.execute("DELETE FROM images WHERE key = ?", (a,))
+    conn.close()
+    assert [row.key for row in cache.region_rows("enc")] == [b]
+    assert cache.region_state("enc")[1] == 1                                # readers holding it learn of it
+
+
+def test_rows_orphaned_before_the_trigger_are_removed_on_open(tmp_path):
+    path = tmp_path / "old.db"
+    with Cache(path) as c:
+        key = c.put(noise_png(3))
+        c.put_regions(key, "enc", vectors(3))
+    conn = raw(path)
+    conn.execute("DROP TRIGGER images_deleted")                             # as a file written before it existed
+    conn.execute("DELETE FROM images")
+    assert conn.execute("SELECT COUNT(*) FROM regions").fetchone()[0] == 1
+    conn.close()
+    with Cache(path) as c:
+        assert list(c.region_rows("enc")) == []
+
+
+@pytest.mark.parametrize("width, height", [("abc", 10), (b"\x00", 10), (0, 10), (-5, 7), (2.5, 10)])
+def test_a_damaged_size_reads_as_unknown(cache, caplog, width, height):
+    key = cache.put(noise_png(4))
+    conn = raw(cache.path)
+    conn.execute("UPDATE images SET width = ?, height = ? WHERE key = ?", (width, height, key))
+    conn.close()
+    with caplog.at_level(logging.WARNING):
+        assert cache.size(key) is None
+    assert "stored size" in caplog.text and "damaged" in caplog.text
