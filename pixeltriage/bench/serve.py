@@ -393,7 +393,9 @@ def run_serve(args: argparse.Namespace) -> int:
     phases = []
     try:
         server.wait_ready()
-        driver = Driver(server.url, eps, local.expected, connections=max(64, args.clients * 2))
+        # a connection per open-loop thread: a request waiting for a pooled connection would count the client's
+        # own queue as the server's latency
+        driver = Driver(server.url, eps, local.expected, connections=max(64, args.clients * 2, min(512, args.requests)))
         try:
             one, local_times, differences = driver.interleaved(local, args.duration, args.requests)
             phases.append(one)
@@ -405,8 +407,7 @@ def run_serve(args: argparse.Namespace) -> int:
             report["in_process"]["serial_questions_per_s"] = [s["questions_per_s"] for s in serial]
             rate = args.rate or 2 * phases[1].summary()["questions_per_s"]
             memory_before = server.memory_mib()
-            phases.append(driver.open_loop(f"open loop {rate:.1f}/s", rate, args.duration,
-                                           max(args.requests, math.ceil(rate * args.duration))))
+            phases.append(driver.open_loop(f"open loop {rate:.1f}/s", rate, args.duration, args.requests))
             report["server_memory_mib"] = {"before_open_loop": memory_before, "after": server.memory_mib()}
         finally:
             driver.close()

@@ -70,6 +70,8 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     verbose = getattr(args, "verbose", 0) or 0
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(levelname)s %(name)s: %(message)s")
+    # PIL's debug lines quote image metadata (TIFF tags, EXIF text): never part of our logs, -vv included
+    logging.getLogger("PIL").setLevel(logging.INFO)
     from pixeltriage.errors import PixelTriageError
 
     try:

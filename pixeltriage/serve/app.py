@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")           # answered without an API key
 SCORING_PATHS = ("/v1/score", "/v1/score/batch")
+BODY_PATHS = (*SCORING_PATHS, "/v1/memories", "/v1/retrieve")   # read by the guard, their number bounded
 ROUTES = ("/v1/score", "/v1/score/batch", "/v1/memories", "/v1/retrieve", "/health", "/ready", "/info", "/metrics", "/docs",
           "/openapi.json")
 ARRIVAL = "pixeltriage.arrival"                          # scope key: when the request's first byte was seen
@@ -236,8 +237,8 @@ def _add_status_routes(app: FastAPI, service: Service) -> None:
     @app.get("/ready", response_model=Status, responses={503: {"model": Status}}, tags=["status"])
     async def ready():
         """200 once the checkpoint is loaded and a warm-up forward at the full batch budget ran; 503 while loading
-        or shutting down."""
-        status = service.status
+        or shutting down, and once its model worker stopped ("stalled")."""
+        status = service.readiness
         return _json({"status": status}, status=200 if status == "ready" else 503)
 
     @app.get("/info", tags=["status"])
@@ -315,7 +316,10 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):   # unknown routes, unparsable bodies
         kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_input")
-        return _error(e.status_code, kind, str(e.detail), headers=getattr(e, "headers", None))
+        # a body FastAPI cannot parse at all (not UTF-8, numbers past Python's digit limit, nesting too deep) is
+        # malformed input like any other: 422, as documented, not FastAPI's 400
+        status = 422 if e.status_code == 400 else e.status_code
+        return _error(status, kind, str(e.detail), headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientDisconnected)
     async def gone(request: Request, e: ClientDisconnected):
@@ -369,11 +373,10 @@ class Guard:
         if refusal is not None:
             await refusal(scope, receive, counting_send)
             return
-        if not path.startswith("/v1/") or scope["method"] not in ("POST", "PUT"):
-            await self.app(scope, receive, counting_send)
+        if path not in BODY_PATHS or scope["method"] not in ("POST", "PUT"):
+            await self.app(scope, receive, counting_send)      # no body of ours to read (unknown routes: 404)
             return
-        scoring = path in SCORING_PATHS
-        self.service.open_requests += scoring
+        self.service.open_requests += 1        # every body held in memory counts: at most max_queued of them
         try:
             body = await self._body(scope, receive)
             if isinstance(body, Response):
@@ -381,7 +384,7 @@ class Guard:
                 return
             await self.app(scope, _replay(body, receive), counting_send)
         finally:
-            self.service.open_requests -= scoring
+            self.service.open_requests -= 1
 
     def _refusal(self, scope: Scope, path: str) -> Response | None:
         service, failures = self.service, self.service.metrics.failures
@@ -396,10 +399,11 @@ class Guard:
             return _error(503, "unavailable", f"the service is {service.status}; retry on another replica or later",
                           headers={"retry-after": "1", "connection": "close"} if service.status != "loading"
                           else {"retry-after": "5"})
-        if path in SCORING_PATHS and (service.batcher.free <= 0 or service.open_requests >= service.config.max_queued):
+        if path in BODY_PATHS and (service.open_requests >= service.config.max_queued
+                                   or (path in SCORING_PATHS and service.batcher.free <= 0)):
             failures.labels("overloaded").inc()
-            return _error(429, "overloaded", f"the queue is full ({service.batcher.admitted} of "
-                          f"{service.config.max_queued} questions admitted)",
+            return _error(429, "overloaded", f"the server is full ({service.batcher.admitted} of "
+                          f"{service.config.max_queued} questions admitted, {service.open_requests} requests open)",
                           headers={"retry-after": str(service.batcher.retry_after())})
         return None
 

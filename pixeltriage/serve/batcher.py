@@ -141,7 +141,10 @@ class Batcher:
         running forward finish, stop the threads."""
         with self._cond:
             self._accepting, self._closed = False, True
-            waiting = [entry[-1] for entry in self._pending + self._ready]
+            # taken out of the queues under the lock: neither the worker nor a second close can reach them again
+            waiting = [entry[-1] for entry in self._pending + self._ready if entry[-1].where in ("pending", "ready")]
+            self._pending, self._ready = [], []
+            self._dead = 0
             self._cond.notify_all()
         for job in waiting:
             self._fail(job, ServiceUnavailableError(reason, 503))
@@ -185,6 +188,11 @@ class Batcher:
     def accepting(self) -> bool:
         return self._accepting
 
+    @property
+    def alive(self) -> bool:
+        """Whether the worker and the preparation threads are all running (a stopped worker scores nothing)."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
     def retry_after(self) -> int:
         """Seconds until the queue has likely drained enough to admit again: its questions at the recent forward
         time per question, 1 to MAX_RETRY_AFTER."""
@@ -222,6 +230,9 @@ class Batcher:
         self.observer.queue(self._admitted - self._running, self._running)
 
     def _fail(self, job: _Job, error: BaseException) -> None:
+        """Fail a job that no forward holds; one already finished (answered, failed or cancelled) is left as it is."""
+        if job.future.done():
+            return
         if job.future.set_running_or_notify_cancel():
             job.future.set_exception(error)
 

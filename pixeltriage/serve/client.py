@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import os
 import re
@@ -26,7 +27,8 @@ import httpx
 
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
-                                OverloadedError, ServiceError, ServiceUnavailableError, StateTooLongError)
+                                OverloadedError, PixelTriageError, ServiceError, ServiceUnavailableError,
+                                StateTooLongError)
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 RETRIED_STATUS = (429, 502, 503)
@@ -256,7 +258,8 @@ class Client(_Base):
         episodes, size, out = list(episodes), self.batch_size(), []
         for start in range(0, len(episodes), size):
             body = self._batch_body(episodes[start:start + size], None, timeout_s, priority)
-            out += [scores_of(r) for r in self._request("POST", "/v1/score/batch", body, timeout_s)["results"]]
+            with _numbered_from(start):
+                out += [scores_of(r) for r in self._request("POST", "/v1/score/batch", body, timeout_s)["results"]]
         return out
 
     def put_memory(self, image, note: str = "") -> str:
@@ -353,7 +356,9 @@ class AsyncClient(_Base):
         episodes, size, out = list(episodes), await self.batch_size(), []
         for start in range(0, len(episodes), size):
             body = self._batch_body(episodes[start:start + size], None, timeout_s, priority)
-            out += [scores_of(r) for r in (await self._request("POST", "/v1/score/batch", body, timeout_s))["results"]]
+            with _numbered_from(start):
+                out += [scores_of(r) for r in
+                        (await self._request("POST", "/v1/score/batch", body, timeout_s))["results"]]
         return out
 
     async def put_memory(self, image, note: str = "") -> str:
@@ -419,3 +424,20 @@ def _hits(response: dict) -> list:
 
     return [Hit(h["key"], h["score"], h["region"], None if h["box"] is None else Box(*h["box"]))
             for h in response["hits"]]
+
+
+@contextlib.contextmanager
+def _numbered_from(start: int):
+    """An error of one request of a split batch names its question by its place in the caller's whole list."""
+    try:
+        yield
+    except PixelTriageError as e:
+        field = getattr(e, "field", None)
+        if start and isinstance(field, str):
+            e.field = _QUESTION.sub(lambda m: f"questions[{start + int(m.group(1))}]", field, count=1)
+            if e.args and isinstance(e.args[0], str) and e.args[0].startswith(field):   # "field: message"
+                e.args = (e.field + e.args[0][len(field):], *e.args[1:])
+        raise
+
+
+_QUESTION = re.compile(r"^questions\[(\d+)\]")

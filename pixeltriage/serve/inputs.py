@@ -62,7 +62,9 @@ class ImageRoot:
 
     def read(self, relative: str, field: str) -> bytes:
         path = self.resolve(relative, field)
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        # O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; fstat below refuses it. It changes
+        # nothing for the regular file read after
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:

@@ -47,25 +47,27 @@ def replica_class():
             return create_app(self.service)
 
         def check_health(self) -> None:
-            if self.service.status not in ("ready", "draining"):
-                raise RuntimeError(f"pixeltriage replica is {self.service.status}")
+            if self.service.readiness not in ("ready", "draining"):
+                raise RuntimeError(f"pixeltriage replica is {self.service.readiness}")
 
     return PixelTriage
 
 
 def deployment(spec: ModelSpec, config: ServeConfig, *, replicas: int | None = 1,
                autoscaling: dict | None = None, cpus: float = 1.0, gpus: float = 0.0,
-               max_ongoing_requests: int | None = None, max_queued_requests: int = -1, describe: dict | None = None):
+               max_ongoing_requests: int | None = None, max_queued_requests: int | None = None,
+               describe: dict | None = None):
     """The bound Ray Serve application: `replicas` fixed replicas, or `autoscaling` (Ray Serve's autoscaling_config:
     min_replicas, max_replicas, target_ongoing_requests, ...). max_ongoing_requests: requests in a replica at once
-    (default: its --max-queued, so that its batcher sees everything it may batch)."""
+    (default: its --max-queued, so that its batcher sees everything it may batch). max_queued_requests: requests
+    Ray Serve holds for the deployment beyond those, 503 past it (default: --max-queued as well; -1: no bound)."""
     from ray import serve
 
     if spec.device == "cpu" and spec.threads is None:
         spec = dataclasses.replace(spec, threads=max(1, math.floor(cpus)))
     options = dict(name=DEPLOYMENT_NAME, ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
                    max_ongoing_requests=max_ongoing_requests or config.max_queued,
-                   max_queued_requests=max_queued_requests,
+                   max_queued_requests=config.max_queued if max_queued_requests is None else max_queued_requests,
                    graceful_shutdown_timeout_s=config.graceful_timeout, graceful_shutdown_wait_loop_s=0.5,
                    health_check_period_s=5.0, health_check_timeout_s=30.0, max_constructor_retry_count=3)
     if autoscaling is not None:

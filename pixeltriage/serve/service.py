@@ -130,7 +130,7 @@ class Service:
         self.batcher: Batcher | None = None
         self.status = "loading"            # loading, ready, draining, stopped, failed
         self.error: BaseException | None = None
-        self.open_requests = 0             # scoring requests between arrival and response (the body bound)
+        self.open_requests = 0             # /v1 requests with a body, arrival to response (the body bound)
         self.pending_writes = 0
         self._lock = threading.Lock()
 
@@ -143,14 +143,19 @@ class Service:
         """Load the scorer, run one warm-up forward at the full batch budget, start the batcher: then ready."""
         start = time.monotonic()
         scorer = self.loader()
-        if self.index_loader is not None and scorer.cache is not None:
-            self.index = self.index_loader(scorer.cache)
-            if self.index is not None:
-                self.index.refresh()               # read the stored vectors now, not in the first search
-        budget = self.config.max_batch_tokens or scorer.max_batch_tokens
-        scorer.max_batch_tokens = budget
-        warm_up(scorer, budget)
-        scorer.vision_fingerprint              # computed once now, not in the first question's forward
+        try:
+            if self.index_loader is not None and scorer.cache is not None:
+                self.index = self.index_loader(scorer.cache)
+                if self.index is not None:
+                    self.index.refresh()           # read the stored vectors now, not in the first search
+            budget = self.config.max_batch_tokens or scorer.max_batch_tokens
+            scorer.max_batch_tokens = budget
+            warm_up(scorer, budget)
+            scorer.vision_fingerprint          # computed once now, not in the first question's forward
+        except BaseException:
+            if scorer.cache is not None:       # a failed load leaves no open cache behind
+                scorer.cache.close()
+            raise
         batcher = Batcher(scorer.score_states, max_batch_tokens=budget, max_wait_ms=self.config.max_wait_ms,
                           max_queued=self.config.max_queued, preprocess_threads=self.config.preprocess_threads,
                           observer=self.metrics)
@@ -187,7 +192,16 @@ class Service:
 
     @property
     def admitting(self) -> bool:
-        return self.status == "ready"
+        return self.readiness == "ready"
+
+    @property
+    def readiness(self) -> str:
+        """`status`, except "stalled" when ready but its batcher's threads have stopped (what /ready and Ray's health
+        check report: such a server must be restarted)."""
+        status = self.status
+        if status == "ready" and self.batcher is not None and not self.batcher.alive:
+            return "stalled"
+        return status
 
     def drain(self, timeout: float) -> bool:
         """Stop admitting (503 from now on) and wait up to `timeout` s for admitted questions; True if all finished."""
@@ -211,10 +225,12 @@ class Service:
         with self._lock:
             self.status = "stopped" if self.status != "failed" else "failed"
         self.metrics.ready.set(0)
-        if self.batcher is not None:
-            self.batcher.close()
-        if self.cache is not None:
-            self.cache.close()
+        try:
+            if self.batcher is not None:
+                self.batcher.close()
+        finally:
+            if self.cache is not None:
+                self.cache.close()
 
     # -- scoring -------------------------------------------------------------------------------------------------
     def check_question(self, memories: Sequence[MemoryIn], prefix: str) -> None:
@@ -236,6 +252,9 @@ class Service:
                 sizes = [image_size(m, i, scorer.cache) for i, m in enumerate(decoded)] if policy else []
             except InvalidMemoryError as e:
                 known = e.index is not None and 0 <= e.index < len(memories)
+                if scorer.cache is not None and str(scorer.cache.path) in e.reason:   # the server's paths stay private
+                    e = InvalidMemoryError(e.reason.replace(f" {scorer.cache.path}", "").replace(
+                        f" ({scorer.cache.path})", ""), e.index)
                 raise FieldError(f"{prefix}memories[{e.index}].{memories[e.index].source}" if known
                                  else f"{prefix}memories", e) from None
             except StateTooLongError as e:

@@ -177,3 +177,40 @@ def test_max_wait_lets_an_idle_worker_fill_a_partial_batch(forward):
     first[0].result(10), second[0].result(10)
     assert forward.batches == [["a", "b"]]
     b.close()
+
+
+def test_close_twice_and_after_a_graceful_timeout_fails_each_question_once(forward):
+    """SIGTERM's drain closes the batcher at its timeout and the service closes it again: the second close finds
+    nothing left to fail (it used to fail finished futures again, and the shutdown then crashed)."""
+    b = make(forward, max_queued=8)
+    forward.gate.clear()
+    b.submit([prepared("in forward", 10)], far())
+    assert forward.entered.wait(10)
+    queued = b.submit([prepared(f"q{i}", 10) for i in range(4)], far())
+    threading.Timer(0.2, forward.gate.set).start()
+    b.close("graceful timeout")
+    b.close()                                              # idempotent: no RuntimeError, nothing failed twice
+    for future in queued:
+        with pytest.raises(ServiceUnavailableError):
+            future.result(10)
+    assert b.admitted == 0
+
+
+def test_close_while_the_worker_waits_for_a_fuller_batch(forward):
+    """With --max-wait-ms the worker holds a partial batch and waits; a close meanwhile takes the queued questions
+    away from it under the lock, so no question is both failed by close and run by the worker."""
+    b = make(forward, max_wait_ms=20_000)
+    first = b.submit([prepared("waits", 10)], far())
+    time.sleep(0.2)                                        # the worker took it and waits for more
+    queued = b.submit([prepared(f"q{i}", 10) for i in range(3)], far())
+    b.close()
+    first[0].result(10)                                    # the held batch still runs
+    outcomes = []
+    for future in queued:
+        try:
+            future.result(10)
+            outcomes.append("scored")
+        except ServiceUnavailableError:
+            outcomes.append("refused")
+    assert len(outcomes) == 3 and b.admitted == 0
+    assert not b.alive                                     # the threads stopped, none of them by an error

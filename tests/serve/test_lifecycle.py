@@ -1,5 +1,6 @@
 """A server's life over real HTTP: one-line start-up errors, a kill -9 that loses no committed cache row, SIGTERM
 that stops admitting (503 on /v1 and /ready), finishes admitted work and closes the cache cleanly."""
+import io
 import signal
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+from PIL import Image
 from serving import ENV, ServerProcess, b64, image_bytes, metric
 
 from pixeltriage import Cache
@@ -53,6 +55,7 @@ def test_kill_9_loses_no_committed_row_and_sigterm_drains(tiny_checkpoint, tmp_p
         assert [http.get(f"/v1/memories/{key}").json()["note"] for key in keys] == [f"note {i}" for i in range(5)]
         heavy = {"question": "private-question-4711", "memories": [
             {"image": b64(image_bytes((336, 336), seed=i)), "note": "private-note-0815"} for i in range(16)]}
+        heavy["memories"][0]["image"] = b64(tiff_with_description("private-description-4711"))   # PIL logs tags
         answers = []
         threads = [threading.Thread(target=lambda: answers.append(http.post("/v1/score", json=heavy)))
                    for _ in range(3)]
@@ -86,3 +89,35 @@ def test_kill_9_loses_no_committed_row_and_sigterm_drains(tiny_checkpoint, tmp_p
 def admitted(http: httpx.Client) -> float:
     text = http.get("/metrics").text
     return metric(text, "pixeltriage_queue_size") + metric(text, "pixeltriage_queue_running")
+
+
+def tiff_with_description(text: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (90, 120, 30)).save(buffer, format="TIFF", tiffinfo={270: text})
+    return buffer.getvalue()
+
+
+def test_sigterm_past_the_graceful_timeout_refuses_the_rest_and_still_closes_cleanly(tiny_checkpoint, tmp_path):
+    db = tmp_path / "cache.db"
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--cache", str(db),
+                           "--graceful-timeout", "0.3").wait_ready()
+    heavy = {"question": "q", "memories": [{"image": b64(image_bytes((336, 336), seed=i))} for i in range(16)]}
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(http.post("/v1/score", json=heavy)))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while admitted(http) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+    assert server.proc.wait(60) == 0
+    codes = sorted(a.status_code for a in answers)
+    assert len(codes) == 4 and set(codes) <= {200, 503} and 503 in codes, codes   # the rest refused, none lost
+    output = server.output()
+    assert "Traceback" not in output and "shutdown failed" not in output.lower()
+    assert not Path(f"{db}-wal").exists()                        # the cache was still closed

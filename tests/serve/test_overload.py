@@ -116,3 +116,31 @@ def test_a_client_that_disconnects_has_its_queued_work_dropped(small):
     wait_for(lambda: admitted(small.url) == 0)
     after = httpx.get(small.url + "/metrics").text
     assert metric(after, "pixeltriage_questions_total") - metric(before, "pixeltriage_questions_total") == 3
+
+
+def test_stalled_uploads_to_any_route_are_bounded(small):
+    """Every /v1 body the server holds counts against --max-queued, not only scoring ones: stalled uploads to
+    /v1/memories cannot pile up request bodies in memory. Unknown routes are answered without reading the body."""
+    host, port = small.url.removeprefix("http://").split(":")
+    stalled = []
+    try:
+        for _ in range(4):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            sock.sendall(b"POST /v1/memories HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 1000000\r\n\r\n{\"image\": \"")
+            stalled.append(sock)
+        deadline = time.monotonic() + 30
+        while True:                                        # the four bodies are being read: the fifth is refused
+            response = httpx.post(small.url + "/v1/retrieve", json={"question": "q"}, timeout=30)
+            if response.status_code == 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert response.status_code == 429 and response.headers["retry-after"]
+        assert httpx.post(small.url + "/v1/nothing", content=b"x" * 100, timeout=30).status_code == 404
+    finally:
+        for sock in stalled:
+            sock.close()
+    deadline = time.monotonic() + 30
+    while httpx.post(small.url + "/v1/score", json={"question": "q", "memories": []}, timeout=30).status_code != 200:
+        assert time.monotonic() < deadline                 # the slots come back when the uploads go away
+        time.sleep(0.05)

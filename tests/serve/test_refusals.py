@@ -37,13 +37,33 @@ def body(*memories, **extra):
     (body({"image": PNG}, timeout_s=0), "timeout_s", "invalid_input", "greater than 0"),
     (body({"path": "photos/mug.png", "note": None}, priority=10), "priority", "invalid_input", "less than or equal"),
 ])
-def test_bad_input_is_422_naming_the_field(http, request_body, field, kind, needle):
+def test_bad_input_is_422_naming_the_field(http, served, request_body, field, kind, needle):
     response = http.post("/v1/score", json=request_body)
     assert response.status_code == 422, response.text
     error = response.json()
     assert (error["field"], error["error_type"]) == (field, kind), error
     assert needle in error["error"] and error["error"].startswith(field)
+    assert str(served.base) not in error["error"]                          # not even the cache file's path
     assert "Traceback" not in response.text and len(response.text) < 2000      # inputs are never echoed
+
+
+@pytest.mark.parametrize("content", [b'{"question": "\xff\xfe"}', b'{"question": "q", "id": ' + b"9" * 5000 + b"}",
+                                     b"[" * 100_000 + b"]" * 100_000])
+def test_a_body_fastapi_cannot_parse_is_422_too(http, content):
+    response = http.post("/v1/score", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["error_type"] == "invalid_input", response.text
+
+
+def test_a_fifo_under_the_image_root_is_refused_without_blocking(http, served):
+    import os
+
+    fifo = served.root / "photos" / "pipe.png"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    response = http.post("/v1/score", json=body({"path": "photos/pipe.png"}), timeout=20)
+    assert response.status_code == 422 and "not a regular file" in response.json()["error"]
+    assert http.post("/v1/score", json=body({"path": "photos/mug.png"}), timeout=60).status_code == 200
+    assert http.get("/ready").json()["status"] == "ready"
 
 
 def test_malformed_json_and_a_state_too_long(http):
@@ -101,6 +121,15 @@ def test_one_bad_request_never_fails_the_good_ones_beside_it(served, library):
     assert statuses == [200] * 8 + [422] * 4
     for got, (q, m) in zip(answers, good):
         assert_scores_close(got, library.score(q, m))
+
+
+def test_a_split_client_batch_names_the_question_by_its_place_in_the_whole_list(client):
+    client._batch_size = 2                                 # as a server with --max-client-batch 2 would have it
+    good = ("q", [Memory(image=image_bytes())])
+    bad = ("q", [Memory(image=image_bytes()), Memory(image=b"GIF89a not really")])
+    with pytest.raises(InvalidMemoryError) as info:
+        client.score_batch([good, good, good, bad])
+    assert info.value.field == "questions[3].memories[1].image" and info.value.index == 1
 
 
 def test_batch_errors_name_the_question(http):

@@ -50,3 +50,31 @@ def test_field_paths():
     assert field_path(("body", "memories", 2, "image")) == "memories[2].image"
     assert field_path(("body", "questions", 0, "policy", "k")) == "questions[0].policy.k"
     assert field_path(("body",)) is None
+
+
+def test_a_load_that_fails_after_opening_the_cache_closes_it(tiny_checkpoint, tmp_path):
+    import pytest
+
+    from pixeltriage import Cache
+
+    cache = Cache(tmp_path / "cache.db")
+
+    def broken_index(_cache):
+        raise RuntimeError("the encoder did not load")
+
+    service = Service(ServeConfig(), lambda: Scorer.load(tiny_checkpoint, cache=cache), index_loader=broken_index)
+    with pytest.raises(RuntimeError, match="encoder"):
+        service.load()
+    with pytest.raises(ValueError, match="closed"):
+        len(cache)
+
+
+def test_ready_says_stalled_when_the_model_worker_stopped(tiny_checkpoint):
+    service = Service(ServeConfig(max_batch_tokens=600), lambda: Scorer.load(tiny_checkpoint))
+    service.load()
+    with TestClient(create_app(service)) as http:
+        assert http.get("/ready").status_code == 200
+        service.batcher.close()                            # as if its threads had died
+        response = http.get("/ready")
+        assert response.status_code == 503 and response.json()["status"] == "stalled"
+        assert http.post("/v1/score", json={"question": "q"}).status_code == 503
