@@ -5,8 +5,9 @@ The public names below are imported on first use (PEP 562), so `import pixeltria
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from pixeltriage.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -41,17 +42,7 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pixeltriage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value            # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:                      # for type checkers and IDEs: the same names, imported eagerly

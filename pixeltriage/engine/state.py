@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.engine.image import preprocess, preprocess_thumbnail
-from pixeltriage.engine.types import Memory
+from pixeltriage.engine.types import Memory, user_text
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, StateTooLongError
 
 DATE_TOKENS = 32  # per-memory budget for the session date; the rest goes to note and dialogue
@@ -130,23 +130,6 @@ class TextEncoder:
         return ids
 
 
-def _text(value, what: str, index: int | None) -> str:
-    """User text as a str the tokenizer accepts: bytes are decoded as UTF-8 and a str holding lone surrogates
-    (e.g. from a surrogateescape'd file name) is repaired: each lone surrogate becomes U+FFFD, a split pair is joined."""
-    if value is None:
-        return ""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", errors="replace")
-    if not isinstance(value, str):
-        raise InvalidMemoryError(f"{what} must be a string, got {type(value).__name__}", index)
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return value.encode("utf-16", errors="surrogatepass").decode("utf-16", errors="replace")
-    return value
-
-
 class StatePacker:
     """Builds `State`s for one checkpoint (its tokenizer, image rules and template)."""
 
@@ -187,7 +170,7 @@ class StatePacker:
     def pack(self, question: str, memories, images=None, notes=None) -> State:
         """question + memories -> State. `images`: preprocessed images (default: from memory.image);
         `notes`: per-memory notes overriding memory.note (used for cached notes)."""
-        question = _text(question, "question", None)
+        question = user_text(question, "question", None)
         memories = list(memories)
         for i, m in enumerate(memories):
             if not isinstance(m, Memory):
@@ -212,10 +195,10 @@ class StatePacker:
         markers = []
         for i, m in enumerate(memories):
             note = notes[i] if notes is not None and notes[i] is not None else m.note
-            date, date_tokens = enc.truncate_counted(_text(m.date, "date", i), DATE_TOKENS)
+            date, date_tokens = enc.truncate_counted(user_text(m.date, "date", i), DATE_TOKENS)
             budget = self.cfg.max_memory_text_tokens - date_tokens
-            note, note_tokens = enc.truncate_counted(_text(note, "note", i), max(budget // 2, 0))
-            dialogue = enc.truncate(_text(m.dialogue, "dialogue", i), max(budget - note_tokens, 0))
+            note, note_tokens = enc.truncate_counted(user_text(note, "note", i), max(budget // 2, 0))
+            dialogue = enc.truncate(user_text(m.dialogue, "dialogue", i), max(budget - note_tokens, 0))
             text(enc.segment(tpl["memory"], {"index": str(i + 1), "date": date, "dialogue": dialogue, "note": note}))
             _, (t, h, w) = images[i]
             text([self.vision_start])

@@ -7,6 +7,8 @@ from typing import Union
 
 from PIL import Image
 
+from pixeltriage.errors import InvalidMemoryError
+
 ImageSource = Union[Image.Image, bytes, bytearray, str, os.PathLike]
 
 
@@ -45,3 +47,20 @@ class Scores:
 
     def __len__(self) -> int:
         return len(self.gains)
+
+
+def user_text(value, what: str, index: int | None) -> str:
+    """User text as a str the tokenizer accepts: bytes are decoded as UTF-8 and a str holding lone surrogates
+    (e.g. from a surrogateescape'd file name) is repaired: each lone surrogate becomes U+FFFD, a split pair is joined."""
+    if value is None:
+        return ""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="replace")
+    if not isinstance(value, str):
+        raise InvalidMemoryError(f"{what} must be a string, got {type(value).__name__}", index)
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-16", errors="surrogatepass").decode("utf-16", errors="replace")
+    return value

@@ -17,8 +17,9 @@ The names below are imported on first use, so importing this package costs nothi
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from pixeltriage.lazy import lazy_exports
 
 _EXPORTS = {
     "Box": "pixeltriage.retrieval.types",
@@ -39,17 +40,7 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pixeltriage.retrieval' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:

@@ -16,9 +16,7 @@ nothing; the shapes, the files and every code path are those of a real one.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import fcntl
 import hashlib
 import json
 import math
@@ -31,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pixeltriage.errors import CheckpointError
-from pixeltriage.paths import cache_dir
+from pixeltriage.paths import cached_directory
 from pixeltriage.retrieval.encoder import quiet_transformers
 from pixeltriage.weights.reader import safetensors_header
 
@@ -190,23 +188,5 @@ def demo_encoder(preset: str = "tiny", seed: int = 0) -> Path:
     """The cached demo encoder for (preset, seed) under `pixeltriage.paths.cache_dir()`, written on first use;
     safe across processes (a lock file, and the directory appears by rename)."""
     get_preset(preset)
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"siglip2-demo-{preset}-seed{seed}"
-    if target.is_dir():
-        return target
-    with open(root / f".{target.name}.lock", "w") as lock, _locked(lock):
-        if target.is_dir():
-            return target
-        for leftover in root.glob(f".{target.name}.tmp-*"):     # from a run that was killed
-            shutil.rmtree(leftover, ignore_errors=True)
-        return write_demo_encoder(target, preset, seed)
-
-
-@contextlib.contextmanager
-def _locked(file):
-    fcntl.flock(file, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(file, fcntl.LOCK_UN)
+    return cached_directory(f"siglip2-demo-{preset}-seed{seed}",
+                            lambda target: write_demo_encoder(target, preset, seed))

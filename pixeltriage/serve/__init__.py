@@ -7,8 +7,9 @@ Names are imported on first use, as in `pixeltriage`: importing the package load
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from pixeltriage.lazy import lazy_exports
 
 _EXPORTS = {
     "Client": "pixeltriage.serve.client",
@@ -30,17 +31,7 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pixeltriage.serve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from pixeltriage.engine.types import Memory, Scores
+from pixeltriage.engine.types import Memory, Scores, user_text
 from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
                                 OverloadedError, PixelTriageError, ServiceError, ServiceUnavailableError,
                                 StateTooLongError)
@@ -64,28 +64,14 @@ def encode_memories(memories: Sequence[Memory]) -> list[dict]:
 def _encode_memory(m: Memory, index: int) -> dict:
     if not isinstance(m, Memory):
         raise InvalidMemoryError(f"expected a pixeltriage.Memory, got {type(m).__name__}", index)
-    out: dict[str, Any] = {"note": _text(m.note, "note", index) if m.note is not None else None,
-                           "dialogue": _text(m.dialogue, "dialogue", index), "date": _text(m.date, "date", index)}
+    out: dict[str, Any] = {"note": user_text(m.note, "note", index) if m.note is not None else None,
+                           "dialogue": user_text(m.dialogue, "dialogue", index),
+                           "date": user_text(m.date, "date", index)}
     if m.key is not None:
         out["key"] = m.key
     else:
         out["image"] = base64.b64encode(_image_bytes(m.image, index)).decode("ascii")
     return out
-
-
-def _text(value, what: str, index: int | None) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", errors="replace")
-    if not isinstance(value, str):
-        raise InvalidMemoryError(f"{what} must be a string, got {type(value).__name__}", index)
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:         # lone surrogates: repaired as the library repairs them
-            return value.encode("utf-16", errors="surrogatepass").decode("utf-16", errors="replace")
-    return value
 
 
 def _image_bytes(image, index: int | None) -> bytes:
@@ -130,7 +116,7 @@ def _policy(k, token_budget, gate_rate, gate_stream, answering_model) -> dict:
 
 
 def _question_body(question, memories, **extra) -> dict:
-    body = {"question": _text(question, "question", None), "memories": encode_memories(list(memories))}
+    body = {"question": user_text(question, "question", None), "memories": encode_memories(list(memories))}
     body.update({k: v for k, v in extra.items() if v is not None})
     return body
 
@@ -264,7 +250,8 @@ class Client(_Base):
 
     def put_memory(self, image, note: str = "") -> str:
         """Put an image (bytes, a local path or a PIL image) and its note into the server's write-time cache; its key."""
-        body = {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"), "note": _text(note, "note", None)}
+        body = {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"),
+                "note": user_text(note, "note", None)}
         return self._request("POST", "/v1/memories", body)["key"]
 
     def memory(self, key: str) -> dict:
@@ -274,7 +261,7 @@ class Client(_Base):
     def retrieve(self, question: str, top: int = 10, *, whole_image: bool = False) -> list:
         """The server's region-index ranking of its cached images for `question`: `pixeltriage.retrieval.Hit`s, as
         `RegionIndex.search` returns them (needs a server started with --index-encoder)."""
-        body = {"question": _text(question, "question", None), "top": top, "whole_image": whole_image}
+        body = {"question": user_text(question, "question", None), "top": top, "whole_image": whole_image}
         return _hits(self._request("POST", "/v1/retrieve", body))
 
     def health(self) -> dict:
@@ -362,14 +349,15 @@ class AsyncClient(_Base):
         return out
 
     async def put_memory(self, image, note: str = "") -> str:
-        body = {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"), "note": _text(note, "note", None)}
+        body = {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"),
+                "note": user_text(note, "note", None)}
         return (await self._request("POST", "/v1/memories", body))["key"]
 
     async def memory(self, key: str) -> dict:
         return await self._request("GET", f"/v1/memories/{key}")
 
     async def retrieve(self, question: str, top: int = 10, *, whole_image: bool = False) -> list:
-        body = {"question": _text(question, "question", None), "top": top, "whole_image": whole_image}
+        body = {"question": user_text(question, "question", None), "top": top, "whole_image": whole_image}
         return _hits(await self._request("POST", "/v1/retrieve", body))
 
     async def health(self) -> dict:

@@ -14,9 +14,7 @@ one tensor however large the model.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import fcntl
 import hashlib
 import json
 import os
@@ -31,7 +29,7 @@ import torch
 
 from pixeltriage.config import FULL, LINEAR, ImageConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
-from pixeltriage.paths import cache_dir
+from pixeltriage.paths import cached_directory
 from pixeltriage.weights.reader import safetensors_header, tensor_numels
 from pixeltriage.weights.tokenizer import (QWEN_FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_tokenizer, save_tokenizer,
                                            special_token_ids)
@@ -314,26 +312,7 @@ def demo_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
     Safe across processes: writers serialise on a lock file and the checkpoint appears by rename.
     """
     get_preset(preset)
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"demo-{preset}-seed{seed}"
-    if target.is_dir():
-        return target
-    with open(root / f".{target.name}.lock", "w") as lock, _locked(lock):
-        if target.is_dir():
-            return target
-        for leftover in root.glob(f".{target.name}.tmp-*"):  # from a run that was killed
-            shutil.rmtree(leftover, ignore_errors=True)
-        return write_demo_checkpoint(target, preset, seed)
-
-
-@contextlib.contextmanager
-def _locked(file):
-    fcntl.flock(file, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(file, fcntl.LOCK_UN)
+    return cached_directory(f"demo-{preset}-seed{seed}", lambda target: write_demo_checkpoint(target, preset, seed))
 
 
 def count_parameters(path: str | os.PathLike) -> dict[str, int]:
