@@ -5,8 +5,11 @@ import contextlib
 import fcntl
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
+
+from pixeltriage.errors import CheckpointError
 
 
 def cache_dir() -> Path:
@@ -29,6 +32,24 @@ def cached_directory(name: str, write: Callable[[Path], Path]) -> Path:
         for leftover in root.glob(f".{name}.tmp-*"):
             shutil.rmtree(leftover, ignore_errors=True)
         return write(target)
+
+
+def write_directory(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Make the directory `path` (absent or empty) by `write(staging)` into a temporary sibling renamed onto it at
+    the end: `path` never holds half of what `write` writes, and a failed write leaves nothing. -> the absolute path."""
+    path = Path(path).absolute()
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointError(f"{path}: already exists and is not an empty directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        staging.chmod(0o755)        # mkdtemp makes it private; what it becomes is an ordinary directory
+        write(staging)
+        os.rename(staging, path)    # atomic; replaces an empty directory
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
 
 
 @contextlib.contextmanager

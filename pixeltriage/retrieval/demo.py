@@ -21,15 +21,12 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pixeltriage.errors import CheckpointError
-from pixeltriage.paths import cached_directory
+from pixeltriage.paths import cached_directory, write_directory
 from pixeltriage.retrieval.encoder import quiet_transformers
 from pixeltriage.weights.reader import safetensors_header
 
@@ -168,20 +165,12 @@ def write_demo_encoder(path: str | os.PathLike, preset: str = "tiny", seed: int 
     """Write a demo SigLIP 2 checkpoint to `path` (absent or an empty directory) and return it. Written into a
     temporary sibling renamed onto `path` at the end: `path` never holds half a checkpoint."""
     p = get_preset(preset)
-    path = Path(path).absolute()
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise CheckpointError(f"{path}: already exists and is not an empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        staging.chmod(0o755)
+
+    def write(staging: Path) -> None:
         with quiet_transformers():
             _write_files(staging, p, seed)
-        os.rename(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return path
+
+    return write_directory(path, write)
 
 
 def demo_encoder(preset: str = "tiny", seed: int = 0) -> Path:

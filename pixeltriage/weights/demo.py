@@ -18,9 +18,7 @@ import copy
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple
@@ -29,7 +27,7 @@ import torch
 
 from pixeltriage.config import FULL, LINEAR, ImageConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
-from pixeltriage.paths import cached_directory
+from pixeltriage.paths import cached_directory, write_directory
 from pixeltriage.weights.reader import safetensors_header, tensor_numels
 from pixeltriage.weights.tokenizer import (QWEN_FIRST_SPECIAL_ID, SPECIAL_TOKENS, build_tokenizer, save_tokenizer,
                                            special_token_ids)
@@ -291,19 +289,7 @@ def write_demo_checkpoint(path: str | os.PathLike, preset: str = "tiny", seed: i
     """
     p = get_preset(preset)
     resolved = _resolve_dtype(p, dtype)
-    path = Path(path).absolute()
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise CheckpointError(f"{path}: already exists and is not an empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary directory
-        _write_files(staging, p, seed, resolved, progress)
-        os.rename(staging, path)  # atomic; replaces an empty directory
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return path
+    return write_directory(path, lambda staging: _write_files(staging, p, seed, resolved, progress))
 
 
 def demo_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
