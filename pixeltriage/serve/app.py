@@ -243,7 +243,8 @@ def _add_status_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/info", tags=["status"])
     async def info():
-        """Checkpoint fingerprints, model shape, device, dtype, the kernel each op uses, limits, version."""
+        """Checkpoint fingerprints, model shape, device, dtype, the kernel each op uses, limits, version, and the
+        event loop and HTTP parser the server runs on."""
         return _json(service.info())
 
     @app.get("/metrics", tags=["status"], response_class=Response)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import logging
 import signal
 import socket
@@ -30,11 +31,17 @@ class ServerError(PixelTriageError):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free port), or ServerError naming the address."""
+    """A listening TCP socket on host:port (port 0: any free port), or ServerError naming the address.
+
+    Made with proto IPPROTO_TCP, not 0: asyncio's event loop turns Nagle's algorithm off (TCP_NODELAY) only on
+    sockets that say they are TCP, and without it every response, written as headers then body, waited ~40 ms for
+    the client's delayed ACK (measured: 44 ms per request on a trivial route, 1.1 ms with the flag). uvloop sets
+    the flag itself; the listening socket's own flag covers connections accepted by any loop (Linux inherits it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as e:
@@ -85,11 +92,29 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def transport() -> dict[str, str]:
+    """The event loop and HTTP parser uvicorn runs on here: uvloop and httptools where installed (the `serve`
+    extra brings httptools: 1.6 vs 2.7 ms per 0.2 MiB request on a trivial route, measured), else asyncio and h11."""
+    def importable(name: str) -> bool:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return False
+        return True
+
+    return {"loop": "uvloop" if importable("uvloop") else "asyncio",
+            "http": "httptools" if importable("httptools") else "h11"}
+
+
 def run(service: Service, sock: socket.socket, *, access_log: bool = False, on_ready=None) -> None:
     """Serve on `sock` until a signal drains the service. Loading starts at once; /health answers meanwhile and
     /ready once loaded (then `on_ready()`). Raises the load's error (a PixelTriageError for a bad checkpoint) if it
     failed."""
+    chosen = transport()
+    service.describe["transport"] = chosen                                      # shown by /info
+    log.info("event loop %s, HTTP parser %s", chosen["loop"], chosen["http"])
     config = uvicorn.Config(create_app(service), log_config=None, access_log=access_log, lifespan="on",
+                            loop=chosen["loop"], http=chosen["http"],
                             timeout_graceful_shutdown=CONNECTION_GRACE, server_header=False,
                             log_level=logging.getLogger().getEffectiveLevel())
     server = _Server(config, service)

@@ -28,12 +28,12 @@ _LISTENING = re.compile(r"listening on (http://\S+?);")
 class ServerProcess:
     """One `pixeltriage serve` subprocess; its combined output goes to `log`."""
 
-    def __init__(self, checkpoint, log: Path, *flags: str):
+    def __init__(self, checkpoint, log: Path, *flags: str, env: dict | None = None):
         self.log = log
         self.argv = [sys.executable, "-m", "pixeltriage", "serve", "--checkpoint", str(checkpoint), "--port", "0",
                      *flags]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env or ENV)
         self.url = None
 
     def output(self) -> str:
