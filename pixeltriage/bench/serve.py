@@ -6,15 +6,17 @@
 Seeded episodes of M memories (JPEG bytes of varied photo sizes, dialogue, notes) are scored in this process first
 (`Scorer.score`: every response's expected answer). Then `pixeltriage serve` starts as a subprocess and this process
 drives it over loopback with pre-encoded request bodies: one client, each request right after the same episode was
-scored in-process (paired, so that other load on the machine falls on both); a closed loop with N clients, between
-two serial in-process runs (the serial questions/s it is compared with); an open loop at R requests/s (default:
-twice the N-client throughput, i.e. 2x overload) against a queue of Q questions. Every phase is bounded by S seconds
-and N requests; warm-up requests are excluded. Every response is checked against its own request (the id it echoes
-and the expected scores, 1e-5), so a lost or mixed-up response is counted. Also measured: the per-request cost of
-the HTTP stack on a trivial GET (raw uvicorn ASGI, a Starlette route, a FastAPI route, this service's /health
-through its guard), each in its own server process, the apps in turn, sequential keep-alive requests.
+scored in-process (paired, so that other load on the machine falls on both; the median difference comes with a
+bootstrap 95% CI and is split at the server's own x-total-time into the part outside the server, HTTP and the body
+on the wire, and the part inside it); a closed loop with N clients, between two serial in-process runs (the serial
+questions/s it is compared with); an open loop at R requests/s (default: twice the N-client throughput, i.e. 2x
+overload) against a queue of Q questions. Every phase is bounded by S seconds and N requests; warm-up requests are
+excluded. Every response is checked against its own request (the id it echoes and the expected scores, 1e-5), so a
+lost or mixed-up response is counted. Also measured: the per-request cost of the HTTP stack on a trivial GET (raw
+uvicorn ASGI, a Starlette route, a FastAPI route, this service's /health through its guard), each in its own server
+process on the service's own socket, event loop and HTTP parser, the apps in turn, sequential keep-alive requests.
 
-The issue's goals are benchmark goals, printed beside the figures, not test assertions.
+The goals are benchmark goals, printed beside the figures, not test assertions.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pixeltriage.bench.timing import percentiles
+from pixeltriage.bench.timing import median_interval, percentiles
 
 SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
          (720, 1280), (512, 384)]
@@ -215,7 +217,8 @@ class Driver:
         self.eps, self.expected = eps, expected
         self.bodies = [request_body(q, m, "") for q, m in eps]
 
-    def send(self, phase: Phase | None, episode: int, request_id: str) -> None:
+    def send(self, phase: Phase | None, episode: int, request_id: str) -> tuple[float, float] | None:
+        """Send one request; for a 200, (the round trip, the server's own x-total-time), both in seconds."""
         import httpx
 
         body = self.bodies[episode].replace(b'"id": ""', f'"id": "{request_id}"'.encode(), 1)
@@ -225,35 +228,42 @@ class Driver:
         except httpx.HTTPError as e:
             if phase is not None:
                 phase.record(f"no answer ({type(e).__name__})", lost=True)
-            return
+            return None
         latency = time.perf_counter() - t0
         if phase is None:
-            return
+            return None
         if response.status_code != 200:
             phase.record(str(response.status_code))
-            return
+            return None
         result = response.json()
         phase.record("200", latency, result["timing"]["batch_questions"],
                      mixed_up=result.get("id") != request_id or not _matches(result, self.expected[episode]))
+        return latency, float(response.headers["x-total-time"]) / 1000
 
-    def interleaved(self, local: Local, duration: float, max_requests: int) -> tuple[Phase, list[float], list[float]]:
+    def interleaved(self, local: Local, duration: float, max_requests: int) -> tuple[Phase, dict[str, list[float]]]:
         """One client, each request right after the same episode scored in-process: the pairs see the same machine
-        (other load on it shifts both). -> (the server phase, in-process latencies, server - in-process per pair)."""
-        phase, local_times, differences = Phase("1 client"), [], []
+        (other load on it shifts both). -> (the server phase, per pair: in-process latency, server - in-process,
+        and that difference split at the server's own x-total-time: outside it (HTTP, the body on the wire) and
+        inside it (the server's work - the in-process call))."""
+        phase = Phase("1 client")
+        pairs: dict[str, list[float]] = {"in_process": [], "difference": [], "outside": [], "inside": []}
         for i in range(WARMUP_REQUESTS):
             self.send(None, i % len(self.eps), f"warm-{i}")
         start = time.perf_counter()
         n = 0
         while n < max_requests and time.perf_counter() - start < duration:
             episode = n % len(self.eps)
-            local_times.append(local.time_one(episode))
-            before = len(phase.latencies)
-            self.send(phase, episode, f"1 client-{n}")
-            if len(phase.latencies) > before:
-                differences.append(phase.latencies[-1] - local_times[-1])
+            local_time = local.time_one(episode)
+            pairs["in_process"].append(local_time)
+            answer = self.send(phase, episode, f"1 client-{n}")
+            if answer is not None:
+                latency, server_total = answer
+                pairs["difference"].append(latency - local_time)
+                pairs["outside"].append(latency - server_total)
+                pairs["inside"].append(server_total - local_time)
             n += 1
         phase.wall = sum(phase.latencies) or 1e-9
-        return phase, local_times, differences
+        return phase, pairs
 
     def close_loop(self, name: str, clients: int, duration: float, max_requests: int) -> Phase:
         phase, counter, lock = Phase(name), iter(range(10 ** 9)), threading.Lock()
@@ -334,11 +344,13 @@ app = create_app(Service(ServeConfig(), lambda: None))
 }
 
 _TRIVIAL_SERVER = """
-import socket, sys, uvicorn
+import uvicorn
+from pixeltriage.serve.server import bind, transport
 {app}
-sock = socket.socket(); sock.bind(("127.0.0.1", 0)); sock.listen(128)
+sock = bind("127.0.0.1", 0)
 print("PORT", sock.getsockname()[1], flush=True)
-uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")).run(sockets=[sock])
+uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                              **transport())).run(sockets=[sock])
 """
 
 
@@ -393,14 +405,20 @@ def run_serve(args: argparse.Namespace) -> int:
     phases = []
     try:
         server.wait_ready()
+        import httpx
+
+        report["transport"] = httpx.get(server.url + "/info", timeout=10).json().get("transport", {})
         # a connection per open-loop thread: a request waiting for a pooled connection would count the client's
         # own queue as the server's latency
         driver = Driver(server.url, eps, local.expected, connections=max(64, args.clients * 2, min(512, args.requests)))
         try:
-            one, local_times, differences = driver.interleaved(local, args.duration, args.requests)
+            one, pairs = driver.interleaved(local, args.duration, args.requests)
             phases.append(one)
-            report["in_process"] = {"latency": percentiles(local_times), "requests": len(local_times),
-                                    "paired_difference": percentiles(differences)}
+            report["in_process"] = {"latency": percentiles(pairs["in_process"]), "requests": len(pairs["in_process"]),
+                                    "paired_difference": percentiles(pairs["difference"]),
+                                    "paired_difference_median_ci95": median_interval(pairs["difference"]),
+                                    "outside_server": percentiles(pairs["outside"]),
+                                    "inside_server": percentiles(pairs["inside"])}
             serial = [local.serial(args.duration / 2, args.requests)]
             phases.append(driver.close_loop(f"{args.clients} clients", args.clients, args.duration, args.requests))
             serial.append(local.serial(args.duration / 2, args.requests))
@@ -411,8 +429,6 @@ def run_serve(args: argparse.Namespace) -> int:
             report["server_memory_mib"] = {"before_open_loop": memory_before, "after": server.memory_mib()}
         finally:
             driver.close()
-        import httpx
-
         report["server_metrics"] = _batch_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
     finally:
         report["server_exit_code"] = server.stop()
@@ -441,6 +457,8 @@ def print_report(r: dict) -> None:
           f"{r['memories']} memories ({r['request_mib']:.2f} MiB per request), server --max-queued "
           f"{r['max_queued']} --max-wait-ms {r['max_wait_ms']:g}; machine load {r['load_average']:.2f} -> "
           f"{r['load_average_after']:.2f} (1-min average)")
+    if r.get("transport"):
+        print(f"server transport: event loop {r['transport']['loop']}, HTTP parser {r['transport']['http']}")
     if r["overhead_s"]:
         base = r["overhead_s"]["raw uvicorn ASGI"]
         print(f"HTTP stack per request (trivial GET /health, {OVERHEAD_REQUESTS} sequential keep-alive requests per "
@@ -458,7 +476,10 @@ def print_report(r: dict) -> None:
     for p in r["phases"]:
         lat = p["latency"]
         if p["phase"] == "1 client":
-            extra = f"  server - in-process per pair: median {ms * local['paired_difference']['p50']:+.1f} ms"
+            low, high = local["paired_difference_median_ci95"]
+            extra = (f"  server - in-process per pair: median {ms * local['paired_difference']['p50']:+.1f} ms "
+                     f"(95% CI {ms * low:+.1f} .. {ms * high:+.1f}; outside the server's x-total-time "
+                     f"{ms * local['outside_server']['p50']:+.1f}, inside {ms * local['inside_server']['p50']:+.1f})")
         else:
             extra = f"  {p['questions_per_s']:6.2f} questions/s ({p['questions_per_s'] / reference:.2f}x serial)"
         batches = p.get("batch_questions")

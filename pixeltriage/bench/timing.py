@@ -1,6 +1,7 @@
 """Timing shared by the benchmarks: wall or CUDA-event timings with warm-up, percentiles, the GEMM rate."""
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Callable
@@ -43,6 +44,17 @@ def percentiles(xs: list[float]) -> dict[str, float]:
             return float("nan")
         return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
     return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "mean": statistics.fmean(xs) if xs else float("nan")}
+
+
+def median_interval(xs: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap `level` confidence interval of the median of `xs` (seeded: the same samples give the
+    same interval); (nan, nan) for no samples."""
+    if not xs:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[round((1 - tail) * (resamples - 1))]
 
 
 def gemm_tflops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16, n: int | None = None) -> float:
