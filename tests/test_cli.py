@@ -39,7 +39,7 @@ def run_cli(*argv, stdin=None, timeout=120):
 def assert_one_line_error(err: str, *needles: str):
     lines = err.strip().splitlines()
     assert "Traceback" not in err
-    assert lines and lines[-1].startswith(("error:", "pixeltriage")), err
+    assert len(lines) == 1 and lines[0].startswith(("error:", "pixeltriage")), err
     assert all(n in err for n in needles), err
 
 
@@ -181,6 +181,13 @@ def test_help_of_every_command_imports_nothing_heavy():
     (["cache", "stats", "{tmp}/none.db"], "no such file"),
     (["bench", "cpu", "--repeats", "0"], "--repeats: must be at least 1"),
     (["scroe"], "invalid choice: 'scroe'"),
+    (["score", "--checkpoint", "{ckpt}", "--episode", "{episode}", "--bogus"],
+     "pixeltriage score: error: unrecognized arguments: --bogus (see 'pixeltriage score --help')"),
+    (["cache", "put", "{tmp}/c.db", "{episode}", "--zz"], "pixeltriage cache put: error: unrecognized arguments"),
+    (["bench", "cpu", "--zz"], "pixeltriage bench cpu: error: unrecognized arguments: --zz"),
+    (["score", "--checkpoint", "{ckpt}", "--episode", "{episode}", "--cache", "{tmp}/typo/c.db"],
+     "no such directory"),
+    (["pack", "{ckpt}", "{tmp}/typo/packed.safetensors"], "no such directory"),
 ])
 def test_usage_errors_are_one_line_and_load_nothing(argv, needle, tiny_checkpoint, tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("x")
@@ -191,6 +198,48 @@ def test_usage_errors_are_one_line_and_load_nothing(argv, needle, tiny_checkpoin
         main([a.format(**values) for a in argv])
     assert exit_.value.code == 2
     assert_one_line_error(capsys.readouterr().err, needle)
+    assert not (tmp_path / "typo").exists()              # a misspelt folder is refused, not created
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("[]", "an empty list holds no episode"),
+    ('{"question": "q"}', "no 'memories'"),
+    ('{"question": "q", "memory": []}', "unknown fields ['memory']"),
+    ('[{"question": "q", "memories": []}, {"question": "r", "memorys": []}]', "episode 2 of 2 has unknown fields"),
+])
+def test_episode_shape_errors_come_before_loading(content, needle, tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "episode.json"
+    path.write_text(content)
+    monkeypatch.setattr("pixeltriage.engine.scorer.Scorer.load", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, str(path), needle)
+
+
+def test_what_is_not_a_checkpoint_is_named_as_such(tmp_path, capsys):
+    episode = write_episode(tmp_path)
+    assert main(["score", "--checkpoint", str(episode), "--episode", str(episode)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "not a safetensors file", "written by `pixeltriage pack`")
+    assert main(["score", "--checkpoint", str(tmp_path), "--episode", str(episode)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "not a checkpoint directory (no config.json)")
+
+
+def test_an_error_while_scoring_names_the_episode_file(tiny_checkpoint, tmp_path, capsys):
+    episode = write_episode(tmp_path)
+    (tmp_path / "photos" / "mug.png").write_bytes(b"not an image")
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(episode)]) == 2
+    assert_one_line_error(capsys.readouterr().err, f"{episode}: memory 1:")
+
+
+def test_a_missing_extra_is_named_with_its_install_command(tiny_checkpoint, tmp_path):
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "prometheus_client.py").write_text(
+        'raise ModuleNotFoundError("No module named \'prometheus_client\'", name="prometheus_client")\n')
+    out = subprocess.run([sys.executable, "-m", "pixeltriage", "serve", "--checkpoint", str(tiny_checkpoint),
+                          "--port", "0"], capture_output=True, text=True, timeout=120,
+                         env={**ENV, "PYTHONPATH": os.pathsep.join([str(hide), ENV["PYTHONPATH"]])})
+    assert out.returncode == 2
+    assert_one_line_error(out.stderr, "'pixeltriage serve' needs the serve extra", "pip install 'pixeltriage[serve]'")
 
 
 def test_input_and_file_problems_are_one_line(tiny_checkpoint, tmp_path):

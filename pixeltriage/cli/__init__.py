@@ -35,8 +35,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one line naming the command, the problem and where help is (argparse prints
+    its whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pixeltriage", parents=[VERBOSITY],
+    parser = Parser(prog="pixeltriage", parents=[VERBOSITY],
                                      description="PixelTriage: decide which retrieved memories deserve pixels.",
                                      epilog="'pixeltriage COMMAND --help' shows a command's options; "
                                             "docs/cli.md has them all.")
@@ -54,7 +62,7 @@ def add_commands(sub, table: dict[str, tuple[str, str, str]], run_attr: str) -> 
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[VERBOSITY])
         mod = importlib.import_module(module)
         suffix = f"_{function}" if function else ""
-        p.set_defaults(**{run_attr: getattr(mod, f"run{suffix}")})
+        p.set_defaults(**{run_attr: getattr(mod, f"run{suffix}"), "_parser": p})
         getattr(mod, f"add{suffix}_arguments")(p)
 
 
@@ -66,8 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+# a module only an optional extra installs -> the extra that brings it
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "httptools": "serve", "httpx": "serve", "pydantic": "serve",
+          "prometheus_client": "serve", "ray": "ray", "faiss": "retrieval", "triton": "gpu", "fla": "gpu",
+          "matplotlib": "plot"}
+
+
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:            # named by the command they were given to, not by the top-level parser
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     verbose = getattr(args, "verbose", 0) or 0
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(levelname)s %(name)s: %(message)s")
     # PIL's debug lines quote image metadata (TIFF tags, EXIF text): never part of our logs, -vv included
@@ -83,6 +100,12 @@ def _main(argv: list[str] | None) -> int:
             _silence_stdout()
             return 0
         return _fail(_os_error(e), verbose)
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            return _fail(f"{type(e).__name__}: {e}", verbose, code=1)
+        return _fail(f"'{args._parser.prog}' needs the {extra} extra ({e}): pip install 'pixeltriage[{extra}]' "
+                     "(from a clone: pip install \".[" + extra + "]\")", verbose)
     except (ImportError, MemoryError) as e:
         return _fail(f"{type(e).__name__}: {e}", verbose, code=1)
     except Exception as e:                      # a bug: one line, the traceback on request

@@ -80,14 +80,18 @@ def input_file(text: str) -> str:
 
 
 def new_file(text: str) -> str:
-    """An argparse type: a path a file can be created at (or is): not a directory, and its parent a directory or
-    creatable."""
+    """An argparse type: a path a file can be created at (or is): not a directory, in a directory that exists (a
+    misspelt folder is an error, not a new folder)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: is a directory; give a file name")
-    parent = next((p for p in path.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {parent} is not a directory")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        found = next((p for p in parent.parents if p.exists()), None)
+        if parent.exists() or (found is not None and not found.is_dir()):
+            raise argparse.ArgumentTypeError(f"{text}: {found if not parent.exists() else parent} is not a "
+                                             "directory")
+        raise argparse.ArgumentTypeError(f"{text}: no such directory {parent}; create it first")
     return text
 
 
