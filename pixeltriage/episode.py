@@ -11,10 +11,11 @@ Episode JSON (one object, or a list of such objects):
       ]
     }
 
-`image` is a local file path, relative to the episode file's folder (to the working directory for
-an episode read from standard input); `key` names an image stored in a write-time cache (`--cache
-DB`). `note`, `dialogue` and `date` are optional strings; a memory given by `key` without a `note`
-uses the note cached with its image.
+Both fields are required (`"memories": []` is a question with no memories); other fields are refused, so a
+misspelt one is not silently ignored. `image` is a local file path, relative to the episode file's folder (to the
+working directory for an episode read from standard input); `key` names an image stored in a write-time cache
+(`--cache DB`). `note`, `dialogue` and `date` are optional strings; a memory given by `key` without a `note` uses
+the note cached with its image.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class EpisodeError(PixelTriageError, ValueError):
     """An episode file is missing, not JSON, or not in the documented shape."""
 
 
+EPISODE_FIELDS = {"question", "memories"}
 MEMORY_FIELDS = {"image", "key", "note", "dialogue", "date"}
 
 
@@ -58,13 +60,20 @@ def load_episodes(source: str | os.PathLike | TextIO) -> list[tuple[str, list[Me
             raise EpisodeError(f"{name}: expected a JSON object or array, found {type(data).__name__}")
     if isinstance(data, dict):
         return [parse_episode(data, base, name)]
+    if not data:
+        raise EpisodeError(f"{name}: an empty list holds no episode to score")
     return [parse_episode(item, base, f"{name}, episode {i} of {len(data)}") for i, item in enumerate(data, start=1)]
 
 
 def parse_episode(data, base: Path, source: str) -> tuple[str, list[Memory]]:
     if not isinstance(data, dict) or not isinstance(data.get("question"), str):
         raise EpisodeError(f"{source}: expected an object with a string 'question'")
-    raw = data.get("memories", [])
+    unknown = set(data) - EPISODE_FIELDS
+    if unknown:
+        raise EpisodeError(f"{source} has unknown fields {sorted(unknown)} (known: {sorted(EPISODE_FIELDS)})")
+    if "memories" not in data:
+        raise EpisodeError(f"{source}: no 'memories' (a list; [] for a question without memories)")
+    raw = data["memories"]
     if not isinstance(raw, list):
         raise EpisodeError(f"{source}: 'memories' must be a list")
     memories = []
@@ -84,8 +93,11 @@ def parse_episode(data, base: Path, source: str) -> tuple[str, list[Memory]]:
         if m.get("image") is not None:
             image = base / m["image"]
             if not image.is_file():
-                raise EpisodeError(f"{where}: image file {image} not found" + (" (it is a directory)"
-                                                                                if image.is_dir() else ""))
+                relative = (" (paths in an episode read from standard input are relative to the working "
+                            "directory)" if source.startswith("standard input") and not Path(m["image"]).is_absolute()
+                            else "")
+                raise EpisodeError(f"{where}: image file {image} not found"
+                                   + (" (it is a directory)" if image.is_dir() else relative))
             image = str(image)
         memories.append(Memory(image=image, key=m.get("key"), note=m.get("note"),
                                dialogue=m.get("dialogue") or "", date=m.get("date") or ""))

@@ -30,13 +30,8 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_score(args: argparse.Namespace) -> int:
-    from pixeltriage.engine.cache import Cache
-    from pixeltriage.engine.cpu_memory import tune_malloc
-    from pixeltriage.engine.policy import RateGate
-    from pixeltriage.engine.scorer import Scorer
-    from pixeltriage.episode import load_episodes
+    from pixeltriage.episode import load_episodes          # torch-free: a bad episode is reported at once
     from pixeltriage.errors import PixelTriageError
-    from pixeltriage.report import decision_report, print_report
 
     episodes = load_episodes(sys.stdin if args.episode == "-" else args.episode)   # all checked before loading
     if args.cache is None:
@@ -46,6 +41,12 @@ def run_score(args: argparse.Namespace) -> int:
                 where = f", episode {number} of {len(episodes)}" if len(episodes) > 1 else ""
                 raise PixelTriageError(f"{_episode_name(args.episode)}{where}: memory {keyed} is given by cache "
                                        "key; pass the cache that holds it with --cache DB")
+    from pixeltriage.engine.cache import Cache
+    from pixeltriage.engine.cpu_memory import tune_malloc
+    from pixeltriage.engine.policy import RateGate
+    from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.report import decision_report, print_report
+
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     tune_malloc()
     with Cache(args.cache) if args.cache else contextlib.nullcontext() as cache:
@@ -55,9 +56,8 @@ def run_score(args: argparse.Namespace) -> int:
             try:
                 scores = scorer.score(question, memories)
             except PixelTriageError as e:
-                if len(episodes) == 1:
-                    raise
-                print(f"error: {_episode_name(args.episode)}, episode {number} of {len(episodes)}: {e}", file=sys.stderr)
+                where = f", episode {number} of {len(episodes)}" if len(episodes) > 1 else ""
+                print(f"error: {_episode_name(args.episode)}{where}: {e}", file=sys.stderr)
                 return 2
             report = decision_report(question, memories, scores, args.k, gate, cache=cache)
             if args.json:
@@ -71,7 +71,7 @@ def run_score(args: argparse.Namespace) -> int:
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS,
                    help="demo checkpoint shape (default: tiny; built once and cached)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the demo weights and the sample episode (default 0)")
     add_device_arguments(p)
 
 
