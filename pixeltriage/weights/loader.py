@@ -33,6 +33,10 @@ def load_directory(path: Path, dtype: torch.dtype, device: torch.device, adapter
     read), then the weights with the adapter merged; `adapter=None` takes one inside the directory itself."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint not found (a directory, or a file written by `pixeltriage pack`)")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: not a checkpoint directory (no config.json); a System One checkpoint is a "
+                              "directory in transformers' layout or a file written by `pixeltriage pack` "
+                              "(docs/checkpoints.md)")
     model_cfg = ModelConfig.from_file(path / "config.json")
     image_cfg = ImageConfig.from_file(path / "preprocessor_config.json")
     triage_cfg = TriageConfig.from_file(path / "pixeltriage.json")

@@ -176,7 +176,11 @@ class PackedCheckpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        header, self._data_start = read_safetensors_header(self.path)
+        try:
+            header, self._data_start = read_safetensors_header(self.path)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; a System One checkpoint is a directory or a file written by "
+                                  "`pixeltriage pack`") from None
         meta = header.pop("__metadata__", None) or {}
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{self.path}: not a packed System One checkpoint (metadata format "

@@ -139,10 +139,11 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(f"{path}: file too short to be safetensors ({size} bytes)")
+                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, too short for one)")
             (n,) = struct.unpack("<Q", head)
             if n > min(size - 8, 256 * 2**20):
-                raise CheckpointError(f"{path}: safetensors header of {n} bytes does not fit the {size}-byte file")
+                raise CheckpointError(f"{path}: not a safetensors file, or a truncated one (its first 8 bytes give "
+                                      f"a header of {n} bytes; the file has {size})")
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
