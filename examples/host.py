@@ -9,11 +9,12 @@ image shown by its path.
 """
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from pixeltriage import RateGate, Scorer, delivery_cost, pixel_host_messages, top_k
+from pixeltriage import (PixelTriageError, RateGate, Scorer, delivery_cost, load_episodes, pixel_host_messages,
+                         top_k)
 from pixeltriage.engine.image import display_size
-from pixeltriage.episode import load_episodes
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,6 +27,18 @@ def main() -> None:
     p.add_argument("--gate-rate", type=float, default=None,
                    help="open images only for questions whose p_vis is in this top fraction of the stream")
     args = p.parse_args()
+    if args.k < 0:
+        p.error("--k must be >= 0")
+    if args.gate_rate is not None and not 0 < args.gate_rate <= 1:
+        p.error("--gate-rate must be in (0, 1]")
+    try:
+        run(args)
+    except PixelTriageError as e:                              # a bad checkpoint or episode: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args: argparse.Namespace) -> None:
     if args.checkpoint is None:
         from pixeltriage.weights.demo import demo_checkpoint
 

@@ -31,6 +31,8 @@ _EXPORTS = {
     "stamp_tag": "pixeltriage.engine.host",
     "text_host_messages": "pixeltriage.engine.host",
     "tune_malloc": "pixeltriage.engine.cpu_memory",
+    "load_episodes": "pixeltriage.episode",
+    "EpisodeError": "pixeltriage.episode",
     "BackendUnavailableError": "pixeltriage.errors",
     "CheckpointError": "pixeltriage.errors",
     "InvalidMemoryError": "pixeltriage.errors",
@@ -54,5 +56,6 @@ if TYPE_CHECKING:                      # for type checkers and IDEs: the same na
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.engine.state import State
     from pixeltriage.engine.types import Memory, Scores
+    from pixeltriage.episode import EpisodeError, load_episodes
     from pixeltriage.errors import (BackendUnavailableError, CheckpointError, InvalidMemoryError, NonFiniteScoreError,
                                     PixelTriageError, StateTooLongError)

@@ -29,3 +29,12 @@ def test_host_example_scores_and_builds_a_pixel_prompt(tmp_path):
     messages = json.loads(rest)
     images = [part for part in messages[-1]["content"] if part["type"] == "image"]
     assert len(images) == 2 and all(Path(part["image"]).is_file() for part in images)
+
+
+def test_host_example_reports_bad_input_in_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for argv, needle in ([["--k", "-1"], "--k must be >= 0"], [["--checkpoint", str(tmp_path / "none")],
+                                                                "checkpoint not found"]):
+        out = subprocess.run([sys.executable, str(EXAMPLES / "host.py"), *argv], capture_output=True, text=True,
+                             env=env, timeout=300)
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -298,9 +298,11 @@ class Scorer:
                                cu_seqlens=bounds if len(states) > 1 else None, rows=rows)
 
     @torch.inference_mode()
-    def hidden_states(self, state: State, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states (after the final norm) at `positions`: [len(positions), hidden] float32."""
+    def hidden_states(self, state: State, positions) -> torch.Tensor:
+        """Final hidden states (after the final norm) at `positions` (token indices: a tensor or a sequence of
+        ints): [len(positions), hidden] float32."""
         hidden = self.last_hidden(state)
+        positions = torch.as_tensor(positions, dtype=torch.long)
         return final_norm_rows(hidden, positions.to(self.device), self.weights.text.norm,
                                self.model_config.text.rms_norm_eps)
 
