@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # CPU wheel of torch, from PyTorch's CPU index (on PyPI, Linux torch is the multi-GB CUDA build; its +cpu local
 # version ranks above PyPI's, so pip takes it; where that index is unreachable, a local +cpu wheel from pip's
-# configured find-links is taken). GPU users install their own torch build into $(VENV) before `make`.
+# configured find-links is taken). torch alone comes from there (--no-deps), its dependencies from the usual
+# indexes. GPU users install their own torch build into $(VENV) before `make`.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
@@ -13,7 +14,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # the venv with torch in it (a CUDA torch already there is kept)
 $(VENV)/.torch:
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" --extra-index-url "$(TORCH_INDEX)"
+	$(PY) -c "import torch" 2>/dev/null || { $(PIP) install -q --no-deps --retries 2 "$(TORCH_SPEC)" \
+		--extra-index-url "$(TORCH_INDEX)" && $(PIP) install -q "$(TORCH_SPEC)"; }
 	touch $@
 
 # what the demo needs: the package and its runtime dependencies
