@@ -56,15 +56,7 @@ def test_kill_9_loses_no_committed_row_and_sigterm_drains(tiny_checkpoint, tmp_p
         heavy = {"question": "private-question-4711", "memories": [
             {"image": b64(image_bytes((336, 336), seed=i)), "note": "private-note-0815"} for i in range(16)]}
         heavy["memories"][0]["image"] = b64(tiff_with_description("private-description-4711"))   # PIL logs tags
-        answers = []
-        threads = [threading.Thread(target=lambda: answers.append(http.post("/v1/score", json=heavy)))
-                   for _ in range(3)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while admitted(http) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        threads, answers = post_until_admitted(http, heavy, 3)
         second.proc.send_signal(signal.SIGTERM)
         while http.get("/ready").status_code == 200:
             time.sleep(0.01)
@@ -86,6 +78,21 @@ def test_kill_9_loses_no_committed_row_and_sigterm_drains(tiny_checkpoint, tmp_p
         assert cache.integrity_check() == "ok" and len(cache) >= 5
 
 
+def post_until_admitted(http: httpx.Client, body: dict, count: int) -> tuple[list[threading.Thread], list]:
+    """POST `body` to /v1/score from `count` threads and return once the server has admitted all of them (within
+    60 s): (the threads, the list their responses are appended to)."""
+    answers: list = []
+    threads = [threading.Thread(target=lambda: answers.append(http.post("/v1/score", json=body)))
+               for _ in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while admitted(http) < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return threads, answers
+
+
 def admitted(http: httpx.Client) -> float:
     text = http.get("/metrics").text
     return metric(text, "pixeltriage_queue_size") + metric(text, "pixeltriage_queue_running")
@@ -103,15 +110,7 @@ def test_sigterm_past_the_graceful_timeout_refuses_the_rest_and_still_closes_cle
                            "--graceful-timeout", "0.3").wait_ready()
     heavy = {"question": "q", "memories": [{"image": b64(image_bytes((336, 336), seed=i))} for i in range(16)]}
     with httpx.Client(base_url=server.url, timeout=120) as http:
-        answers = []
-        threads = [threading.Thread(target=lambda: answers.append(http.post("/v1/score", json=heavy)))
-                   for _ in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while admitted(http) < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        threads, answers = post_until_admitted(http, heavy, 4)
         server.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)
