@@ -363,7 +363,8 @@ def test_path_like_sources(tmp_path):
 
 
 def test_display_size_accepts_and_refuses_what_open_image_does(tmp_path):
-    refused = [encoded(Image.new("RGB", (8, 8)), "PCX"), b"", "https://example.com/a.png", str(tmp_path / "no.png")]
+    refused = [encoded(Image.new("RGB", (8, 8)), "PCX"), b"", "https://example.com/a.png", str(tmp_path / "no.png"),
+               _png_declaring(10000, 10000)]           # between 1x and 2x PIL's limit: PIL itself only warns
     for source in refused:
         with pytest.raises(InvalidMemoryError) as a:
             image_mod.open_image(source, index=4)

@@ -53,6 +53,7 @@ def open_image(source, index: int | None = None, *, max_side: int | None = None)
     Raises InvalidMemoryError(reason, index) for anything that is not a readable image.
     """
     if isinstance(source, Image.Image):
+        _check_size(source, "image", index)
         return _decode(source, "image", index, max_side=None)
     with _opened(source, index) as (img, name):
         return _decode(img, name, index, max_side)
@@ -62,6 +63,7 @@ def display_size(source, index: int | None = None) -> tuple[int, int]:
     """(width, height) of the image as displayed (EXIF orientation applied), read from its header only: what an
     answering model's processor sees, for visual-token costs. Accepts and refuses what `open_image` does."""
     if isinstance(source, Image.Image):
+        _check_size(source, "image", index)
         return _oriented_size(source)
     with _opened(source, index) as (img, _):
         return _oriented_size(img)
@@ -118,7 +120,7 @@ def local_path(source, index: int | None = None) -> str:
 
 def _open_stream(fp, name: str, index: int | None) -> Image.Image:
     try:
-        # Between 1x and 2x its limit PIL only warns; `_decode` refuses those from the header. No
+        # Between 1x and 2x its limit PIL only warns; those are refused below, from the header. No
         # warnings.catch_warnings here: it swaps the process-wide filter list, which is not thread-safe (a
         # host's own filters can be lost when two threads decode at once). Where warnings are errors, the
         # warning is caught below.
@@ -130,16 +132,20 @@ def _open_stream(fp, name: str, index: int | None) -> Image.Image:
         raise InvalidMemoryError(f"{name}: refused as a possible decompression bomb ({e})", index) from e
     except _DECODE_ERRORS as e:
         raise InvalidMemoryError(f"{name}: cannot read image header ({e})", index) from e
+    _check_size(img, name, index)             # every reader of a header (open_image, display_size) refuses alike
     return img
 
 
-def _decode(img: Image.Image, name: str, index: int | None, max_side: int | None) -> Image.Image:
+def _check_size(img: Image.Image, name: str, index: int | None) -> None:
     width, height = img.size
     if width <= 0 or height <= 0:
         raise InvalidMemoryError(f"{name}: image has zero size ({width}x{height})", index)
     if width * height > MAX_IMAGE_PIXELS:
         raise InvalidMemoryError(f"{name}: {width}x{height} = {width * height} pixels exceeds the limit of "
                                  f"{MAX_IMAGE_PIXELS} (possible decompression bomb)", index)
+
+
+def _decode(img: Image.Image, name: str, index: int | None, max_side: int | None) -> Image.Image:
     if max_side is not None:
         _draft(img, max_side)
     try:
