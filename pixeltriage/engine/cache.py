@@ -313,8 +313,8 @@ class Cache:
         return seqs
 
     def get_regions(self, key: str, fingerprint: str) -> np.ndarray | None:
-        """The stored vectors of (key, fingerprint), float32 [R, D]; None when absent or corrupt (a corrupt row is
-        deleted, with a warning)."""
+        """The stored vectors of (key, fingerprint), float32 [R, D] (read-only); None when absent or corrupt (a
+        corrupt row is deleted, with a warning)."""
         _check_fingerprint(fingerprint)
         rows, _ = self._region_page("key = ? AND fingerprint = ?", (key, fingerprint), 1)
         return rows[0].vectors if rows else None
@@ -545,12 +545,13 @@ def _region_checksum(key: str, fingerprint: str, count: int, dim: int, data: byt
 
 
 def _decode_regions(key: str, fingerprint: str, count, dim, data: bytes, checksum) -> np.ndarray | None:
-    """The [count, dim] matrix of a row, or None when its shape, length or checksum is wrong."""
+    """The [count, dim] matrix of a row (a read-only view of `data`: no copy), or None when its shape, length or
+    checksum is wrong."""
     if not (isinstance(count, int) and isinstance(dim, int) and count > 0 and dim > 0):
         return None
     if len(data) != count * dim * 4 or _region_checksum(key, fingerprint, count, dim, data) != checksum:
         return None
-    return np.frombuffer(data, dtype="<f4").reshape(count, dim).astype(np.float32)
+    return np.frombuffer(data, dtype="<f4").reshape(count, dim).astype(np.float32, copy=False)
 
 
 def _decode_features(data: bytes) -> "torch.Tensor | None":

@@ -48,13 +48,17 @@ class RegionIndex:
 
     backend: "exact" (brute force in torch), "faiss" (8-bit scan proposing candidates, scored exactly) or "auto"
     (faiss from FAISS_MIN_IMAGES indexed images on, when installed). images_per_batch: images whose crops are
-    encoded together at write time (their crops go `encoder.batch_size` per forward). Thread-safe.
+    encoded together at write time; by default as many as fill the encoder's `batch_size` crops per forward (8
+    for an encoder without one). Thread-safe.
     """
 
     def __init__(self, cache: Cache, encoder: Encoder, grid: RegionGrid = RegionGrid(), *, backend: str = "auto",
-                 images_per_batch: int = 8):
+                 images_per_batch: int | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if images_per_batch is None:
+            crops = getattr(encoder, "batch_size", None)
+            images_per_batch = max(1, crops // len(grid.names)) if isinstance(crops, int) else 8
         if images_per_batch < 1:
             raise ValueError(f"images_per_batch must be at least 1, got {images_per_batch}")
         self.cache = cache
@@ -104,7 +108,7 @@ class RegionIndex:
                 pending[key] = region_crops(source, self.grid, index)
         if pending:
             crops = [crop for image_crops in pending.values() for crop in image_crops]
-            vectors = self._normalised(self.encoder.encode_images(crops), len(crops), "encode_images")
+            vectors = self._checked(self.encoder.encode_images(crops), len(crops), "encode_images")  # normalised
             regions = self._regions
             self.cache.put_regions_many(self.fingerprint, [(key, vectors[i * regions:(i + 1) * regions])
                                                            for i, key in enumerate(pending)])
@@ -140,11 +144,15 @@ class RegionIndex:
         cache; they are L2-normalised here."""
         self.cache.put_regions(key, self.fingerprint, self._normalised(vectors, self._regions, "vectors"))
 
-    def _normalised(self, vectors: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    def _checked(self, vectors: torch.Tensor, rows: int, what: str) -> torch.Tensor:
         vectors = torch.as_tensor(vectors, dtype=torch.float32)
         if tuple(vectors.shape) != (rows, self.encoder.dim):
             raise ValueError(f"{what}: expected [{rows}, {self.encoder.dim}] vectors, got {tuple(vectors.shape)}")
-        return torch.nn.functional.normalize(vectors, dim=1)
+        return vectors
+
+    def _normalised(self, vectors: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+        """Vectors from outside (not from the encoder, whose contract is L2-normalised rows): checked, normalised."""
+        return torch.nn.functional.normalize(self._checked(vectors, rows, what), dim=1)
 
     # -- query time ----------------------------------------------------------------------------------------------
 
@@ -156,14 +164,16 @@ class RegionIndex:
         """`search` for several questions, their text embeddings computed in one batch."""
         if isinstance(questions, str):
             raise TypeError("search_many takes a list of questions; use search for one")
-        queries = self._normalised(self.encoder.encode_texts(list(questions)), len(questions), "encode_texts")
-        return self.search_vectors(queries, top, whole_image=whole_image)
+        _check_top(top)
+        queries = self._checked(self.encoder.encode_texts(list(questions)), len(questions), "encode_texts")
+        return self._search(queries, top, whole_image)
 
     def search_vectors(self, queries: torch.Tensor, top: int = 10, *, whole_image: bool = False) -> list[list[Hit]]:
         """Rank the indexed images for query embeddings [m, D] (L2-normalised here)."""
-        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-            raise ValueError(f"top must be a positive integer, got {top!r}")
-        queries = self._normalised(queries, len(queries), "queries")
+        _check_top(top)
+        return self._search(self._normalised(queries, len(queries), "queries"), top, whole_image)
+
+    def _search(self, queries: torch.Tensor, top: int, whole_image: bool) -> list[list[Hit]]:
         with self._lock:
             self._refresh()
             n = len(self._keys)
@@ -245,7 +255,7 @@ class RegionIndex:
             self._row_of[key] = row
         elif self._quantized is not None:
             self._quantized.stale = True          # its codes of this row are the old vectors
-        self._vectors[row] = torch.from_numpy(vectors)
+        self._vectors[row].numpy()[...] = vectors          # the row's one copy (the cache hands out read-only views)
 
     def _remove(self, key: str) -> None:
         row = self._row_of.pop(key, None)
@@ -284,3 +294,8 @@ class RegionIndex:
 
     def __repr__(self) -> str:
         return f"RegionIndex({self.cache!r}, {len(self)} images, backend={self.backend!r})"
+
+
+def _check_top(top) -> None:
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a positive integer, got {top!r}")
