@@ -48,12 +48,9 @@ def add_encoder_arguments(p: argparse.ArgumentParser, flag: str, required: bool)
 
 
 def load_encoder(args: argparse.Namespace, path: str):
-    import torch
-
     from pixeltriage.retrieval.encoder import SiglipEncoder
 
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    return SiglipEncoder.load(path, device=args.device, dtype=dtype)
+    return SiglipEncoder.load(path, device=args.device)
 
 
 def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:

@@ -246,10 +246,11 @@ class SiglipEncoder:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
              batch_size: int = 32) -> "SiglipEncoder":
         """Load a local SigLIP 2 checkpoint directory (config.json, model.safetensors, preprocessor_config.json,
-        tokenizer files). Every problem is a CheckpointError naming the file."""
+        tokenizer files); dtype None: bfloat16 on CUDA, float32 on the CPU. Every problem is a CheckpointError
+        naming the file."""
         from pixeltriage.weights.reader import weight_files
 
         directory = Path(path)
@@ -258,6 +259,8 @@ class SiglipEncoder:
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise CheckpointError(f"{directory}: cannot load onto {device}: CUDA is not available here")
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         config = read_json(directory / "config.json")
         model_type = config.get("model_type")
         if model_type not in MODEL_TYPES:

@@ -67,14 +67,11 @@ class ModelSpec:
         """The region index over the scorer's cache (DeliverMem R1), when an encoder was given."""
         if self.index_encoder is None:
             return None
-        import torch
-
         from pixeltriage.retrieval.encoder import SiglipEncoder
         from pixeltriage.retrieval.index import RegionIndex
         from pixeltriage.retrieval.regions import RegionGrid
 
-        dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        encoder = SiglipEncoder.load(self.index_encoder, device=self.device, dtype=dtype)
+        encoder = SiglipEncoder.load(self.index_encoder, device=self.device)
         grid = RegionGrid() if self.index_overlap is None else RegionGrid(self.index_overlap)
         return RegionIndex(cache, encoder, grid)
 
