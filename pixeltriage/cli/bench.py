@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pixeltriage.cli.common import (DEMO_PRESETS, DEVICES, VERBOSITY, add_threads_argument, existing_path,
-                                    int_at_least, positive_float)
+                                    int_at_least, int_list, non_negative_float, positive_float)
 
 # the choices of the library's tables (tests/test_cli.py checks that they agree)
 SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.cost.SCENARIOS
@@ -35,7 +35,7 @@ def _add_cost(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="dmv")
     p.add_argument("--answering", choices=ANSWERING_MODELS, default="qwen2.5-vl-7b")
     p.add_argument("--system-one", choices=SYSTEM_ONE_CONFIGS, default="2b")
-    p.add_argument("--k", type=_budgets, default=[1, 2, 3], help="budgets, e.g. 1,2,3")
+    p.add_argument("--k", type=int_list(1), default=[1, 2, 3], help="budgets, e.g. 1,2,3")
     p.add_argument("--cached-vision", action="store_true",
                    help="System One's vision tower outputs are cached at write time (its FLOPs are skipped)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -65,7 +65,7 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
                    help="default: float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--batch", type=int_at_least(1), default=4, help="batch size of the batched run (default 4)")
     p.add_argument("--questions", type=int_at_least(1), default=24, help="timed questions (default 24)")
-    p.add_argument("--k", type=_budgets, default=[1, 2], help="budgets for ours@k (default 1,2)")
+    p.add_argument("--k", type=int_list(1), default=[1, 2], help="budgets for ours@k (default 1,2)")
     p.add_argument("--answering-scale", default="tiny", choices=ANSWERING_SCALES)
     p.add_argument("--profile", metavar="DIR", default=None, help="write a profiler trace and a per-stage table")
     p.add_argument("--plot", metavar="PNG", default=None, help="draw latency and TFLOP (needs matplotlib)")
@@ -92,7 +92,7 @@ def _add_retrieval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int_at_least(1), default=4,
                    help="images per batch of the batched write-time run (default 4: 20 crops per forward)")
     p.add_argument("--repeats", type=int_at_least(1), default=2, help="timed write-time runs (default 2)")
-    p.add_argument("--stored", type=_counts, default=[10_000, 100_000],
+    p.add_argument("--stored", type=int_list(1), default=[10_000, 100_000],
                    help="stored images to search, e.g. 10000,100000 (default)")
     p.add_argument("--queries", type=int_at_least(1), default=30, help="timed questions per size (default 30)")
     p.add_argument("--load", type=int_at_least(0), default=10_000,
@@ -108,16 +108,6 @@ def _image_size(text: str) -> tuple[int, int]:
     return sizes[0]
 
 
-def _counts(text: str) -> list[int]:
-    try:
-        counts = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"counts must be >= 1, found {text!r}")
-    return counts
-
-
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
     p.add_argument("--device", default="cpu", choices=DEVICES)
@@ -131,21 +121,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--episodes", type=int_at_least(1), default=24, help="distinct episodes (default 24)")
     p.add_argument("--memories", type=int_at_least(0), default=10, help="memories per question (default 10)")
     p.add_argument("--max-queued", type=int_at_least(1), default=32, help="the server's --max-queued (default 32)")
-    p.add_argument("--max-wait-ms", type=_milliseconds, default=0.0, help="the server's --max-wait-ms (default 0)")
+    p.add_argument("--max-wait-ms", type=non_negative_float, default=0.0, help="the server's --max-wait-ms (default 0)")
     p.add_argument("--max-batch-tokens", type=int_at_least(1), default=None, help="the server's --max-batch-tokens")
     p.add_argument("--no-overhead", action="store_true", help="skip the HTTP stack's trivial-endpoint timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-
-
-def _milliseconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):                 # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-_milliseconds.__name__ = "float"
 
 
 def _image_sizes(text: str) -> list[tuple[int, int]]:
@@ -159,16 +139,6 @@ def _image_sizes(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"image size {item!r} must be positive")
         sizes.append((width, height))
     return sizes
-
-
-def _budgets(text: str) -> list[int]:
-    try:
-        ks = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--k {text!r} is not a comma-separated list of integers") from None
-    if min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"--k values must be >= 1, found {text!r}")
-    return ks
 
 
 # name -> (help, the function adding its arguments); `pixeltriage.bench.{name}` holds `run_{name}(args)`

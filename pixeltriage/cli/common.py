@@ -59,6 +59,40 @@ def positive_float(text: str) -> float:
 positive_float.__name__ = "float"
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = float(text)
+    if not (value >= 0 and value != float("inf")):     # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+non_negative_float.__name__ = "float"
+
+
+def int_list(minimum: int):
+    """An argparse type: comma-separated integers, each at least `minimum`."""
+    def check(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"every value must be at least {minimum}, found {text!r}")
+        return values
+
+    check.__name__ = "list"
+    return check
+
+
+def existing_directory(text: str) -> str:
+    """An argparse type: a directory that exists."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such directory" + (" (it is a file)" if os.path.exists(text)
+                                                                         else ""))
+    return text
+
+
 def existing_path(text: str) -> str:
     """An argparse type: a file or directory that exists."""
     if not os.path.exists(text):

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from pixeltriage.cli.common import DEVICES, existing_file, int_at_least, new_directory
+from pixeltriage.cli.common import DEVICES, existing_directory, existing_file, int_at_least, new_directory
 
 # the choices of the library's tables (tests/retrieval/test_retrieve_cli.py checks that they agree)
 INDEX_BACKENDS = ("auto", "exact", "faiss")                # pixeltriage.retrieval.search.BACKENDS
@@ -28,9 +28,7 @@ overlap.__name__ = "float"
 
 def encoder_directory(text: str) -> str:
     """An argparse type: a directory holding a config.json (a checkpoint, checked in full when it loads)."""
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such directory" + (" (it is a file)" if os.path.exists(text)
-                                                                         else ""))
+    existing_directory(text)
     if not os.path.isfile(os.path.join(text, "config.json")):
         raise argparse.ArgumentTypeError(f"{text}: no config.json; not a SigLIP 2 checkpoint directory")
     return text

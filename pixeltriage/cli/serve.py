@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from pixeltriage.cli.common import (add_device_arguments, device_dtype, existing_path, fraction, int_at_least,
-                                    new_file, positive_float)
+from pixeltriage.cli.common import (add_device_arguments, device_dtype, existing_directory, existing_path, fraction,
+                                    int_at_least, new_file, non_negative_float, positive_float)
 from pixeltriage.cli.retrieve import DEFAULT_OVERLAP, encoder_directory, overlap
 
 DEFAULTS = {"max_queued": 256, "max_client_batch": 32, "max_memories": 64, "request_timeout": 60.0,
@@ -23,22 +23,6 @@ def port(text: str) -> int:
 
 
 port.__name__ = "int"
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not (value >= 0 and value != float("inf")):     # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-non_negative_float.__name__ = "float"
-
-
-def directory(text: str) -> str:
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such directory")
-    return text
 
 
 def api_key_file(text: str) -> tuple[str, ...]:
@@ -71,7 +55,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--cache", metavar="DB", type=new_file, default=None,
                       help="write-time cache file: POST /v1/memories fills it, memories may be given by key, "
                            "thumbnails and vision features are reused")
-    data.add_argument("--image-root", metavar="DIR", type=directory, default=None,
+    data.add_argument("--image-root", metavar="DIR", type=existing_directory, default=None,
                       help="allow memories given by 'path', relative to DIR (never outside it)")
     data.add_argument("--index-encoder", metavar="DIR", type=encoder_directory, default=None,
                       help="SigLIP 2 checkpoint directory: POST /v1/memories also stores each image's region "
