@@ -345,12 +345,11 @@ app = create_app(Service(ServeConfig(), lambda: None))
 
 _TRIVIAL_SERVER = """
 import uvicorn
-from pixeltriage.serve.server import bind, transport
+from pixeltriage.serve.server import bind
 {app}
 sock = bind("127.0.0.1", 0)
 print("PORT", sock.getsockname()[1], flush=True)
-uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                              **transport())).run(sockets=[sock])
+uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")).run(sockets=[sock])
 """
 
 

@@ -8,8 +8,8 @@ second signal exits at once.
 from __future__ import annotations
 
 import contextlib
+import asyncio
 import errno
-import importlib
 import logging
 import signal
 import socket
@@ -88,33 +88,25 @@ class _Server(uvicorn.Server):
             service.batcher.close("the service shut down before this request was scored (graceful timeout)")
         self.should_exit = True
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        # what uvicorn chose ("auto": uvloop and httptools where installed; the serve extra brings httptools, 1.6
+        # vs 2.7 ms per 0.2 MiB request against h11, measured), as it runs: shown by /info
+        http = self.config.http_protocol_class
+        chosen = {"loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+                  "http": getattr(http, "__module__", "").rsplit(".", 1)[-1].removesuffix("_impl") or str(http)}
+        self.service.describe["transport"] = chosen
+        log.info("event loop %s, HTTP parser %s", chosen["loop"], chosen["http"])
+
     def load_failed(self, error: BaseException) -> None:
         self.should_exit = True
-
-
-def transport() -> dict[str, str]:
-    """The event loop and HTTP parser uvicorn runs on here: uvloop and httptools where installed (the `serve`
-    extra brings httptools: 1.6 vs 2.7 ms per 0.2 MiB request on a trivial route, measured), else asyncio and h11."""
-    def importable(name: str) -> bool:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            return False
-        return True
-
-    return {"loop": "uvloop" if importable("uvloop") else "asyncio",
-            "http": "httptools" if importable("httptools") else "h11"}
 
 
 def run(service: Service, sock: socket.socket, *, access_log: bool = False, on_ready=None) -> None:
     """Serve on `sock` until a signal drains the service. Loading starts at once; /health answers meanwhile and
     /ready once loaded (then `on_ready()`). Raises the load's error (a PixelTriageError for a bad checkpoint) if it
     failed."""
-    chosen = transport()
-    service.describe["transport"] = chosen                                      # shown by /info
-    log.info("event loop %s, HTTP parser %s", chosen["loop"], chosen["http"])
     config = uvicorn.Config(create_app(service), log_config=None, access_log=access_log, lifespan="on",
-                            loop=chosen["loop"], http=chosen["http"],
                             timeout_graceful_shutdown=CONNECTION_GRACE, server_header=False,
                             log_level=logging.getLogger().getEffectiveLevel())
     server = _Server(config, service)
