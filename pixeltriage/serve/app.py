@@ -201,15 +201,18 @@ def _add_memory_routes(app: FastAPI, service: Service) -> None:
     async def retrieve(body: RetrieveRequest):
         """Rank the cached images for a question by their best region (MaxSim over SigLIP 2 vectors stored at write
         time by /v1/memories), or by the whole image with `whole_image`: what to hand /v1/score."""
-        if service.index is None:
-            raise NoCacheError("this server has no region index; start it with --cache DB --index-encoder DIR")
-        hits = await _write(service, service.retrieve, [body.question], body.top, body.whole_image)
-        return _json({"hits": hits[0]})
+        _need_index(service)
+        return _json({"hits": await _write(service, service.retrieve, body.question, body.top, body.whole_image)})
 
 
 def _need_cache(service: Service) -> None:
     if service.cache is None:
         raise NoCacheError("this server has no write-time cache; start it with --cache DB")
+
+
+def _need_index(service: Service) -> None:
+    if service.index is None:
+        raise NoCacheError("this server has no region index; start it with --cache DB --index-encoder DIR")
 
 
 class NoCacheError(PixelTriageError):

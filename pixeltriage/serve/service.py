@@ -317,10 +317,9 @@ class Service:
         self.index.refresh()                       # rows written since the last search, by any process
         return key in self.index
 
-    def retrieve(self, questions: Sequence[str], top: int, whole_image: bool) -> list[list[dict]]:
-        """The region index's ranking of the cached images for each question (MaxSim, or the whole-image control)."""
-        hits = self.index.search_many(list(questions), top, whole_image=whole_image)
-        return [[hit.to_dict() for hit in found] for found in hits]
+    def retrieve(self, question: str, top: int, whole_image: bool) -> list[dict]:
+        """The region index's ranking of the cached images for `question` (MaxSim, or the whole-image control)."""
+        return [hit.to_dict() for hit in self.index.search(question, top, whole_image=whole_image)]
 
     # -- /info ---------------------------------------------------------------------------------------------------
     def build_info(self) -> dict:
