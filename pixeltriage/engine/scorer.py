@@ -203,9 +203,10 @@ class Scorer:
         try:
             return memory.key, cache.entry(memory.key)
         except CorruptEntryError as e:
-            raise InvalidMemoryError(f"{e}; the cache ({cache.path}) cannot rebuild it without the image", index) from None
+            # no file path in these messages: the caller knows its cache, and a server's paths stay private
+            raise InvalidMemoryError(f"{e}; the cache cannot rebuild it without the image", index) from None
         except CacheMissError:
-            raise InvalidMemoryError(f"key {memory.key!r} is not in the cache {cache.path}", index) from None
+            raise InvalidMemoryError(f"key {memory.key!r} is not in the cache", index) from None
 
     @property
     def vision_fingerprint(self) -> str:

@@ -249,9 +249,6 @@ class Service:
                 sizes = [image_size(m, i, scorer.cache) for i, m in enumerate(decoded)] if policy else []
             except InvalidMemoryError as e:
                 known = e.index is not None and 0 <= e.index < len(memories)
-                if scorer.cache is not None and str(scorer.cache.path) in e.reason:   # the server's paths stay private
-                    e = InvalidMemoryError(e.reason.replace(f" {scorer.cache.path}", "").replace(
-                        f" ({scorer.cache.path})", ""), e.index)
                 raise FieldError(f"{prefix}memories[{e.index}].{memories[e.index].source}" if known
                                  else f"{prefix}memories", e) from None
             except StateTooLongError as e:
