@@ -27,27 +27,22 @@ import json
 import math
 import os
 import random
-import re
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pixeltriage.bench.timing import median_interval, percentiles
+from pixeltriage.serve.process import ServerProcess, metric
 
 SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
          (720, 1280), (512, 384)]
 TOLERANCE = 1e-5
 WARMUP_REQUESTS = 2
 OVERHEAD_REQUESTS = 2000
-READY_TIMEOUT = 600.0
-_LISTENING = re.compile(r"listening on (http://\S+?);")
 
 
 # -- episodes --------------------------------------------------------------------------------------------------------
@@ -110,61 +105,6 @@ class Local:
             latencies.append(self.time_one(len(latencies) % len(self.eps)))
         return {"latency": percentiles(latencies), "questions_per_s": len(latencies) / (time.perf_counter() - start),
                 "requests": len(latencies)}
-
-
-# -- the server ------------------------------------------------------------------------------------------------------
-class ServerProcess:
-    """`pixeltriage serve` in a subprocess on port 0; `url` once it printed it, ready once /ready answers 200."""
-
-    def __init__(self, argv: list[str]):
-        self.log = tempfile.NamedTemporaryFile("w+b", prefix="pixeltriage-bench-serve-", suffix=".log")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pixeltriage", *argv, "--port", "0"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = None
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            if self.url is None:
-                found = _LISTENING.search(self.output())
-                self.url = found.group(1) if found else None
-            else:
-                try:
-                    if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
-
-    def memory_mib(self) -> dict:
-        """Resident and peak resident memory of the server process (Linux /proc), MiB."""
-        try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except OSError:
-            return {}
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        return {name: int(fields[key].split()[0]) / 1024 for name, key in (("rss", "VmRSS"), ("peak", "VmHWM"))
-                if key in fields}
-
-    def stop(self, timeout: float = 120.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        return self.proc.returncode
 
 
 # -- load ------------------------------------------------------------------------------------------------------------
@@ -395,7 +335,7 @@ def run_serve(args: argparse.Namespace) -> int:
               "max_queued": args.max_queued, "max_wait_ms": args.max_wait_ms, "load_average": os.getloadavg()[0]}
     report["overhead_s"] = framework_overhead() if not args.no_overhead else {}
     local = Local(checkpoint, args.device, dtype, eps)
-    argv = ["serve", "--checkpoint", str(checkpoint), "--device", args.device, "--dtype", dtype,
+    argv = ["--checkpoint", str(checkpoint), "--device", args.device, "--dtype", dtype,
             "--max-queued", str(args.max_queued), "--max-client-batch", str(min(32, args.max_queued)),
             "--max-wait-ms", str(args.max_wait_ms)]
     if args.max_batch_tokens:
@@ -441,13 +381,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _batch_metrics(text: str) -> dict:
-    values = {}
-    for line in text.splitlines():
-        for name in ("pixeltriage_batch_questions_sum", "pixeltriage_batch_questions_count",
-                     "pixeltriage_batch_tokens_sum", "pixeltriage_forward_failures_total"):
-            if line.startswith(name + " "):
-                values[name] = float(line.split()[1])
-    return values
+    names = ("pixeltriage_batch_questions_sum", "pixeltriage_batch_questions_count", "pixeltriage_batch_tokens_sum",
+             "pixeltriage_forward_failures_total")
+    return {name: metric(text, name) for name in names}
 
 
 def print_report(r: dict) -> None:

@@ -20,6 +20,7 @@ _EXPORTS = {
     "ModelSpec": "pixeltriage.serve.service",
     "Batcher": "pixeltriage.serve.batcher",
     "create_app": "pixeltriage.serve.app",
+    "ServerProcess": "pixeltriage.serve.process",
     "AuthenticationError": "pixeltriage.errors",
     "DeadlineExceededError": "pixeltriage.errors",
     "InvalidRequestError": "pixeltriage.errors",
@@ -41,4 +42,5 @@ if TYPE_CHECKING:
     from pixeltriage.serve.batcher import Batcher
     from pixeltriage.serve.client import AsyncClient, Client, Decision
     from pixeltriage.serve.config import ServeConfig
+    from pixeltriage.serve.process import ServerProcess
     from pixeltriage.serve.service import ModelSpec, Service

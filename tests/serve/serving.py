@@ -4,79 +4,38 @@ import base64
 import io
 import os
 import random
-import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from PIL import Image
 
 from pixeltriage import Memory
+from pixeltriage.serve import process
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
        "PIXELTRIAGE_MALLOC_TUNING": "0"}
 API_KEY = "test-key-0123456789"
 READY_TIMEOUT = 120.0
-_LISTENING = re.compile(r"listening on (http://\S+?);")
 
 
-class ServerProcess:
-    """One `pixeltriage serve` subprocess; its combined output goes to `log`."""
+class ServerProcess(process.ServerProcess):
+    """One `pixeltriage serve` subprocess of a test: this checkout on the path, its output in `log`, bounded waits."""
 
     def __init__(self, checkpoint, log: Path, *flags: str, env: dict | None = None):
-        self.log = log
-        self.argv = [sys.executable, "-m", "pixeltriage", "serve", "--checkpoint", str(checkpoint), "--port", "0",
-                     *flags]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env or ENV)
-        self.url = None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        super().__init__(["--checkpoint", str(checkpoint), *flags], log=log, env=env or ENV)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            if self.url is None:
-                found = _LISTENING.search(self.output())
-                self.url = found.group(1) if found else None
-            elif _status(self.url + "/ready") == 200:
-                return self
-            time.sleep(0.05)
-        self.stop()
-        pytest.fail(f"server not ready within {timeout:.0f} s:\n{self.output()}")
+        try:
+            return super().wait_ready(timeout)
+        except process.ServerProcessError as e:
+            pytest.fail(str(e))
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return super().stop(timeout)
 
 
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=2.0).status_code
-    except httpx.HTTPError:
-        return None
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    """One sample's value from a /metrics page (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(f"{name}{labels} ") or (not labels and line.startswith(f"{name}{{}} ")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+metric = process.metric
 
 
 # -- inputs ----------------------------------------------------------------------------------------------------------
