@@ -12,8 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from pixeltriage import (PixelTriageError, RateGate, Scorer, delivery_cost, load_episodes, pixel_host_messages,
-                         top_k)
+from pixeltriage import PixelTriageError, Scorer, delivery_cost, load_episodes, pixel_host_messages, top_k
 from pixeltriage.engine.image import display_size
 
 HERE = Path(__file__).resolve().parent
@@ -24,13 +23,9 @@ def main() -> None:
     p.add_argument("--checkpoint", help="System One checkpoint (default: the demo checkpoint, built once)")
     p.add_argument("--episode", default=str(HERE / "episode.json"))
     p.add_argument("--k", type=int, default=1, help="memories to open as pixels (default 1)")
-    p.add_argument("--gate-rate", type=float, default=None,
-                   help="open images only for questions whose p_vis is in this top fraction of the stream")
     args = p.parse_args()
     if args.k < 0:
         p.error("--k must be >= 0")
-    if args.gate_rate is not None and not 0 < args.gate_rate <= 1:
-        p.error("--gate-rate must be in (0, 1]")
     try:
         run(args)
     except PixelTriageError as e:                              # a bad checkpoint or episode: one line, exit 2
@@ -47,11 +42,9 @@ def run(args: argparse.Namespace) -> None:
     question, memories = load_episodes(args.episode)[0]
     scorer = Scorer.load(args.checkpoint)                      # float32 on the CPU
     scores = scorer.score(question, memories)                  # one forward: p_vis, a gain per memory
-    delivery = top_k(scores, args.k)                           # the k highest gains open as pixels
-    if args.gate_rate is not None:                             # a host keeps one gate for its whole stream
-        gate = RateGate(args.gate_rate)
-        if not gate.opens(scores.p_vis):
-            delivery = [False] * len(memories)
+    # the k highest gains open as pixels; a host that also gates by p_vis keeps one RateGate(rate) for its whole
+    # stream of questions and opens nothing when gate.opens(scores.p_vis) is False (a fresh gate opens its first)
+    delivery = top_k(scores, args.k)
     messages = pixel_host_messages(question, memories, delivery, seen_time=True)
 
     sizes = [display_size(m.image) for m in memories]
