@@ -1,5 +1,6 @@
 """The command line as a user meets it: the main job (score, demo), fast help and usage errors, one-line errors
 with exit 2 for every bad argument, input or file, exit 130 on interrupt, memories numbered from 1."""
+import argparse
 import json
 import os
 import signal
@@ -151,7 +152,7 @@ def every_command() -> list[list[str]]:
 
     def walk(parser, prefix):
         for action in parser._actions:
-            if action.__class__.__name__ == "_SubParsersAction":
+            if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
                     found.append(prefix + [name])
                     walk(sub, prefix + [name])

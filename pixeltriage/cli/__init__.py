@@ -35,9 +35,21 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+class _Commands(argparse._SubParsersAction):
+    """Subcommands that record the chosen (innermost) parser as `_parser`: what names an unknown argument."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace._parser = self._name_parser_map.get(values[0], parser)   # a nested choice overwrites it
+        super().__call__(parser, namespace, values, option_string)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a usage error as one line naming the command, the problem and where help is (argparse prints
     its whole usage block first)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Commands)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -62,7 +74,7 @@ def add_commands(sub, table: dict[str, tuple[str, str, str]], run_attr: str) -> 
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[VERBOSITY])
         mod = importlib.import_module(module)
         suffix = f"_{function}" if function else ""
-        p.set_defaults(**{run_attr: getattr(mod, f"run{suffix}"), "_parser": p})
+        p.set_defaults(**{run_attr: getattr(mod, f"run{suffix}")})
         getattr(mod, f"add{suffix}_arguments")(p)
 
 

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (help_text, add) in BENCHES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[VERBOSITY])
         add(p)
-        p.set_defaults(_bench=name, _parser=p)
+        p.set_defaults(_bench=name)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,8 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_encoder_arguments(index, "--index-encoder", required=False)
     stats = sub.add_parser("stats", help="print the cache's counts and sizes as JSON", parents=[VERBOSITY])
     stats.add_argument("db", type=existing_file, help="cache file")
-    for action in (put, stats):
-        action.set_defaults(_parser=action)              # unknown arguments are named by the action's parser
 
 
 def run(args: argparse.Namespace) -> int:
