@@ -315,10 +315,6 @@ TEMPLATE_PLACEHOLDERS: dict[str, tuple[str, ...]] = {
 }
 
 
-_TRIAGE_KEYS = {"format_version", "head", "state", "template"}
-_STATE_KEYS = {"thumbnail_size", "max_question_tokens", "max_memory_text_tokens", "max_state_tokens"}
-
-
 @dataclass(frozen=True)
 class TriageConfig:
     """pixeltriage.json: the state template, thumbnail and text budgets, head dimension."""
@@ -365,7 +361,9 @@ class TriageConfig:
             raise CheckpointError(f"{source}: unsupported format_version {version}")
         head = d.get("head", {})
         state = d.get("state", {})
-        for where, value, known in (("", d, _TRIAGE_KEYS), ("head.", head, {"dim"}), ("state.", state, _STATE_KEYS)):
+        shape = _DEFAULT_TRIAGE.to_dict()              # the keys a file may hold are those to_dict writes
+        for where, value, known in (("", d, set(shape)), ("head.", head, set(shape["head"])),
+                                    ("state.", state, set(shape["state"]))):
             if not isinstance(value, dict):
                 raise CheckpointError(f"{source}: '{where.rstrip('.')}' must be an object")
             unknown = sorted(set(value) - known)
@@ -374,12 +372,13 @@ class TriageConfig:
                                       f"{sorted(where + k for k in known)}")
         template = dict(DEFAULT_TEMPLATE)
         template.update(d.get("template", {}))
+        default = _DEFAULT_TRIAGE
         return cls(
-            head_dim=head.get("dim", 256),
-            thumbnail_size=state.get("thumbnail_size", 336),
-            max_question_tokens=state.get("max_question_tokens", 512),
-            max_memory_text_tokens=state.get("max_memory_text_tokens", 256),
-            max_state_tokens=state.get("max_state_tokens", 16384),
+            head_dim=head.get("dim", default.head_dim),
+            thumbnail_size=state.get("thumbnail_size", default.thumbnail_size),
+            max_question_tokens=state.get("max_question_tokens", default.max_question_tokens),
+            max_memory_text_tokens=state.get("max_memory_text_tokens", default.max_memory_text_tokens),
+            max_state_tokens=state.get("max_state_tokens", default.max_state_tokens),
             template=tuple(template.items()),
             source=source,
         )
@@ -400,4 +399,7 @@ class TriageConfig:
             },
             "template": self.templates,
         }
+
+
+_DEFAULT_TRIAGE = TriageConfig()
 
