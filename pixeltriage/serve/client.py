@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import os
 import re
@@ -27,7 +26,7 @@ import httpx
 
 from pixeltriage.engine.types import Memory, Scores, user_text
 from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
-                                OverloadedError, PixelTriageError, ServiceError, ServiceUnavailableError,
+                                OverloadedError, ServiceError, ServiceUnavailableError,
                                 StateTooLongError)
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -134,8 +133,9 @@ def decision_of(result: dict) -> Decision:
                     state_tokens=result["state_tokens"], timing=result["timing"], id=result.get("id"))
 
 
-def error_of(response: httpx.Response) -> Exception:
-    """The library's typed error for an error response."""
+def error_of(response: httpx.Response, question_offset: int = 0) -> Exception:
+    """The library's typed error for an error response. question_offset: where the request's questions start in
+    the caller's whole list (a split batch), so that a field names the caller's question."""
     status = response.status_code
     try:
         body = response.json()
@@ -145,6 +145,10 @@ def error_of(response: httpx.Response) -> Exception:
         body = {}
     message = str(body.get("error") or f"HTTP {status} {response.reason_phrase}")
     kind, field = body.get("error_type"), body.get("field")
+    if question_offset and isinstance(field, str) and (found := _QUESTION.match(field)):
+        renumbered = f"questions[{question_offset + int(found.group(1))}]" + field[found.end():]
+        message = renumbered + message[len(field):] if message.startswith(field) else message
+        field = renumbered
     if status == 401:
         return AuthenticationError(message, status)
     if status == 429:
@@ -212,6 +216,15 @@ class _Base:
         return {"questions": [_question_body(q, m) for q, m in chunk], "policy": policy, "timeout_s": timeout_s,
                 "priority": priority}
 
+    @staticmethod
+    def _memory_body(image, note: str) -> dict:
+        return {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"),
+                "note": user_text(note, "note", None)}
+
+    @staticmethod
+    def _retrieve_body(question: str, top: int, whole_image: bool) -> dict:
+        return {"question": user_text(question, "question", None), "top": top, "whole_image": whole_image}
+
 
 class Client(_Base):
     """A synchronous client (thread-safe: httpx's connection pool). Use as a context manager, or call close()."""
@@ -244,15 +257,12 @@ class Client(_Base):
         episodes, size, out = list(episodes), self.batch_size(), []
         for start in range(0, len(episodes), size):
             body = self._batch_body(episodes[start:start + size], None, timeout_s, priority)
-            with _numbered_from(start):
-                out += [scores_of(r) for r in self._request("POST", "/v1/score/batch", body, timeout_s)["results"]]
+            out += [scores_of(r) for r in self._request("POST", "/v1/score/batch", body, timeout_s, start)["results"]]
         return out
 
     def put_memory(self, image, note: str = "") -> str:
         """Put an image (bytes, a local path or a PIL image) and its note into the server's write-time cache; its key."""
-        body = {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"),
-                "note": user_text(note, "note", None)}
-        return self._request("POST", "/v1/memories", body)["key"]
+        return self._request("POST", "/v1/memories", self._memory_body(image, note))["key"]
 
     def memory(self, key: str) -> dict:
         """A cached image's metadata (note, sizes, features_cached, regions_indexed); CacheMissError when absent."""
@@ -261,8 +271,7 @@ class Client(_Base):
     def retrieve(self, question: str, top: int = 10, *, whole_image: bool = False) -> list:
         """The server's region-index ranking of its cached images for `question`: `pixeltriage.retrieval.Hit`s, as
         `RegionIndex.search` returns them (needs a server started with --index-encoder)."""
-        body = {"question": user_text(question, "question", None), "top": top, "whole_image": whole_image}
-        return _hits(self._request("POST", "/v1/retrieve", body))
+        return _hits(self._request("POST", "/v1/retrieve", self._retrieve_body(question, top, whole_image)))
 
     def health(self) -> dict:
         return self._request("GET", "/health")
@@ -293,7 +302,8 @@ class Client(_Base):
     def _score(self, body: dict, timeout_s: float | None) -> dict:
         return self._request("POST", "/v1/score", body, timeout_s)
 
-    def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+    def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None,
+                 question_offset: int = 0) -> dict:
         retry = _Retry(self.retries, self.max_retry_wait)
         while True:
             try:
@@ -310,7 +320,7 @@ class Client(_Base):
                 return response.json()
             wait = retry.wait_after(response)
             if wait is None:
-                raise error_of(response)
+                raise error_of(response, question_offset)
             time.sleep(wait)
 
 
@@ -343,22 +353,18 @@ class AsyncClient(_Base):
         episodes, size, out = list(episodes), await self.batch_size(), []
         for start in range(0, len(episodes), size):
             body = self._batch_body(episodes[start:start + size], None, timeout_s, priority)
-            with _numbered_from(start):
-                out += [scores_of(r) for r in
-                        (await self._request("POST", "/v1/score/batch", body, timeout_s))["results"]]
+            out += [scores_of(r) for r in
+                    (await self._request("POST", "/v1/score/batch", body, timeout_s, start))["results"]]
         return out
 
     async def put_memory(self, image, note: str = "") -> str:
-        body = {"image": base64.b64encode(_image_bytes(image, None)).decode("ascii"),
-                "note": user_text(note, "note", None)}
-        return (await self._request("POST", "/v1/memories", body))["key"]
+        return (await self._request("POST", "/v1/memories", self._memory_body(image, note)))["key"]
 
     async def memory(self, key: str) -> dict:
         return await self._request("GET", f"/v1/memories/{key}")
 
     async def retrieve(self, question: str, top: int = 10, *, whole_image: bool = False) -> list:
-        body = {"question": user_text(question, "question", None), "top": top, "whole_image": whole_image}
-        return _hits(await self._request("POST", "/v1/retrieve", body))
+        return _hits(await self._request("POST", "/v1/retrieve", self._retrieve_body(question, top, whole_image)))
 
     async def health(self) -> dict:
         return await self._request("GET", "/health")
@@ -386,7 +392,8 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+    async def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None,
+                 question_offset: int = 0) -> dict:
         retry = _Retry(self.retries, self.max_retry_wait)
         while True:
             try:
@@ -403,7 +410,7 @@ class AsyncClient(_Base):
                 return response.json()
             wait = retry.wait_after(response)
             if wait is None:
-                raise error_of(response)
+                raise error_of(response, question_offset)
             await asyncio.sleep(wait)
 
 
@@ -412,20 +419,6 @@ def _hits(response: dict) -> list:
 
     return [Hit(h["key"], h["score"], h["region"], None if h["box"] is None else Box(*h["box"]))
             for h in response["hits"]]
-
-
-@contextlib.contextmanager
-def _numbered_from(start: int):
-    """An error of one request of a split batch names its question by its place in the caller's whole list."""
-    try:
-        yield
-    except PixelTriageError as e:
-        field = getattr(e, "field", None)
-        if start and isinstance(field, str):
-            e.field = _QUESTION.sub(lambda m: f"questions[{start + int(m.group(1))}]", field, count=1)
-            if e.args and isinstance(e.args[0], str) and e.args[0].startswith(field):   # "field: message"
-                e.args = (e.field + e.args[0][len(field):], *e.args[1:])
-        raise
 
 
 _QUESTION = re.compile(r"^questions\[(\d+)\]")
