@@ -167,11 +167,16 @@ class Cache:
 
     def put(self, image: ImageSource, note: str = "") -> str:
         """Store the image's thumbnail and note; return its key. Idempotent (see module docstring)."""
+        return self.put_source(image, note)[0]
+
+    def put_source(self, image: ImageSource, note: str = "", index: int | None = None) -> tuple[str, ImageSource]:
+        """`put`, also returning what was keyed: the encoded bytes of bytes or a file (read once), or the PIL
+        image as given; what a caller deriving more from the image (region vectors) must use. Errors name `index`."""
         if not isinstance(note, str):
             raise TypeError(f"note must be a str, found {type(note).__name__}")
-        key, data = _key_and_data(image)
-        self._put(key, data, image, note)
-        return key
+        key, data = _key_and_data(image, index)
+        self._put(key, data, image, note, index)
+        return key, image if data is None else data
 
     def entry_of(self, image: ImageSource, index: int | None = None) -> tuple[str, tuple[Image.Image, str]]:
         """(key, (thumbnail, note)) of an image given by value: read from the cache when stored, put first when

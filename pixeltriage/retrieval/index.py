@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
-from pixeltriage.engine.cache import Cache, image_key
-from pixeltriage.engine.image import local_path
+from pixeltriage.engine.cache import Cache
 from pixeltriage.engine.types import ImageSource
 from pixeltriage.errors import InvalidMemoryError
 from pixeltriage.retrieval.encoder import Encoder
@@ -115,21 +112,12 @@ class RegionIndex:
         return keys
 
     def _put(self, image: ImageSource, note: str, index: int) -> tuple[str, ImageSource]:
-        """Store the thumbnail and note; returns (key, the source to crop: a file's bytes as keyed)."""
+        """Store the thumbnail and note; returns (key, the source to crop: the very bytes that were keyed, a file
+        read once)."""
         try:
-            key = self.cache.put(image, note)                     # errors name the file
-            if not isinstance(image, (str, os.PathLike)):
-                return key, image
-            path = local_path(image, index)
-            try:
-                data = Path(path).read_bytes()
-            except OSError as e:
-                raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from None
+            return self.cache.put_source(image, note, index)      # errors name the file
         except InvalidMemoryError as e:
             raise InvalidMemoryError(e.reason, index) from None
-        if image_key(data) != key:                                # the vectors must be those of the keyed bytes
-            raise InvalidMemoryError(f"{path}: the file changed while it was being indexed; index it again", index)
-        return key, data
 
     def _sound(self, key: str) -> bool:
         stored = self.cache.get_regions(key, self.fingerprint)          # a corrupt row: deleted, with a warning
