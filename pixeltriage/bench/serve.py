@@ -21,7 +21,6 @@ The goals are benchmark goals, printed beside the figures, not test assertions.
 from __future__ import annotations
 
 import argparse
-import base64
 import io
 import json
 import math
@@ -75,9 +74,10 @@ def episodes(count: int, memories: int, seed: int = 0):
 
 
 def request_body(question, memories, request_id: str) -> bytes:
-    return json.dumps({"id": request_id, "question": question, "memories": [
-        {"image": base64.b64encode(m.image).decode("ascii"), "note": m.note, "dialogue": m.dialogue, "date": m.date}
-        for m in memories]}).encode()
+    """The /v1/score body the client sends for (question, memories), with `id`."""
+    from pixeltriage.serve.client import question_body
+
+    return json.dumps(question_body(question, memories, id=request_id)).encode()
 
 
 # -- in-process ------------------------------------------------------------------------------------------------------

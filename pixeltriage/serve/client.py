@@ -114,7 +114,9 @@ def _policy(k, token_budget, gate_rate, gate_stream, answering_model) -> dict:
             "answering_model": answering_model}
 
 
-def _question_body(question, memories, **extra) -> dict:
+def question_body(question, memories, **extra) -> dict:
+    """The JSON body of one question: memories encoded as the server takes them (images as base64), `extra` fields
+    that are not None."""
     body = {"question": user_text(question, "question", None), "memories": encode_memories(list(memories))}
     body.update({k: v for k, v in extra.items() if v is not None})
     return body
@@ -213,7 +215,7 @@ class _Base:
         return self.timeout if timeout_s is None else min(self.timeout, timeout_s + 5.0)
 
     def _batch_body(self, chunk, policy, timeout_s, priority) -> dict:
-        return {"questions": [_question_body(q, m) for q, m in chunk], "policy": policy, "timeout_s": timeout_s,
+        return {"questions": [question_body(q, m) for q, m in chunk], "policy": policy, "timeout_s": timeout_s,
                 "priority": priority}
 
     @staticmethod
@@ -237,7 +239,7 @@ class Client(_Base):
     def score(self, question: str, memories: Sequence[Memory], *, timeout_s: float | None = None,
               priority: int = 0) -> Scores:
         """p_vis, gains and relevance for one question: what `Scorer.score(question, memories)` returns."""
-        return scores_of(self._score(_question_body(question, memories, timeout_s=timeout_s, priority=priority),
+        return scores_of(self._score(question_body(question, memories, timeout_s=timeout_s, priority=priority),
                                      timeout_s))
 
     def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
@@ -245,7 +247,7 @@ class Client(_Base):
                answering_model: str = "qwen2.5-vl", timeout_s: float | None = None, priority: int = 0,
                id: str | None = None) -> Decision:
         """Scores and the server's delivery under a policy (top k, a visual-token budget, a rate gate)."""
-        body = _question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
+        body = question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
                                                                  answering_model),
                               timeout_s=timeout_s, priority=priority, id=id)
         return decision_of(self._score(body, timeout_s))
@@ -336,14 +338,14 @@ class AsyncClient(_Base):
 
     async def score(self, question: str, memories: Sequence[Memory], *, timeout_s: float | None = None,
                     priority: int = 0) -> Scores:
-        body = _question_body(question, memories, timeout_s=timeout_s, priority=priority)
+        body = question_body(question, memories, timeout_s=timeout_s, priority=priority)
         return scores_of(await self._request("POST", "/v1/score", body, timeout_s))
 
     async def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
                      token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
                      answering_model: str = "qwen2.5-vl", timeout_s: float | None = None, priority: int = 0,
                      id: str | None = None) -> Decision:
-        body = _question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
+        body = question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
                                                                  answering_model),
                               timeout_s=timeout_s, priority=priority, id=id)
         return decision_of(await self._request("POST", "/v1/score", body, timeout_s))
