@@ -66,17 +66,16 @@ def _put_indexed(cache, args: argparse.Namespace, notes: list[str]) -> None:
     from pixeltriage.retrieval.index import RegionIndex
     from pixeltriage.retrieval.regions import RegionGrid
 
-    index = RegionIndex(cache, load_encoder(args, args.index_encoder), RegionGrid(args.overlap))
-    step = index.images_per_batch
-    for start in range(0, len(args.images), step):
-        paths = args.images[start:start + step]
-        try:
-            keys = index.add_many(paths, notes[start:start + step])
-        except InvalidMemoryError as e:
-            with _naming(paths[e.index]):
-                raise
-        for key, path in zip(keys, paths):
+    def printed(start: int, keys: list[str]) -> None:              # each batch's keys as soon as it is stored
+        for key, path in zip(keys, args.images[start:]):
             print(f"{key}\t{path}", flush=True)
+
+    index = RegionIndex(cache, load_encoder(args, args.index_encoder), RegionGrid(args.overlap))
+    try:
+        index.add_many(args.images, notes, on_batch=printed)
+    except InvalidMemoryError as e:
+        with _naming(args.images[e.index]):
+            raise
 
 
 @contextlib.contextmanager

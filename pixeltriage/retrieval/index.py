@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -84,16 +84,20 @@ class RegionIndex:
         return self.add_many([image], [note], recompute=recompute)[0]
 
     def add_many(self, images: Sequence[ImageSource], notes: Sequence[str] | None = None, *,
-                 recompute: bool = False) -> list[str]:
+                 recompute: bool = False, on_batch: Callable[[int, list[str]], None] | None = None) -> list[str]:
         """`add` for many images, their crops encoded in batches; returns their keys in order. An unreadable image
-        raises InvalidMemoryError naming its position (from 1); the batches before its own are stored in full."""
+        raises InvalidMemoryError naming its position (from 1); the batches before its own are stored in full.
+        on_batch(start, keys): called as each batch is stored (its first image's position from 0, its keys)."""
         notes = [""] * len(images) if notes is None else list(notes)
         if len(notes) != len(images):
             raise ValueError(f"{len(images)} images but {len(notes)} notes")
         keys: list[str] = []
         for start in range(0, len(images), self.images_per_batch):
             batch = range(start, min(start + self.images_per_batch, len(images)))
-            keys += self._add_batch([(i, images[i], notes[i]) for i in batch], recompute)
+            stored = self._add_batch([(i, images[i], notes[i]) for i in batch], recompute)
+            keys += stored
+            if on_batch is not None:
+                on_batch(start, stored)
         return keys
 
     def _add_batch(self, items: Iterable[tuple[int, ImageSource, str]], recompute: bool) -> list[str]:
