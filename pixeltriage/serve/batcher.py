@@ -325,6 +325,9 @@ class Batcher:
                     self._worker_idle = True
                     self._cond.wait()
                     self._worker_idle = False
+                    # preparation threads woken with it saw the worker idle and slept again: the rest of a
+                    # several-question request would wait for the first question's preparation
+                    self._cond.notify_all()
                     continue
             self._prepare(job)
 

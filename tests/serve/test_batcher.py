@@ -214,3 +214,25 @@ def test_close_while_the_worker_waits_for_a_fuller_batch(forward):
             outcomes.append("refused")
     assert len(outcomes) == 3 and b.admitted == 0
     assert not b.alive                                     # the threads stopped, none of them by an error
+
+
+def test_an_idle_worker_does_not_hold_back_the_preparation_threads(forward):
+    """Two questions reach an idle worker at once: the worker prepares the first and a preparation thread
+    another at the same time (each preparation waits for a second one to be running: serial preparation would
+    break the barrier)."""
+    together = threading.Barrier(2, timeout=10)
+
+    def prepare_with(name):
+        def prepare():
+            together.wait()                  # a BrokenBarrierError fails the question if no second one runs
+            return FakeState(name, 10), name
+        return prepare
+
+    batcher = Batcher(forward, max_batch_tokens=100, preprocess_threads=2)
+    batcher.start()
+    try:
+        time.sleep(0.1)                      # the worker is idle and waiting
+        futures = batcher.submit([prepare_with("a"), prepare_with("b")], deadline=time.monotonic() + 60)
+        assert [f.result(30).meta for f in futures] == ["a", "b"]
+    finally:
+        batcher.close()
