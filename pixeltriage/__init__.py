@@ -18,18 +18,18 @@ _EXPORTS = {
     "Scores": "pixeltriage.engine.types",
     "Scorer": "pixeltriage.engine.scorer",
     "State": "pixeltriage.engine.state",
-    "RateGate": "pixeltriage.engine.policy",
-    "downsize_all": "pixeltriage.engine.policy",
-    "random_policy": "pixeltriage.engine.policy",
-    "retrieval_order": "pixeltriage.engine.policy",
-    "token_budget": "pixeltriage.engine.policy",
-    "top_k": "pixeltriage.engine.policy",
-    "cost_ratio": "pixeltriage.engine.cost",
-    "delivery_cost": "pixeltriage.engine.cost",
-    "visual_tokens": "pixeltriage.engine.cost",
-    "pixel_host_messages": "pixeltriage.engine.host",
-    "stamp_tag": "pixeltriage.engine.host",
-    "text_host_messages": "pixeltriage.engine.host",
+    "RateGate": "pixeltriage.delivery.policy",
+    "downsize_all": "pixeltriage.delivery.policy",
+    "random_policy": "pixeltriage.delivery.policy",
+    "retrieval_order": "pixeltriage.delivery.policy",
+    "token_budget": "pixeltriage.delivery.policy",
+    "top_k": "pixeltriage.delivery.policy",
+    "cost_ratio": "pixeltriage.delivery.cost",
+    "delivery_cost": "pixeltriage.delivery.cost",
+    "visual_tokens": "pixeltriage.delivery.cost",
+    "pixel_host_messages": "pixeltriage.delivery.host",
+    "stamp_tag": "pixeltriage.delivery.host",
+    "text_host_messages": "pixeltriage.delivery.host",
     "tune_malloc": "pixeltriage.engine.cpu_memory",
     "load_episodes": "pixeltriage.episode",
     "EpisodeError": "pixeltriage.episode",
@@ -49,10 +49,10 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:                      # for type checkers and IDEs: the same names, imported eagerly
     from pixeltriage.engine.cache import Cache
-    from pixeltriage.engine.cost import cost_ratio, delivery_cost, visual_tokens
+    from pixeltriage.delivery.cost import cost_ratio, delivery_cost, visual_tokens
     from pixeltriage.engine.cpu_memory import tune_malloc
-    from pixeltriage.engine.host import pixel_host_messages, stamp_tag, text_host_messages
-    from pixeltriage.engine.policy import RateGate, downsize_all, random_policy, retrieval_order, token_budget, top_k
+    from pixeltriage.delivery.host import pixel_host_messages, stamp_tag, text_host_messages
+    from pixeltriage.delivery.policy import RateGate, downsize_all, random_policy, retrieval_order, token_budget, top_k
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.engine.state import State
     from pixeltriage.engine.types import Memory, Scores

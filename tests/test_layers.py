@@ -11,7 +11,7 @@ LAYERS = [
     {"pixeltriage.kernels"},
     {"pixeltriage.weights"},
     {"pixeltriage.engine"},
-    {"pixeltriage.episode", "pixeltriage.report"},
+    {"pixeltriage.episode", "pixeltriage.delivery"},
     {"pixeltriage.retrieval"},
     {"pixeltriage.serve"},
     {"pixeltriage.bench"},

@@ -195,7 +195,7 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
 
 def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questions=24, ks=(1, 2),
                    answering_scale="tiny", profile: str | None = None, seed: int = 0, progress=print) -> dict:
-    from pixeltriage.engine.policy import top_k
+    from pixeltriage.delivery.policy import top_k
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.weights.layout import parse_dtype
     from pixeltriage.weights.demo import demo_checkpoint

@@ -43,9 +43,9 @@ def run_score(args: argparse.Namespace) -> int:
                                        "key; pass the cache that holds it with --cache DB")
     from pixeltriage.engine.cache import Cache
     from pixeltriage.engine.cpu_memory import tune_malloc
-    from pixeltriage.engine.policy import RateGate
+    from pixeltriage.delivery.policy import RateGate
     from pixeltriage.engine.scorer import Scorer
-    from pixeltriage.report import decision_report, print_report
+    from pixeltriage.delivery.report import decision_report, print_report
 
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     tune_malloc()
@@ -79,7 +79,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from pixeltriage.engine.cpu_memory import tune_malloc
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.episode import sample_episode
-    from pixeltriage.report import decision_report, print_report
+    from pixeltriage.delivery.report import decision_report, print_report
     from pixeltriage.weights.demo import demo_checkpoint
 
     t0 = time.perf_counter()

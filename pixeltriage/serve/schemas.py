@@ -10,7 +10,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CACHE_KEY = r"^[0-9a-f]{64}$"               # pixeltriage.Cache keys: SHA-256 hex of the image's bytes
-ANSWERING_MODELS = ("qwen2.5-vl", "qwen3.5")  # pixeltriage.engine.cost.RULES
+ANSWERING_MODELS = ("qwen2.5-vl", "qwen3.5")  # pixeltriage.delivery.cost.RULES
 
 
 class Strict(BaseModel):

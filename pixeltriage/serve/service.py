@@ -23,7 +23,7 @@ from pixeltriage.serve.schemas import MemoryIn, Policy
 if TYPE_CHECKING:
     from pixeltriage.retrieval.index import RegionIndex
     from pixeltriage.engine.cache import Cache
-    from pixeltriage.engine.policy import RateGate
+    from pixeltriage.delivery.policy import RateGate
     from pixeltriage.engine.scorer import Scorer
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Gates:
         self._lock = threading.Lock()
 
     def decide(self, stream: str, rate: float, decide: Callable[["RateGate"], dict]) -> dict:
-        from pixeltriage.engine.policy import RateGate
+        from pixeltriage.delivery.policy import RateGate
 
         with self._lock:
             gate = self._gates.pop((stream, rate), None) or RateGate(rate, self.window)
@@ -237,7 +237,7 @@ class Service:
 
     def prepare(self, question: str, memories: Sequence[MemoryIn], policy: Policy | None, prefix: str) -> Prepare:
         """The preprocessing of one question, run on a preparation thread: -> (State, image sizes)."""
-        from pixeltriage.report import image_size
+        from pixeltriage.delivery.report import image_size
 
         scorer, image_root = self.scorer, self.image_root
 
@@ -266,7 +266,7 @@ class Service:
 
     def decide(self, scores, sizes: list, policy: Policy | None) -> tuple[dict | None, dict | None]:
         """(delivery, visual_tokens) of the response for one scored question."""
-        from pixeltriage.report import delivery
+        from pixeltriage.delivery.report import delivery
 
         if policy is None:
             return None, None

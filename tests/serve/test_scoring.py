@@ -8,7 +8,7 @@ from PIL import Image
 
 from pixeltriage import Cache, InvalidMemoryError, Memory, RateGate
 from pixeltriage.engine.cache import CacheMissError
-from pixeltriage.report import delivery, image_size
+from pixeltriage.delivery.report import delivery, image_size
 
 
 def test_score_equals_the_library(client, library):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pixeltriage.engine.host import (
+from pixeltriage.delivery.host import (
     ORDINAL_NOTE,
     TAG_NOTE,
     memory_tag,

@@ -16,7 +16,7 @@ import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from pixeltriage.engine.cost import TokenRule, token_rule
+from pixeltriage.delivery.cost import TokenRule, token_rule
 from pixeltriage.engine.types import Scores
 
 

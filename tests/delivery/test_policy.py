@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pixeltriage.engine.cost import RULES, visual_tokens
-from pixeltriage.engine.policy import (
+from pixeltriage.delivery.cost import RULES, visual_tokens
+from pixeltriage.delivery.policy import (
     RateGate,
     downsize_all,
     random_policy,

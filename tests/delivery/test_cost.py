@@ -12,7 +12,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize as hf_smart_resize,
 )
 
-from pixeltriage.engine.cost import RULES, cost_ratio, delivery_cost, token_rule, visual_tokens
+from pixeltriage.delivery.cost import RULES, cost_ratio, delivery_cost, token_rule, visual_tokens
 
 QWEN35_PREPROCESSOR = {"patch_size": 16, "merge_size": 2,
                        "size": {"shortest_edge": 65536, "longest_edge": 16777216}}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from pixeltriage.engine.cost import delivery_cost, visual_tokens
+from pixeltriage.delivery.cost import delivery_cost, visual_tokens
 from pixeltriage.engine.image import display_size
-from pixeltriage.engine.policy import RateGate, token_budget, top_k
+from pixeltriage.delivery.policy import RateGate, token_budget, top_k
 from pixeltriage.engine.types import Memory, Scores
 
 
