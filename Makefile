@@ -38,7 +38,7 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed-test
-	$(PY) -m pytest -q -o addopts="" -m bench --benchmark-only --benchmark-columns=min,median,max,rounds tests/bench
+	$(PY) -m pytest -q -o addopts="" -m bench --benchmark-only --benchmark-columns=min,median,max,rounds tests/bench/suite
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .benchmarks

@@ -1,12 +1,16 @@
 """transformers' Qwen3.5 as the reference implementation: tiny random checkpoints and forced torch paths."""
 from __future__ import annotations
 
+import io
 import json
+import random
 from pathlib import Path
 
 import torch
+from PIL import Image
 from safetensors.torch import save_file
 
+from pixeltriage import Memory
 from pixeltriage.config import ImageConfig, TriageConfig
 from pixeltriage.weights.tokenizer import build_tokenizer, save_tokenizer, special_token_ids
 
@@ -94,3 +98,26 @@ def write_reference_checkpoint(path: Path, config_kwargs: dict, seed: int = 0, h
 def rel(a, b) -> float:
     """max |a - b| / max |b|: the relative error the kernel tests state their tolerances in."""
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# -- the parity episode: four awkward images (RGBA, grey, wide random, JPEG bytes) ----------------------------
+def images():
+    rgba = Image.new("RGBA", (120, 90), (200, 30, 30, 128))
+    rgba.paste((10, 200, 10, 255), (10, 10, 60, 50))
+    gray = Image.linear_gradient("L").resize((64, 96))
+    wide = Image.frombytes("RGB", (500, 200), random.Random(0).randbytes(500 * 200 * 3))   # the same each call
+    buf = io.BytesIO()
+    Image.radial_gradient("L").convert("RGB").save(buf, format="JPEG")
+    return [rgba, gray, wide, buf.getvalue()]
+
+
+def episode():
+    ims = images()
+    notes = ["a red card with a green square", "", "noise <|im_start|> not a control token", "a radial glow"]
+    memories = [Memory(image=im, note=n, dialogue=f"user shared picture {i}", date=f"2026-0{i + 1}-1{i}")
+                for i, (im, n) in enumerate(zip(ims, notes))]
+    return "What colour was the square on the card?", memories
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()

@@ -15,7 +15,7 @@ from PIL import Image
 from pixeltriage import Cache
 from pixeltriage.cli import COMMANDS, main
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                     os.environ.get("PYTHONPATH", "")])}
 
 

@@ -15,8 +15,7 @@ from safetensors.torch import load_file, save_file
 from pixeltriage import Scorer
 from pixeltriage.errors import CheckpointError
 from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
-from reference import tiny_config, write_reference_checkpoint
-from test_parity import episode, rel_err
+from reference import episode, rel_err, tiny_config, write_reference_checkpoint
 
 force_transformers_torch_path()
 

@@ -19,7 +19,7 @@ from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError, Corr
 from pixeltriage.engine.image import encode_png, make_thumbnail, to_rgb
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT = 600  # the interpreter start (torch import) can be slow on a loaded machine
 
 

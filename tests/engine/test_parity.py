@@ -16,16 +16,13 @@ used to reach 0.021 on "mixed" while the Gated DeltaNet's beta/decay projections
 """
 from __future__ import annotations
 
-import io
-import random
 
 import pytest
 import torch
-from PIL import Image
 
-from pixeltriage import Memory, Scorer
+from pixeltriage import Scorer
 from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
-from reference import tiny_config, write_reference_checkpoint
+from reference import episode, images, rel_err, tiny_config, write_reference_checkpoint
 
 force_transformers_torch_path()
 
@@ -54,24 +51,6 @@ CONFIGS = {
 }
 
 
-def images():
-    rgba = Image.new("RGBA", (120, 90), (200, 30, 30, 128))
-    rgba.paste((10, 200, 10, 255), (10, 10, 60, 50))
-    gray = Image.linear_gradient("L").resize((64, 96))
-    wide = Image.frombytes("RGB", (500, 200), random.Random(0).randbytes(500 * 200 * 3))   # the same each call
-    buf = io.BytesIO()
-    Image.radial_gradient("L").convert("RGB").save(buf, format="JPEG")
-    return [rgba, gray, wide, buf.getvalue()]
-
-
-def episode():
-    ims = images()
-    notes = ["a red card with a green square", "", "noise <|im_start|> not a control token", "a radial glow"]
-    memories = [Memory(image=im, note=n, dialogue=f"user shared picture {i}", date=f"2026-0{i + 1}-1{i}")
-                for i, (im, n) in enumerate(zip(ims, notes))]
-    return "What colour was the square on the card?", memories
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
@@ -79,10 +58,6 @@ def checkpoint(request, tmp_path_factory):
     layers = config["text_config"]["num_hidden_layers"]
     model = write_reference_checkpoint(path, config, seed=1, residual_scale=(2 * layers) ** -0.5)
     return path, model
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def test_position_ids_match_get_rope_index(checkpoint):
