@@ -1,8 +1,14 @@
-"""SwiGLU's gated product silu(gate) * up, from the fused gate/up projection's output."""
+"""SwiGLU's gated product silu(gate) * up, from the fused gate/up projection's output.
+
+Registers the "silu_mul" op (`kernels.registry`): the C kernel on the CPU where it is built, torch everywhere.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pixeltriage.kernels import native as _native
+from pixeltriage.kernels import registry
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool | None = None) -> torch.Tensor:
@@ -11,7 +17,7 @@ def silu_mul(gate_up: torch.Tensor, native: bool | None = None) -> torch.Tensor:
     The torch path rounds twice in bf16 (the SiLU, then the product), as transformers' MLP does; the C kernel
     (`kernels.native`, on the CPU when it is built; native=False: torch) computes in float32 and rounds once, so
     in bf16 the two differ by at most one bf16 ulp of the product, in float32 by float32 rounding only."""
-    if native is not False and gate_up.device.type == "cpu":
+    if native is not False and registry.choose("silu_mul", gate_up.device, gate_up.dtype) is NATIVE:
         out = _native_silu_mul(gate_up)
         if out is not None:
             return out
@@ -29,3 +35,8 @@ def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     ok = native.call("pt_silu_mul", gate_up.data_ptr(), native.is_bf16(gate_up), gate_up.stride(0), rows, inner,
                      out.data_ptr())
     return out if ok else None
+
+
+NATIVE = registry.register("silu_mul", "native C pt_silu_mul", silu_mul, devices=("cpu",),
+                           dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(), priority=10)
+registry.register("silu_mul", "torch", lambda gate_up: silu_mul(gate_up, native=False), devices=("cpu", "cuda"))

@@ -1,8 +1,13 @@
-"""Attention over several independent segments of one token axis (images of the ViT, questions of a batch)."""
+"""Attention over several independent segments of one token axis (images of the ViT, questions of a batch).
+
+Registers the "attention" op (`kernels.registry`): torch's SDPA on every device (flash / memory-efficient on CUDA).
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pixeltriage.kernels import registry
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool) -> torch.Tensor:
@@ -34,3 +39,6 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     if not outs:
         return q.new_empty(*q.shape[:2], v.shape[-1])
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+registry.register("attention", "torch SDPA", segment_attention, devices=("cpu", "cuda"))

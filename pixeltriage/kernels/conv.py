@@ -1,8 +1,16 @@
-"""Depthwise causal conv1d + SiLU over a token sequence: a fast [T, C]-layout version and its reference."""
+"""Depthwise causal conv1d + SiLU over a token sequence: a fast [T, C]-layout version and its reference.
+
+Registers the "conv1d" op (`kernels.registry`), its kernels all fn(x [T, C], weight [C, W], cu_seqlens: list[int]
+| None, cu_seqlens_device: torch.Tensor | None) -> [T, C] float32: the C kernel on the CPU, the torch shifted
+multiply-adds everywhere.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pixeltriage.kernels import native as _native
+from pixeltriage.kernels import registry
 
 
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None,
@@ -20,7 +28,7 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[i
     copy of x (with the W - 1 rows before it) and its output stay in cache through the W passes, which made the
     bench-small conv 2.5x faster (60 -> 24 ms) than whole-sequence passes that stream 56 MiB from memory each.
     """
-    if native is not False and x.device.type == "cpu":
+    if native is not False and registry.choose("conv1d", x.device, x.dtype) is NATIVE:
         out = _native_conv1d_silu(x, weight, cu_seqlens)
         if out is not None:
             return out
@@ -82,3 +90,19 @@ def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch
     width = weight.shape[1]
     y = F.conv1d(x.float().t().unsqueeze(0), weight.float().unsqueeze(1), padding=width - 1, groups=channels)
     return F.silu(y[0, :, :seq_len]).t()
+
+
+def _conv_native(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
+                 cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+    return causal_conv1d_silu(x, weight, cu_seqlens)
+
+
+def _conv_torch(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
+                cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+    return causal_conv1d_silu(x, weight, cu_seqlens, native=False)
+
+
+NATIVE = registry.register("conv1d", "native C pt_causal_conv1d_silu", _conv_native, devices=("cpu",),
+                           dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(),
+                           priority=10)
+TORCH = registry.register("conv1d", "torch shifted multiply-adds", _conv_torch, devices=("cpu", "cuda"))

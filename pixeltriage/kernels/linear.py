@@ -6,6 +6,9 @@ reads it back and writes it again (for bf16, a second rounding). Measured on the
 ([4000, 512] x [512, 2048], bf16): 27 -> 15.5 ms. Elsewhere (CUDA, other dtypes, activations oneDNN has no
 post-op for, a torch build without oneDNN) it is the reference.
 
+Registers the "linear" op (`kernels.registry`): oneDNN where the CPU's build has its primitive for the dtype, torch
+everywhere.
+
 `linear` (no activation) takes the same primitive for a layer with a bias: `F.linear` runs addmm, which first
 copies the bias into every output row and then accumulates onto it, where oneDNN adds the bias in the epilogue.
 Bit-identical outputs; measured on the bench-small ViT (bf16, [4000, 512] x [512, 1536]): 10.1 -> 7.6 ms.
@@ -16,6 +19,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from pixeltriage.kernels import registry
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +54,8 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """oneDNN's linear primitive with post-op `attr` where it applies (CPU, float32/bf16, one dtype throughout),
     else None. A oneDNN build without the primitive for this CPU/dtype raises once: logged, and the callers take
     their torch path from then on (which differs by at most one rounding of the output)."""
-    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype
-            or (bias is not None and bias.dtype != x.dtype) or not _fused_available(x.dtype)):
+    if (weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)
+            or registry.choose("linear", x.device, x.dtype) not in ONEDNN):
         return None
     try:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
@@ -74,3 +79,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     return activation(act)(F.linear(x, weight, bias))
+
+
+# oneDNN builds bf16 primitives only on some CPUs: one registration per dtype, each asking for its own
+ONEDNN = tuple(registry.register("linear", "oneDNN linear with fused post-ops", linear_act, devices=("cpu",),
+                                 dtypes=(dtype,), available=lambda dtype=dtype: _fused_available(dtype), priority=10)
+               for dtype in (torch.float32, torch.bfloat16))
+registry.register("linear", "torch linear", linear_act_reference, devices=("cpu", "cuda"))

@@ -1,8 +1,15 @@
-"""Norms used by Qwen3.5 (its RMSNorm variants, the ViT's LayerNorm), in float32, cast for the next matmul."""
+"""Norms used by Qwen3.5 (its RMSNorm variants, the ViT's LayerNorm), in float32, cast for the next matmul.
+
+Registers the "add_norm" and "rms_norm_gated" ops (`kernels.registry`), chosen by the output's dtype: the C
+kernels on the CPU where they are built, torch everywhere.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pixeltriage.kernels import native as _native
+from pixeltriage.kernels import registry
 
 
 def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -23,8 +30,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
     native: on the CPU, one C pass over h (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
-    return _add_norm(h, delta, out_dtype, weight, None, eps, native,
-                     lambda: rms_norm_zero_centred(h, weight, eps, out_dtype))
+    return _add_norm_kernel(h, out_dtype, native).fn(h, delta, weight, None, eps, out_dtype)
 
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -34,19 +40,27 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
 
     native: on the CPU, one C pass over x (`kernels.native`) when it is built (None: whenever available; False:
     the torch ops, which it is tested against)."""
-    return _add_norm(x, delta, out_dtype, weight, bias, eps, native,
-                     lambda: F.layer_norm(x, x.shape[-1:], weight.float(), bias.float(), eps).to(out_dtype))
+    return _add_norm_kernel(x, out_dtype, native).fn(x, delta, weight, bias, eps, out_dtype)
 
 
-def _add_norm(h, delta, out_dtype, weight, bias, eps, native, torch_norm):
-    """The C kernel where it applies (`native` not False, CPU), else h += delta and `torch_norm()` of h."""
-    if native is not False and h.device.type == "cpu":
-        out = _native_add_norm(h, delta, out_dtype, weight, bias, eps)
-        if out is not None:
-            return out
+def _add_norm_kernel(h: torch.Tensor, out_dtype: torch.dtype, native: bool | None) -> "registry.Kernel":
+    return TORCH_ADD_NORM if native is False else registry.choose("add_norm", h.device, out_dtype)
+
+
+def _add_norm_torch(h, delta, weight, bias, eps, out_dtype):
+    """The "add_norm" op in torch: h += delta, then the zero-centred RMSNorm (bias None) or the LayerNorm of h.
+    h: [T, D] float32; delta: [T, D] or None; weight, bias: [D] -> [T, D] out_dtype."""
     if delta is not None:
         h += delta
-    return torch_norm()
+    if bias is None:
+        return rms_norm_zero_centred(h, weight, eps, out_dtype)
+    return F.layer_norm(h, h.shape[-1:], weight.float(), bias.float(), eps).to(out_dtype)
+
+
+def _add_norm_c(h, delta, weight, bias, eps, out_dtype):
+    """The "add_norm" op in one C pass, the torch ops where the C kernel declines (same contract)."""
+    out = _native_add_norm(h, delta, out_dtype, weight, bias, eps)
+    return out if out is not None else _add_norm_torch(h, delta, weight, bias, eps, out_dtype)
 
 
 def _native_add_norm(h, delta, out_dtype, weight, bias, eps):
@@ -79,10 +93,12 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     torch's fused rms_norm and an in-place SiLU on the gate's float32 copy: 38 -> 23 ms at [2296, 16, 128], the
     same values as `rms_norm_gated_reference`. native: on the CPU, one C pass (`kernels.native`) when it is built
     (None: whenever available; False: the torch ops)."""
-    if native is not False and x.device.type == "cpu":
-        out = _native_rms_norm_gated(x, gate, weight, eps)
-        if out is not None:
-            return out
+    kernel = TORCH_NORM_GATED if native is False else registry.choose("rms_norm_gated", x.device, gate.dtype)
+    return kernel.fn(x, gate, weight, eps)
+
+
+def _rms_norm_gated_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The "rms_norm_gated" op in torch (see `rms_norm_gated`)."""
     normed = F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps)
     act = F.silu(gate.float(), inplace=gate.dtype != torch.float32)   # never in place on the caller's tensor
     return normed.mul_(act).to(gate.dtype)
@@ -109,3 +125,19 @@ def _native_rms_norm_gated(x, gate, weight, eps):
                      native.is_bf16(gate), gate.stride(0), gate.stride(1), w.data_ptr(), rows, heads, dim, eps,
                      out.data_ptr())
     return out if ok else None
+
+
+def _rms_norm_gated_c(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The "rms_norm_gated" op in one C pass, torch where the C kernel declines."""
+    out = _native_rms_norm_gated(x, gate, weight, eps)
+    return out if out is not None else _rms_norm_gated_torch(x, gate, weight, eps)
+
+
+_C_DTYPES = (torch.float32, torch.bfloat16)
+registry.register("add_norm", "native C pt_add_norm", _add_norm_c, devices=("cpu",), dtypes=_C_DTYPES,
+                  available=lambda: _native.available(), priority=10)
+TORCH_ADD_NORM = registry.register("add_norm", "torch", _add_norm_torch, devices=("cpu", "cuda"))
+registry.register("rms_norm_gated", "native C pt_rms_norm_gated", _rms_norm_gated_c, devices=("cpu",),
+                  dtypes=_C_DTYPES, available=lambda: _native.available(), priority=10)
+TORCH_NORM_GATED = registry.register("rms_norm_gated", "torch fused rms_norm", _rms_norm_gated_torch,
+                                     devices=("cpu", "cuda"))

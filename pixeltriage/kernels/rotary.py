@@ -1,8 +1,14 @@
-"""Rotary position embeddings: the text decoder's interleaved M-RoPE and the ViT's 2-D rotary."""
+"""Rotary position embeddings: the text decoder's interleaved M-RoPE and the ViT's 2-D rotary.
+
+Registers the "norm_rotary" (the decoder attention's q/k norm + partial rotary) and "rotary" (the ViT's) ops
+(`kernels.registry`): the C kernel on the CPU where it is built, torch everywhere.
+"""
 from __future__ import annotations
 
 import torch
 
+from pixeltriage.kernels import native as _native
+from pixeltriage.kernels import registry
 from pixeltriage.kernels.norm import rms_norm_zero_centred
 
 
@@ -47,7 +53,7 @@ def norm_partial_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: 
     rounds the normed x and then each rotary product (transformers' order; the two agree within those
     roundings), reading q straight from its strided [query | gate] projection. None: whenever available;
     False: the torch path."""
-    if native is not False and x.device.type == "cpu":
+    if native is not False and registry.choose("norm_rotary", x.device, x.dtype) is NATIVE_NORM_ROTARY:
         out = _native_norm_rotary(x, weight, eps, cos, sin)
         if out is not None:
             return out
@@ -90,7 +96,7 @@ def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     half of sin, negated for the first, with one multiply-add in place (3 passes over x instead of 6).
     native: on the CPU, one C pass (`kernels.native`) when it is built (None: whenever available; False: torch).
     """
-    if native is not False and x.device.type == "cpu":
+    if native is not False and registry.choose("rotary", x.device, x.dtype) is NATIVE_ROTARY:
         out = _native_rotary(x, cos, sin)
         if out is not None:
             return out
@@ -133,3 +139,17 @@ def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), group_stride, None, 0.0,
                      cos.data_ptr(), sin.data_ptr(), n, groups, d, d, out.data_ptr())
     return out if ok else None
+
+
+_C_DTYPES = (torch.float32, torch.bfloat16)
+NATIVE_NORM_ROTARY = registry.register(
+    "norm_rotary", "native C pt_rotary (with the norm)", lambda x, weight, eps, cos, sin: norm_partial_rotary(
+        x, weight, eps, cos, sin), devices=("cpu",), dtypes=_C_DTYPES, available=lambda: _native.available(),
+    priority=10)
+registry.register("norm_rotary", "torch", lambda x, weight, eps, cos, sin: norm_partial_rotary(
+    x, weight, eps, cos, sin, native=False), devices=("cpu", "cuda"))
+NATIVE_ROTARY = registry.register("rotary", "native C pt_rotary", lambda x, cos, sin: apply_rotary_float(x, cos, sin),
+                                  devices=("cpu",), dtypes=_C_DTYPES, available=lambda: _native.available(),
+                                  priority=10)
+registry.register("rotary", "torch", lambda x, cos, sin: apply_rotary_float(x, cos, sin, native=False),
+                  devices=("cpu", "cuda"))

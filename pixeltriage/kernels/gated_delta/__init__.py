@@ -1,5 +1,31 @@
-"""Gated delta rule: `naive` (recurrent, float32 ground truth) and `chunk` (chunked, the CPU path)."""
-from pixeltriage.kernels.gated_delta.chunk import chunk_gated_delta_rule, conv_chunk_gated_delta_rule, conv_heads
+"""Gated delta rule: `naive` (recurrent, float32 ground truth), `chunk` (chunked: torch, and the C kernel on the
+CPU) and `fla` (flash-linear-attention's Triton kernels on CUDA).
+
+Importing the package registers the "gated_delta" op's kernels (`kernels.registry`), all with one signature:
+    fn(qkv [T, conv_dim], conv_weight [conv_dim, W], g [T, Hv] f32, beta [T, Hv] f32, hk, dk, hv, dv,
+       cu_seqlens: list[int] | None, cu_seqlens_device: torch.Tensor | None) -> o [T, Hv, dv] float32
+(the conv + SiLU, the L2 norms of q and k, and the delta rule).
+"""
+import torch
+
+from pixeltriage.kernels import native as _native
+from pixeltriage.kernels import registry as _registry
+from pixeltriage.kernels.gated_delta import fla
+from pixeltriage.kernels.gated_delta.chunk import (chunk_gated_delta_rule, conv_chunk_gated_delta_rule, conv_heads,
+                                                   gated_delta_native, gated_delta_torch)
 from pixeltriage.kernels.gated_delta.naive import recurrent_gated_delta_rule
 
-__all__ = ["chunk_gated_delta_rule", "conv_chunk_gated_delta_rule", "conv_heads", "recurrent_gated_delta_rule"]
+__all__ = ["FLA", "NATIVE", "TORCH", "chunk_gated_delta_rule", "conv_chunk_gated_delta_rule", "conv_heads", "fla",
+           "gated_delta_native", "gated_delta_torch", "recurrent_gated_delta_rule"]
+
+# fla's kernels take bf16/fp16 (their fp32 dots may run as TF32): a float32 forward on CUDA stays on the exact
+# torch chunked path, so float32 remains the reference on every device (under the interpreter, float32 stands in)
+FLA = _registry.register("gated_delta", "fla chunk_gated_delta_rule", fla.gated_delta_fla, devices=("cuda",),
+                         dtypes=(torch.bfloat16, torch.float16), available=lambda: fla.available(), priority=20,
+                         package="flash-linear-attention")
+NATIVE = _registry.register("gated_delta", "native C pt_delta_chunked", gated_delta_native, devices=("cpu",),
+                            dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(), priority=10)
+TORCH = _registry.register("gated_delta", "torch chunked", gated_delta_torch, devices=("cpu",))
+_registry.register("gated_delta", "torch chunked", gated_delta_torch, devices=("cuda",), dtypes=(torch.float32,))
+_registry.register("gated_delta", "torch chunked (slow)", gated_delta_torch, devices=("cuda",), priority=-10,
+                   slow=True)

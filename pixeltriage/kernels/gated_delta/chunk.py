@@ -142,6 +142,31 @@ def conv_chunk_gated_delta_rule(
                                   native=native)
 
 
+def gated_delta_native(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
+                       cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+    """The "gated_delta" op on the CPU's C kernel (`pt_delta_chunked` in conv mode), the torch path where it
+    declines. qkv: [T, conv_dim]; conv_weight: [conv_dim, W]; g, beta: [T, Hv] float32 -> [T, Hv, v_dim] float32.
+    cu_seqlens_device is not used (the boundaries are read from the list)."""
+    _check_value_heads(beta, num_v_heads)
+    return conv_chunk_gated_delta_rule(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, cu_seqlens=cu_seqlens)
+
+
+def gated_delta_torch(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
+                      cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+    """The "gated_delta" op in torch alone (the conv's shifted multiply-adds, then the chunked rule): the same
+    contract as `gated_delta_native`, on any device; float32 throughout."""
+    _check_value_heads(beta, num_v_heads)
+    return conv_chunk_gated_delta_rule(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, cu_seqlens=cu_seqlens,
+                                       native=False)
+
+
+def _check_value_heads(beta: torch.Tensor, num_v_heads: int) -> None:
+    if beta.dim() != 2 or beta.shape[1] != num_v_heads:
+        raise ValueError(f"beta [T, {num_v_heads}] expected for {num_v_heads} value heads, got {tuple(beta.shape)}")
+
+
 def conv_heads(x: torch.Tensor, conv_weight: torch.Tensor, num_k_heads: int, k_dim: int, num_v_heads: int,
                v_dim: int, cu_seqlens: list[int] | None = None, native: bool | None = None):
     """The Gated DeltaNet's conv1d + SiLU over its projection x [T, conv_dim], split into heads: q, k [T, Hv, k_dim]

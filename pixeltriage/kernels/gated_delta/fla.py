@@ -35,3 +35,15 @@ def chunk_gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         use_qk_l2norm_in_kernel=qk_l2norm,
     )
     return o[0].float()
+
+
+def gated_delta_fla(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
+                    cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+    """The "gated_delta" op on CUDA: the conv + SiLU, then fla's chunked rule with q and k L2-normalised inside.
+    qkv: [T, conv_dim]; conv_weight: [conv_dim, W]; g, beta: [T, Hv] float32; cu_seqlens_device: the boundaries
+    as a tensor on qkv's device -> [T, Hv, v_dim] float32."""
+    from pixeltriage.kernels.gated_delta.chunk import conv_heads
+
+    q, k, v = conv_heads(qkv, conv_weight, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens)
+    return chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens_device, qk_l2norm=True)

@@ -2,6 +2,9 @@
 
 `reference` is the plain PyTorch ground truth (and the CPU path); `triton` is the fused kernel, imported only
 when the Triton backend is chosen, so the CPU path never imports Triton.
+
+Registers the "head" op (`kernels.registry`), its kernels fn(*args of `decision_head_reference`) -> HeadOutput:
+"triton fused head" on CUDA when triton is installed, "torch reference" everywhere (a slow fallback on CUDA).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import torch
 
 from pixeltriage.errors import BackendUnavailableError
+from pixeltriage.kernels import registry
 from pixeltriage.kernels.head.reference import HeadOutput, decision_head_reference, final_norm_rows
 
 __all__ = ["HeadOutput", "decision_head", "decision_head_reference", "final_norm_rows", "resolve_head_backend"]
@@ -26,11 +30,27 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
 
 
+def _run_triton(*args) -> HeadOutput:
+    try:
+        from pixeltriage.kernels.head.triton import decision_head_triton
+    except ImportError as e:
+        raise BackendUnavailableError(f"head backend 'triton': importing the kernel failed ({e})") from e
+    return decision_head_triton(*args)
+
+
+TRITON = registry.register("head", "triton fused head", _run_triton, devices=("cuda",),
+                           available=lambda: _triton_installed(), priority=10, package="triton")
+TORCH = registry.register("head", "torch reference", decision_head_reference, devices=("cpu",))
+registry.register("head", "torch reference", decision_head_reference, devices=("cuda",), slow=True)
+_BACKEND_KERNELS = {"triton": TRITON, "torch": TORCH}
+
+
 def resolve_head_backend(name: str, device: torch.device) -> str:
     """"auto" | "triton" | "torch" -> "triton" or "torch" for tensors on `device`.
 
-    auto: Triton on CUDA when it is installed, else torch. triton: CUDA, or a CPU under TRITON_INTERPRET=1 (the
-    interpreter, for tests); anything else raises BackendUnavailableError.
+    auto: the registry's choice (`kernels.registry`): Triton on CUDA when it is installed (and on the CPU under the
+    test switch PIXELTRIAGE_EMULATE_CUDA=1 with TRITON_INTERPRET=1), else torch. triton: CUDA, or a CPU under
+    TRITON_INTERPRET=1 (the interpreter, for tests); anything else raises BackendUnavailableError.
     """
     if name not in HEAD_BACKENDS:
         raise ValueError(f"head backend {name!r} unknown; expected one of {list(HEAD_BACKENDS)}")
@@ -38,7 +58,7 @@ def resolve_head_backend(name: str, device: torch.device) -> str:
     if name == "torch":
         return "torch"
     if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_installed() else "torch"
+        return "triton" if registry.choose("head", device, torch.float32).name == TRITON.name else "torch"
     if not _triton_installed():
         raise BackendUnavailableError("head backend 'triton' requested but triton is not installed "
                                       "(pip install 'pixeltriage[gpu]')")
@@ -49,14 +69,9 @@ def resolve_head_backend(name: str, device: torch.device) -> str:
 
 
 def decision_head(backend: str, *args) -> HeadOutput:
-    """Run the decision head on `backend` ("auto" | "triton" | "torch"); args as `decision_head_reference`."""
-    if resolve_head_backend(backend, args[0].device) == "torch":
-        return decision_head_reference(*args)
-    try:
-        from pixeltriage.kernels.head.triton import decision_head_triton
-    except ImportError as e:
-        raise BackendUnavailableError(f"head backend 'triton': importing the kernel failed ({e})") from e
-    return decision_head_triton(*args)
+    """Run the decision head on `backend` ("auto" | "triton" | "torch"); args as `decision_head_reference`
+    (hidden [T, H] first) -> HeadOutput(p_vis [B], gains [M], relevance [M], relevance_none [B])."""
+    return _BACKEND_KERNELS[resolve_head_backend(backend, args[0].device)].fn(*args)
 
 
 def __getattr__(name: str):
