@@ -11,6 +11,7 @@ SCENARIOS = ("dmv", "m3exam")                                        # pixeltria
 ANSWERING_MODELS = ("qwen2.5-vl-7b", "qwen3.5-27b", "qwen3.5-397b")  # pixeltriage.bench.flops.ANSWERING_MODELS
 SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltriage.bench.flops.SYSTEM_ONE_CONFIGS
 ANSWERING_SCALES = ("7b", "small", "tiny")                           # pixeltriage.bench.latency.ANSWERING_SCALES
+DEVICE_SPECS = ("a100", "h100", "h200")                              # pixeltriage.bench.roofline.DEVICE_SPECS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
@@ -108,6 +109,18 @@ def _image_size(text: str) -> tuple[int, int]:
     return sizes[0]
 
 
+def _add_roofline(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-spec", required=True, choices=DEVICE_SPECS,
+                   help="the GPU whose published peaks bound the prediction (SXM boards)")
+    p.add_argument("--preset", default="2b", choices=SYSTEM_ONE_CONFIGS)
+    p.add_argument("--memories", type=int_at_least(0), default=10, help="memories per question (default 10)")
+    p.add_argument("--questions", type=int_at_least(1), default=16,
+                   help="questions packed for the throughput figure (default 16)")
+    p.add_argument("--text-tokens", type=int_at_least(1), default=None,
+                   help="state tokens besides the thumbnails (default: 128 per memory)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
     p.add_argument("--device", default="cpu", choices=DEVICES)
@@ -150,5 +163,7 @@ BENCHES = {
     "load": ("start-up time and peak memory: packed file vs directory vs transformers", _add_load),
     "retrieval": ("region retrieval: images/s at write time, question and search latency at 10k and 100k images",
                   _add_retrieval),
+    "roofline": ("predicted GPU time per stage at a device's published peaks: p50 per question, packed questions/s",
+                 _add_roofline),
     "serve": ("the scoring service under closed- and open-loop load vs in-process Scorer.score", _add_serve),
 }
