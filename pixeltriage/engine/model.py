@@ -5,6 +5,9 @@ returns the last decoder output before the final norm, which the head applies on
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -18,11 +21,34 @@ from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
 from pixeltriage.weights.layout import FullAttentionWeights, LayerWeights, LinearAttentionWeights, TextWeights
 
 
-def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
-                    cu_seqlens: list[int] | None = None, cu_seqlens_device: torch.Tensor | None = None,
+@dataclass(frozen=True)
+class Varlen:
+    """Several states packed along the token axis, prepared once before the forward (`Varlen.prepare`), so that
+    no layer makes a tensor from the boundaries or reads one back: no upload and no host sync inside the forward.
+
+    bounds: [0, t1, ..., T] as ints, read on the host (segment lengths, the C kernels, the torch paths).
+    device_bounds: the same as int64 on the forward's device, for fla's varlen kernels; None on the CPU path,
+    which has no use for it.
+    segments: [T] int64, each token's state (on the forward's device): the mask of `rows_attention`."""
+    bounds: list[int]
+    device_bounds: torch.Tensor | None
+    segments: torch.Tensor
+
+    @classmethod
+    def prepare(cls, bounds: Sequence[int], device: str | torch.device) -> "Varlen":
+        device = torch.device(device)
+        bounds = [int(b) for b in bounds]
+        lengths = [e - b for b, e in zip(bounds, bounds[1:])]
+        if not lengths or bounds[0] != 0 or min(lengths) < 0:
+            raise ValueError(f"varlen boundaries must rise from 0, got {bounds}")
+        segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths), output_size=bounds[-1])
+        device_bounds = torch.tensor(bounds, dtype=torch.long).to(device) if device.type == "cuda" else None
+        return cls(bounds, device_bounds, segments.to(device))
+
+
+def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig, varlen: Varlen | None = None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, hidden] -> [T, hidden]; cu_seqlens: boundaries of sequences packed along T (varlen), and the same
-    as a tensor on x's device for fla's kernels (built once per forward by `decoder_forward`).
+    """x: [T, hidden] -> [T, hidden]; varlen: the states packed along T.
     rows: only these output rows ([R] indices into T, on x's device) -> [R, hidden]; the recurrence still runs
     over every token, the output norm and projection only at the rows."""
     seq_len = x.shape[0]
@@ -43,9 +69,11 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     g = (-w.A_log.double().exp() * F.softplus(a.double() + w.dt_bias.double())).float()
     # fla's Triton kernels take bf16/fp16 (their fp32 dots may run as TF32); a float32 forward on CUDA stays on
     # the exact torch chunked path, so float32 remains the reference on every device
+    cu_seqlens = None if varlen is None else varlen.bounds
     if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and fla.available():
         q, k, v = conv_heads(qkv, w.conv, hk, dk, hv, dv, cu_seqlens)    # q, k L2-normalised inside the rule
-        o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens_device, qk_l2norm=True)
+        o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=None if varlen is None else
+                                           varlen.device_bounds, qk_l2norm=True)
     else:   # the conv, then the chunked rule with q and k L2-normalised: [T, Hv, dv] float32 (one C pass on the CPU)
         o = conv_chunk_gated_delta_rule(qkv, w.conv, g, beta, hk, dk, dv, cu_seqlens=cu_seqlens)
     z = z.view(seq_len, hv, dv)
@@ -56,10 +84,10 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
 
 
 def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, cos: torch.Tensor,
-                    sin: torch.Tensor, cu_seqlens: list[int] | None = None,
+                    sin: torch.Tensor, varlen: Varlen | None = None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """Causal grouped-query attention with q/k RMSNorm, partial M-RoPE and a sigmoid output gate; with
-    cu_seqlens, causal within each packed sequence only.
+    varlen, causal within each packed sequence only.
     rows: only these output rows ([R] indices into T, on x's device) -> [R, hidden]: keys and values over every
     token, queries, gates and the output projection at the rows only."""
     seq_len = x.shape[0]
@@ -78,10 +106,11 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
     k = norm_partial_rotary(k.view(seq_len, nkv, hd), w.k_norm, cfg.rms_norm_eps, cos, sin)
     v = v.view(seq_len, nkv, hd)
     if rows is None:
-        lengths = [seq_len] if cu_seqlens is None else [e - b for b, e in zip(cu_seqlens, cu_seqlens[1:])]
+        lengths = [seq_len] if varlen is None else [e - b for b, e in zip(varlen.bounds, varlen.bounds[1:])]
         o = segment_attention(q, k, v, lengths, causal=True)                   # [T, nh, hd]
     else:
-        o = rows_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), rows, cu_seqlens).transpose(0, 1)
+        segments = None if varlen is None else varlen.segments
+        o = rows_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), rows, segments).transpose(0, 1)
     # the gate straight from its strided half of the projection, into the attention output in place: no copies of
     # either (the same bf16 products)
     o = o.mul_(torch.sigmoid(gate)).reshape(num_q, nh * hd)
@@ -89,17 +118,15 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-                   cu_seqlens: list[int] | None = None) -> torch.Tensor:
+                   segments: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the queries at token positions `rows` only. q: [Hq, R, D]; k, v: [Hkv, T, D] ->
-    [Hq, R, D]. The query at row r sees keys 0..r of its own packed sequence (cu_seqlens), as in the full
-    causal attention, whose rows `rows` this equals."""
+    [Hq, R, D]. The query at row r sees keys 0..r of its own packed sequence (segments: [T], each token's
+    sequence, from `Varlen`), as in the full causal attention, whose rows `rows` this equals."""
     seq_len = k.shape[1]
     keys = torch.arange(seq_len, device=k.device)
     mask = keys[None, :] <= rows[:, None]                                       # [R, T] causal
-    if cu_seqlens is not None and len(cu_seqlens) > 2:
-        bounds = torch.tensor(cu_seqlens[1:-1], device=k.device)
-        segment = torch.bucketize(keys, bounds, right=True)                     # each token's sequence
-        mask &= segment[None, :] == segment.index_select(0, rows)[:, None]
+    if segments is not None:
+        mask &= segments[None, :] == segments.index_select(0, rows)[:, None]
     gqa = q.shape[0] != k.shape[0]
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa)[0]
 
@@ -109,11 +136,13 @@ def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
 
 
 def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: TextWeights,
-                    cfg: TextConfig, cu_seqlens: list[int] | None = None,
+                    cfg: TextConfig, cu_seqlens: Varlen | Sequence[int] | None = None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """embeds: [T, hidden] (text embeddings with visual rows scattered in); position_ids: [3, T].
-    cu_seqlens: [0, t1, ..., T] when several independent states are packed along T (varlen): attention,
-    conv and the delta rule never cross a boundary, so each state's rows equal its own forward.
+    cu_seqlens: when several independent states are packed along T, their `Varlen` (or its boundaries
+    [0, t1, ..., T], prepared here): attention, conv and the delta rule never cross a boundary, so each state's
+    rows equal its own forward. Callers on the hot path (the scorer) prepare the Varlen before the forward: the
+    forward itself then makes no tensor from host data and reads none back (tests/engine/test_host_syncs.py).
 
     Returns the last layer's output [T, hidden] float32, before the final norm. The residual stream
     is kept in float32 whatever the weights' dtype; matmuls run in the weights' dtype.
@@ -127,10 +156,10 @@ def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: T
     dtype = weights.embed.dtype
     eps = cfg.rms_norm_eps
     cos, sin = mrope_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
+    varlen = cu_seqlens
+    if varlen is not None and not isinstance(varlen, Varlen):
+        varlen = Varlen.prepare(varlen, embeds.device)
     h = embeds.to(torch.float32, copy=True)          # the residual stream, updated in place from here on
-    cu_device = None                                 # fla's varlen kernels take the boundaries as a device tensor
-    if cu_seqlens is not None and embeds.device.type == "cuda":
-        cu_device = torch.tensor(cu_seqlens, dtype=torch.long, device=embeds.device)
     last = len(weights.layers) - 1
     pending = None                                   # the last MLP's output, added to h together with the next norm
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
@@ -138,9 +167,9 @@ def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: T
         with stage("attention" if kind == FULL else "gated_delta"):
             x = add_rms_norm(h, pending, layer.input_norm, eps, dtype)           # h += pending; norm(h)
             if kind == FULL:
-                mixed = gated_attention(x, layer.attn, cfg, cos, sin, cu_seqlens, only)
+                mixed = gated_attention(x, layer.attn, cfg, cos, sin, varlen, only)
             else:
-                mixed = gated_delta_net(x, layer.attn, cfg, cu_seqlens, cu_device, only)
+                mixed = gated_delta_net(x, layer.attn, cfg, varlen, only)
             if only is not None:
                 h = h.index_select(0, only)
         with stage("mlp"):

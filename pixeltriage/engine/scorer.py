@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
-from pixeltriage.engine.model import decoder_forward
+from pixeltriage.engine.model import Varlen, decoder_forward
 from pixeltriage.engine.profiling import stage
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS, State, StatePacker, TextEncoder
 from pixeltriage.engine.types import Memory, Scores
@@ -290,13 +290,16 @@ class Scorer:
         if len(states) == 1 and self.graphs is not None:
             state = states[0]
             return self.graphs.run(self._embeds(state), state.position_ids.to(self.device), rows)
-        bounds = [0]
-        for s in states:
-            bounds.append(bounds[-1] + s.num_tokens)
+        varlen = None
+        if len(states) > 1:             # the boundaries on the device before the forward, which then uploads nothing
+            bounds = [0]
+            for s in states:
+                bounds.append(bounds[-1] + s.num_tokens)
+            varlen = Varlen.prepare(bounds, self.device)
         embeds = torch.cat([self._embeds(s) for s in states]) if len(states) > 1 else self._embeds(states[0])
         positions = torch.cat([s.position_ids for s in states], dim=1).to(self.device)
-        return decoder_forward(embeds, positions, self.weights.text, self.model_config.text,
-                               cu_seqlens=bounds if len(states) > 1 else None, rows=rows)
+        return decoder_forward(embeds, positions, self.weights.text, self.model_config.text, cu_seqlens=varlen,
+                               rows=rows)
 
     @torch.inference_mode()
     def hidden_states(self, state: State, positions) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Tolerance (float32): rows of a state padded to its bucket within 1e-5 relative of the unpadded forward (the same
 causal arithmetic; only reduction orders may differ), scores within 1e-5.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from pixeltriage.engine.graphs import DecoderGraphs
 from pixeltriage.engine.model import decoder_forward
 from pixeltriage.episode import sample_episode
 from reference import rel
+from sync_guard import HostSyncs
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +103,56 @@ def test_profiling_pauses_inside_a_block():
         with profiling.stage("c"):
             pass
     assert set(stages) == {"a", "c"}
+
+
+def weight_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor of a weights dataclass (nested dataclasses and lists included)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in weight_tensors(item)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in weight_tensors(getattr(obj, f.name))]
+    return []
+
+
+def traced_static_forwards(graphs: DecoderGraphs, states, scorer) -> list[HostSyncs]:
+    """Run each state through the static path, recording the bucket's forward (what a capture records)."""
+    recorders, forward = [], graphs._forward
+    allowed = [graphs.embeds, graphs.positions, graphs.out, *weight_tensors(graphs.weights)]
+
+    def recorded(t_b):
+        rec = HostSyncs(trace=True, allowed=allowed)
+        recorders.append(rec)
+        with rec:
+            forward(t_b)
+
+    graphs._forward = recorded
+    for state in states:
+        graphs.run(scorer._embeds(state), state.position_ids)
+    return recorders
+
+
+def test_the_static_path_is_what_a_capture_needs(scorer):
+    """What a CUDA graph capture needs, as far as the CPU shows it: two states of different lengths in one bucket
+    run the same ops on the same shapes (nothing depends on the data: no shape read back, no branch on values),
+    read only the static buffers, the weights and what the forward made itself (a replay reads every input at its
+    captured address), make no host sync or upload, and leave the static buffers where they were (no new
+    allocation of them across runs). Run after one warm-up of the bucket, as the capture is; what only a GPU
+    shows (Triton's autotuning outside the capture, the memory pool, replay timing) is listed in
+    docs/performance.md."""
+    question, memories = sample_episode()
+    long, short = scorer.pack(question, memories), scorer.pack(question, memories[:1])
+    assert long.num_tokens != short.num_tokens
+    graphs = DecoderGraphs(scorer.weights.text, scorer.model_config.text, "cpu", buckets=(long.num_tokens + 5,),
+                           capture=False)
+    buffers = [t.data_ptr() for t in (graphs.embeds, graphs.positions, graphs.out)]
+    graphs.run(scorer._embeds(short), short.position_ids)                  # the warm-up run
+    first, second = traced_static_forwards(graphs, [long, short], scorer)
+    for rec in (first, second):
+        assert not rec.foreign, "\n".join(rec.foreign[:10])
+        assert not [e for e in rec.events if "kernels/gated_delta/chunk.py" not in e.where], rec.events
+    assert len(first.trace) == len(second.trace) > 0
+    for i, (a, b) in enumerate(zip(first.trace, second.trace)):
+        assert a == b, f"op {i} differs between two states of one bucket: {a} vs {b}"
+    assert [t.data_ptr() for t in (graphs.embeds, graphs.positions, graphs.out)] == buffers
