@@ -167,3 +167,40 @@ def test_refusals(scorer, tmp_path, no_network):
     with pytest.raises(ValueError, match="exactly one of"):
         PixelTriagePostprocessor(scorer, base_url="http://127.0.0.1:1")
     assert no_network == []
+
+
+def test_a_url_image_is_fetched_only_when_allowed(scorer, monkeypatch):
+    import http.server
+    import threading
+
+    data, requests = png(COLORS[0]), []
+
+    class Images(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    for proxy in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        nodes = [NodeWithScore(node=ImageNode(image_url=f"http://127.0.0.1:{server.server_port}/mug.png",
+                                              text="note 0"))]
+        with pytest.raises(InvalidMemoryError, match="allow_url_images=True"):
+            PixelTriagePostprocessor(scorer).postprocess_nodes(nodes, query_str=QUESTION)
+        assert requests == []
+        out = PixelTriagePostprocessor(scorer, allow_url_images=True).postprocess_nodes(nodes, query_str=QUESTION)
+        assert requests == ["/mug.png"]
+        assert out[0].score == scorer.score(QUESTION, [Memory(image=data, note="note 0")]).gains[0]
+    finally:
+        server.shutdown()
+        server.server_close()
