@@ -6,14 +6,14 @@ which cost what the real ones do), in one run, warm-up excluded from every figur
 write time, on --images synthetic photos of --image-size (JPEG), each into a fresh cache:
     stages    per image, medians: cache.put (decode, thumbnail, SQLite), crop (decode at full size, orient,
               the five crops), preprocess (the five crops to pixel values), encode (preprocess + the vision
-              forward of the five crops), store (the vectors' SQLite write)
+              forward of the five crops), store (the vectors' SQLite write, RegionStore.put)
     add       RegionIndex.add_many end to end, images_per_batch 1 (5 crops per forward) and --batch (5 x batch
               crops per forward): images/s from the median of --repeats runs, and their ratio
 query time:
     text      the question's embedding (median over --queries questions)
     search    per stored size (--stored), random unit vectors [N, 5, D]: exact and faiss ms per question
               (medians), faiss's build seconds and its recall@10 against exact on the same questions
-    refresh   the per-search check for new rows (cache.region_state) and a cold load of --load images'
+    refresh   the per-search check for new rows (RegionStore.state) and a cold load of --load images'
               vectors from a cache file (rows/s)
 """
 from __future__ import annotations
@@ -63,10 +63,12 @@ def write_stages(encoder, photos: list[bytes], workdir: Path) -> dict:
     from pixeltriage.engine.cache import Cache
     from pixeltriage.retrieval.encoder import preprocess_images
     from pixeltriage.retrieval.regions import region_crops
+    from pixeltriage.retrieval.store import RegionStore
 
     times: dict[str, list[float]] = {"put": [], "crop": [], "preprocess": [], "encode": [], "store": []}
     rules = getattr(encoder, "image_rules", None)
     with Cache(workdir / "stages.db") as cache:
+        store = RegionStore(cache)
         for i, photo in enumerate([photos[0], *photos]):          # the first image warms up, untimed
             t0 = time.perf_counter()
             key = cache.put(photo)
@@ -78,7 +80,7 @@ def write_stages(encoder, photos: list[bytes], workdir: Path) -> dict:
             t3 = time.perf_counter()
             vectors = encoder.encode_images(crops)
             t4 = time.perf_counter()
-            cache.put_regions(key, "bench", vectors)
+            store.put(key, "bench", vectors)
             t5 = time.perf_counter()
             if i:
                 for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
@@ -176,8 +178,8 @@ def load_and_refresh(stored: int, dim: int, workdir: Path) -> dict:
         for start in range(0, stored, step):
             keys = [cache.put(Image.new("RGB", (1, 1), (i % 256, i // 256 % 256, i // 65536)))
                     for i in range(start, min(start + step, stored))]
-            cache.put_regions_many(index.fingerprint, [(k, rng.standard_normal((5, dim), dtype=np.float32))
-                                                       for k in keys])
+            index.store.put_many(index.fingerprint, [(k, rng.standard_normal((5, dim), dtype=np.float32))
+                                                     for k in keys])
         seconds = timed(lambda: RegionIndex(cache, _StoredOnly(dim)).refresh(), 3, warmup=1)
         index.refresh()
         check = timed(index.refresh, 200, warmup=5)

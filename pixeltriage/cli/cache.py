@@ -34,8 +34,12 @@ def run(args: argparse.Namespace) -> int:
     from pixeltriage.engine.cache import Cache
 
     if args.cache_command == "stats":
+        from pixeltriage.retrieval.store import RegionStore
+
         with Cache(args.db) as cache:
-            print(json.dumps(cache.stats(), indent=2))
+            stats = cache.stats()
+            stats.update(RegionStore(cache).stats())       # the region vectors kept in the same file
+        print(json.dumps(stats, indent=2))
         return 0
     notes = _read_notes(args.notes) if args.notes else {}
     used = set()

@@ -98,7 +98,7 @@ def _warn_unindexed(cache, index) -> None:
     missing = index.unindexed()
     if not missing:
         return
-    others = {fp: n for fp, n in cache.region_fingerprints().items() if fp != index.fingerprint}
+    others = {fp: n for fp, n in index.store.fingerprints().items() if fp != index.fingerprint}
     hint = (f"; the cache holds region vectors of {len(others)} other encoder or overlap setting(s)" if others
             else "")
     print(f"warning: {len(missing)} of {len(cache)} cached images have no region vectors for this encoder and "

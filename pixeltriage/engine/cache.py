@@ -23,20 +23,15 @@ Errors: a missing key raises `CacheMissError` (a KeyError naming the key). A thu
 fails its checksum or does not decode raises `CorruptEntryError` (a CacheMissError): the row is
 kept, since its note may be the only copy, and putting the image again repairs it.
 
-Region vectors (for `pixeltriage.retrieval`): `put_regions` / `get_regions` / `region_rows` store one float32
-matrix [R, D] per (key, fingerprint): the L2-normalised embeddings of an image's regions, raw little-endian
-bytes with a SHA-256 checksum over the key, the fingerprint, the shape and the bytes. Every write gives the row
-a new, never reused `seq` (AUTOINCREMENT), so a reader holding the vectors in memory fetches only the rows
-written after the last `seq` it saw, and a trigger counts deleted rows, so it knows when to read everything
-again. A row that fails its checksum or shape is deleted with a warning and read as missing; only the image
-itself can recompute it.
+Schema (PRAGMA user_version = 4): images(key, thumbnail PNG, checksum, note, width, height: the original
+image's displayed size, for visual-token costs) and features(key -> images.key ON DELETE CASCADE, fingerprint,
+safetensors bytes, checksum), with a trigger that deletes an image's features with it. Older files are migrated
+on open: a version-1 file gains the two size columns (NULL for its old rows); version 3 had the region tables in
+this schema, and its trigger deleted their rows too (they stay in the file, kept by the region store).
 
-Schema (PRAGMA user_version = 3): images(key, thumbnail PNG, checksum, note, width, height: the original
-image's displayed size, for visual-token costs), features(key -> images.key ON DELETE CASCADE, fingerprint,
-safetensors bytes, checksum) and regions(seq, key -> images.key ON DELETE CASCADE, fingerprint, count, dim,
-vectors, checksum; unique (key, fingerprint), indexed by (fingerprint, seq)) with region_log (a count of deleted
-regions rows, kept by a trigger). Older files are migrated on open:
-a version-1 file gains the two size columns (NULL for its old rows), versions 1 and 2 the regions table.
+Tables beside these: the file may hold tables of other modules that keep rows per image (the region vectors of
+`pixeltriage.retrieval.store`). They use this object's connections (`connection()`, one per thread) and write
+in `transaction()`, so the whole file follows one discipline, and they create and migrate their own tables.
 """
 from __future__ import annotations
 
@@ -48,9 +43,8 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING
 
-import numpy as np
 from PIL import Image
 
 from pixeltriage.engine.image import display_size, encode_png, local_path, thumbnail
@@ -62,7 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 THUMBNAIL_SIDE = 336
 
 _SCHEMA = """
@@ -84,38 +78,11 @@ CREATE TABLE IF NOT EXISTS features (
     PRIMARY KEY (key, fingerprint)
 );
 """
-_REGIONS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS regions (
-    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
-    key         TEXT NOT NULL REFERENCES images(key) ON DELETE CASCADE,
-    fingerprint TEXT NOT NULL,
-    count       INTEGER NOT NULL,
-    dim         INTEGER NOT NULL,
-    vectors     BLOB NOT NULL,
-    checksum    TEXT NOT NULL,
-    created     REAL NOT NULL,
-    UNIQUE (key, fingerprint)
-);
-CREATE INDEX IF NOT EXISTS regions_by_fingerprint ON regions (fingerprint, seq);
-CREATE TABLE IF NOT EXISTS region_log (
-    id          INTEGER PRIMARY KEY CHECK (id = 0),
-    deletions   INTEGER NOT NULL
-);
-INSERT OR IGNORE INTO region_log (id, deletions) VALUES (0, 0);
-"""
-# Counts every deleted regions row (a DELETE, or the cascade of an image's): a reader learns that rows it holds may
-# be gone from one read of this counter instead of counting the rows (16 ms at 100k rows). A REPLACE fires no
-# delete trigger (recursive_triggers is off); its row comes back with a new seq, which readers fetch anyway.
-_REGIONS_TRIGGER = """
-CREATE TRIGGER IF NOT EXISTS regions_deleted AFTER DELETE ON regions BEGIN
-    UPDATE region_log SET deletions = deletions + 1 WHERE id = 0;
-END
-"""
-# An image's region vectors and features go with it whether or not the deleting connection enabled foreign keys
-# (the sqlite3 shell and Python's sqlite3 leave them off, so ON DELETE CASCADE alone would leave orphans behind).
+# An image's features go with it whether or not the deleting connection enabled foreign keys (the sqlite3 shell and
+# Python's sqlite3 leave them off, so ON DELETE CASCADE alone would leave orphans behind). Tables beside the cache's
+# keep their own trigger: version 3's also deleted the region vectors, a table the cache no longer knows.
 _IMAGES_TRIGGER = """
 CREATE TRIGGER images_deleted AFTER DELETE ON images BEGIN
-    DELETE FROM regions WHERE key = OLD.key;
     DELETE FROM features WHERE key = OLD.key;
 END
 """
@@ -135,14 +102,6 @@ class CacheMissError(PixelTriageError, KeyError):
 
 class CorruptEntryError(CacheMissError):
     """A stored thumbnail fails its checksum or does not decode; put the image again."""
-
-
-class RegionRow(NamedTuple):
-    """One stored row of region vectors: its write sequence number, image key and float32 [R, D] vectors."""
-
-    seq: int
-    key: str
-    vectors: np.ndarray
 
 
 def image_key(image: ImageSource) -> str:
@@ -189,8 +148,8 @@ class Cache:
              index: int | None = None) -> tuple[Image.Image, str]:
         """Ensure a sound row for `key` (rewritten when absent, failing its checksum or not decoding), with `note`
         when one is given; returns the stored thumbnail (RGB) and note."""
-        row = self._conn().execute("SELECT CAST(thumbnail AS BLOB), checksum, note FROM images WHERE key = ?",
-                                   (key,)).fetchone()
+        row = self.connection().execute("SELECT CAST(thumbnail AS BLOB), checksum, note FROM images WHERE key = ?",
+                                        (key,)).fetchone()
         if row is not None:
             try:
                 stored = self._decoded(key, row[0], row[1])
@@ -198,7 +157,7 @@ class Cache:
                 stored = None
             if stored is not None:
                 if note and note != row[2]:
-                    with self._write() as conn:
+                    with self.transaction() as conn:
                         conn.execute("UPDATE images SET note = ? WHERE key = ?", (note, key))
                 return stored, note or row[2]
         # the scorer's own thumbnail recipe, so cached and fresh thumbnails agree
@@ -206,7 +165,7 @@ class Cache:
         width, height = display_size(source, index)
         thumb = thumbnail(source, THUMBNAIL_SIDE, index)                  # RGB: what decoding its PNG gives back
         png = encode_png(thumb)
-        with self._write() as conn:
+        with self.transaction() as conn:
             # an existing row (a corrupt thumbnail, or a concurrent put) keeps its note unless a new one is given
             stored_note = conn.execute(
                 "INSERT INTO images (key, thumbnail, checksum, note, created, width, height) "
@@ -254,10 +213,10 @@ class Cache:
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
             return False
-        return self._conn().execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is not None
+        return self.connection().execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is not None
 
     def __len__(self) -> int:
-        return self._conn().execute("SELECT COUNT(*) FROM images").fetchone()[0]
+        return self.connection().execute("SELECT COUNT(*) FROM images").fetchone()[0]
 
     # --- vision features -----------------------------------------------------------------------
 
@@ -267,7 +226,7 @@ class Cache:
 
         _check_fingerprint(fingerprint)
         data = save({"features": features.detach().to("cpu").contiguous()})
-        with self._write() as conn:
+        with self.transaction() as conn:
             if conn.execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is None:
                 raise CacheMissError(key, f"image {key} is not in the cache; put it before its features")
             conn.execute(
@@ -278,125 +237,36 @@ class Cache:
         """The stored features, or None when absent or corrupt (a corrupt row is deleted)."""
         _check_fingerprint(fingerprint)
         # CAST: a damaged row may hold another storage class; read whatever is there as bytes
-        row = self._conn().execute("SELECT CAST(data AS BLOB), checksum FROM features "
-                                   "WHERE key = ? AND fingerprint = ?", (key, fingerprint)).fetchone()
+        row = self.connection().execute("SELECT CAST(data AS BLOB), checksum FROM features "
+                                        "WHERE key = ? AND fingerprint = ?", (key, fingerprint)).fetchone()
         if row is None:
             return None
         data, checksum = row
         features = _decode_features(data) if _sha256(data) == checksum else None
         if features is None:
             log.warning("cache %s: features of %s (%s) are corrupt; deleting the row", self.path, key, fingerprint)
-            with self._write() as conn:
+            with self.transaction() as conn:
                 # only the row read above: a concurrent writer may have replaced it since
                 conn.execute("DELETE FROM features WHERE key = ? AND fingerprint = ? AND checksum = ? "
                              "AND CAST(data AS BLOB) = ?", (key, fingerprint, checksum, data))
         return features
 
-    # --- region vectors ------------------------------------------------------------------------
-
-    def put_regions(self, key: str, fingerprint: str, vectors) -> int:
-        """Store float32 `vectors` [R, D] for (key, fingerprint), replacing any row; returns the row's new seq.
-        The image must be in the cache."""
-        return self.put_regions_many(fingerprint, [(key, vectors)])[0]
-
-    def put_regions_many(self, fingerprint: str, rows) -> list[int]:
-        """`put_regions` for (key, vectors) pairs in one transaction; returns their seqs in order."""
-        _check_fingerprint(fingerprint)
-        prepared = [(key, _as_matrix(vectors, key)) for key, vectors in rows]
-        seqs = []
-        with self._write() as conn:
-            for key, matrix in prepared:
-                if conn.execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is None:
-                    raise CacheMissError(key, f"image {key} is not in the cache; put it before its region vectors")
-                data = matrix.tobytes()
-                count, dim = matrix.shape
-                seqs.append(conn.execute(
-                    "INSERT OR REPLACE INTO regions (key, fingerprint, count, dim, vectors, checksum, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING seq",
-                    (key, fingerprint, count, dim, data, _region_checksum(key, fingerprint, count, dim, data),
-                     time.time())).fetchone()[0])
-        return seqs
-
-    def get_regions(self, key: str, fingerprint: str) -> np.ndarray | None:
-        """The stored vectors of (key, fingerprint), float32 [R, D] (read-only); None when absent or corrupt (a
-        corrupt row is deleted, with a warning)."""
-        _check_fingerprint(fingerprint)
-        rows, _ = self._region_page("key = ? AND fingerprint = ?", (key, fingerprint), 1)
-        return rows[0].vectors if rows else None
-
-    def region_rows(self, fingerprint: str, after: int = 0, page: int = 4096) -> Iterator[RegionRow]:
-        """Every sound row of `fingerprint` with seq > `after`, in seq order, read `page` rows at a time (corrupt
-        ones deleted, with a warning, and left out)."""
-        _check_fingerprint(fingerprint)
-        while True:
-            rows, last = self._region_page("fingerprint = ? AND seq > ?", (fingerprint, int(after)), page)
-            yield from rows
-            if last is None:
-                return
-            after = last
-
-    def delete_region_row(self, seq: int) -> None:
-        """Delete one regions row by its seq (never reused: a row rewritten since has another)."""
-        with self._write() as conn:
-            conn.execute("DELETE FROM regions WHERE seq = ?", (int(seq),))
-
-    def region_state(self, fingerprint: str) -> tuple[int, int]:
-        """(the highest seq of `fingerprint`, the number of regions rows ever deleted, of any fingerprint): what a
-        reader holding rows compares with what it saw last. Two index lookups, whatever the number of rows."""
-        return tuple(self._conn().execute(
-            "SELECT (SELECT COALESCE(MAX(seq), 0) FROM regions WHERE fingerprint = ?), "
-            "(SELECT deletions FROM region_log WHERE id = 0)", (fingerprint,)).fetchone())
-
-    def region_fingerprints(self) -> dict[str, int]:
-        """fingerprint -> rows, for every fingerprint with region vectors in the cache."""
-        return dict(self._conn().execute("SELECT fingerprint, COUNT(*) FROM regions GROUP BY fingerprint"))
-
-    def keys_without_regions(self, fingerprint: str) -> list[str]:
-        """Keys of stored images that have no region vectors of `fingerprint`, oldest first."""
-        return [r[0] for r in self._conn().execute(
-            "SELECT key FROM images WHERE key NOT IN (SELECT key FROM regions WHERE fingerprint = ?) "
-            "ORDER BY created, key", (fingerprint,))]
-
-    def _region_page(self, where: str, params: tuple, limit: int) -> tuple[list[RegionRow], int | None]:
-        """(the sound rows among the first `limit` matching ones, the seq of the last row read when `limit` rows
-        were read, else None: no more rows)."""
-        # CAST: a damaged row may hold another storage class; read whatever is there as bytes
-        found = self._conn().execute(f"SELECT seq, key, fingerprint, count, dim, CAST(vectors AS BLOB), checksum "
-                                     f"FROM regions WHERE {where} ORDER BY seq LIMIT ?", (*params, limit)).fetchall()
-        rows, corrupt = [], []
-        for seq, key, fingerprint, count, dim, data, checksum in found:
-            vectors = _decode_regions(key, fingerprint, count, dim, data, checksum)
-            if vectors is None:
-                log.warning("cache %s: region vectors of %s (%s) are corrupt; deleting the row (index the image "
-                            "again to recompute them)", self.path, key, fingerprint)
-                corrupt.append((seq, checksum))
-            else:
-                rows.append(RegionRow(seq, key, vectors))
-        if corrupt:
-            with self._write() as conn:
-                # only the rows read above: a concurrent writer may have replaced them since (with a new seq)
-                conn.executemany("DELETE FROM regions WHERE seq = ? AND checksum = ?", corrupt)
-        return rows, (found[-1][0] if len(found) == limit else None)
-
     # --- the file --------------------------------------------------------------------------------
 
     def stats(self) -> dict:
         """Row counts, payload bytes and on-disk bytes (database + WAL)."""
-        conn = self._conn()
+        conn = self.connection()
         images, thumb_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(thumbnail)), 0) FROM images").fetchone()
         notes = conn.execute("SELECT COUNT(*) FROM images WHERE note != ''").fetchone()[0]
         rows, feature_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM features").fetchone()
-        regions, region_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(vectors)), 0) "
-                                             "FROM regions").fetchone()
         on_disk = sum(p.stat().st_size for p in (self.path, Path(f"{self.path}-wal")) if p.exists())
         return {"path": str(self.path), "schema_version": SCHEMA_VERSION, "images": images,
                 "notes": notes, "feature_rows": rows, "thumbnail_bytes": thumb_bytes,
-                "feature_bytes": feature_bytes, "region_rows": regions, "region_bytes": region_bytes,
-                "bytes": on_disk}
+                "feature_bytes": feature_bytes, "bytes": on_disk}
 
     def integrity_check(self) -> str:
         """SQLite's `PRAGMA integrity_check`: "ok" for a healthy file."""
-        return "\n".join(r[0] for r in self._conn().execute("PRAGMA integrity_check").fetchall())
+        return "\n".join(r[0] for r in self.connection().execute("PRAGMA integrity_check").fetchall())
 
     def close(self) -> None:
         """Close every connection this object opened (from any thread). Idempotent."""
@@ -415,9 +285,11 @@ class Cache:
     def __repr__(self) -> str:
         return f"Cache({str(self.path)!r})"
 
-    # --- internals ----------------------------------------------------------------------------
+    # --- the connections, for tables beside the cache's ---------------------------------------
 
-    def _conn(self) -> sqlite3.Connection:
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection to the file (opened on first use, foreign keys on). Read with it; write only
+        inside `transaction()`. Closed by `close()`; a forked child opens its own."""
         if self._closed:
             raise ValueError(f"cache {self.path} is closed")
         if os.getpid() != self._pid:
@@ -436,11 +308,15 @@ class Cache:
                 self._connections.append(conn)
         return conn
 
-    def _write(self) -> "_Transaction":
-        return _Transaction(self._conn())
+    def transaction(self) -> "_Transaction":
+        """`with cache.transaction() as conn:` one short write (`BEGIN IMMEDIATE` ... `COMMIT`, or `ROLLBACK` on an
+        exception) on this thread's connection; it waits for other writers up to `busy_timeout_ms`."""
+        return _Transaction(self.connection())
+
+    # --- internals ----------------------------------------------------------------------------
 
     def _row(self, key: str, columns: str) -> tuple:
-        row = self._conn().execute(f"SELECT {columns} FROM images WHERE key = ?", (key,)).fetchone()
+        row = self.connection().execute(f"SELECT {columns} FROM images WHERE key = ?", (key,)).fetchone()
         if row is None:
             raise CacheMissError(key)
         return row
@@ -456,11 +332,11 @@ class Cache:
             raise PixelTriageError(f"{self.path}: not a usable cache database ({e})") from None
 
     def _create_tables(self) -> None:
-        conn = self._conn()
+        conn = self.connection()
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise PixelTriageError(f"cache {self.path}: cannot switch to WAL mode (journal_mode is {mode})")
-        with self._write() as conn:
+        with self.transaction() as conn:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise PixelTriageError(f"cache {self.path}: schema version {version} is newer than "
@@ -470,16 +346,14 @@ class Cache:
             if version == 1:
                 conn.execute("ALTER TABLE images ADD COLUMN width INTEGER")
                 conn.execute("ALTER TABLE images ADD COLUMN height INTEGER")
-            if version < 3:
-                _execute_script(conn, _REGIONS_SCHEMA)
-                conn.execute(_REGIONS_TRIGGER)
+            if version == 3:
+                conn.execute("DROP TRIGGER IF EXISTS images_deleted")     # it deleted region vectors too: remade below
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = 'images_deleted'"
                             ).fetchone() is None:
                 conn.execute(_IMAGES_TRIGGER)
                 # rows a delete without foreign keys left behind before the trigger existed
-                conn.execute("DELETE FROM regions WHERE key NOT IN (SELECT key FROM images)")
                 conn.execute("DELETE FROM features WHERE key NOT IN (SELECT key FROM images)")
 
 
@@ -529,34 +403,6 @@ def _execute_script(conn: sqlite3.Connection, script: str) -> None:
     for statement in script.split(";"):
         if statement.strip():
             conn.execute(statement)
-
-
-def _as_matrix(vectors, key: str) -> np.ndarray:
-    """Vectors (a torch tensor or anything numpy reads) -> a C-contiguous little-endian float32 [R, D] array."""
-    if hasattr(vectors, "detach"):
-        vectors = vectors.detach().to("cpu").float().numpy()
-    matrix = np.ascontiguousarray(vectors, dtype="<f4")
-    if matrix.ndim != 2 or 0 in matrix.shape:
-        raise ValueError(f"region vectors of {key} must be a non-empty [R, D] matrix, found shape {matrix.shape}")
-    if not np.isfinite(matrix).all():
-        raise ValueError(f"region vectors of {key} hold NaN or Inf")
-    return matrix
-
-
-def _region_checksum(key: str, fingerprint: str, count: int, dim: int, data: bytes) -> str:
-    h = hashlib.sha256(f"{key}\0{fingerprint}\0{count}x{dim}\0".encode())
-    h.update(data)
-    return h.hexdigest()
-
-
-def _decode_regions(key: str, fingerprint: str, count, dim, data: bytes, checksum) -> np.ndarray | None:
-    """The [count, dim] matrix of a row (a read-only view of `data`: no copy), or None when its shape, length or
-    checksum is wrong."""
-    if not (isinstance(count, int) and isinstance(dim, int) and count > 0 and dim > 0):
-        return None
-    if len(data) != count * dim * 4 or _region_checksum(key, fingerprint, count, dim, data) != checksum:
-        return None
-    return np.frombuffer(data, dtype="<f4").reshape(count, dim).astype(np.float32, copy=False)
 
 
 def _decode_features(data: bytes) -> "torch.Tensor | None":

@@ -1,21 +1,21 @@
 """The region index (DeliverMem R1) over the write-time cache: region vectors in, ranked image keys out.
 
 Write time: `add(image, note)` puts the image in the cache (thumbnail and note, as `Cache.put`), crops its five
-regions (`RegionGrid`), encodes them in batches and stores the L2-normalised [5, D] vectors under the image's
-key and the index fingerprint (the encoder's fingerprint and the grid: another encoder's or another grid's
-vectors are never read). An image whose row is already sound is not encoded again; a corrupt row is deleted
-with a warning and recomputed, since the image is at hand.
+regions (`RegionGrid`), encodes them in batches and stores the L2-normalised [5, D] vectors in the cache's file
+(`RegionStore`) under the image's key and the index fingerprint (the encoder's fingerprint and the grid: another
+encoder's or another grid's vectors are never read). An image whose row is already sound is not encoded again; a
+corrupt row is deleted with a warning and recomputed, since the image is at hand.
 
 Query time: `search(question)` encodes the question, scores every indexed image by the max of its region
 similarities (or by the whole image alone, the control) and returns the top hits with the winning region. The
-vectors are read from the cache once and then refreshed incrementally: each search fetches only rows written
-since the last one (by this or any other process), and reads everything again after rows were deleted. Corrupt
-rows are deleted with a warning and those images are reported by `unindexed()`, never a crash.
+vectors are read from the file once and then refreshed incrementally: each search fetches only rows written
+since the last one (by this or any other process) and, after rows of its fingerprint were deleted, lists the
+keys still stored (no vectors) to drop the images that went. Corrupt rows, and rows of another shape than
+[5, D], are deleted with a warning and those images are reported by `unindexed()`, never a crash.
 """
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 from typing import Callable, Iterable, Sequence
 
@@ -28,9 +28,8 @@ from pixeltriage.retrieval.encoder import Encoder
 from pixeltriage.retrieval.regions import RegionGrid, region_crops
 from pixeltriage.retrieval.search import (BACKENDS, FAISS_MIN_IMAGES, QuantizedSearch, Ranked, exact_search,
                                           faiss_available)
+from pixeltriage.retrieval.store import RegionStore
 from pixeltriage.retrieval.types import Hit
-
-log = logging.getLogger(__name__)
 
 _PAGE = 4096                  # rows per read while loading
 
@@ -59,21 +58,20 @@ class RegionIndex:
         if images_per_batch < 1:
             raise ValueError(f"images_per_batch must be at least 1, got {images_per_batch}")
         self.cache = cache
+        self.store = RegionStore(cache)
         self.encoder = encoder
         self.grid = grid
         self.backend = backend
         self.images_per_batch = images_per_batch
         self.fingerprint = index_fingerprint(encoder.fingerprint, grid)
         self._regions = len(grid.names)
+        self._shape = (self._regions, encoder.dim)         # of every row of this fingerprint
         self._lock = threading.RLock()
-        self._reset()
-
-    def _reset(self) -> None:
-        self._vectors = torch.zeros(0, self._regions, self.encoder.dim)      # [capacity, R, D]; rows [:n] in use
+        self._vectors = torch.zeros(0, *self._shape)       # [capacity, R, D]; rows [:n] in use
         self._keys: list[str] = []
         self._row_of: dict[str, int] = {}
         self._seq = 0                            # the last row read
-        self._deletions: int | None = None       # the cache's count of deleted rows when everything was read
+        self._deletions: int | None = None       # the store's count of this fingerprint's deleted rows, as followed
         self._quantized: QuantizedSearch | None = None
 
     # -- write time ----------------------------------------------------------------------------------------------
@@ -111,8 +109,8 @@ class RegionIndex:
             crops = [crop for image_crops in pending.values() for crop in image_crops]
             vectors = self._checked(self.encoder.encode_images(crops), len(crops), "encode_images")  # normalised
             regions = self._regions
-            self.cache.put_regions_many(self.fingerprint, [(key, vectors[i * regions:(i + 1) * regions])
-                                                           for i, key in enumerate(pending)])
+            self.store.put_many(self.fingerprint, [(key, vectors[i * regions:(i + 1) * regions])
+                                                   for i, key in enumerate(pending)])
         return keys
 
     def _put(self, image: ImageSource, note: str, index: int) -> tuple[str, ImageSource]:
@@ -124,17 +122,13 @@ class RegionIndex:
             raise InvalidMemoryError(e.reason, index) from None
 
     def _sound(self, key: str) -> bool:
-        stored = self.cache.get_regions(key, self.fingerprint)          # a corrupt row: deleted, with a warning
-        if stored is not None and stored.shape != (self._regions, self.encoder.dim):
-            log.warning("cache %s: region vectors of %s have shape %s, expected (%d, %d); recomputing",
-                        self.cache.path, key, stored.shape, self._regions, self.encoder.dim)
-            return False
-        return stored is not None
+        # a corrupt row, or one of another shape: deleted, with a warning
+        return self.store.get(key, self.fingerprint, self._shape) is not None
 
     def add_vectors(self, key: str, vectors: torch.Tensor) -> None:
         """Store precomputed region vectors [R, D] (region order of `grid.names`) for an image already in the
         cache; they are L2-normalised here."""
-        self.cache.put_regions(key, self.fingerprint, self._normalised(vectors, self._regions, "vectors"))
+        self.store.put(key, self.fingerprint, self._normalised(vectors, self._regions, "vectors"))
 
     def _checked(self, vectors: torch.Tensor, rows: int, what: str) -> torch.Tensor:
         vectors = torch.as_tensor(vectors, dtype=torch.float32)
@@ -217,28 +211,34 @@ class RegionIndex:
             return self._refresh()
 
     def _refresh(self) -> int:
-        last, deletions = self.cache.region_state(self.fingerprint)
-        if deletions != self._deletions:          # rows held may be gone: read everything again
-            self._reset()
-            self._deletions = deletions
-            return self._read_after(0)
-        return self._read_after(self._seq) if last > self._seq else 0
+        last, deletions = self.store.state(self.fingerprint)
+        read = 0
+        if last > self._seq:
+            read = self._read_after(self._seq)
+            deletions = self.store.state(self.fingerprint)[1]     # the read deletes damaged rows
+        if deletions != self._deletions:          # rows held may be gone
+            self._deletions = deletions           # first: a deletion after the listing below is seen next time
+            self._drop_deleted()
+        return read
 
     def _read_after(self, seq: int) -> int:
         read = 0
-        for row in self.cache.region_rows(self.fingerprint, after=seq, page=_PAGE):
-            self._apply(row.seq, row.key, row.vectors)
+        for row in self.store.rows(self.fingerprint, after=seq, page=_PAGE, shape=self._shape):
+            self._apply(row.key, row.vectors)
             self._seq = row.seq
             read += 1
         return read
 
-    def _apply(self, seq: int, key: str, vectors) -> None:
-        if vectors.shape != (self._regions, self.encoder.dim):
-            log.warning("cache %s: region vectors of %s have shape %s, expected (%d, %d); deleting the row (index "
-                        "the image again)", self.cache.path, key, vectors.shape, self._regions, self.encoder.dim)
-            self._remove(key)                     # the row replaced what was held
-            self.cache.delete_region_row(seq)     # so that unindexed() names the image, as for a corrupt row
+    def _drop_deleted(self) -> None:
+        """Drop the held images whose rows are no longer stored (deleted here or elsewhere, or as damaged). A held
+        image whose row was rewritten since stays: its new row has a newer seq and is read as one."""
+        if not self._keys:
             return
+        stored = self.store.keys(self.fingerprint)
+        for key in [key for key in self._keys if key not in stored]:
+            self._remove(key)
+
+    def _apply(self, key: str, vectors) -> None:
         row = self._row_of.get(key)
         if row is None:
             row = len(self._keys)
@@ -282,7 +282,7 @@ class RegionIndex:
         """Keys of cached images with no sound vectors for this index: they cannot be retrieved until indexed."""
         with self._lock:
             self._refresh()                       # deletes corrupt rows, so their images count here
-        return self.cache.keys_without_regions(self.fingerprint)
+        return self.store.keys_without(self.fingerprint)
 
     def __repr__(self) -> str:
         return f"RegionIndex({self.cache!r}, {len(self)} images, backend={self.backend!r})"

@@ -1,6 +1,7 @@
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import signal
@@ -125,6 +126,17 @@ def test_corrupt_thumbnail_is_a_cache_miss_and_put_repairs_it(cache):
     assert cache.thumbnail(key).size == (96, 64)
 
 
+@pytest.mark.parametrize("width, height", [("abc", 10), (b"\x00", 10), (0, 10), (-5, 7), (2.5, 10)])
+def test_a_damaged_size_reads_as_unknown(cache, caplog, width, height):
+    key = cache.put(noise_png(4))
+    conn = raw(cache.path)
+    conn.execute("UPDATE images SET width = ?, height = ? WHERE key = ?", (width, height, key))
+    conn.close()
+    with caplog.at_level(logging.WARNING):
+        assert cache.size(key) is None
+    assert "stored size" in caplog.text and "damaged" in caplog.text
+
+
 # --- schema --------------------------------------------------------------------------------------
 
 def test_schema_wal_and_version(cache):
@@ -132,7 +144,7 @@ def test_schema_wal_and_version(cache):
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert {"images", "features"} <= tables
+    assert tables == {"images", "features"}          # tables beside them belong to their own modules (regions)
     assert cache.integrity_check() == "ok"
 
 
@@ -222,7 +234,7 @@ def test_corrupt_feature_rows_are_missing_then_recomputed(cache, damage):
 def test_deleting_an_image_cascades_to_features(cache):
     key = cache.put(noise_png(9))
     cache.put_features(key, "vit", torch.ones(2))
-    conn = cache._conn()
+    conn = cache.connection()
     conn.execute("DELETE FROM images WHERE key = ?", (key,))
     assert conn.execute("SELECT COUNT(*) FROM features").fetchone()[0] == 0
 

@@ -116,7 +116,7 @@ def test_the_fingerprint_keys_the_vectors(cache):
     assert [h.key for h in index_b.search("red", top=10)] == [keys[2]]
     assert len(index_a.search("red", top=10)) == 3 and index_a.unindexed() == []
     assert RegionIndex(cache, a, RegionGrid(0.1)).unindexed() == keys
-    assert cache.region_fingerprints() == {index_a.fingerprint: 3, index_b.fingerprint: 1}
+    assert index_a.store.fingerprints() == {index_a.fingerprint: 3, index_b.fingerprint: 1}
 
 
 def test_adding_is_idempotent_and_recompute_re_encodes(cache):
@@ -173,8 +173,26 @@ def test_rows_written_or_removed_elsewhere_are_followed(cache, tmp_path):
         writer.add_vectors(first, torch.tensor([[0.0, 0, 0, 1]] * 5))         # first replaced: no red any more
         assert index.refresh() == 1
         assert [h.key for h in index.search("red", top=1)] == [second]
-        other._conn().execute("DELETE FROM images WHERE key = ?", (second,))  # cascades to its vectors
+        other.connection().execute("DELETE FROM images WHERE key = ?", (second,))  # cascades to its vectors
     assert [h.key for h in index.search("red", top=5)] == [first] and len(index) == 1
+
+
+def test_after_a_deletion_the_held_vectors_are_not_read_again(cache):
+    """A deletion drops what went and reads no vector again; another fingerprint's deletions cost nothing."""
+    index, other = RegionIndex(cache, ColourEncoder()), RegionIndex(cache, ColourEncoder("other"))
+    keys = index.add_many([corner_cue(), thin_stripes(), plain(GREY)])
+    other.add(plain(GREY))
+    assert index.refresh() == 3 and other.refresh() == 1
+    cache.connection().execute("DELETE FROM regions WHERE fingerprint = ?", (other.fingerprint,))
+    assert index.refresh() == 0 and len(index) == 3
+    assert other.refresh() == 0 and len(other) == 0
+    cache.connection().execute("DELETE FROM images WHERE key = ?", (keys[1],))          # cascades to its vectors
+    assert index.refresh() == 0 and len(index) == 2 and keys[1] not in index
+    assert [h.key for h in index.search("red", top=5)] == [keys[0], keys[2]]
+    cache.connection().execute("DELETE FROM regions WHERE key = ?", (keys[0],))          # deleted, then
+    index.add(corner_cue())                                                              # written again
+    assert index.refresh() == 1 and len(index) == 2 and keys[0] in index
+    assert [h.key for h in index.search("red", top=5)] == [keys[0], keys[2]]
 
 
 def test_a_row_of_the_wrong_shape_is_not_searched_and_recomputed_by_add(cache, caplog):
@@ -182,10 +200,11 @@ def test_a_row_of_the_wrong_shape_is_not_searched_and_recomputed_by_add(cache, c
     index = RegionIndex(cache, encoder)
     keys = index.add_many([corner_cue(), thin_stripes(), plain(GREY)])
     assert len(index.search("red", top=5)) == 3
-    cache.put_regions(keys[0], index.fingerprint, np.ones((3, 4), np.float32))       # a sound row, but 3 regions
+    index.store.put(keys[0], index.fingerprint, np.ones((3, 4), np.float32))         # a sound row, but 3 regions
     with caplog.at_level(logging.WARNING):
         assert [h.key for h in index.search("red", top=5)] == [keys[1], keys[2]]
     assert "have shape (3, 4), expected (5, 4); deleting the row" in caplog.text
+    assert len(index) == 2 and keys[0] not in index                                    # the held row went too
     assert index.unindexed() == [keys[0]]                                              # named, as a corrupt row is
     index.add(corner_cue())
     assert encoder.images_encoded == 20 and [h.key for h in index.search("red", top=1)] == [keys[0]]
@@ -281,7 +300,7 @@ def test_concurrent_writer_processes(tmp_path):
         keys = [image_key(img) for img in images]
         assert set().union(*(set(out.split()) for out, _ in outputs)) == set(keys)
         assert cache.integrity_check() == "ok" and len(cache) == 20
-        assert cache.region_fingerprints() == {reader.fingerprint: 20}
+        assert reader.store.fingerprints() == {reader.fingerprint: 20}
         hits = reader.search("red", top=20)                  # incremental: rows from three other processes
         assert len(reader) == 20 and sorted(h.key for h in hits) == sorted(keys)
         for hit in hits:

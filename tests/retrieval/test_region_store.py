@@ -1,5 +1,6 @@
-"""Region vectors in the write-time cache: the regions table (schema 3), checksums, write sequence numbers that a
-reader can follow, corrupt rows read as missing, and the migration of older files."""
+"""Region vectors in the write-time cache's file (`RegionStore`): checksums, write sequence numbers that a reader can
+follow, deletions counted per fingerprint, corrupt rows and rows of another shape read as missing, the region
+tables' own version, and files written before the store had them."""
 import hashlib
 import io
 import logging
@@ -12,6 +13,8 @@ import torch
 from PIL import Image
 
 from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError
+from pixeltriage.errors import PixelTriageError
+from pixeltriage.retrieval.store import REGION_SCHEMA_VERSION, RegionStore
 
 
 def noise_png(seed: int, size=(48, 32)) -> bytes:
@@ -25,77 +28,91 @@ def raw(path) -> sqlite3.Connection:
     return sqlite3.connect(path, isolation_level=None)
 
 
+def names(path, kind: str) -> set[str]:
+    with raw(path) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = ?", (kind,))}
+
+
 @pytest.fixture
 def cache(tmp_path):
     with Cache(tmp_path / "cache.db") as c:
         yield c
 
 
+@pytest.fixture
+def store(cache):
+    return RegionStore(cache)
+
+
 def vectors(seed: int, rows=5, dim=8) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
 
 
-def test_round_trip_and_replacement_get_new_sequence_numbers(cache):
+def test_round_trip_and_replacement_get_new_sequence_numbers(cache, store):
     a, b = cache.put(noise_png(1)), cache.put(noise_png(2))
-    assert cache.get_regions(a, "enc") is None and cache.region_state("enc") == (0, 0)
-    first = cache.put_regions(a, "enc", vectors(1))
-    second = cache.put_regions(b, "enc", torch.from_numpy(vectors(2)))           # a tensor works too
-    cache.put_regions(a, "other", vectors(3, rows=2, dim=3))
-    assert np.array_equal(cache.get_regions(a, "enc"), vectors(1))
-    assert cache.get_regions(a, "enc").dtype == np.float32
-    assert np.array_equal(cache.get_regions(a, "other"), vectors(3, rows=2, dim=3))
-    assert [(r.seq, r.key) for r in cache.region_rows("enc")] == [(first, a), (second, b)]
-    third = cache.put_regions(a, "enc", vectors(4))                                # replaces a's row
+    assert store.get(a, "enc") is None and store.state("enc") == (0, 0)
+    first = store.put(a, "enc", vectors(1))
+    second = store.put(b, "enc", torch.from_numpy(vectors(2)))                   # a tensor works too
+    store.put(a, "other", vectors(3, rows=2, dim=3))
+    assert np.array_equal(store.get(a, "enc"), vectors(1)) and store.get(a, "enc").dtype == np.float32
+    assert np.array_equal(store.get(a, "other"), vectors(3, rows=2, dim=3))
+    assert [(r.seq, r.key) for r in store.rows("enc")] == [(first, a), (second, b)]
+    third = store.put(a, "enc", vectors(4))                                        # replaces a's row
     assert third > second > first
-    assert [(r.key, r.seq) for r in cache.region_rows("enc", after=second)] == [(a, third)]
-    assert np.array_equal(cache.get_regions(a, "enc"), vectors(4))
-    assert cache.region_state("enc") == (third, 0)                               # a replacement deletes nothing
-    assert cache.region_fingerprints() == {"enc": 2, "other": 1}
-    stats = cache.stats()
-    assert stats["region_rows"] == 3 and stats["region_bytes"] == (2 * 5 * 8 + 2 * 3) * 4
+    assert [(r.key, r.seq) for r in store.rows("enc", after=second)] == [(a, third)]
+    assert np.array_equal(store.get(a, "enc"), vectors(4))
+    assert store.state("enc") == (third, 0)                                      # a replacement deletes nothing
+    assert store.fingerprints() == {"enc": 2, "other": 1} and store.keys("enc") == {a, b}
+    assert store.stats() == {"region_schema_version": REGION_SCHEMA_VERSION, "region_rows": 3,
+                             "region_bytes": (2 * 5 * 8 + 2 * 3) * 4}
+    assert "region_rows" not in cache.stats()                                    # the cache counts its own rows
 
 
-def test_sequence_numbers_are_never_reused_and_deletions_are_counted(cache):
+def test_sequence_numbers_are_never_reused_and_deletions_are_counted_per_fingerprint(cache, store):
     keys = [cache.put(noise_png(i)) for i in range(3)]
-    seqs = [cache.put_regions(k, "enc", vectors(i)) for i, k in enumerate(keys)]
-    cache.put_regions(keys[2], "other", vectors(5))
-    cache._conn().execute("DELETE FROM images WHERE key = ?", (keys[2],))           # cascades to its two rows
-    assert cache.region_state("enc") == (seqs[1], 2) and cache.region_fingerprints() == {"enc": 2}
-    assert cache.put_regions(keys[0], "enc", vectors(9)) > seqs[2]                 # AUTOINCREMENT
-    cache._conn().execute("DELETE FROM regions WHERE key = ?", (keys[1],))
-    assert cache.region_state("enc")[1] == 3 and cache.region_state("other") == (0, 3)
+    seqs = [store.put(k, "enc", vectors(i)) for i, k in enumerate(keys)]
+    store.put(keys[2], "other", vectors(5))
+    cache.connection().execute("DELETE FROM images WHERE key = ?", (keys[2],))     # cascades to its two rows
+    assert store.state("enc") == (seqs[1], 1) and store.state("other") == (0, 1)
+    assert store.fingerprints() == {"enc": 2}
+    assert store.put(keys[0], "enc", vectors(9)) > seqs[2]                         # AUTOINCREMENT
+    cache.connection().execute("DELETE FROM regions WHERE key = ?", (keys[1],))
+    assert store.state("enc")[1] == 2 and store.state("other") == (0, 1)           # the other one's count stays
+    assert store.state("never written") == (0, 0)
 
 
-def test_paging_reads_every_row_in_order(cache):
+def test_paging_reads_every_row_in_order(cache, store):
     keys = [cache.put(noise_png(10 + i)) for i in range(7)]
-    seqs = cache.put_regions_many("enc", [(k, vectors(i)) for i, k in enumerate(keys)])
-    rows = list(cache.region_rows("enc", page=3))
+    seqs = store.put_many("enc", [(k, vectors(i)) for i, k in enumerate(keys)])
+    rows = list(store.rows("enc", page=3))
     assert [r.seq for r in rows] == seqs and [r.key for r in rows] == keys
     assert all(np.array_equal(r.vectors, vectors(i)) for i, r in enumerate(rows))
-    assert [r.key for r in cache.region_rows("enc", after=seqs[3], page=2)] == keys[4:]
+    assert [r.key for r in store.rows("enc", after=seqs[3], page=2)] == keys[4:]
 
 
-def test_what_is_refused(cache):
+def test_what_is_refused(cache, store):
     with pytest.raises(CacheMissError, match="put it before its region vectors"):
-        cache.put_regions("0" * 64, "enc", vectors(0))
+        store.put("0" * 64, "enc", vectors(0))
     key = cache.put(noise_png(3))
     for bad in (np.zeros(8, np.float32), np.zeros((0, 8), np.float32), np.full((5, 8), np.nan, np.float32)):
         with pytest.raises(ValueError, match="region vectors"):
-            cache.put_regions(key, "enc", bad)
+            store.put(key, "enc", bad)
     with pytest.raises(ValueError, match="fingerprint"):
-        cache.put_regions(key, "", vectors(0))
-    assert cache.region_state("enc") == (0, 0)
-    # one bad pair stores nothing of its batch
+        store.put(key, "", vectors(0))
+    with pytest.raises(ValueError, match="fingerprint"):
+        list(store.rows(""))
+    assert store.state("enc") == (0, 0)
+    # one bad pair stores nothing of its batch: one transaction
     with pytest.raises(CacheMissError):
-        cache.put_regions_many("enc", [(key, vectors(0)), ("f" * 64, vectors(1))])
-    assert cache.get_regions(key, "enc") is None
+        store.put_many("enc", [(key, vectors(0)), ("f" * 64, vectors(1))])
+    assert store.get(key, "enc") is None
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "text", "short", "other key", "count"])
-def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, damage, caplog):
+def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, store, damage, caplog):
     a, b = cache.put(noise_png(4)), cache.put(noise_png(5))
-    cache.put_regions(a, "enc", vectors(1))
-    cache.put_regions(b, "enc", vectors(2))
+    store.put(a, "enc", vectors(1))
+    store.put(b, "enc", vectors(2))
     with raw(cache.path) as conn:
         if damage == "flipped byte":
             data = bytearray(conn.execute("SELECT vectors FROM regions WHERE key = ?", (a,)).fetchone()[0])
@@ -110,37 +127,76 @@ def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, dama
             conn.execute("UPDATE regions SET vectors = ?, checksum = ? WHERE key = ?", (*row, a))
         else:
             conn.execute("UPDATE regions SET count = 4, dim = 10 WHERE key = ?", (a,))
-    with caplog.at_level(logging.WARNING, logger="pixeltriage.engine.cache"):
-        assert [r.key for r in cache.region_rows("enc")] == [b]
+    with caplog.at_level(logging.WARNING, logger="pixeltriage.retrieval.store"):
+        assert [r.key for r in store.rows("enc")] == [b]
     assert f"region vectors of {a} (enc) are corrupt" in caplog.text
-    assert cache.region_fingerprints() == {"enc": 1} and cache.region_state("enc")[1] == 1     # deleted
-    assert cache.keys_without_regions("enc") == [a]
-    cache.put_regions(a, "enc", vectors(1))                          # recomputed from the image
-    assert np.array_equal(cache.get_regions(a, "enc"), vectors(1))
+    assert store.fingerprints() == {"enc": 1} and store.state("enc")[1] == 1      # deleted
+    assert store.keys_without("enc") == [a]
+    store.put(a, "enc", vectors(1))                                  # recomputed from the image
+    assert np.array_equal(store.get(a, "enc"), vectors(1))
 
 
-def test_get_regions_of_a_corrupt_row(cache, caplog):
+def test_get_of_a_corrupt_row(cache, store, caplog):
     key = cache.put(noise_png(6))
-    cache.put_regions(key, "enc", vectors(1))
+    store.put(key, "enc", vectors(1))
     with raw(cache.path) as conn:
         conn.execute("UPDATE regions SET checksum = ?", (hashlib.sha256(b"x").hexdigest(),))
     with caplog.at_level(logging.WARNING):
-        assert cache.get_regions(key, "enc") is None
-    assert "corrupt" in caplog.text and cache.region_state("enc") == (0, 1)
+        assert store.get(key, "enc") is None
+    assert "corrupt" in caplog.text and store.state("enc") == (0, 1)
 
 
-def test_keys_without_regions(cache):
+def test_a_row_of_another_shape_than_asked_is_deleted_with_a_warning(cache, store, caplog):
+    a, b = cache.put(noise_png(7)), cache.put(noise_png(8))
+    store.put(a, "enc", vectors(1, rows=3, dim=4))
+    store.put(b, "enc", vectors(2))
+    assert store.get(a, "enc").shape == (3, 4)                      # no shape asked: any sound row
+    with caplog.at_level(logging.WARNING, logger="pixeltriage.retrieval.store"):
+        assert [r.key for r in store.rows("enc", shape=(5, 8))] == [b]
+    assert f"region vectors of {a} (enc) have shape (3, 4), expected (5, 8); deleting the row" in caplog.text
+    assert store.keys_without("enc") == [a] and store.state("enc")[1] == 1
+    store.put(a, "enc", vectors(1, rows=3, dim=4))
+    assert store.get(a, "enc", shape=(5, 8)) is None and store.keys("enc") == {b}
+
+
+def test_keys_without(cache, store):
     keys = [cache.put(noise_png(20 + i)) for i in range(3)]
-    cache.put_regions(keys[1], "enc", vectors(0))
-    assert cache.keys_without_regions("enc") == [keys[0], keys[2]]
-    assert cache.keys_without_regions("other") == keys
+    store.put(keys[1], "enc", vectors(0))
+    assert store.keys_without("enc") == [keys[0], keys[2]]
+    assert store.keys_without("other") == keys
+
+
+def test_a_cache_alone_has_no_region_tables_and_a_store_adds_them_once(tmp_path):
+    path = tmp_path / "c.db"
+    with Cache(path) as c:
+        key = c.put(noise_png(9))
+    assert names(path, "table") == {"images", "features"}
+    with Cache(path) as c:
+        store = RegionStore(c)
+        store.put(key, "enc", vectors(0))
+        RegionStore(c)                                               # current: nothing to write, nothing lost
+        assert np.array_equal(store.get(key, "enc"), vectors(0))
+    assert {"regions", "region_deletions", "region_schema"} <= names(path, "table")
+    assert {"images_deleted", "images_deleted_regions", "regions_deleted"} == names(path, "trigger")
+    assert "regions_by_fingerprint" in names(path, "index")
+    with raw(path) as conn:
+        assert conn.execute("SELECT version FROM region_schema").fetchone()[0] == REGION_SCHEMA_VERSION == 2
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+
+
+def test_newer_region_tables_are_refused(cache):
+    RegionStore(cache)
+    with raw(cache.path) as conn:
+        conn.execute("UPDATE region_schema SET version = 3")
+    with pytest.raises(PixelTriageError, match="region tables of version 3 are newer"):
+        RegionStore(cache)
 
 
 def _downgrade(path, version: int) -> None:
-    """Make a current file look like one written by schema `version` (1 or 2)."""
+    """Make a current cache file look like one written by cache schema `version` (1 or 2): no region tables, no
+    image trigger."""
     with raw(path) as conn:
         conn.execute("DROP TRIGGER images_deleted")                          # neither version had it
-        conn.execute("DROP TABLE regions")
         if version == 1:
             conn.execute("ALTER TABLE images DROP COLUMN width")
             conn.execute("ALTER TABLE images DROP COLUMN height")
@@ -148,59 +204,53 @@ def _downgrade(path, version: int) -> None:
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_older_files_gain_the_regions_table(tmp_path, version):
+def test_older_files_gain_the_region_tables(tmp_path, version):
     path = tmp_path / "old.db"
     with Cache(path) as c:
         key = c.put(noise_png(7), note="kept")
         c.put_features(key, "vit", torch.ones(3))
     _downgrade(path, version)
     with Cache(path) as c:
+        store = RegionStore(c)
         assert c.note(key) == "kept" and torch.equal(c.get_features(key, "vit"), torch.ones(3))
         assert c.size(key) == ((48, 32) if version == 2 else None)
-        c.put_regions(key, "enc", vectors(0))
-        assert np.array_equal(c.get_regions(key, "enc"), vectors(0))
-        c._conn().execute("DELETE FROM images")
-        assert c.region_state("enc") == (0, 1)                                  # the trigger came with it
+        store.put(key, "enc", vectors(0))
+        assert np.array_equal(store.get(key, "enc"), vectors(0))
+        c.connection().execute("DELETE FROM images")
+        assert store.state("enc") == (0, 1)                                 # the trigger came with it
         assert c.integrity_check() == "ok"
     with raw(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
-        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-    assert "regions_by_fingerprint" in indexes
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert "regions_by_fingerprint" in names(path, "index")
 
 
-def test_deleting_an_image_without_foreign_keys_deletes_its_vectors(cache):
+def test_deleting_an_image_without_foreign_keys_deletes_its_vectors(cache, store):
     """The sqlite3 shell and Python's sqlite3 leave foreign keys off; the image's rows still go with it."""
     a, b = cache.put(noise_png(1)), cache.put(noise_png(2))
-    cache.put_regions(a, "enc", vectors(1))
-    cache.put_regions(b, "enc", vectors(2))
+    store.put(a, "enc", vectors(1))
+    store.put(b, "enc", vectors(2))
+    cache.put_features(a, "vit", torch.ones(2))
     conn = raw(cache.path)
     assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 0
     conn.execute("DELETE FROM images WHERE key = ?", (a,))
+    assert conn.execute("SELECT COUNT(*) FROM features").fetchone()[0] == 0       # the cache's trigger
     conn.close()
-    assert [row.key for row in cache.region_rows("enc")] == [b]
-    assert cache.region_state("enc")[1] == 1                                # readers holding it learn of it
+    assert [row.key for row in store.rows("enc")] == [b]
+    assert store.state("enc")[1] == 1                                       # readers holding it learn of it
 
 
 def test_rows_orphaned_before_the_trigger_are_removed_on_open(tmp_path):
     path = tmp_path / "old.db"
     with Cache(path) as c:
         key = c.put(noise_png(3))
-        c.put_regions(key, "enc", vectors(3))
+        RegionStore(c).put(key, "enc", vectors(3))
     conn = raw(path)
-    conn.execute("DROP TRIGGER images_deleted")                             # as a file written before it existed
+    conn.execute("DROP TRIGGER images_deleted_regions")                     # as a file written before it existed
     conn.execute("DELETE FROM images")
     assert conn.execute("SELECT COUNT(*) FROM regions").fetchone()[0] == 1
     conn.close()
     with Cache(path) as c:
-        assert list(c.region_rows("enc")) == []
+        store = RegionStore(c)
+        assert list(store.rows("enc")) == [] and store.state("enc") == (0, 1)
+    assert "images_deleted_regions" in names(path, "trigger")
 
-
-@pytest.mark.parametrize("width, height", [("abc", 10), (b"\x00", 10), (0, 10), (-5, 7), (2.5, 10)])
-def test_a_damaged_size_reads_as_unknown(cache, caplog, width, height):
-    key = cache.put(noise_png(4))
-    conn = raw(cache.path)
-    conn.execute("UPDATE images SET width = ?, height = ? WHERE key = ?", (width, height, key))
-    conn.close()
-    with caplog.at_level(logging.WARNING):
-        assert cache.size(key) is None
-    assert "stored size" in caplog.text and "damaged" in caplog.text

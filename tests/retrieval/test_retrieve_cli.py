@@ -38,7 +38,10 @@ def test_index_then_retrieve(tiny_encoder_dir, tmp_path, capsys):
     assert [path for _, path in printed] == paths
     keys = [key for key, _ in printed]
     with Cache(db) as cache:
-        assert cache.stats()["region_rows"] == 3 and cache.note(keys[1]) == "a receipt on the table"
+        assert cache.note(keys[1]) == "a receipt on the table"
+    assert main(["cache", "stats", str(db)]) == 0                     # the cache's counts and the region rows'
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["images"] == 3 and stats["region_rows"] == 3 and stats["region_bytes"] == 3 * 5 * 32 * 4
 
     args = ["retrieve", "--cache", str(db), "--encoder", str(tiny_encoder_dir), "--question", "the receipt"]
     assert main([*args, "--json", "--top", "2"]) == 0
