@@ -7,14 +7,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pixeltriage"
 
 # lowest first; a module may import any module of its own layer or of a layer before it
 LAYERS = [
-    {"pixeltriage.errors", "pixeltriage.paths", "pixeltriage.config", "pixeltriage.lazy"},
+    {"pixeltriage.errors", "pixeltriage.paths", "pixeltriage.config", "pixeltriage.lazy", "pixeltriage.hub"},
     {"pixeltriage.kernels"},
     {"pixeltriage.weights"},
     {"pixeltriage.engine"},
     {"pixeltriage.episode", "pixeltriage.delivery"},
     {"pixeltriage.retrieval"},
     {"pixeltriage.serve"},
-    {"pixeltriage.bench"},
+    {"pixeltriage.integrations", "pixeltriage.bench"},
     {"pixeltriage.cli", "pixeltriage.__main__"},
 ]
 
