@@ -29,6 +29,7 @@ WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib", ".h5", ".msgpack", ".npz")
 # the hub's own rule for a repo id: two names of letters, digits, '-', '_', '.', no '--' or '..', at most 96 each
 _NAME = r"(?![^/@]*(?:--|\.\.))[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+EMPTY = "empty checkpoint: give a local path or a Hugging Face hub id (org/name[@revision])"
 _REPO_ID = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>[^\s@]+))?$")
 
 
@@ -60,7 +61,7 @@ def check_checkpoint(text: str | os.PathLike) -> str:
     CheckpointError. For argument parsers, which resolve later, once --revision and the download switch are known."""
     text = os.fspath(text)
     if not text:
-        raise CheckpointError("empty checkpoint: give a local path or a Hugging Face hub id (org/name[@revision])")
+        raise CheckpointError(EMPTY)
     if os.path.exists(os.path.expanduser(text)) or parse_hub_id(text) is not None:
         return text
     raise CheckpointError(f"{text}: no such file or directory, and not a Hugging Face hub id (org/name[@revision])")
@@ -68,7 +69,8 @@ def check_checkpoint(text: str | os.PathLike) -> str:
 
 def resolve_checkpoint(source: str | os.PathLike, revision: str | None = None, *, allow_download: bool = False,
                        cache_dir: str | os.PathLike | None = None, token: str | bool | None = None) -> Path:
-    """The local path of a checkpoint given as a path or a hub id (see the module docstring).
+    """The local path of a checkpoint given as a path or a hub id (see the module docstring). What is not spelled
+    as a hub id is returned as a path, existing or not (the loader reports a missing checkpoint).
 
     revision: a branch, tag or commit of a hub id (also `org/name@revision`); refused for a local path.
     allow_download: fetch a hub id that is not cached (its safetensors and JSON / tokenizer files only); ignored,
@@ -76,15 +78,17 @@ def resolve_checkpoint(source: str | os.PathLike, revision: str | None = None, *
     cache_dir: the hub cache to use instead of HF_HUB_CACHE / huggingface_hub's default.
     """
     text = os.fspath(source)
-    check_checkpoint(text)
+    if not text:
+        raise CheckpointError(EMPTY)
     local = Path(os.path.expanduser(text))
-    if local.exists():
+    hub_id = None if local.exists() else parse_hub_id(text, revision)
+    if hub_id is None:
+        # a path: the loader names what is wrong with a missing or broken one, as for any local checkpoint
         if revision is not None:
-            raise CheckpointError(f"{text}: a local path has no revision (revision={revision!r}); a hub id of the "
-                                  "same spelling is not looked up while the path exists")
+            raise CheckpointError(f"{text}: a local path has no revision (revision={revision!r})"
+                                  + ("; a hub id of the same spelling is not looked up while the path exists"
+                                     if local.exists() else ""))
         return local
-    hub_id = parse_hub_id(text, revision)
-    assert hub_id is not None                          # check_checkpoint let it through
     offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
     if cache_dir is None:
         cache_dir = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or None

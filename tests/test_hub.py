@@ -1,6 +1,8 @@
 """Checkpoints by Hugging Face hub id (pixeltriage.hub): a hub cache in huggingface_hub's standard layout is read
 with no network, a local path wins, an id that is not cached is a CheckpointError without any connection attempt,
 and only safetensors checkpoints are fetched or loaded."""
+from pathlib import Path
+
 import pytest
 from integrations.integration_inputs import COLORS, QUESTION, guard_network, hub_cache, png
 
@@ -116,14 +118,27 @@ def test_a_download_asks_for_the_checkpoint_files_only(tiny_checkpoint, tmp_path
     assert not options.get("local_files_only") and options["cache_dir"] == tmp_path / "hub"
 
 
-@pytest.mark.parametrize("text", ["", "missing-dir", "./org/name", "/abs/org/name", "a/b/c", "org--x/name",
+def test_an_empty_checkpoint_is_refused():
+    for refuse in (check_checkpoint, resolve_checkpoint):
+        with pytest.raises(CheckpointError, match="empty checkpoint"):
+            refuse("")
+
+
+@pytest.mark.parametrize("text", ["missing-dir", "./org/name", "/abs/org/name", "a/b/c", "org--x/name",
                                   "org/na..me", "org/name@", "org/name@a@b", "-org/name"])
-def test_what_is_neither_a_path_nor_an_id(text, tmp_path, monkeypatch):
+def test_what_is_neither_a_path_nor_an_id(text, tmp_path, monkeypatch, no_network):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="no such file or directory, and not a Hugging Face hub id"):
         check_checkpoint(text)
-    with pytest.raises(CheckpointError):
-        resolve_checkpoint(text)
+    assert resolve_checkpoint(text) == Path(text)         # a path, for the loader to refuse in its own words
+    with pytest.raises(CheckpointError, match="a local path has no revision"):
+        resolve_checkpoint(text, "v1")
+    assert no_network == []
+
+
+def test_a_missing_local_checkpoint_keeps_the_loaders_message(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        Scorer.load(resolve_checkpoint(tmp_path / "none"))
 
 
 def test_parse_hub_id():
