@@ -24,6 +24,11 @@ from pixeltriage.engine.image import preprocess, preprocess_thumbnail
 from pixeltriage.engine.types import Memory, user_text
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, StateTooLongError
 
+# user text is tokenized from a prefix of about this many characters per token of its budget, doubled while the
+# budget's tokens are not settled (`TextEncoder._truncate`)
+PREFIX_CHARS_PER_TOKEN = 8
+PREFIX_MIN = 256
+PREFIX_MARGIN = 16
 DATE_TOKENS = 32  # per-memory budget for the session date; the rest goes to note and dialogue
 # rows the head reads besides one marker per memory (`State.head_positions`, after the markers): the 3 decision
 # rows, then the true, false and two `none` candidates
@@ -97,8 +102,29 @@ class TextEncoder:
         kept, count = self._truncate(text, max_tokens)
         return kept, len(self.encode_plain(kept)) if count is None else count
 
-    def _truncate(self, text: str, max_tokens: int) -> tuple[str, int | None]:
-        """(kept prefix, its token count when nothing was cut, else None); one encode."""
+    def _truncate(self, text: str, max_tokens: int, first_prefix: int | None = None) -> tuple[str, int | None]:
+        """(kept prefix, its token count when nothing was cut, else None): `_truncate_whole`'s result, from the
+        tokens of a prefix of `text` only, so that the cost follows the budget, not the length of the text.
+
+        The tokenizer splits text into pre-tokens (words, runs of spaces, of digits, of punctuation) and merges
+        inside each one only, so a prefix's tokens equal the whole text's in every pre-token that ends before the
+        prefix's last two (the pre-tokenizer reads at most a few characters past a pre-token to end it) and more
+        than PREFIX_MARGIN characters before the prefix's end. The prefix is doubled from `first_prefix`
+        characters until token `max_tokens` (the first one cut away) lies in such a settled pre-token: the tokens
+        kept and the cut are then the whole text's. A single pre-token longer than the budget (10 MB of one
+        letter, of spaces) is tokenized whole: merges inside one pre-token can depend on its far end."""
+        if not text:
+            return text, 0
+        length = first_prefix or max(PREFIX_MIN, (max_tokens + 1) * PREFIX_CHARS_PER_TOKEN)
+        while 2 * length < len(text):       # past half the text, the whole one costs at most twice as much
+            enc = self.plain.encode(text[:length], add_special_tokens=False)
+            if _settled(enc, length, max_tokens):
+                return (text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""), None
+            length *= 2
+        return self._truncate_whole(text, max_tokens)
+
+    def _truncate_whole(self, text: str, max_tokens: int) -> tuple[str, int | None]:
+        """The reference of `_truncate`: the whole text tokenized, then cut."""
         if not text:
             return text, 0
         enc = self.plain.encode(text, add_special_tokens=False)
@@ -128,6 +154,16 @@ class TextEncoder:
                 buffer.append(values[name])
         flush()
         return ids
+
+
+def _settled(enc, length: int, max_tokens: int) -> bool:
+    """Whether the tokens of a `length`-character prefix, up to token `max_tokens` included, are the whole text's:
+    that token lies in a pre-token (word) before the prefix's last two, ending PREFIX_MARGIN characters before the
+    prefix's end (word ids and offsets never decrease along an encoding)."""
+    words = enc.word_ids
+    if len(words) <= max_tokens or None in words[: max_tokens + 1]:
+        return False
+    return words[max_tokens] < words[-1] - 1 and enc.offsets[max_tokens][1] <= length - PREFIX_MARGIN
 
 
 class StatePacker:

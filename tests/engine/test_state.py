@@ -1,5 +1,6 @@
 """The packed state: fixed order, segment boundaries, plain user text, budgets."""
 import pytest
+import torch
 from PIL import Image
 
 from pixeltriage import Memory, Scorer, StateTooLongError
@@ -91,3 +92,91 @@ def test_float32_scores_are_deterministic(scorer):
     a = scorer.score("which one?", memories(3))
     b = scorer.score("which one?", memories(3))
     assert a == b
+
+
+# -- user text is cut to its budget from a prefix: the whole text's result, at the budget's cost ---------------------
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+              r"""|\s+(?!\S)|\s+""")
+AWKWARD = ["word", " ", "   ", "\n", "\r\n", "\t", "é", "e\u0301", "\u0301", "\U0001F600", "中文", "가", "\u1100\u1161",
+           "<|im_start|>", "<|image_pad|>", "<|im_end", "'re", "'S", "12345", "!!", "..", "\u00a0", "x", "Ġ",
+           "photographed", "receipt", "yesterday", "Wednesday", "there", "ticket's", "1234567", "dollars,"]
+
+
+def qwen_like(encoder):
+    """The checkpoint's vocabulary behind Qwen's pre-tokenizer (a Split regex, then bytes) and NFC normalizer."""
+    import json
+
+    from pixeltriage.engine.state import TextEncoder
+
+    spec = json.loads(encoder.plain.to_str())
+    spec["normalizer"] = {"type": "NFC"}
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    return TextEncoder(json_text=json.dumps(spec), source="qwen-like")
+
+
+def awkward_texts(seed, count):
+    import random
+
+    rng = random.Random(seed)
+    texts = [" " * 5000 + "word", "word" + " " * 5000, "x" * 3000, "é" * 3000, "\U0001F600" * 1000,
+             "<|im_start|>" * 400, "\n" * 3000 + "a", "a'" * 2000 + "re"]
+    for _ in range(count):
+        texts.append("".join(rng.choice(AWKWARD) * rng.choice([1, 1, 1, 2, 7, 40, 300])
+                             for _ in range(rng.randint(1, 200))))
+    return texts
+
+
+@pytest.mark.parametrize("tokenizer", ["checkpoint", "qwen-like"])
+def test_truncation_from_a_prefix_equals_the_whole_text_cut(scorer, tokenizer):
+    encoder = scorer.packer.encoder if tokenizer == "checkpoint" else qwen_like(scorer.packer.encoder)
+    for text in awkward_texts(seed=0, count=30):
+        for budget in (0, 1, 5, 17, 300):
+            want = encoder._truncate_whole(text, budget)
+            # small first prefixes: the prefix grows through many lengths, so cuts fall at every kind of place
+            for first in (1, 7, 33, None):
+                assert encoder._truncate(text, budget, first) == want, (text[:60], budget, first)
+            assert encoder.truncate_counted(text, budget) == (want[0], len(encoder.encode_plain(want[0])))
+
+
+class Counting:
+    """A tokenizer that counts the characters handed to `encode` (the work of tokenizing)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.characters = tokenizer, 0
+
+    def encode(self, text, **options):
+        self.characters += len(text)
+        return self.tokenizer.encode(text, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def characters_tokenized(scorer, text, monkeypatch):
+    counting = Counting(scorer.packer.encoder.plain)
+    monkeypatch.setattr(scorer.packer.encoder, "plain", counting)
+    state = scorer.pack(text, memories(2, note=text, dialogue=text, date=text))
+    monkeypatch.undo()
+    return counting.characters, state
+
+
+def test_the_cost_of_user_text_follows_its_budget_not_its_length(scorer, monkeypatch):
+    prose = "Where did we leave the red bike after the party at the lake? " * 200_000      # 12 MB per field
+    short = prose[:12_000]
+    big_cost, big = characters_tokenized(scorer, prose, monkeypatch)
+    small_cost, small = characters_tokenized(scorer, short, monkeypatch)
+    assert big_cost == small_cost                               # the same work for 12 MB as for 12 KB
+    cfg = scorer.triage_config
+    budget = cfg.max_question_tokens + 2 * cfg.max_memory_text_tokens
+    assert big_cost <= 4 * 8 * (budget + 2 * 32 + 8)            # a few prefixes of 8 characters per token of budget
+    assert torch.equal(big.input_ids, small.input_ids)          # and the same state
+    encoder = scorer.packer.encoder
+    assert encoder.truncate(prose, 512) == encoder._truncate_whole(prose[:200_000], 512)[0]
+
+
+def test_one_pre_token_longer_than_the_budget_is_still_cut_exactly(scorer):
+    encoder = scorer.packer.encoder
+    for text in ("x" * 50_000, " " * 50_000 + "x", "!" * 50_000):
+        assert encoder._truncate(text, 512) == encoder._truncate_whole(text, 512)
