@@ -1,36 +1,54 @@
-"""One script that checks and times the CUDA path, for a short session on a GPU machine:
+"""One prepared run that checks and times the CUDA path, for a short session on a fresh GPU machine:
 
-    python -m pixeltriage.bench.gpu_check [--out DIR]
+    pip install ".[gpu]" && python -m pixeltriage.bench.gpu_check --out DIR
 
-(a) correctness: the CUDA forward against the CPU float32 forward on the tiny and bench-small demo checkpoints,
-    one realistic 10-memory state each: bfloat16 scores within 2e-2, float32 scores within 1e-4;
-(b) speed on the 2b preset with 10 memories (~2.3k tokens): per-question p50/p99 at batch 1 with the vision tower
-    run, with the decoder replayed from a CUDA graph (its scores against the eager ones, capture time), and with
-    cached vision features, and questions/s at batch 32 (CUDA events, warm-up excluded);
-(c) MFU: the analytic FLOPs of those forwards against a bf16 GEMM rate measured in the same run, and against the
-    device's dense bf16 peak (A100 312, H100/H200 989 TFLOP/s).
+(a) parity: the CUDA forward against the CPU float32 forward on the demo checkpoints (2b, bench-small, tiny): one
+    realistic state each (10 memories; 4 at 2b, whose float32 CPU reference is the slow side), scores in bfloat16
+    within 2e-2 and in float32 within 1e-4;
+(b) latency at the timing preset (2b) with 10 memories (~2.3k tokens): p50/p90 per question of 1, 4 and 16 questions
+    packed into one score_states call, eager and with the decoder replayed from a CUDA graph (single questions: the
+    engine replays only those), with the vision tower run and with its features cached (CUDA events, warm-up
+    excluded);
+(c) the service: `pixeltriage serve` started as a subprocess on loopback (ServerProcess, as `bench serve` does),
+    driven by 8 client threads for a bounded time: questions/s and latency;
+(d) the roofline (pixeltriage.bench.roofline) at the device's published peaks: measured against predicted for every
+    timed case (and MFU), and stage by stage for one eager question from the engine's stage timers; the CUDA kernels
+    one forward launches (profiler) against the roofline's estimate;
+(e) the kernel each op runs (pixeltriage.kernels.registry.choices).
 
-Writes everything as JSON to DIR/gpu_check.json (DIR defaults to $OUT when set) and prints a summary. Runs on the
-CPU too (`--device cpu --parity-presets tiny --timing-preset tiny`), which is how its logic is tested in CI;
-only a run on a GPU gives GPU figures.
+Everything goes to DIR/gpu_check.json and a short table to DIR/gpu_check.md (DIR defaults to $OUT). A time budget
+(--budget-s, default 240 s) keeps the whole run well within 5 minutes: a part that would not fit in what is left is
+skipped with the reason recorded (and listed in both files), never silently. Runs on the CPU too (`--device cpu
+--parity-presets tiny --timing-preset tiny --device-spec h100`), which is how its logic is tested in CI; only a run on
+a GPU gives GPU figures.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
-import statistics
 import sys
 import tempfile
+import threading
 import time
+import traceback
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from pixeltriage.bench.timing import device_peak_tflops, flop_rate, gemm_tflops, percentiles, timed
+from pixeltriage.bench import roofline as rl
+from pixeltriage.bench.timing import percentiles, timed_within
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 GRAPH_TOLERANCE = 1e-3     # a replayed decoder against the eager one: same dtype and kernels, padded length
+PARITY_MEMORIES = {"2b": 4}                   # others: 10
+# seconds a part is expected to need on a fresh GPU machine (checkpoint written, kernels compiled); a part starts only
+# when at least this much of the budget is left
+NEEDS_S = {"parity/tiny": 10, "parity/bench-small": 30, "parity/2b": 75, "timing": 45, "serve": 45}
+SERVE_CLIENTS = 8
 
 
 def max_diff(a, b) -> float:
@@ -39,149 +57,504 @@ def max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in pairs)
 
 
-def parity(presets, device: torch.device, progress) -> dict:
-    from pixeltriage.bench.cpu import bench_episode
-    from pixeltriage.engine.scorer import Scorer
-    from pixeltriage.weights.demo import demo_checkpoint
+class Budget:
+    """Seconds left of the run's budget; `skip(needs)` is the recorded reason a part does not start, or None."""
 
-    out = {}
-    for preset in presets:
-        path = demo_checkpoint(preset)
-        reference = Scorer.load(path, dtype=torch.float32)
-        state = bench_episode(reference.packer).state                  # one state, scored by every scorer
-        expected = reference.score_states([state])[0]
-        for name, tol in TOLERANCE.items():
-            progress(f"parity {preset} {name} on {device}")
-            got = Scorer.load(path, device=device, dtype=name).score_states([state])[0]
-            diff = max_diff(got, expected)
-            out[f"{preset}/{name}"] = {"max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol}
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def skip(self, needs: float) -> str | None:
+        left = self.left()
+        return None if needs <= 0 or left >= needs else f"time budget: {max(0.0, left):.0f} s of {self.seconds:.0f} s left, " \
+                                          f"this part needs ~{needs:.0f} s"
+
+
+class Scorers:
+    """Loaded scorers by (preset, device, dtype), so that parity and timing share a load."""
+
+    def __init__(self):
+        self.loaded: dict[tuple, object] = {}
+
+    def get(self, preset: str, device: torch.device, dtype: str):
+        from pixeltriage.engine.scorer import Scorer
+        from pixeltriage.weights.demo import demo_checkpoint
+
+        key = (preset, str(device), dtype)
+        if key not in self.loaded:
+            self.loaded[key] = Scorer.load(demo_checkpoint(preset), device=device, dtype=dtype)
+        return self.loaded[key]
+
+    def drop(self, preset: str, device: torch.device, dtype: str) -> None:
+        self.loaded.pop((preset, str(device), dtype), None)
+
+
+# ---- (a) parity ----------------------------------------------------------------------------------------------------
+
+def parity_preset(preset: str, device: torch.device, scorers: Scorers, memories: int, tokens: int, progress) -> dict:
+    """One state of `memories` memories and ~`tokens` tokens (PARITY_MEMORIES and as many tokens per memory where it
+    names the preset) scored on the CPU in float32 and on `device` in bfloat16 and float32."""
+    from pixeltriage.bench.cpu import bench_episode
+
+    progress(f"parity {preset}: CPU float32 reference")
+    reference = scorers.get(preset, torch.device("cpu"), "float32")
+    if preset in PARITY_MEMORIES:
+        tokens, memories = tokens * PARITY_MEMORIES[preset] // max(1, memories), PARITY_MEMORIES[preset]
+    state = bench_episode(reference.packer, num_memories=memories, target_tokens=tokens).state   # scored by all
+    expected = reference.score_states([state])[0]
+    scorers.drop(preset, torch.device("cpu"), "float32")
+    out = {"memories": memories, "tokens": state.num_tokens}
+    for name, tol in TOLERANCE.items():
+        progress(f"parity {preset} {name} on {device}")
+        got = scorers.get(preset, device, name).score_states([state])[0]
+        if name == "float32":
+            scorers.drop(preset, device, name)                  # only the bf16 one is timed
+        diff = max_diff(got, expected)
+        out[name] = {"max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol}
     return out
 
 
-def timing(preset: str, device: torch.device, iters: int, batch: int, progress) -> dict:
+# ---- (b) latency ---------------------------------------------------------------------------------------------------
+
+def _measure(fn: Callable, questions: int, iters: int, seconds: float, device: torch.device) -> dict:
+    times = timed_within(fn, iters, seconds, warmup=2 if device.type == "cuda" else 1, device=device)
+    p = percentiles(times)
+    return {"questions": questions, "iters": len(times), "p50_ms": p["p50"] * 1e3, "p90_ms": p["p90"] * 1e3,
+            "p50_ms_per_question": p["p50"] * 1e3 / questions, "p90_ms_per_question": p["p90"] * 1e3 / questions,
+            "questions_per_s": questions / p["p50"]}
+
+
+def timing(preset: str, device: torch.device, scorers: Scorers, memories: int, tokens: int, batches: list[int],
+           iters: int, budget: Budget, progress) -> dict:
+    """Every (mode, vision, batch) case; cases that no longer fit the budget are recorded as skipped."""
     from pixeltriage.bench.cpu import bench_episode
-    from pixeltriage.bench.flops import scorer_flops, total
     from pixeltriage.engine.cache import Cache
-    from pixeltriage.engine.scorer import Scorer
-    from pixeltriage.weights.demo import demo_checkpoint
 
-    dtype = torch.bfloat16
-    path = demo_checkpoint(preset)
-    progress(f"timing {preset} on {device}: loading")
-    scorer = Scorer.load(path, device=device, dtype=dtype)
-    episode = bench_episode(scorer.packer)
+    dtype = timing_dtype(device)
+    progress(f"timing {preset} {dtype} on {device}: loading")
+    scorer = scorers.get(preset, device, dtype)
+    episode = bench_episode(scorer.packer, memories, tokens)
     question, memories, state = episode.question, episode.memories, episode.state
-    per_q = timed(lambda: scorer.score_states([state]), iters, warmup=3, device=device)
-    end_to_end = timed(lambda: scorer.score(question, memories), max(3, iters // 3), warmup=3, device=device)
-    graphs = graph_timing(scorer, state, iters, device, progress)
-
-    with tempfile.TemporaryDirectory() as tmp, Cache(Path(tmp) / "cache.db") as cache:
-        cached = scorer.with_cache(cache)                                   # the same weights, not a reload
-        cstate = cached.pack(question, memories)
-        cached.score_states([cstate])                                      # stores the vision features
-        per_q_cached = timed(lambda: cached.score_states([cstate]), iters, warmup=3, device=device)
-        cached_share = cached.vision_counts
-
-    states = [scorer.packer.pack(f"{question} ({i})", memories, images=episode.images) for i in range(batch)]
-    batch_times = timed(lambda: scorer.score_states(states), max(2, iters // 5), warmup=1, device=device)
-
-    flops = total(scorer_flops(scorer, state)).total
-    flops_cached = total(scorer_flops(scorer, state, cached_vision=True)).total
-    progress("measuring the GEMM rate")
-    # the CPU runs only check this script's logic: a small GEMM (a CPU without bf16 matmul units takes
-    # minutes over the full-size one)
-    gemm = gemm_tflops(device, dtype, n=None if device.type == "cuda" else 256)
-    peak = device_peak_tflops(device)
-    p50, p50c = statistics.median(per_q), statistics.median(per_q_cached)
-    batch_s = statistics.median(batch_times)
-
-    def rate(f, s):
-        return flop_rate(f, s, gemm, peak)
-    return {
-        "preset": preset, "dtype": str(dtype).removeprefix("torch."), "tokens": state.num_tokens, "memories": state.num_memories,
-        "batch_1": {"p50_ms": p50 * 1e3, "p99_ms": percentiles(per_q)["p99"] * 1e3, "iters": iters,
-                    **rate(flops, p50)},
-        "batch_1_end_to_end": {"p50_ms": statistics.median(end_to_end) * 1e3},
-        # a replay runs the whole padded bucket; its rate counts the state's own FLOPs (useful work, not work done)
-        "batch_1_cuda_graphs": graphs if "error" in graphs else {**graphs, **rate(flops, graphs["p50_ms"] / 1e3)},
-        "batch_1_cached_vision": {"p50_ms": p50c * 1e3, "p99_ms": percentiles(per_q_cached)["p99"] * 1e3,
-                                  "vision_counts": cached_share, **rate(flops_cached, p50c)},
-        f"batch_{batch}": {"seconds": batch_s, "questions_per_s": batch / batch_s, **rate(flops * batch, batch_s)},
-        "tflop_per_question": flops / 1e12, "tflop_per_question_cached": flops_cached / 1e12,
-        "gemm_tflops": gemm, "peak_tflops": peak,
-    }
+    bucket = -(-state.num_tokens // 256) * 256                      # one graph bucket: the state rounded up
+    out: dict = {"preset": preset, "dtype": dtype, "tokens": state.num_tokens, "memories": state.num_memories,
+                 "graph_bucket": bucket, "cases": {}}
+    with ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        cached = scorer.with_cache(stack.enter_context(Cache(Path(tmp) / "cache.db")))   # same weights, no reload
+        states = {"vision": [scorer.packer.pack(f"{question} ({i})", memories, images=episode.images)
+                             for i in range(max(batches))],
+                  "cached_vision": [cached.pack(f"{question} ({i})", memories) for i in range(max(batches))]}
+        cached.score_states(states["cached_vision"][:1])           # stores the vision features
+        runners = {"vision": scorer, "cached_vision": cached}
+        for mode in ("eager", "cuda_graphs"):
+            if mode == "cuda_graphs":
+                graphs = enable_graphs(scorer, cached, state, bucket, progress)
+                out["graphs"] = graphs
+                if not graphs["ok"]:
+                    break
+            for vision, runner in runners.items():
+                for b in batches:
+                    case = f"{mode}/{vision}/{b}"
+                    if mode == "cuda_graphs" and b > 1:
+                        out["cases"][case] = {"not_applicable": "CUDA graphs replay single-question forwards only "
+                                                                "(engine/graphs.py); batches run eagerly"}
+                        continue
+                    seconds = min(8.0, budget.left() - 5)
+                    if seconds < 1.0:
+                        out["cases"][case] = {"skipped": budget.skip(6.0) or "time budget"}
+                        continue
+                    progress(f"timing {case}")
+                    batch = states[vision][:b]
+                    out["cases"][case] = _measure(lambda: runner.score_states(batch), b, max(3, iters // b), seconds,
+                                                  device)
+        out["cached_vision_counts"] = dict(cached.vision_counts)
+        scorer.disable_cuda_graphs()
+        cached.graphs = None
+    return out
 
 
-def graph_timing(scorer, state, iters: int, device: torch.device, progress) -> dict:
-    """Batch 1 with the decoder replayed from a CUDA graph (on the CPU: the same padded static path, eagerly),
-    against the eager scores of the same state. A failure is reported, not fatal; the scorer is left eager."""
-    import traceback
+def timing_dtype(device: torch.device) -> str:
+    """bfloat16 on a GPU; float32 on the CPU, where the dry run only checks this script's logic (a CPU without bf16
+    matmul units emulates them, 35-75x slower: docs/performance.md)."""
+    return "bfloat16" if device.type == "cuda" else "float32"
 
-    bucket = -(-state.num_tokens // 256) * 256                      # one bucket, the state rounded up
+
+def enable_graphs(scorer, cached, state, bucket: int, progress) -> dict:
+    """Capture the decoder for one bucket (on the CPU: the same padded static path, eagerly) and check a replay
+    against the eager scores of the same state. A failure is reported, not fatal; the scorers are left eager."""
     try:
         eager = scorer.score_states([state])[0]
         progress(f"capturing the decoder (bucket {bucket} tokens)")
         t0 = time.perf_counter()
         scorer.enable_cuda_graphs(buckets=(bucket,))
         capture_s = time.perf_counter() - t0
+        cached.graphs = scorer.graphs                  # the same weights and decoder: one capture serves both
         diff = max_diff(scorer.score_states([state])[0], eager)
-        times = timed(lambda: scorer.score_states([state]), iters, warmup=3, device=device)
-        return {"p50_ms": statistics.median(times) * 1e3, "p99_ms": percentiles(times)["p99"] * 1e3,
-                "bucket": bucket, "captured": scorer.graphs.capture, "capture_s": capture_s,
-                "max_abs_diff_vs_eager": diff, "tolerance": GRAPH_TOLERANCE, "ok": diff <= GRAPH_TOLERANCE,
+        return {"ok": diff <= GRAPH_TOLERANCE, "captured": scorer.graphs.capture, "bucket": bucket,
+                "capture_s": capture_s, "max_abs_diff_vs_eager": diff, "tolerance": GRAPH_TOLERANCE,
                 "replays": scorer.graphs.replays}
     except Exception as e:  # noqa: BLE001 - reported in the JSON, the rest of the check still runs
         progress(f"CUDA graphs failed: {type(e).__name__}: {e}")
-        return {"error": traceback.format_exc(), "ok": False}
-    finally:
         scorer.disable_cuda_graphs()
+        cached.graphs = None
+        return {"ok": False, "error": traceback.format_exc()}
+
+
+# ---- (c) the service -----------------------------------------------------------------------------------------------
+
+def serve(preset: str, device: torch.device, memories: int, seconds: float, budget: Budget, progress) -> dict:
+    """`pixeltriage serve` in a subprocess, SERVE_CLIENTS closed-loop clients for `seconds` after a warm-up, each
+    question with `memories` memories (JPEG photos of varied sizes, as `bench serve` sends)."""
+    import httpx
+
+    from pixeltriage.bench.serve import episodes, request_body
+    from pixeltriage.serve.process import ServerProcess
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    eps = episodes(SERVE_CLIENTS, memories)
+    bodies = [request_body(q, m, "") for q, m in eps]
+    progress(f"serve {preset} on {device}: starting the server")
+    t0 = time.perf_counter()
+    argv = ["--checkpoint", str(demo_checkpoint(preset)), "--device", device.type, "--dtype", dtype]
+    if device.type == "cpu":                   # the dry run: a smaller batch budget, so a shorter warm-up forward
+        argv += ["--max-batch-tokens", "1024"]
+    server = ServerProcess(argv)
+    try:
+        server.wait_ready(timeout=max(5.0, budget.left() - seconds - 10))
+        ready_s = time.perf_counter() - t0
+        http = httpx.Client(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=SERVE_CLIENTS))
+        latencies, statuses, wrong_id, lock = [], {}, 0, threading.Lock()
+
+        def send(i: int, request_id: str) -> tuple[int, float, bool]:
+            body = bodies[i].replace(b'"id": ""', f'"id": "{request_id}"'.encode(), 1)
+            start = time.perf_counter()
+            response = http.post("/v1/score", content=body, headers={"content-type": "application/json"})
+            elapsed = time.perf_counter() - start
+            ok = response.status_code == 200 and response.json().get("id") == request_id
+            return response.status_code, elapsed, ok
+
+        for i in range(SERVE_CLIENTS):                               # warm-up, untimed
+            send(i, f"warm-{i}")
+        stop_at = time.perf_counter() + seconds
+
+        def client(c: int) -> None:
+            nonlocal wrong_id
+            n = 0
+            while time.perf_counter() < stop_at:
+                status, elapsed, ok = send(c, f"{c}-{n}")
+                with lock:
+                    statuses[str(status)] = statuses.get(str(status), 0) + 1
+                    if status == 200:
+                        latencies.append(elapsed)
+                        wrong_id += not ok
+                n += 1
+
+        progress(f"serve: {SERVE_CLIENTS} clients for {seconds:g} s")
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(SERVE_CLIENTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        http.close()
+        lat = percentiles(latencies)
+        return {"preset": preset, "dtype": dtype, "clients": SERVE_CLIENTS, "memories": memories, "seconds": wall,
+                "ready_s": ready_s, "statuses": statuses, "wrong_id": wrong_id,
+                "questions_per_s": len(latencies) / wall, "p50_ms": lat["p50"] * 1e3, "p90_ms": lat["p90"] * 1e3}
+    finally:
+        server.stop()
+
+
+# ---- (d) the roofline ----------------------------------------------------------------------------------------------
+
+def roofline_comparison(scorer, state, spec_key: str, spec_matches: bool, timing_result: dict, device: torch.device,
+                        progress) -> dict:
+    """Every timed case against its prediction; one eager question's stages against the roofline's stages; the
+    CUDA kernels of one forward against the estimate."""
+    from pixeltriage.bench.flops import scorer_flops, state_shape, total
+    from pixeltriage.engine import profiling
+
+    spec = rl.device_spec(spec_key)
+    model, head_dim = scorer.model_config, scorer.triage_config.head_dim
+    shape = state_shape(state, model.vision.merge_unit)
+    out = {"spec": spec_key, "spec_matches_device": spec_matches, "peak_tflops": spec.bf16_tflops,
+           "hbm_tb_s": spec.hbm_tb_s, "cases": {}}
+    flop = {False: total(scorer_flops(scorer, state)).total, True: total(scorer_flops(scorer, state, True)).total}
+    for case, measured in timing_result.get("cases", {}).items():
+        if "p50_ms" not in measured:
+            continue
+        mode, vision, b = case.split("/")
+        cached = vision == "cached_vision"
+        predicted = rl.predict(model, shape, spec, head_dim, int(b), cached, mode == "cuda_graphs",
+                               max_batch_tokens=scorer.max_batch_tokens, bucket=timing_result["graph_bucket"])
+        ratio = rl.ratio(measured["p50_ms"], predicted["ms"])
+        achieved = flop[cached] * int(b) / (measured["p50_ms"] / 1e3) / 1e12
+        out["cases"][case] = {"measured_ms": measured["p50_ms"], "predicted_ms": predicted["ms"],
+                              "predicted_roofline_ms": predicted["roofline_ms"], "measured_over_predicted": ratio,
+                              "within_2x": ratio is not None and ratio <= 2.0, "tflops": achieved,
+                              "mfu": achieved / spec.bf16_tflops}
+    progress("stage timers: one eager question")
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with profiling.record(sync=sync) as stages:
+            scorer.score_states([state])
+        if sync:
+            sync()
+        runs.append((time.perf_counter() - t0, dict(stages)))
+    predicted = rl.forward_stages(model, shape, spec, head_dim)
+    by_profiler = {}
+    for name, p in predicted.items():
+        by_profiler.setdefault(p["stage"], 0.0)
+        by_profiler[p["stage"]] += p["roofline_ms"]
+    whole_s, stages = sorted(runs, key=lambda run: run[0])[len(runs) // 2]      # the median run: parts add up
+    whole = whole_s * 1e3
+    rows = {}
+    for stage in sorted(stages):
+        measured_ms = stages[stage] * 1e3
+        pred = by_profiler.get(stage)
+        rows[stage] = {"measured_ms": measured_ms, "predicted_ms": pred,
+                       "measured_over_predicted": rl.ratio(measured_ms, pred)}
+    rows["unattributed"] = {"measured_ms": whole - sum(r["measured_ms"] for r in rows.values()),
+                            "predicted_ms": sum(v for k, v in by_profiler.items() if k not in rows),
+                            "measured_over_predicted": None, "note": "embedding, copies and host work outside the "
+                            "stage timers (predicted: the roofline's embed and host_to_device)"}
+    rows["whole_forward"] = {"measured_ms": whole, "predicted_ms": sum(by_profiler.values()),
+                             "measured_over_predicted": rl.ratio(whole, sum(by_profiler.values())),
+                             "note": "timed with a device synchronize around every stage"}
+    out["stages"] = rows
+    out["kernels"] = count_kernels(scorer, state, device) | {"estimated": rl.kernel_count(model)}
+    return out
+
+
+def count_kernels(scorer, state, device: torch.device) -> dict:
+    """CUDA kernels one eager forward launches, from the profiler (a GPU only)."""
+    if device.type != "cuda":
+        return {"measured": None, "reason": "CUDA kernels are counted on a GPU only"}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    repeats = 2
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                scorer.score_states([state])
+            torch.cuda.synchronize(device)
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+                   and not e.name.startswith(("Memcpy", "Memset"))]
+    except Exception as e:  # noqa: BLE001 - the count is a side figure: its failure is reported, the rest kept
+        return {"measured": None, "reason": f"profiler failed: {type(e).__name__}: {e}"}
+    return {"measured": len(kernels) / repeats}
+
+
+# ---- (e) kernels ---------------------------------------------------------------------------------------------------
+
+def kernel_choices(device: torch.device) -> dict:
+    from pixeltriage.kernels import registry
+
+    out = {"source": "pixeltriage.kernels.registry.choices",
+           "bfloat16": registry.choices(device, torch.bfloat16), "float32": registry.choices(device, torch.float32)}
+    if device.type == "cpu":
+        from pixeltriage.kernels import native
+
+        out["native"] = native.status()
+    return out
+
+
+# ---- the run -------------------------------------------------------------------------------------------------------
+
+def run_part(result: dict, name: str, needs: float, budget: Budget, fn: Callable[[], dict], progress) -> None:
+    """result[name] = fn(), or {"skipped": reason} when the budget cannot hold `needs` s, or {"error": traceback}."""
+    reason = budget.skip(needs)
+    if reason:
+        progress(f"skipping {name}: {reason}")
+        result[name] = {"skipped": reason}
+        return
+    try:
+        result[name] = fn()
+    except Exception as e:  # noqa: BLE001 - a partial result is still written
+        progress(f"{name} failed: {type(e).__name__}: {e}")
+        result[name] = {"error": traceback.format_exc()}
+
+
+def skipped_parts(result: dict, prefix: str = "") -> list[str]:
+    """Every `skipped` reason anywhere in the result, as 'path: reason'."""
+    found = []
+    for key, value in result.items():
+        if isinstance(value, dict):
+            if "skipped" in value:
+                found.append(f"{prefix}{key}: {value['skipped']}")
+            found += skipped_parts(value, f"{prefix}{key}/")
+    return found
+
+
+def failures(result: dict) -> list[str]:
+    out = [f"{k}: error" for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    for preset, p in result.get("parity", {}).items():
+        for dtype in ("float32", "bfloat16"):
+            if isinstance(p, dict) and dtype in p and not p[dtype]["ok"]:
+                out.append(f"parity {preset} {dtype}: {p[dtype]['max_abs_diff']:.3g} > {p[dtype]['tolerance']:g}")
+            if isinstance(p, dict) and "error" in p:
+                out.append(f"parity {preset}: error")
+    graphs = result.get("timing", {}).get("graphs")
+    if graphs is not None and not graphs["ok"]:
+        out.append("CUDA graphs: " + ("error" if "error" in graphs else "replay differs from eager"))
+    return out
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [f"# gpu_check: {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, fla {env['fla']}; budget {result['budget_s']:.0f} s, "
+             f"wall {result['wall_s']:.1f} s", "", "## Parity (against the CPU float32 forward)", "",
+             "| preset | memories | tokens | dtype | max abs diff | tolerance | ok |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for preset, p in result["parity"].items():
+        if "skipped" in p or "error" in p:
+            lines.append(f"| {preset} | | | | {'skipped' if 'skipped' in p else 'error'} | | no |")
+            continue
+        for dtype in ("bfloat16", "float32"):
+            d = p[dtype]
+            lines.append(f"| {preset} | {p['memories']} | {p['tokens']} | {dtype} | {d['max_abs_diff']:.3g} | "
+                         f"{d['tolerance']:g} | {'yes' if d['ok'] else 'NO'} |")
+    t, cmp_ = result["timing"], result["roofline"]
+    lines += ["", f"## Latency ({t.get('preset', '?')}, {t.get('memories', '?')} memories, {t.get('tokens', '?')} "
+                  "tokens, {t.get('dtype', '?')})", "",
+              "| case (mode/vision/questions) | p50 ms/question | p90 ms/question | questions/s | predicted ms | "
+              "measured/predicted | MFU |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for case, c in t.get("cases", {}).items():
+        if "p50_ms" not in c:
+            lines.append(f"| {case} | {c.get('skipped') or c.get('not_applicable')} | | | | | |")
+            continue
+        r = cmp_.get("cases", {}).get(case, {})
+        lines.append(f"| {case} | {c['p50_ms_per_question']:.2f} | {c['p90_ms_per_question']:.2f} | "
+                     f"{c['questions_per_s']:.1f} | {_fmt(r.get('predicted_ms'))} | "
+                     f"{_fmt(r.get('measured_over_predicted'))} | {_fmt(r.get('mfu'), '.1%')} |")
+    if "graphs" in t:
+        g = t["graphs"]
+        lines += ["", f"CUDA graphs: captured {g.get('captured')}, bucket {g.get('bucket')}, replay vs eager "
+                      f"{_fmt(g.get('max_abs_diff_vs_eager'), '.2g')} (tolerance {GRAPH_TOLERANCE:g}), ok {g['ok']}"]
+    if "stages" in cmp_:
+        lines += ["", f"## Stages of one eager question against the roofline ({cmp_['spec']}; spec matches the "
+                      f"device: {cmp_['spec_matches_device']})", "",
+                  "| stage | measured ms | predicted ms | measured/predicted |", "| --- | --- | --- | --- |"]
+        for stage, s in cmp_["stages"].items():
+            lines.append(f"| {stage} | {s['measured_ms']:.3f} | {_fmt(s['predicted_ms'], '.3f')} | "
+                         f"{_fmt(s['measured_over_predicted'])} |")
+        k = cmp_["kernels"]
+        lines += ["", f"Kernels per forward: measured {_fmt(k.get('measured'), '.0f')} "
+                      f"({k.get('reason', 'profiler')}), estimated {k['estimated']}"]
+    s = result["serve"]
+    lines += ["", "## Service", ""]
+    if "questions_per_s" in s:
+        lines.append(f"{s['clients']} clients, {s['memories']} memories, {s['seconds']:.1f} s: "
+                     f"{s['questions_per_s']:.2f} questions/s, p50 {s['p50_ms']:.1f} ms, p90 {s['p90_ms']:.1f} ms, "
+                     f"statuses {s['statuses']}, wrong ids {s['wrong_id']} (server ready in {s['ready_s']:.1f} s)")
+    else:
+        lines.append(s.get("skipped") or "error (see gpu_check.json)")
+    lines += ["", "## Kernels", ""]
+    for dtype, names in result["kernels"].items():
+        if isinstance(names, dict):
+            lines.append(f"- {dtype}: " + ", ".join(f"{op} = {name}" for op, name in names.items()))
+        else:
+            lines.append(f"- {dtype}: {names}")
+    lines += ["", "## Skipped", ""] + ([f"- {s}" for s in result["skipped"]] or ["- nothing"])
+    lines += ["", "## Failures", ""] + ([f"- {f}" for f in result["failures"]] or ["- none"])
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pixeltriage.bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default: $OUT)")
-    p.add_argument("--parity-presets", default="tiny,bench-small")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json and gpu_check.md "
+                                                                 "(default: $OUT)")
+    p.add_argument("--parity-presets", default="tiny,bench-small,2b")
     p.add_argument("--timing-preset", default="2b")
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--memories", type=int, default=10, help="memories per question (default 10)")
+    p.add_argument("--tokens", type=int, default=2300, help="state length at --memories memories (default 2300)")
+    p.add_argument("--batches", default="1,4,16", help="questions packed per timed call (default 1,4,16)")
+    p.add_argument("--iters", type=int, default=30, help="timed calls of one question; B questions: iters / B")
+    p.add_argument("--serve-seconds", type=float, default=15.0, help="the service's timed load (default 15 s)")
+    p.add_argument("--device-spec", default="auto", choices=["auto", *rl.DEVICE_SPECS],
+                   help="the roofline's peaks (default: from the GPU's name)")
+    p.add_argument("--budget-s", type=float, default=240.0, help="stop starting parts past this (default 240 s)")
     args = p.parse_args(argv)
-    from pixeltriage.engine.cpu_memory import tune_malloc
-
-    tune_malloc()                      # as the command line does
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here", file=sys.stderr)
         return 2
+    if not args.out:
+        p.error("--out DIR is needed (or $OUT)")
+    from pixeltriage.engine.cpu_memory import tune_malloc
+
+    tune_malloc()                      # as the command line does
+    budget = Budget(args.budget_s)
+    t0 = time.perf_counter()
 
     def progress(msg):
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__}
-    for mod in ("triton", "fla"):
-        try:
-            result[mod] = getattr(__import__(mod), "__version__", "?")
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            result[mod] = f"unavailable ({type(e).__name__}: {e})"
-    t0 = time.perf_counter()
-    try:
-        result["parity"] = parity([x for x in args.parity_presets.split(",") if x], device, progress)
-        result["timing"] = timing(args.timing_preset, device, args.iters, args.batch, progress)
-    except Exception as e:  # noqa: BLE001 - a partial result is still written
-        import traceback
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    spec_key = rl.spec_key_for_gpu(gpu_name) if args.device_spec == "auto" else args.device_spec
+    env = {"device": gpu_name, "torch": torch.__version__, "spec": spec_key,
+           "spec_matches_device": spec_key is not None and rl.spec_key_for_gpu(gpu_name) == spec_key}
+    for key, dist in (("triton", "triton"), ("fla", "flash-linear-attention")):
+        try:                        # the installed version, without importing it (fla's import alone takes seconds)
+            env[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            env[key] = "not installed"
+    result: dict = {"environment": env, "budget_s": args.budget_s}
+    run_part(result, "kernels", 0, budget, lambda: kernel_choices(device), progress)
+    scorers = Scorers()
+    parity: dict = {}
+    for preset in [x for x in args.parity_presets.split(",") if x]:
+        run_part(parity, preset, NEEDS_S.get(f"parity/{preset}", 30), budget,
+                 lambda: parity_preset(preset, device, scorers, args.memories, args.tokens, progress), progress)
+    result["parity"] = parity
+    batches = sorted({int(b) for b in args.batches.split(",") if b})
+    run_part(result, "timing", NEEDS_S["timing"], budget,
+             lambda: timing(args.timing_preset, device, scorers, args.memories, args.tokens, batches, args.iters,
+                            budget, progress), progress)
 
-        result["error"] = traceback.format_exc()
-        progress(f"failed: {type(e).__name__}: {e}")
+    def compare() -> dict:
+        if spec_key is None:
+            return {"skipped": f"no published peaks for {gpu_name!r} in the roofline's table "
+                               f"({sorted(rl.DEVICE_SPECS)}); pass --device-spec"}
+        if "cases" not in result["timing"]:
+            return {"skipped": "no timing to compare"}
+        from pixeltriage.bench.cpu import bench_episode
+
+        scorer = scorers.get(args.timing_preset, device, timing_dtype(device))
+        state = bench_episode(scorer.packer, args.memories, args.tokens).state
+        return roofline_comparison(scorer, state, spec_key, env["spec_matches_device"],
+                                   result["timing"], device, progress)
+
+    run_part(result, "roofline", 5, budget, compare, progress)
+    scorers.loaded.clear()                                   # the server loads its own copy
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    run_part(result, "serve", NEEDS_S["serve"] + args.serve_seconds, budget,
+             lambda: serve(args.timing_preset, device, args.memories, args.serve_seconds, budget, progress), progress)
     result["wall_s"] = time.perf_counter() - t0
-    text = json.dumps(result, indent=2, default=str)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_check.json").write_text(text)
-    print(text)
-    ok = ("error" not in result and all(v["ok"] for v in result.get("parity", {}).values())
-          and result.get("timing", {}).get("batch_1_cuda_graphs", {}).get("ok", True))
-    return 0 if ok else 1
+    result["skipped"] = skipped_parts({k: v for k, v in result.items() if k != "environment"})
+    result["failures"] = failures(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "gpu_check.md").write_text(markdown(result))
+    print(markdown(result))
+    for line in result["skipped"]:
+        progress(f"INCOMPLETE: {line}")
+    return 1 if result["failures"] else 0
 
 
 if __name__ == "__main__":

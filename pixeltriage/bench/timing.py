@@ -34,6 +34,19 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1, device: torch
     return times
 
 
+def timed_within(fn: Callable[[], object], repeats: int, seconds: float, warmup: int = 1,
+                 device: torch.device = CPU, minimum: int = 2) -> list[float]:
+    """`timed`, stopping early once `seconds` of wall clock have passed since the first timed call (and at least
+    `minimum` calls are timed): a benchmark under a time budget."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < repeats and (len(times) < minimum or time.perf_counter() < deadline):
+        times += timed(fn, 1, warmup=0, device=device)
+    return times
+
+
 def percentiles(xs: list[float]) -> dict[str, float]:
     """p50 / p90 / p99 as the sample at the rounded index p * (n - 1) of the sorted samples (no interpolation),
     and the mean (NaN for no samples)."""
@@ -65,16 +78,15 @@ def gemm_tflops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16,
     return 2 * n ** 3 / t / 1e12
 
 
-# dense bf16 peak TFLOP/s of the GPUs whose MFU the benchmarks report
-PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
-
-
 def device_peak_tflops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak (PEAK_BF16_TFLOPS by name); None on the CPU or an unlisted GPU."""
+    """The device's dense bf16 peak (pixeltriage.bench.roofline.DEVICE_SPECS, by the GPU's name); None on the CPU or
+    a GPU whose peaks that table does not hold (PCIe and NVL boards, the 40 GB A100)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
+    from pixeltriage.bench.roofline import DEVICE_SPECS, spec_key_for_gpu
+
+    key = spec_key_for_gpu(torch.cuda.get_device_name(device))
+    return DEVICE_SPECS[key].bf16_tflops if key else None
 
 
 def flop_rate(flop: float, seconds: float, gemm_tflops: float | None, peak_tflops: float | None = None) -> dict:

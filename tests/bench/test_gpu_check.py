@@ -1,24 +1,81 @@
 """The GPU check script's logic, run on the CPU with tiny shapes (its GPU figures come only from a GPU run)."""
 import json
+import shutil
 
 from pixeltriage.bench import gpu_check
 
+SECTIONS = ["environment", "budget_s", "kernels", "parity", "timing", "roofline", "serve", "wall_s", "skipped",
+            "failures"]
+MARKDOWN_SECTIONS = ["# gpu_check: cpu", "## Parity", "## Latency", "## Stages", "Kernels per forward", "## Service",
+                     "## Kernels", "## Skipped", "## Failures"]
+
 
 def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path / "cache"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copytree(tiny_checkpoint, cache / "demo-tiny-seed0")             # demo_checkpoint("tiny"): not rewritten
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(cache))
     rc = gpu_check.main(["--device", "cpu", "--parity-presets", "tiny", "--timing-preset", "tiny", "--iters", "3",
-                         "--batch", "2", "--out", str(tmp_path / "out")])
+                         "--memories", "2", "--tokens", "300", "--batches", "1,2", "--serve-seconds", "1",
+                         "--device-spec", "h100", "--budget-s", "600", "--out", str(tmp_path / "out")])
     r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert "error" not in r, r.get("error")
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert not r["failures"], r["failures"]
     assert rc == 0
-    assert set(r["parity"]) == {"tiny/float32", "tiny/bfloat16"}
-    assert r["parity"]["tiny/float32"]["max_abs_diff"] == 0.0            # CPU against itself: identical
+    assert list(r) == SECTIONS and r["skipped"] == []
+    assert all(section in md for section in MARKDOWN_SECTIONS), md
+    assert r["environment"]["spec"] == "h100" and r["environment"]["spec_matches_device"] is False
+
+    p = r["parity"]["tiny"]
+    assert p["float32"]["max_abs_diff"] == 0.0 and p["float32"]["ok"]          # CPU against itself: identical
+    assert p["bfloat16"]["ok"] and p["memories"] == 2
+
     t = r["timing"]
-    assert t["batch_1_cached_vision"]["vision_counts"]["cached"] >= 10
-    assert t["batch_2"]["questions_per_s"] > 0 and t["tflop_per_question_cached"] < t["tflop_per_question"]
-    g = t["batch_1_cuda_graphs"]                                # on the CPU: the padded static path, eagerly
-    assert g["ok"] and not g["captured"] and g["max_abs_diff_vs_eager"] <= 1e-5 and g["replays"]["graph"] >= 4
+    assert set(t["cases"]) == {f"{mode}/{vision}/{b}" for mode in ("eager", "cuda_graphs")
+                               for vision in ("vision", "cached_vision") for b in (1, 2)}
+    for case, c in t["cases"].items():
+        if case.startswith("cuda_graphs/") and case.endswith("/2"):
+            assert "not_applicable" in c
+        else:
+            assert c["iters"] >= 2 and 0 < c["p50_ms"] <= c["p90_ms"] and c["questions_per_s"] > 0
+    assert t["cached_vision_counts"]["cached"] >= 2
+    g = t["graphs"]                                              # on the CPU: the padded static path, eagerly
+    assert g["ok"] and not g["captured"] and g["max_abs_diff_vs_eager"] <= 1e-5 and g["replays"]["graph"] >= 1
+
+    roof = r["roofline"]
+    assert roof["spec"] == "h100" and roof["peak_tflops"] == 989.0
+    assert set(roof["cases"]) == {case for case, c in t["cases"].items() if "p50_ms" in c}
+    for case, c in roof["cases"].items():
+        assert c["measured_ms"] == t["cases"][case]["p50_ms"]
+        assert c["predicted_ms"] > c["predicted_roofline_ms"] > 0
+        assert c["measured_over_predicted"] == c["measured_ms"] / c["predicted_ms"]
+        assert set(c) >= {"within_2x", "mfu", "tflops"}
+    assert roof["cases"]["eager/cached_vision/1"]["predicted_ms"] < roof["cases"]["eager/vision/1"]["predicted_ms"]
+    stages = roof["stages"]
+    assert {"vision", "gated_delta", "attention", "mlp", "head", "unattributed", "whole_forward"} <= set(stages)
+    for name in ("vision", "gated_delta", "attention", "mlp", "head"):
+        assert stages[name]["measured_ms"] > 0 and stages[name]["predicted_ms"] > 0
+    assert roof["kernels"]["measured"] is None and roof["kernels"]["estimated"]["decoder"] > 0
+
+    s = r["serve"]
+    assert s["clients"] == 8 and s["statuses"].get("200", 0) >= 1 and s["wrong_id"] == 0
+    assert s["questions_per_s"] > 0
+
+    k = r["kernels"]
+    assert k["source"] == "pixeltriage.kernels.registry.choices" and k["bfloat16"] and "native" in k
     capsys.readouterr()
+
+
+def test_an_exhausted_budget_skips_every_part_with_its_reason(tmp_path, capsys):
+    rc = gpu_check.main(["--device", "cpu", "--budget-s", "0", "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert rc == 0 and list(r) == SECTIONS
+    skipped = {line.split(":")[0] for line in r["skipped"]}
+    assert skipped == {"parity/tiny", "parity/bench-small", "parity/2b", "timing", "roofline", "serve"}
+    assert all("time budget" in line for line in r["skipped"])
+    assert "## Skipped" in md and "parity/2b: time budget" in md
+    assert "INCOMPLETE: serve: time budget" in capsys.readouterr().err
 
 
 def test_no_cuda_is_a_clear_exit(monkeypatch, capsys):
