@@ -23,6 +23,7 @@ graph capture needs, since a replay reads every input at the address it had when
 """
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,17 @@ def _caller() -> tuple[str, bool]:
         if not f.filename.startswith(_TORCH_DIR) and f.filename != _THIS:
             return f"{f.filename}:{f.lineno} in {f.name}", interpreted
     return "?", interpreted
+
+
+def tensors_of(obj) -> list[torch.Tensor]:
+    """Every tensor of a (weights) dataclass, nested dataclasses and lists included: `allowed` of a graph's region."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors_of(item)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in tensors_of(getattr(obj, f.name))]
+    return []
 
 
 def _tensors(tree) -> list[torch.Tensor]:

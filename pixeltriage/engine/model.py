@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from pixeltriage.config import FULL, TextConfig
 from pixeltriage.engine.profiling import stage
+from pixeltriage.kernels import registry
 from pixeltriage.kernels.activation import silu_mul
 from pixeltriage.kernels.attention import segment_attention
-from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule, conv_heads, fla
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
 from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
 from pixeltriage.weights.layout import FullAttentionWeights, LayerWeights, LinearAttentionWeights, TextWeights
@@ -27,8 +27,8 @@ class Varlen:
     no layer makes a tensor from the boundaries or reads one back: no upload and no host sync inside the forward.
 
     bounds: [0, t1, ..., T] as ints, read on the host (segment lengths, the C kernels, the torch paths).
-    device_bounds: the same as int64 on the forward's device, for fla's varlen kernels; None on the CPU path,
-    which has no use for it.
+    device_bounds: the same as int64 on the forward's device, for fla's varlen kernels; None where the CPU's
+    kernels run (`registry.kernel_device`), which have no use for it.
     segments: [T] int64, each token's state (on the forward's device): the mask of `rows_attention`."""
     bounds: list[int]
     device_bounds: torch.Tensor | None
@@ -42,7 +42,9 @@ class Varlen:
         if not lengths or bounds[0] != 0 or min(lengths) < 0:
             raise ValueError(f"varlen boundaries must rise from 0, got {bounds}")
         segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths), output_size=bounds[-1])
-        device_bounds = torch.tensor(bounds, dtype=torch.long).to(device) if device.type == "cuda" else None
+        device_bounds = None
+        if registry.kernel_device(device) == "cuda":
+            device_bounds = torch.tensor(bounds, dtype=torch.long).to(device)
         return cls(bounds, device_bounds, segments.to(device))
 
 
@@ -67,15 +69,11 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     # after the rounding. [T, Hv] is small: microseconds.
     beta = b.double().sigmoid().float()
     g = (-w.A_log.double().exp() * F.softplus(a.double() + w.dt_bias.double())).float()
-    # fla's Triton kernels take bf16/fp16 (their fp32 dots may run as TF32); a float32 forward on CUDA stays on
-    # the exact torch chunked path, so float32 remains the reference on every device
-    cu_seqlens = None if varlen is None else varlen.bounds
-    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and fla.available():
-        q, k, v = conv_heads(qkv, w.conv, hk, dk, hv, dv, cu_seqlens)    # q, k L2-normalised inside the rule
-        o = fla.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens=None if varlen is None else
-                                           varlen.device_bounds, qk_l2norm=True)
-    else:   # the conv, then the chunked rule with q and k L2-normalised: [T, Hv, dv] float32 (one C pass on the CPU)
-        o = conv_chunk_gated_delta_rule(qkv, w.conv, g, beta, hk, dk, dv, cu_seqlens=cu_seqlens)
+    # the conv + SiLU, q and k L2-normalised, the delta rule: [T, Hv, dv] float32, by the registry's kernel (fla's
+    # on CUDA in bf16/fp16, the torch chunked rule in float32 there; the C kernel on the CPU)
+    bounds, device_bounds = (None, None) if varlen is None else (varlen.bounds, varlen.device_bounds)
+    kernel = registry.choose("gated_delta", x.device, x.dtype)
+    o = kernel.fn(qkv, w.conv, g, beta, hk, dk, hv, dv, bounds, device_bounds)
     z = z.view(seq_len, hv, dv)
     if rows is not None:
         o, z = o.index_select(0, rows), z.index_select(0, rows)

@@ -18,6 +18,9 @@ from pixeltriage.engine.state import EXTRA_HEAD_ROWS, State, StatePacker, TextEn
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.engine.vision import vision_forward
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, NonFiniteScoreError
+from pixeltriage.kernels import registry
+from pixeltriage.kernels.head import TORCH as HEAD_TORCH
+from pixeltriage.kernels.head import TRITON as HEAD_TRITON
 from pixeltriage.kernels.head import HeadOutput, decision_head, final_norm_rows, resolve_head_backend
 from pixeltriage.weights.layout import EngineWeights, parse_dtype
 from pixeltriage.weights.loader import check_finite, load_directory
@@ -123,19 +126,26 @@ class Scorer:
         """Back to eager decoder forwards; the graphs and their static buffers are released."""
         self.graphs = None
 
+    def kernels(self) -> dict[str, str]:
+        """op -> the name of the kernel that runs it in this scorer's forward (`kernels.registry.choices` for its
+        device and dtype; the head as this scorer resolved it): for logs, /info, gpu_check and profiles."""
+        names = registry.choices(self.device, self.dtype)
+        names["head"] = {"triton": HEAD_TRITON.name, "torch": HEAD_TORCH.name}[self.head_backend]
+        return names
+
     @classmethod
     def _load(cls, path: Path, device, dtype, cache, head_backend, adapter, allow_slow, verify) -> "Scorer":
         device = torch.device(device)
         dtype = parse_dtype(dtype)
-        head = resolve_head_backend(head_backend, device)      # an unavailable choice fails before any loading
+        resolve_head_backend(head_backend, device)             # an unavailable choice fails before any loading
         check_device_dtype(device, dtype, path)
-        if device.type == "cuda":
-            log.info("CUDA implementations: %s", cuda_implementations(head, allow_slow))
-        if device.type == "cpu":
+        registry.check_fast(device, dtype, allow_slow)         # a slow fallback on CUDA: refused before loading
+        if registry.kernel_device(device) == "cpu":
             from pixeltriage.kernels import native
 
             native.library()            # built (first time on this machine) or found now, not in the first forward
             log.info("native CPU kernels: %s", native.status())
+        log.info("kernels: %s", registry.choices(device, dtype))
         if path.is_file():
             return cls._load_packed(path, device, dtype, cache, head_backend, adapter, bool(verify))
         ckpt = load_directory(path, dtype, device, Path(adapter) if adapter is not None else None, verify is not False)
@@ -364,27 +374,6 @@ class Scorer:
             torch.stack(decision).to(dev), torch.stack(binary).to(dev), torch.stack(none).to(dev),
             torch.cat(markers).to(dev), torch.tensor(counts, device=dev),
         )
-
-
-def cuda_implementations(head: str, allow_slow: bool, fla_ok: bool | None = None,
-                         triton_ok: bool | None = None) -> dict[str, str]:
-    """Which implementation each op takes on CUDA (`head`: the resolved head backend); BackendUnavailableError
-    when a fast one is missing and `allow_slow` is False (transformers, in the same case, silently falls back to
-    torch and shifts scores)."""
-    from pixeltriage.errors import BackendUnavailableError
-    from pixeltriage.kernels.gated_delta import fla
-    from pixeltriage.kernels.head import _triton_installed
-
-    fla_ok = fla.available() if fla_ok is None else fla_ok
-    triton_ok = _triton_installed() if triton_ok is None else triton_ok
-    missing = [name for name, ok in (("flash-linear-attention", fla_ok), ("triton", triton_ok)) if not ok]
-    if missing and not allow_slow:
-        raise BackendUnavailableError(f"CUDA needs {' and '.join(missing)} for its fast kernels (pip install "
-                                      "'pixeltriage[gpu]'); pass allow_slow=True to run the torch fallbacks")
-    return {"gated_delta": ("fla chunk_gated_delta_rule (bf16/fp16; float32 runs the exact torch chunked path)"
-                            if fla_ok else "torch chunked (slow)"),
-            "conv1d": "torch shifted multiply-adds", "attention": "torch SDPA (flash / memory-efficient)",
-            "vision_attention": "torch SDPA per image", "head": head}
 
 
 @contextlib.contextmanager

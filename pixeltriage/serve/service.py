@@ -375,20 +375,11 @@ def warm_up(scorer: "Scorer", budget: int) -> None:
 
 
 def kernels(scorer: "Scorer") -> dict[str, str]:
-    """Which implementation each op of the forward takes on this scorer's device and dtype."""
-    import torch
+    """Which kernel runs each op of the forward on this scorer's device and dtype (`Scorer.kernels`, from the kernel
+    registry), and on the CPU whether the C kernels are built (or why not)."""
+    from pixeltriage.kernels import native, registry
 
-    if scorer.device.type == "cuda":
-        from pixeltriage.engine.scorer import cuda_implementations
-
-        return cuda_implementations(scorer.head_backend, allow_slow=True)
-    from pixeltriage.kernels import native
-
-    c = native.handles(scorer.dtype)
-    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    return {"gated_delta": "C one-pass chunked kernel" if c else "torch chunked",
-            "conv1d": "C causal conv1d + SiLU" if c else "torch shifted multiply-adds",
-            "norm": "C fused add + RMSNorm" if c else "torch", "rotary": "C rotary" if c else "torch",
-            "linear": "oneDNN linear with fused post-ops" if onednn else "torch linear",
-            "attention": "torch SDPA", "vision_attention": "torch SDPA per image", "head": scorer.head_backend,
-            "native_kernels": "available" if native.available() else native.status()}
+    names = scorer.kernels()
+    if registry.kernel_device(scorer.device) == "cpu":
+        names["native_kernels"] = "available" if native.available() else native.status()
+    return names

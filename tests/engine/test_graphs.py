@@ -3,8 +3,6 @@
 Tolerance (float32): rows of a state padded to its bucket within 1e-5 relative of the unpadded forward (the same
 causal arithmetic; only reduction orders may differ), scores within 1e-5.
 """
-import dataclasses
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from pixeltriage.engine.graphs import DecoderGraphs
 from pixeltriage.engine.model import decoder_forward
 from pixeltriage.episode import sample_episode
 from reference import rel
-from sync_guard import HostSyncs
+from sync_guard import HostSyncs, tensors_of
 
 
 @pytest.fixture(scope="module")
@@ -105,21 +103,10 @@ def test_profiling_pauses_inside_a_block():
     assert set(stages) == {"a", "c"}
 
 
-def weight_tensors(obj) -> list[torch.Tensor]:
-    """Every tensor of a weights dataclass (nested dataclasses and lists included)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in weight_tensors(item)]
-    if dataclasses.is_dataclass(obj):
-        return [t for f in dataclasses.fields(obj) for t in weight_tensors(getattr(obj, f.name))]
-    return []
-
-
 def traced_static_forwards(graphs: DecoderGraphs, states, scorer) -> list[HostSyncs]:
     """Run each state through the static path, recording the bucket's forward (what a capture records)."""
     recorders, forward = [], graphs._forward
-    allowed = [graphs.embeds, graphs.positions, graphs.out, *weight_tensors(graphs.weights)]
+    allowed = [graphs.embeds, graphs.positions, graphs.out, *tensors_of(graphs.weights)]
 
     def recorded(t_b):
         rec = HostSyncs(trace=True, allowed=allowed)
