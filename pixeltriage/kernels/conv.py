@@ -1,8 +1,10 @@
 """Depthwise causal conv1d + SiLU over a token sequence: a fast [T, C]-layout version and its reference.
 
 Registers the "conv1d" op (`kernels.registry`), its kernels all fn(x [T, C], weight [C, W], cu_seqlens: list[int]
-| None, cu_seqlens_device: torch.Tensor | None) -> [T, C] float32: the C kernel on the CPU, the torch shifted
-multiply-adds everywhere.
+| None, cu_seqlens_device: torch.Tensor | None) -> [T, C]: the C kernel on the CPU and the torch shifted
+multiply-adds everywhere (float32 out: they feed the float32 chunked rule), flash-linear-attention's Triton conv
+on CUDA for bf16/fp16 (out in x's dtype, rounded once: it feeds fla's bf16 gated delta rule). `causal_conv1d_silu`
+chooses between the first two only: its contract is a float32 result.
 """
 from __future__ import annotations
 
@@ -106,3 +108,21 @@ NATIVE = registry.register("conv1d", "native C pt_causal_conv1d_silu", _conv_nat
                            dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(),
                            priority=10)
 TORCH = registry.register("conv1d", "torch shifted multiply-adds", _conv_torch, devices=("cpu", "cuda"))
+
+
+def _fla_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
+              cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
+    from pixeltriage.kernels.gated_delta.fla import causal_conv1d_silu_fla
+
+    return causal_conv1d_silu_fla(x, weight, cu_seqlens, cu_seqlens_device, chunk_indices=chunk_indices)
+
+
+def _fla_conv_available() -> bool:
+    from pixeltriage.kernels.gated_delta.fla import conv_available
+
+    return conv_available()
+
+
+FLA_CONV = registry.register("conv1d", "fla causal_conv1d", _fla_conv, devices=("cuda",),
+                             dtypes=(torch.bfloat16, torch.float16), available=_fla_conv_available, priority=20,
+                             package="flash-linear-attention")
