@@ -1,6 +1,15 @@
-"""What reaches flash-linear-attention's gated delta rule (the CUDA path, as `kernels.registry` registers it) in a
-bf16 / fp16 model, run on CPU tensors in Triton's interpreter (tests/triton_interpreter.py), and the device-side
-varlen chunk table it builds.
+"""The CUDA path's gated delta rule (flash-linear-attention's Triton kernels, as `kernels.registry` registers them),
+run on CPU tensors in Triton's interpreter (tests/triton_interpreter.py), against the torch chunked rule and the
+plain recurrence, on fla-style awkward shapes; and what reaches fla in a bf16 / fp16 model.
+
+Interpreter runs are float32 (the interpreter cannot run bf16 dots). Tolerances are max abs error over max |ref|,
+per tensor, about twice the largest error measured on 18 inputs of these shapes (the test's seeds among them):
+- o against the float64 recurrence (conv, norms and recurrence in float64): measured <= 5.9e-6, bound 1.2e-5;
+- o against the torch chunked rule (float32): measured <= 4.2e-6, bound 8e-6 (fla's dots sum in another order
+  and its decays are exp2 of log2-scaled cumulative sums; the torch rule itself is <= 1.8e-6 from float64);
+- the fla conv's output against the torch shifted multiply-adds: measured <= 1.2e-7 (6 inputs), bound 2.5e-7.
+Every float tensor allocated with empty() during a kernel call is filled with NaN first, so an output element a
+kernel leaves unwritten shows up as NaN.
 """
 import pytest
 import torch
@@ -9,9 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton_interpreter import fla_interpreter  # noqa: F401  (the fixture)
 
 from pixeltriage.kernels import registry
+from pixeltriage.kernels.gated_delta import gated_delta_torch, recurrent_gated_delta_rule
 
 HK, HV, DK, DV, WIDTH = 2, 4, 16, 32, 4          # value heads > key heads: each key head serves two
 CONV_DIM = 2 * HK * DK + HV * DV
+O_TOL_EXACT = 1.2e-5      # against the float64 recurrence
+O_TOL_TORCH = 8e-6        # against the torch chunked rule
+CONV_TOL = 2.5e-7
 
 
 class NanPoisonedEmpty(TorchDispatchMode):
@@ -49,8 +62,50 @@ def run_fla(qkv, conv_weight, g, beta, bounds):
         return fla_kernel(qkv.dtype).fn(qkv, conv_weight, g, beta, HK, DK, HV, DV, bounds, cu_device)
 
 
+def recurrence64(qkv, conv_weight, g, beta, bounds):
+    """The ground truth: sequence by sequence, the textbook conv (F.conv1d), L2 norms x / sqrt(sum x^2 + 1e-6) and
+    the plain recurrence, all in float64."""
+    seq_len = qkv.shape[0]
+    bounds = [0, seq_len] if bounds is None else bounds
+    out = torch.zeros(seq_len, HV, DV, dtype=torch.float64)
+    for b, e in zip(bounds, bounds[1:]):
+        if e == b:
+            continue
+        x, w = qkv[b:e].double(), conv_weight.double()
+        mixed = F.silu(F.conv1d(x.t()[None], w[:, None], padding=WIDTH - 1, groups=CONV_DIM)[0, :, :e - b].t())
+        q, k, v = mixed.split([HK * DK, HK * DK, HV * DV], dim=-1)
+        q, k = (x.reshape(e - b, HK, DK) for x in (q, k))
+        q, k = (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+        q, k = (x.repeat_interleave(HV // HK, dim=1) for x in (q, k))
+        out[b:e] = recurrent_gated_delta_rule(q, k, v.reshape(e - b, HV, DV), g[b:e], beta[b:e],
+                                              compute_dtype=torch.float64)
+    return out
+
+
 def rel(got, want):
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+def check_against_references(bounds, seq_len, seed):
+    args = make_inputs(seq_len, seed=seed)
+    out = run_fla(*args, bounds)
+    assert out.shape == (seq_len, HV, DV) and out.dtype == torch.float32
+    assert torch.isfinite(out).all(), "NaN-poisoned or non-finite output rows"
+    torch_chunked = gated_delta_torch(*args, HK, DK, HV, DV, bounds)
+    assert rel(out, torch_chunked) <= O_TOL_TORCH
+    assert rel(out, recurrence64(*args, bounds)) <= O_TOL_EXACT
+
+
+@pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 130])
+def test_fla_matches_torch_chunked_and_recurrence(fla_interpreter, seq_len):  # noqa: F811
+    check_against_references(None, seq_len, seed=seq_len)
+
+
+def test_fla_varlen_boundaries_as_a_device_tensor(fla_interpreter):  # noqa: F811
+    """Packed sequences, the first of a single token, one empty, the last over two chunks, boundaries on the
+    tensors' device: no state or conv window crosses a boundary."""
+    bounds = [0, 1, 33, 33, 97]
+    check_against_references(bounds, bounds[-1], seed=len(bounds))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -94,6 +149,22 @@ def test_low_precision_model_hands_fla_its_dtype_and_grouped_heads(fla_interpret
     assert rel(out, want) <= torch.finfo(dtype).eps
 
 
+@pytest.mark.parametrize("bounds", [None, [0, 1, 33, 33, 97]], ids=["one-sequence", "varlen"])
+def test_fla_conv_matches_torch_conv(fla_interpreter, bounds):  # noqa: F811
+    """fla's causal conv1d + SiLU (the registered CUDA conv) against the torch shifted multiply-adds, float32."""
+    from pixeltriage.kernels.conv import causal_conv1d_silu
+
+    kernel = registry.choose("conv1d", "cpu", torch.float32)
+    assert kernel.name == "fla causal_conv1d"
+    qkv, conv_weight, _, _ = make_inputs(97, seed=11)
+    qkv = torch.cat([qkv, torch.randn(97, 5)], dim=1)[:, :CONV_DIM]      # strided rows, as the projection's split
+    cu_device = None if bounds is None else torch.tensor(bounds)
+    with NanPoisonedEmpty():
+        out = kernel.fn(qkv, conv_weight, bounds, cu_device)
+    assert out.shape == qkv.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert rel(out, causal_conv1d_silu(qkv, conv_weight, bounds, native=False)) <= CONV_TOL
+
+
 @pytest.mark.parametrize("bounds", [[0, 1, 33, 33, 97], [0, 64, 128], [0, 0, 5], [0, 200, 201, 265]])
 def test_varlen_chunk_indices_match_fla(bounds):
     """The chunk table built on the device from the boundaries tensor equals fla's own (which it replaces because
@@ -122,3 +193,47 @@ def test_fla_wrapper_refuses_what_it_cannot_run(monkeypatch):
         gated_delta_fla(*args, HK, DK, HV, DV, [0, 4, 10])
     with pytest.raises(ValueError, match="does not hold 2 key heads of 16 and 3 value heads"):
         gated_delta_fla(*args, HK, DK, 3, DV, None)
+
+
+def test_harness_fails_loudly_on_other_versions(monkeypatch):
+    """A triton or fla other than the pinned ones is an error naming what was found, never a skip."""
+    import importlib.metadata
+
+    import triton_interpreter
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "3.10.0" if name == "triton" else real(name))
+    with pytest.raises(triton_interpreter.InterpreterHarnessError, match=r"triton 3\.10\.0 \(expected 3\.9\.0\)"):
+        triton_interpreter._check_versions()
+
+
+def test_harness_fails_loudly_when_an_internal_changes(monkeypatch):
+    import triton_interpreter
+    from triton.runtime import autotuner, interpreter
+
+    def run(self, *args, **kwargs):
+        return None
+
+    monkeypatch.setattr(autotuner.Autotuner, "run", run)
+    monkeypatch.setattr(interpreter.ASTTransformer, "visit_For", lambda self, node: node, raising=False)
+    with pytest.raises(triton_interpreter.InterpreterHarnessError,
+                       match="rewrites for loops itself.*no longer runs a single pruned config"):
+        triton_interpreter._check_internals()
+
+
+def test_harness_restores_what_it_patched(monkeypatch):
+    import triton_interpreter
+    from triton.runtime import autotuner, interpreter
+
+    if not triton_interpreter.interpreting():
+        pytest.skip("Triton is not interpreting here (a GPU machine)")
+    monkeypatch.delenv(registry.EMULATE_CUDA, raising=False)
+    prune = autotuner.Autotuner.prune_configs
+    with triton_interpreter.fla_interpreter_mode():
+        with triton_interpreter.fla_interpreter_mode():           # nested: the outer block restores
+            assert registry.kernel_device("cpu") == "cuda"
+        assert registry.kernel_device("cpu") == "cuda" and autotuner.Autotuner.prune_configs is not prune
+    assert autotuner.Autotuner.prune_configs is prune
+    assert "visit_For" not in vars(interpreter.ASTTransformer)
+    assert registry.kernel_device("cpu") == "cpu"

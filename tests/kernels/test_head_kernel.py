@@ -198,3 +198,24 @@ def test_cpu_path_never_imports_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
+
+
+@runs_kernel
+def test_registry_runs_the_fused_head(monkeypatch):
+    """The registry's CUDA head kernel, and decision_head("auto", ...) on top of it, run the fused kernel: on CUDA,
+    or on CPU tensors under the test switch (PIXELTRIAGE_EMULATE_CUDA=1 with the interpreter)."""
+    from pixeltriage.kernels import registry
+
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv(registry.EMULATE_CUDA, "1")
+        monkeypatch.setenv(registry.TRITON_INTERPRET, "1")
+    kernel = registry.choose("head", DEVICE, torch.float32)
+    assert kernel.name == "triton fused head" and not kernel.slow
+    args = make_batch([3, 0, 12], 40, 16)
+    calls = []
+    real = head_triton.decision_head_triton
+    monkeypatch.setattr(head_triton, "decision_head_triton", lambda *a: calls.append(1) or real(*a))
+    assert_matches_reference(kernel.fn(*args), args)
+    assert resolve_head_backend("auto", DEVICE) == "triton"
+    assert_matches_reference(decision_head("auto", *args), args)
+    assert len(calls) == 2
