@@ -154,6 +154,9 @@ def timing(preset: str, device: torch.device, scorers: Scorers, memories: int, t
                 graphs = enable_graphs(scorer, cached, state, bucket, progress)
                 out["graphs"] = graphs
                 if not graphs["ok"]:
+                    out["cases"].update({f"cuda_graphs/{vision}/{b}": {"skipped": "the graph check failed (timing "
+                                                                                  "graphs)"}
+                                         for vision in runners for b in batches})
                     break
             for vision, runner in runners.items():
                 for b in batches:
@@ -397,11 +400,11 @@ def skipped_parts(result: dict, prefix: str = "") -> list[str]:
 def failures(result: dict) -> list[str]:
     out = [f"{k}: error" for k, v in result.items() if isinstance(v, dict) and "error" in v]
     for preset, p in result.get("parity", {}).items():
-        for dtype in ("float32", "bfloat16"):
-            if isinstance(p, dict) and dtype in p and not p[dtype]["ok"]:
+        for dtype in ("bfloat16", "float32"):
+            if dtype in p and not p[dtype]["ok"]:
                 out.append(f"parity {preset} {dtype}: {p[dtype]['max_abs_diff']:.3g} > {p[dtype]['tolerance']:g}")
-            if isinstance(p, dict) and "error" in p:
-                out.append(f"parity {preset}: error")
+        if "error" in p:
+            out.append(f"parity {preset}: error")
     graphs = result.get("timing", {}).get("graphs")
     if graphs is not None and not graphs["ok"]:
         out.append("CUDA graphs: " + ("error" if "error" in graphs else "replay differs from eager"))

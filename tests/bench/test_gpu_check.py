@@ -82,3 +82,36 @@ def test_no_cuda_is_a_clear_exit(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert gpu_check.main(["--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_failed_capture_is_reported_and_the_scorers_left_eager():
+    from pixeltriage.engine.types import Scores
+
+    class Scorer:
+        graphs = None
+
+        def score_states(self, states):
+            return [Scores(p_vis=0.5, gains=[0.1], relevance=[0.2], relevance_none=0.3)]
+
+        def enable_cuda_graphs(self, buckets):
+            self.graphs = "half-made"
+            raise RuntimeError("capture failed")
+
+        def disable_cuda_graphs(self):
+            self.graphs = None
+
+    scorer, cached = Scorer(), Scorer()
+    out = gpu_check.enable_graphs(scorer, cached, state=None, bucket=512, progress=lambda msg: None)
+    assert out["ok"] is False and "RuntimeError: capture failed" in out["error"]
+    assert scorer.graphs is None and cached.graphs is None
+
+
+def test_failures_name_what_failed():
+    result = {"parity": {"2b": {"bfloat16": {"ok": False, "max_abs_diff": 0.05, "tolerance": 0.02},
+                                "float32": {"ok": True, "max_abs_diff": 0.0, "tolerance": 1e-4}},
+                         "tiny": {"error": "Traceback ..."}},
+              "timing": {"graphs": {"ok": False, "error": "Traceback ..."}}, "serve": {"error": "Traceback ..."},
+              "roofline": {"skipped": "time budget: 0 s of 240 s left, this part needs ~5 s"}}
+    assert gpu_check.failures(result) == ["serve: error", "parity 2b bfloat16: 0.05 > 0.02", "parity tiny: error",
+                                          "CUDA graphs: error"]
+    assert gpu_check.skipped_parts(result) == ["roofline: time budget: 0 s of 240 s left, this part needs ~5 s"]
