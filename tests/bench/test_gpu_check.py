@@ -24,6 +24,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeyp
     assert rc == 0
     assert list(r) == SECTIONS and r["skipped"] == []
     assert all(section in md for section in MARKDOWN_SECTIONS), md
+    assert "## Latency (tiny, 2 memories, " in md and "tokens, float32)" in md
     assert r["environment"]["spec"] == "h100" and r["environment"]["spec_matches_device"] is False
 
     p = r["parity"]["tiny"]
@@ -49,6 +50,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeyp
         assert c["measured_ms"] == t["cases"][case]["p50_ms"]
         assert c["predicted_ms"] > c["predicted_roofline_ms"] > 0
         assert c["measured_over_predicted"] == c["measured_ms"] / c["predicted_ms"]
+        assert c["predicted_ms_per_question"] == c["predicted_ms"] / int(case.split("/")[2])
         assert set(c) >= {"within_2x", "mfu", "tflops"}
     assert roof["cases"]["eager/cached_vision/1"]["predicted_ms"] < roof["cases"]["eager/vision/1"]["predicted_ms"]
     stages = roof["stages"]
