@@ -112,7 +112,8 @@ class TextEncoder:
         than PREFIX_MARGIN characters before the prefix's end. The prefix is doubled from `first_prefix`
         characters until token `max_tokens` (the first one cut away) lies in such a settled pre-token: the tokens
         kept and the cut are then the whole text's. A single pre-token longer than the budget (10 MB of one
-        letter, of spaces) is tokenized whole: merges inside one pre-token can depend on its far end."""
+        letter, of spaces) is tokenized whole, since merges inside one pre-token can depend on its far end: once
+        the prefix's last pre-token fills half of it, the whole text is tokenized at once, not prefixes again."""
         if not text:
             return text, 0
         length = first_prefix or max(PREFIX_MIN, (max_tokens + 1) * PREFIX_CHARS_PER_TOKEN)
@@ -120,6 +121,9 @@ class TextEncoder:
             enc = self.plain.encode(text[:length], add_special_tokens=False)
             if _settled(enc, length, max_tokens):
                 return (text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""), None
+            last_word = enc.word_ids[-1]
+            if last_word is not None and enc.word_to_chars(last_word)[0] <= length // 2:
+                break                       # one pre-token fills half the prefix or more: tokenized whole, once
             length *= 2
         return self._truncate_whole(text, max_tokens)
 
