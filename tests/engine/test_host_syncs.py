@@ -4,6 +4,10 @@ The region is `decoder_forward` as the scorer calls it (one state, and several p
 rows), and the forward a CUDA graph captures (`DecoderGraphs._forward`). What the forward needs from the host
 (varlen boundaries, each token's state, the head's rows, the positions) is prepared before it (`Varlen.prepare`,
 `Scorer.score_states`); inside, the layers only launch kernels.
+
+Here the CPU forward; the CUDA branch (fla, the Triton head) is recorded the same way in
+tests/engine/test_cuda_branch.py, inside its interpreter run, and the static path's ops and shapes in
+tests/engine/test_graphs.py.
 """
 from __future__ import annotations
 

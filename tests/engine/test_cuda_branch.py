@@ -1,0 +1,162 @@
+"""The CUDA branch of the forward, run on CPU tensors in Triton's interpreter (tests/triton_interpreter.py), against
+the CPU forward: every kernel the registry picks for CUDA (fla's gated delta rule with varlen boundaries as a device
+tensor and grouped value heads, the fused Triton head, the torch ops between) runs, in float32 (the interpreter
+cannot run bf16 dots).
+
+The checkpoint has one Gated DeltaNet layer with 4 value heads over 1 key head (key dim 16, value dim 32) and one
+attention layer, a short template and 64-px thumbnails: the interpreter takes ~0.8 s per fla program (chunk x
+head), so the configs and states are the smallest that still cover each path (a state of one chunk each). A single question runs through the bucketed static path (what a CUDA graph
+captures), several through one varlen forward at the head's rows.
+
+Tolerance (float32, scores: p_vis, gains, relevance): within 1e-5 absolute of the CPU forward, both its torch path
+(C kernels off) and its default path (C kernels on); measured 9.5e-7 and 1.2e-6 at most (the CPU's two paths
+differ by 5.4e-7 themselves). The CPU path's float32 is
+the reference on every device, so the CUDA branch is held to it, not to a looser bound of its own.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from pixeltriage import Memory, Scorer
+from pixeltriage.config import TriageConfig
+from pixeltriage.bench.gpu_check import max_diff
+from pixeltriage.engine import scorer as scorer_module
+from pixeltriage.engine.model import decoder_forward
+from pixeltriage.kernels import native, registry
+from reference import tiny_config, write_reference_checkpoint
+from sync_guard import HostSyncs, tensors_of
+from triton_interpreter import fla_interpreter  # noqa: F401  (the fixture)
+
+TOLERANCE = 1e-5
+GROUPED = tiny_config(
+    text=dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32),
+    vision=dict(depth=1))
+KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 1, 4, 16, 32
+# A short template and 64-px thumbnails keep every state within one of fla's 64-token chunks (49-55 tokens)
+SHORT_TEMPLATE = {"prefix": "<|im_start|>user\n", "question": "{question}\n", "memory": "\n{date} {dialogue} {note}",
+                  "marker": " [{index}]", "q1": "\nQ1:", "q1_true": " yes", "q1_false": " no", "q2": "\nQ2:",
+                  "q2_none": " none", "q3": "\nQ3:", "q3_none": " none", "suffix": "<|im_end|>\n",
+                  "decision_1": "Q1:", "decision_2": "Q2:", "decision_3": "Q3:"}
+
+
+def questions():
+    """One question with an image memory (the ViT's rows, a marker for the head), one without."""
+    memory = Memory(image=Image.new("RGB", (90, 60), (200, 30, 30)), note="red")
+    return [("hi", [memory]), ("Which one was first?", [])]
+
+
+@pytest.fixture(scope="module")
+def grouped_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("grouped")
+    write_reference_checkpoint(path, GROUPED, seed=3, residual_scale=0.5)
+    triage = TriageConfig(head_dim=16, thumbnail_size=64, template=tuple(SHORT_TEMPLATE.items()))
+    (path / "pixeltriage.json").write_text(json.dumps(triage.to_dict()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cpu_scores(grouped_checkpoint):
+    """The CPU forward's scores, outside the emulation: {"torch": C kernels off, "native": the default path}, each
+    (one question, the questions packed)."""
+    def scores():
+        scorer = Scorer.load(grouped_checkpoint)
+        return scorer.score(*questions()[0]), scorer.score_batch(questions())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "library", lambda: None)
+        assert registry.choose("gated_delta", "cpu", torch.float32).name == "torch chunked"
+        torch_path = scores()
+    return {"torch": torch_path, "native": scores()}
+
+
+def counted(monkeypatch, module, name) -> list:
+    """Count the calls of module.name (still made)."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scores, fla_interpreter, monkeypatch):
+    """One question (the static path a CUDA graph captures) and two packed (varlen, the head's rows), through fla
+    and the Triton head: the CPU forward's scores within TOLERANCE, and no host sync or upload inside either
+    forward (tests/sync_guard.py), the static one reading only its buffers, the weights and what it made."""
+    import fla.ops.gated_delta_rule as fla_ops
+
+    from pixeltriage.kernels.head import triton as head_triton
+
+    scorer = Scorer.load(grouped_checkpoint)
+    kernels = scorer.kernels()
+    assert kernels["gated_delta"] == "fla chunk_gated_delta_rule" and kernels["head"] == "triton fused head"
+    fla_calls = counted(monkeypatch, fla_ops, "chunk_gated_delta_rule")
+    head_calls = counted(monkeypatch, head_triton, "decision_head_triton")
+
+    state = scorer.pack(*questions()[0])
+    scorer.enable_cuda_graphs(buckets=(64,), capture=False)
+    graphs, static_forward, recorders = scorer.graphs, scorer.graphs._forward, []
+    allowed = [graphs.embeds, graphs.positions, graphs.out, *tensors_of(graphs.weights)]
+
+    def recorded_static(t_b):
+        recorders.append(HostSyncs(trace=True, allowed=allowed))
+        with recorders[-1]:
+            static_forward(t_b)
+
+    graphs._forward = recorded_static
+    single = scorer.score_states([state])[0]
+    assert graphs.replays == {"graph": 1, "eager": 0} and len(fla_calls) == 1 and len(head_calls) == 1
+    scorer.disable_cuda_graphs()
+
+    def recorded_forward(*args, **kwargs):
+        recorders.append(HostSyncs())
+        with recorders[-1]:
+            return decoder_forward(*args, **kwargs)
+
+    monkeypatch.setattr(scorer_module, "decoder_forward", recorded_forward)
+    packed = scorer.score_batch(questions())
+    assert len(fla_calls) == 2 and len(head_calls) == 2 and len(recorders) == 2
+
+    for path, (want_single, want_packed) in cpu_scores.items():
+        assert max_diff(single, want_single) <= TOLERANCE, path
+        for got, want in zip(packed, want_packed, strict=True):
+            assert max_diff(got, want) <= TOLERANCE, path
+    for rec in recorders:
+        rec.check()
+
+
+def test_a_bf16_model_hands_fla_bf16_and_grouped_heads(grouped_checkpoint, fla_interpreter, monkeypatch):
+    """What reaches fla in a bf16 model (two questions packed): q, k and v in bf16 (not float32: fla's float32
+    kernels would move twice the bytes and skip the tensor cores), q and k with their one key head as it is (not
+    repeated for the 4 value heads: fla reads each key head for its group), g in float32, the varlen boundaries
+    as an int tensor on the device. The interpreter cannot run bf16 dots, so the call itself runs on float32
+    copies and its output goes back in bf16, as fla's would."""
+    import fla.ops.gated_delta_rule as fla_ops
+
+    seen, real = [], fla_ops.chunk_gated_delta_rule
+
+    def recording(q, k, v, g, beta, *args, **kwargs):
+        seen.append((q, k, v, g, beta, kwargs.get("cu_seqlens")))
+        o, state = real(q.float(), k.float(), v.float(), g.float(), beta.float(), *args, **kwargs)
+        return o.to(v.dtype), state
+
+    monkeypatch.setattr(fla_ops, "chunk_gated_delta_rule", recording)
+    scorer = Scorer.load(grouped_checkpoint, dtype=torch.bfloat16)
+    assert scorer.kernels()["gated_delta"] == "fla chunk_gated_delta_rule"
+    states = [scorer.pack(q, m) for q, m in questions()]
+    bounds = [0, states[0].num_tokens, states[0].num_tokens + states[1].num_tokens]
+    rows = torch.tensor([bounds[1] - 1, bounds[2] - 1])
+    hidden = scorer.last_hidden_packed(states, rows)
+    assert hidden.shape == (2, GROUPED["text_config"]["hidden_size"]) and torch.isfinite(hidden).all()
+
+    assert len(seen) == 1                                       # one Gated DeltaNet layer
+    q, k, v, g, beta, cu_seqlens = seen[0]
+    tokens = bounds[-1]
+    assert (q.dtype, k.dtype, v.dtype) == (torch.bfloat16,) * 3
+    assert q.shape == k.shape == (1, tokens, KEY_HEADS, KEY_DIM)
+    assert v.shape == (1, tokens, VALUE_HEADS, VALUE_DIM)
+    assert g.dtype == torch.float32 and g.shape == beta.shape == (1, tokens, VALUE_HEADS)
+    assert isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device == hidden.device
+    assert not cu_seqlens.is_floating_point() and cu_seqlens.tolist() == bounds
