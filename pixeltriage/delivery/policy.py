@@ -16,7 +16,9 @@ import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from pixeltriage.delivery.cost import TokenRule, token_rule
+from pixeltriage.delivery.cost import Model, token_rule
+from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL, answering_model
+from pixeltriage.delivery.rules import GridRule
 from pixeltriage.engine.types import Scores
 
 
@@ -159,7 +161,7 @@ def random_policy(n: int, k: int, seed: int) -> list[bool]:
 
 
 def downsize_all(image_sizes: Sequence[tuple[int, int]], budget_tokens: int,
-                 model: str | TokenRule = "qwen2.5-vl") -> list[tuple[int, int]]:
+                 model: Model = DEFAULT_ANSWERING_MODEL) -> list[tuple[int, int]]:
     """Baseline: open every image, each down-sized to an equal share of the budget.
 
     Every image gets share = budget_tokens // n tokens. An image whose tokens are already at most
@@ -170,21 +172,24 @@ def downsize_all(image_sizes: Sequence[tuple[int, int]], budget_tokens: int,
     the answering model's processor keeps them.
 
     Raises ValueError when the share is below the fewest tokens the model spends on any image
-    (the processor would up-size it); a budget of 0 means the baseline opens nothing.
+    (the processor would up-size it), or when the model's rule is not a Qwen resize grid (a tiled rule has no
+    size to shrink an image to by a given token count); a budget of 0 means the baseline opens nothing.
     """
-    rule = token_rule(model)
+    name, rule = answering_model(model).name, token_rule(model)
+    if not isinstance(rule, GridRule):
+        raise ValueError(f"downsize_all needs a Qwen resize grid; {name} counts tokens with {type(rule).__name__}")
     budget_tokens = _count(budget_tokens, "budget_tokens")
     if not image_sizes:
         return []
     share = budget_tokens // len(image_sizes)
     if share < rule.min_tokens:
         raise ValueError(f"budget of {budget_tokens} tokens over {len(image_sizes)} images leaves "
-                         f"{share} per image; {rule.name} spends at least {rule.min_tokens}")
-    return [size if rule.tokens(size) <= share else _fit(size, share, rule)
+                         f"{share} per image; {name} spends at least {rule.min_tokens}")
+    return [size if rule.tokens(size) <= share else _fit(size, share, rule, name)
             for size in image_sizes]
 
 
-def _fit(image_size: tuple[int, int], share: int, rule: TokenRule) -> tuple[int, int]:
+def _fit(image_size: tuple[int, int], share: int, rule: GridRule, name: str) -> tuple[int, int]:
     """The grid size closest to the image's aspect ratio that the processor keeps as it is and
     that costs at most `share` tokens (the most tokens among equally close ones)."""
     f = rule.factor
@@ -210,7 +215,7 @@ def _fit(image_size: tuple[int, int], share: int, rule: TokenRule) -> tuple[int,
             if best is None or rank < best[0]:
                 best = (rank, size)
     if best is None:
-        raise ValueError(f"no {rule.name} grid size for image {image_size} fits {share} tokens")
+        raise ValueError(f"no {name} grid size for image {image_size} fits {share} tokens")
     return best[1]
 
 

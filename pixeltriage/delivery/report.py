@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from pixeltriage.delivery.cost import delivery_cost, visual_tokens
+from pixeltriage.delivery.cost import Model, delivery_cost
+from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL, answering_model
 from pixeltriage.engine.image import display_size
 from pixeltriage.delivery.policy import RateGate, token_budget, top_k
 from pixeltriage.engine.types import Memory, Scores
@@ -51,13 +52,16 @@ def image_reference(memory: Memory) -> dict:
 
 
 def delivery(scores: Scores, k: int | None, gate: RateGate | None, sizes: list[tuple[int, int] | None],
-             answering: str = "qwen2.5-vl", budget: int | None = None) -> dict:
+             answering: Model = DEFAULT_ANSWERING_MODEL, budget: int | None = None) -> dict:
     """Which memories open for one scored question: {"open": [bool per memory], "gate_open": bool}, and
     "visual_tokens" ({"model", "open_all", "delivery"}) when every image's size in `sizes` is known.
 
     k: open the k highest gains (None: no cap). budget: open by descending gain while the answering model's visual
-    tokens fit (`token_budget`; at most k of them when k is given); it needs every size. gate: a closed gate opens
-    nothing (the question's p_vis joins the gate's window either way)."""
+    tokens fit (`token_budget`; at most k of them when k is given); it needs every size. Each image is priced alone in
+    its prompt, which for LLaVA-OneVision (cheaper per image when a prompt holds several) keeps within the budget.
+    gate: a closed gate opens nothing (the question's p_vis joins the gate's window either way).
+    answering: a registry name, a processor config directory or an AnsweringModel (pixeltriage.delivery.profiles)."""
+    model = answering_model(answering)
     n = len(scores.gains)
     known = all(s is not None for s in sizes)
     if budget is None:
@@ -65,7 +69,7 @@ def delivery(scores: Scores, k: int | None, gate: RateGate | None, sizes: list[t
     else:
         if not known:
             raise ValueError("a token budget needs every image's size")
-        opened = token_budget(scores, budget, [visual_tokens(s, answering) for s in sizes])
+        opened = token_budget(scores, budget, [model.tokens(s) for s in sizes])
         if k is not None:
             capped = set(sorted((i for i in range(n) if opened[i]), key=lambda i: (-scores.gains[i], i))[:k])
             opened = [i in capped for i in range(n)]
@@ -74,13 +78,13 @@ def delivery(scores: Scores, k: int | None, gate: RateGate | None, sizes: list[t
         opened = [False] * n
     out = {"open": opened, "gate_open": gate_open}
     if known:
-        out["visual_tokens"] = {"model": answering, "open_all": delivery_cost([True] * n, sizes, answering),
-                                "delivery": delivery_cost(opened, sizes, answering)}
+        out["visual_tokens"] = {"model": model.name, "open_all": delivery_cost([True] * n, sizes, model),
+                                "delivery": delivery_cost(opened, sizes, model)}
     return out
 
 
 def decision_report(question: str, memories: list[Memory], scores: Scores, k: int, gate: RateGate | None,
-                    answering: str = "qwen2.5-vl", cache=None) -> dict:
+                    answering: Model = DEFAULT_ANSWERING_MODEL, cache=None) -> dict:
     """The decision for one scored question as a JSON-able dict: p_vis, whether the gate opened, and per memory
     (numbered from 1) its scores, whether it opens, its date, note and image; visual tokens of open-all and of
     this delivery when every image's size is known."""

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pixeltriage.delivery.cost import RULES, visual_tokens
+from pixeltriage.delivery.cost import visual_tokens
+from pixeltriage.delivery.profiles import ANSWERING_MODELS
 from pixeltriage.delivery.policy import (
     RateGate,
     downsize_all,
@@ -140,9 +141,9 @@ def test_downsize_all_edges():
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 4000), st.integers(1, 4000)), min_size=1, max_size=10)
        .filter(lambda s: all(max(w, h) / min(w, h) <= 150 for w, h in s)),
-       st.integers(0, 6000), st.sampled_from(sorted(RULES)))
+       st.integers(0, 6000), st.sampled_from(sorted(n for n, m in ANSWERING_MODELS.items() if n.startswith("qwen"))))
 def test_downsize_all_total_within_budget(sizes, budget, model):
-    rule = RULES[model]
+    rule = ANSWERING_MODELS[model].rule
     if budget // len(sizes) < rule.min_tokens:
         with pytest.raises(ValueError):
             downsize_all(sizes, budget, model)
@@ -165,9 +166,14 @@ def test_downsize_tiny_and_elongated_images():
     # sides below one patch: the processor up-sizes them, so the result must be a size it keeps
     out = downsize_all([(1, 1), (1, 1), (1, 1), (2, 3)], 256, "qwen3.5")
     assert out[:3] == [(1, 1)] * 3
-    assert RULES["qwen3.5"].resized(out[3]) == out[3] and visual_tokens(out[3], "qwen3.5") <= 64
+    assert ANSWERING_MODELS["qwen3.5"].rule.resized(out[3]) == out[3] and visual_tokens(out[3], "qwen3.5") <= 64
     out = downsize_all([(3000, 20)], 10)
     assert visual_tokens(out[0]) <= 10 and out[0][0] > out[0][1]
+
+
+def test_downsize_needs_a_resize_grid():
+    with pytest.raises(ValueError, match="internvl3 counts tokens with InternVLRule"):
+        downsize_all([(640, 480)], 1000, "internvl3")
 
 
 def test_downsize_uses_most_of_the_share():
