@@ -34,8 +34,8 @@ from pixeltriage.bench.flops import (
     system_one_config,
     system_one_flops,
     total,
-    visual_tokens,
 )
+from pixeltriage.delivery.profiles import answering_model as answering_profile
 
 ImageSize = tuple[int, int]  # (width, height) in pixels
 
@@ -102,12 +102,14 @@ def cost_report(scenario: str | Scenario, answering: str, ks: Sequence[int], sys
                 cached_vision: bool = False) -> dict:
     """Visual tokens and prefill TFLOP per question, as an expectation over the scenario's retrievals.
 
-    tflop.ours[k] = System One + the answering prefill with the first k images opened.
+    answering: an answering checkpoint (pixeltriage.delivery.profiles.CHECKPOINTS); its visual tokens follow the
+    registry's rule for its model. tflop.ours[k] = System One + the answering prefill with the first k images opened.
     """
     if isinstance(scenario, str) and scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; known: {sorted(SCENARIOS)}")
     sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
     model = answering_model(answering)
+    profile = answering_profile(model.answering)        # the registry's visual-token rule, as the delivery counts
     if not ks or min(ks) < 1:
         raise ValueError(f"budgets k must be >= 1, found {list(ks)}")
     vis = {"open_all": 0.0, "ours": {k: 0.0 for k in ks}}
@@ -115,7 +117,7 @@ def cost_report(scenario: str | Scenario, answering: str, ks: Sequence[int], sys
     s1_shape = shape_from_config(system_one_config(system_one))
     for r in sc.retrievals:
         sizes, n = r.image_sizes, len(r.image_sizes)
-        tokens = [visual_tokens(w, h, model.vision) for w, h in sizes]
+        tokens = [profile.tokens(size) for size in sizes]
         s1 = _system_one_tflop(s1_shape, sc, sizes, cached_vision)
         tf["system_one"] += r.weight * s1
         tf["open_all"] += r.weight * _answer_tflop(model, sc, sizes, n)

@@ -27,6 +27,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pixeltriage.config import FULL, LINEAR, ModelConfig
+from pixeltriage.delivery.profiles import CHECKPOINTS
+from pixeltriage.delivery.profiles import answering_model as answering_profile
+from pixeltriage.delivery.rules import GridRule
 from pixeltriage.engine.image import smart_resize  # the Qwen processors' resize, one implementation
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS
 
@@ -139,6 +142,7 @@ class ModelShape:
     name: str
     language: LanguageShape
     vision: VisionShape
+    answering: str | None = None      # an answering checkpoint's model in pixeltriage.delivery.profiles
 
 
 @dataclass(frozen=True)
@@ -406,54 +410,68 @@ def paper_state(num_memories: int = 10, thumbnail: tuple[int, int] = (THUMBNAIL_
 
 
 _LINEAR_3_FULL_1 = (LINEAR, LINEAR, LINEAR, FULL)
-_QWEN35_VISION = dict(  # Qwen3.5-27B and -397B-A17B: 27 blocks of 1152 (SigLIP-2 so400m shape)
-    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, spatial_merge_size=2,
-    gated_mlp=False, min_pixels=65536, max_pixels=16777216)
 
-# Answering models, public config.json / preprocessor_config.json values.
-ANSWERING_MODELS: dict[str, ModelShape] = {
+
+def _answering_vision(checkpoint: str, **tower) -> VisionShape:
+    """A checkpoint's vision tower, its patching and resize limits taken from its answering model's rule in the
+    registry (pixeltriage.delivery.profiles), so that the FLOP model and the delivery count the same tokens."""
+    rule = answering_profile(CHECKPOINTS[checkpoint]).rule
+    if not isinstance(rule, GridRule):
+        raise ValueError(f"{checkpoint}: the FLOP model counts Qwen vision towers only, found {type(rule).__name__}")
+    return VisionShape(patch_size=rule.patch_size, spatial_merge_size=rule.merge_size, min_pixels=rule.min_pixels,
+                       max_pixels=rule.max_pixels, **tower)
+
+
+_QWEN35_VISION = dict(  # Qwen3.5-27B and -397B-A17B: 27 blocks of 1152 (SigLIP-2 so400m shape)
+    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, gated_mlp=False)
+
+# Answering checkpoints (the registry's CHECKPOINTS, in its order), public config.json values; their patching and
+# pixel limits are the registry's (the checkpoints' preprocessor_config.json).
+_ANSWERING_SHAPES: dict[str, ModelShape] = {
     # Qwen/Qwen2.5-VL-7B-Instruct. LM: 28 layers of 3584, 28 query / 4 KV heads of 128 (q/k/v biases), FFN
     # 18944, vocab 152064. ViT: 32 blocks of 1280, 16 heads, SwiGLU FFN 3420, 14-px patches merged 2x2 into
-    # 3584 (one token per 28x28 px); 112-px window attention except blocks 7, 15, 23, 31. Pixels: the
-    # checkpoint's preprocessor_config.json sets min 3136 / max 12845056 (transformers' class default max is
-    # 28*28*1280 = 1003520, i.e. 1280 tokens; the scenarios here stay under both).
+    # 3584 (one token per 28x28 px); 112-px window attention except blocks 7, 15, 23, 31.
     "qwen2.5-vl-7b": ModelShape(
-        name="qwen2.5-vl-7b",
+        name="qwen2.5-vl-7b", answering=CHECKPOINTS["qwen2.5-vl-7b"],
         language=LanguageShape(
             hidden_size=3584, vocab_size=152064, layer_types=(FULL,) * 28, num_attention_heads=28,
             num_key_value_heads=4, head_dim=128, attention_output_gate=False, intermediate_size=18944),
-        vision=VisionShape(
-            depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
-            out_hidden_size=3584, gated_mlp=True, min_pixels=3136, max_pixels=12845056, window_size=112,
-            full_attention_blocks=(7, 15, 23, 31))),
+        vision=_answering_vision(
+            "qwen2.5-vl-7b", depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+            gated_mlp=True, window_size=112, full_attention_blocks=(7, 15, 23, 31))),
     # Qwen/Qwen3.5-27B: 64 layers of 5120 = 16 x (3 Gated DeltaNet + 1 gated attention); attention 24 query /
     # 4 KV heads of 256; linear attention 16 key / 48 value heads of 128, conv 4; FFN 17408; vocab 248320.
     "qwen3.5-27b": ModelShape(
-        name="qwen3.5-27b",
+        name="qwen3.5-27b", answering=CHECKPOINTS["qwen3.5-27b"],
         language=LanguageShape(
             hidden_size=5120, vocab_size=248320, layer_types=_LINEAR_3_FULL_1 * 16, num_attention_heads=24,
             num_key_value_heads=4, head_dim=256, attention_output_gate=True, intermediate_size=17408,
             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
             linear_value_head_dim=128, linear_conv_kernel_dim=4),
-        vision=VisionShape(out_hidden_size=5120, **_QWEN35_VISION)),
+        vision=_answering_vision("qwen3.5-27b", out_hidden_size=5120, **_QWEN35_VISION)),
     # Qwen/Qwen3.5-397B-A17B: 60 layers of 4096 = 15 x (3 Gated DeltaNet + 1 gated attention); attention 32
     # query / 2 KV heads of 256; linear attention 16 key / 64 value heads of 128, conv 4; MoE of 512 experts,
     # 10 routed + 1 shared per token, all of width 1024; vocab 248320. Active decoder weights ~15B, with the
     # embedding and LM head ~17B, as the name says. The vision tower is taken to be the 27B's (the
     # larger Qwen3.5 models share it); its width into the decoder is 4096.
     "qwen3.5-397b": ModelShape(
-        name="qwen3.5-397b",
+        name="qwen3.5-397b", answering=CHECKPOINTS["qwen3.5-397b"],
         language=LanguageShape(
             hidden_size=4096, vocab_size=248320, layer_types=_LINEAR_3_FULL_1 * 15, num_attention_heads=32,
             num_key_value_heads=2, head_dim=256, attention_output_gate=True, num_experts=512,
             experts_per_token=10, expert_intermediate_size=1024, shared_expert_intermediate_size=1024,
             linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
             linear_value_head_dim=128, linear_conv_kernel_dim=4),
-        vision=VisionShape(out_hidden_size=4096, **_QWEN35_VISION)),
+        vision=_answering_vision("qwen3.5-397b", out_hidden_size=4096, **_QWEN35_VISION)),
 }
+if set(_ANSWERING_SHAPES) != set(CHECKPOINTS):
+    raise AssertionError(f"FLOP shapes {sorted(_ANSWERING_SHAPES)} differ from the registry's checkpoints "
+                         f"{sorted(CHECKPOINTS)} (pixeltriage.delivery.profiles)")
+ANSWERING_MODELS: dict[str, ModelShape] = {name: _ANSWERING_SHAPES[name] for name in CHECKPOINTS}
 
 
 def answering_model(name: str) -> ModelShape:
+    """The FLOP shape of an answering checkpoint (a name in pixeltriage.delivery.profiles.CHECKPOINTS)."""
     if name not in ANSWERING_MODELS:
-        raise ValueError(f"unknown answering model {name!r}; known: {sorted(ANSWERING_MODELS)}")
+        raise ValueError(f"unknown answering checkpoint {name!r}; known: {', '.join(ANSWERING_MODELS)}")
     return ANSWERING_MODELS[name]

@@ -9,6 +9,16 @@ import time
 
 from pixeltriage.cli.common import (DEMO_PRESETS, add_device_arguments, device_dtype, existing_path, fraction,
                                     input_file, int_at_least, new_file)
+from pixeltriage.delivery.profiles import (ANSWERING_MODEL_NAMES, DEFAULT_ANSWERING_MODEL, AnsweringModel,
+                                           UnknownAnsweringModelError, answering_model)
+
+
+def answering_model_argument(value: str) -> AnsweringModel:
+    """--answering-model: a name in the registry, or a directory holding the model's preprocessor_config.json."""
+    try:
+        return answering_model(value)
+    except UnknownAnsweringModelError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_score_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +29,11 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int_at_least(0), default=2, help="open the k memories with the highest gain (default 2)")
     p.add_argument("--gate-rate", type=fraction, default=None,
                    help="open images only for questions whose p_vis ranks in this top fraction of the stream")
+    p.add_argument("--answering-model", metavar="NAME|DIR", type=answering_model_argument,
+                   default=DEFAULT_ANSWERING_MODEL,
+                   help="whose visual tokens the report counts: " + ", ".join(ANSWERING_MODEL_NAMES) + ", or a "
+                        f"directory holding its preprocessor_config.json (default {DEFAULT_ANSWERING_MODEL}; "
+                        "docs/delivery.md)")
     add_device_arguments(p)
     p.add_argument("--cache", metavar="DB", type=new_file, default=None,
                    help="write-time cache file (pixeltriage cache put): memories may be given by key, thumbnails "
@@ -59,7 +74,7 @@ def run_score(args: argparse.Namespace) -> int:
                 where = f", episode {number} of {len(episodes)}" if len(episodes) > 1 else ""
                 print(f"error: {_episode_name(args.episode)}{where}: {e}", file=sys.stderr)
                 return 2
-            report = decision_report(question, memories, scores, args.k, gate, cache=cache)
+            report = decision_report(question, memories, scores, args.k, gate, args.answering_model, cache=cache)
             if args.json:
                 print(json.dumps(report), flush=True)
             else:

@@ -110,3 +110,15 @@ def test_kept_proxy_costs_more_than_replaced():
     replaced = cost.cost_report(cost.custom_scenario(sizes, 400, proxy_tokens=50), "qwen2.5-vl-7b", [1])
     assert kept["tflop"]["ours"]["1"] > replaced["tflop"]["ours"]["1"]
     assert kept["tflop"]["text_only"] == replaced["tflop"]["text_only"]
+
+
+def test_visual_tokens_are_the_deliverys():
+    """bench cost prices a checkpoint's images with its model's rule in the registry, as the delivery does."""
+    from pixeltriage.delivery.cost import visual_tokens
+    from pixeltriage.delivery.profiles import CHECKPOINTS
+
+    sizes = [(1920, 1080), (333, 517), (4000, 30)]
+    for checkpoint, model in CHECKPOINTS.items():
+        report = cost.cost_report(cost.custom_scenario(sizes, 100), checkpoint, [1, 2])
+        want = [visual_tokens(s, model) for s in sizes]
+        assert report["visual_tokens"] == {"open_all": sum(want), "ours": {"1": want[0], "2": want[0] + want[1]}}

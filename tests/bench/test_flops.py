@@ -300,3 +300,19 @@ def test_head_rows_only_saves_what_the_engine_leaves_out(tiny_checkpoint, last):
     if last == FULL:   # FlopCounterMode sees neither of the engine's CPU SDPA calls (flash, masked): no scores
         saved -= 4 * (tokens - len(rows)) * tokens * lang.num_attention_heads * lang.head_dim
     assert_close(saved, counted() - counted(rows=rows), f"last layer {last} at {len(rows)} rows")
+
+
+def test_answering_checkpoints_count_the_registrys_visual_tokens():
+    """The FLOP model's answering checkpoints are the registry's, and their vision towers see as many tokens as the
+    delivery prices (one rule: pixeltriage.delivery.profiles)."""
+    from pixeltriage.delivery.profiles import ANSWERING_MODELS as PROFILES
+    from pixeltriage.delivery.profiles import CHECKPOINTS
+
+    assert list(F.ANSWERING_MODELS) == list(CHECKPOINTS)
+    sizes = [(1, 1), (28, 28), (333, 517), (1120, 840), (1920, 1080), (3000, 20), (5000, 4000)]
+    for name, shape in F.ANSWERING_MODELS.items():
+        assert shape.answering == CHECKPOINTS[name]
+        profile = PROFILES[shape.answering]
+        assert [F.visual_tokens(w, h, shape.vision) for w, h in sizes] == [profile.tokens(s) for s in sizes], name
+    with pytest.raises(ValueError, match="unknown answering checkpoint"):
+        F.answering_model("qwen2.5-vl")
