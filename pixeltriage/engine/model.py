@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pixeltriage.config import FULL, TextConfig
+from pixeltriage.engine import profiling
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels import registry
 from pixeltriage.kernels.activation import silu_mul
@@ -73,7 +74,8 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     # on CUDA in bf16/fp16, the torch chunked rule in float32 there; the C kernel on the CPU)
     bounds, device_bounds = (None, None) if varlen is None else (varlen.bounds, varlen.device_bounds)
     kernel = registry.choose("gated_delta", x.device, x.dtype)
-    o = kernel.fn(qkv, w.conv, g, beta, hk, dk, hv, dv, bounds, device_bounds)
+    with profiling.kernel(kernel):
+        o = kernel.fn(qkv, w.conv, g, beta, hk, dk, hv, dv, bounds, device_bounds)
     z = z.view(seq_len, hv, dv)
     if rows is not None:
         o, z = o.index_select(0, rows), z.index_select(0, rows)

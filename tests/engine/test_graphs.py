@@ -143,3 +143,16 @@ def test_the_static_path_is_what_a_capture_needs(scorer):
     for i, (a, b) in enumerate(zip(first.trace, second.trace)):
         assert a == b, f"op {i} differs between two states of one bucket: {a} vs {b}"
     assert [t.data_ptr() for t in (graphs.embeds, graphs.positions, graphs.out)] == buffers
+
+
+def test_a_profiler_trace_names_the_registry_kernel(scorer):
+    """Under torch.profiler the gated delta call is a range named after the kernel the registry chose."""
+    from pixeltriage.kernels import registry
+
+    state = scorer.pack(*sample_episode())
+    embeds, positions = scorer._embeds(state), state.position_ids
+    name = f"gated_delta: {registry.choose('gated_delta', 'cpu', torch.float32).name}"
+    with torch.profiler.profile() as prof:
+        decoder_forward(embeds, positions, scorer.weights.text, scorer.model_config.text)
+    layers = scorer.model_config.text.layer_types.count("linear_attention")
+    assert [e.name for e in prof.events()].count(name) == layers
