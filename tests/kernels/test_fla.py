@@ -11,6 +11,8 @@ per tensor, about twice the largest error measured on 18 inputs of these shapes 
 Every float tensor allocated with empty() during a kernel call is filled with NaN first, so an output element a
 kernel leaves unwritten shows up as NaN.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,8 +58,13 @@ def fla_kernel(dtype=torch.float32):
     return kernel
 
 
-def run_fla(qkv, conv_weight, g, beta, bounds):
-    cu_device = None if bounds is None else torch.tensor(bounds, dtype=torch.long)
+def device_bounds(bounds):
+    return None if bounds is None else torch.tensor(bounds, dtype=torch.long)
+
+
+def run_fla(qkv, conv_weight, g, beta, bounds, cu_device=None):
+    """The registered CUDA kernel; cu_device: the boundaries as a tensor (made here when not given)."""
+    cu_device = device_bounds(bounds) if cu_device is None else cu_device
     with NanPoisonedEmpty():
         return fla_kernel(qkv.dtype).fn(qkv, conv_weight, g, beta, HK, DK, HV, DV, bounds, cu_device)
 
@@ -86,9 +93,11 @@ def rel(got, want):
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
 
-def check_against_references(bounds, seq_len, seed):
+def check_against_references(bounds, seq_len, seed, syncs=None):
     args = make_inputs(seq_len, seed=seed)
-    out = run_fla(*args, bounds)
+    cu_device = device_bounds(bounds)                 # made before the forward, as the engine does
+    with syncs or contextlib.nullcontext():
+        out = run_fla(*args, bounds, cu_device)
     assert out.shape == (seq_len, HV, DV) and out.dtype == torch.float32
     assert torch.isfinite(out).all(), "NaN-poisoned or non-finite output rows"
     torch_chunked = gated_delta_torch(*args, HK, DK, HV, DV, bounds)
@@ -103,9 +112,14 @@ def test_fla_matches_torch_chunked_and_recurrence(fla_interpreter, seq_len):  # 
 
 def test_fla_varlen_boundaries_as_a_device_tensor(fla_interpreter):  # noqa: F811
     """Packed sequences, the first of a single token, one empty, the last over two chunks, boundaries on the
-    tensors' device: no state or conv window crosses a boundary."""
+    tensors' device: no state or conv window crosses a boundary, and the kernel makes no host sync."""
+    from sync_guard import HostSyncs
+
     bounds = [0, 1, 33, 33, 97]
-    check_against_references(bounds, bounds[-1], seed=len(bounds))
+    syncs = HostSyncs()
+    check_against_references(bounds, bounds[-1], seed=len(bounds), syncs=syncs)
+    # and no host sync or upload on the way (fla's own chunk table would read its counts back to the host)
+    assert syncs.events == [], [str(e) for e in syncs.events]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

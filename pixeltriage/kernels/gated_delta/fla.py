@@ -27,26 +27,6 @@ def available() -> bool:
     return True
 
 
-def chunk_gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, scale: float | None = None,
-                               cu_seqlens: torch.Tensor | None = None, qk_l2norm: bool = False) -> torch.Tensor:
-    """Same contract as `chunk.chunk_gated_delta_rule` (q, k L2-normalised, [T, H, K]; v [T, H, V]; g, beta
-    [T, H]) -> [T, H, V] float32. `cu_seqlens` (int32/int64 [B + 1]) runs several sequences packed along T.
-    qk_l2norm: q and k arrive unnormalised; fla's kernel normalises them (x / sqrt(sum x^2 + 1e-6)).
-
-    The entry point the engine called before the "gated_delta" op's registry (`gated_delta_fla` replaces it: it
-    keeps bf16 and the grouped key heads); kept for callers of the old name."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    dtype = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    o, _ = chunk_gated_delta_rule(
-        q.to(dtype)[None], k.to(dtype)[None], v.to(dtype)[None], g.float()[None], beta.to(dtype)[None],
-        scale=scale, initial_state=None, output_final_state=False, cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=qk_l2norm,
-    )
-    return o[0].float()
-
-
 def gated_delta_fla(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
                     cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
