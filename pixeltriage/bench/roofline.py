@@ -81,17 +81,20 @@ def spec_key_for_gpu(gpu_name: str) -> str | None:
 
 EAGER_LAUNCH_US = 5.0    # per kernel of an eager forward: torch's dispatch and the launch, not hidden behind the GPU
 GRAPH_LAUNCH_US = 1.0    # per kernel inside a replayed CUDA graph (the gap between kernels)
-# Kernels per call, counted from the CUDA branch's torch ops (one kernel per op that computes; views launch none)
-# and flash-linear-attention 0.6's chunked forward (l2norm x2, cumsum, KK^T, triangular solve, w/u, states,
-# output: 8). An estimate: gpu_check counts the real number with the profiler.
+# Kernels per call of the CUDA branch: the ATen ops that launch a kernel (views and allocations left out) and the
+# Triton launches, counted per profiler stage with the branch run on CPU tensors under the tests' emulation
+# (tests/triton_interpreter.py: PIXELTRIAGE_EMULATE_CUDA=1, TRITON_INTERPRET=1) on the tiny preset, float32, the
+# interpreter's own argument copies left out; bf16 adds the casts around beta and the decay (~6 per Gated DeltaNet
+# layer). Per layer and per block they do not depend on the sizes. gpu_check counts the real number on a GPU.
 KERNELS = {
     "embed": 6,                  # gather, cast, the visual rows' scatter, the residual copy, rotary tables
-    "linear_attention": 40,      # input norm, projections, beta/decay in float64, conv, fla's 8, gated norm, output
-    "full_attention": 26,        # input norm, projections, q/k norm + rotary, SDPA, gate, output
-    "ffn": 8,                    # post norm, gate_up, SiLU * up, down
-    "vision_block": 16,          # 2 LayerNorms, qkv, rotary, SDPA, proj, fc1 + GELU, fc2
-    "vision_fixed": 12,          # patch embedding, position embeddings, merger
-    "head": 10,                  # row gathers, the fused head, the results' copy back
+    "linear_attention": 36,      # input norm, projections, beta/decay, conv, fla's 8 (l2norm x2, cumsum, KK^T,
+                                 # solve, w/u, states, output), gated norm, output projection
+    "full_attention": 40,        # input norm, projections, q/k norm + partial rotary, SDPA, gate, output
+    "ffn": 12,                   # post norm (add + RMSNorm in torch ops), gate_up, SiLU * up, down
+    "vision_block": 25,          # 2 LayerNorms with their adds, qkv, rotary, SDPA, proj, fc1 + GELU, fc2
+    "vision_fixed": 35,          # patch embedding, interpolated position embeddings, rotary tables, merger
+    "head": 15,                  # row indices to the device, gathers, the fused head, the results' copy back
 }
 # what a forward of several questions splits into on CUDA (Scorer.max_batch_tokens there)
 CUDA_MAX_BATCH_TOKENS = 32768
@@ -109,7 +112,8 @@ ASSUMPTIONS = (
     "fla 0.6's chunked forward (per-chunk states written and read back); caches (L2) not credited",
     "stages add up: no overlap between kernels",
     f"launch cost: {EAGER_LAUNCH_US:g} us per kernel eager (not hidden behind GPU work), {GRAPH_LAUNCH_US:g} us per "
-    "kernel in a replayed CUDA graph; kernels per layer estimated (KERNELS; gpu_check counts them)",
+    "kernel in a replayed CUDA graph; kernels per layer counted on the CUDA branch emulated on the CPU (KERNELS; "
+    "gpu_check counts them on the GPU)",
     "CUDA graphs: the decoder replays the whole padded bucket (T rounded up to the bucket, every row of the last "
     "layer); vision, embedding and head stay eager; graphs replay single-question forwards only",
     "cached vision features: no vision stage, the features copied host to device instead of the pixels",
