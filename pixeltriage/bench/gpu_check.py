@@ -1,6 +1,6 @@
 """One prepared run that checks and times the CUDA path, for a short session on a fresh GPU machine:
 
-    pip install ".[gpu]" && python -m pixeltriage.bench.gpu_check --out DIR
+    pip install ".[gpu,serve]" && python -m pixeltriage.bench.gpu_check --out DIR
 
 (a) parity: the CUDA forward against the CPU float32 forward on the demo checkpoints (2b, bench-small, tiny): one
     realistic state each (10 memories; 4 at 2b, whose float32 CPU reference is the slow side), scores in bfloat16
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -49,6 +50,7 @@ PARITY_MEMORIES = {"2b": 4}                   # others: 10
 # when at least this much of the budget is left
 NEEDS_S = {"parity/tiny": 10, "parity/bench-small": 30, "parity/2b": 75, "timing": 45, "serve": 45}
 SERVE_CLIENTS = 8
+SERVE_MODULES = ("fastapi", "uvicorn", "httpx")     # the serve extra, which the gpu extra does not bring
 
 
 def max_diff(a, b) -> float:
@@ -211,6 +213,10 @@ def enable_graphs(scorer, cached, state, bucket: int, progress) -> dict:
 def serve(preset: str, device: torch.device, memories: int, seconds: float, budget: Budget, progress) -> dict:
     """`pixeltriage serve` in a subprocess, SERVE_CLIENTS closed-loop clients for `seconds` after a warm-up, each
     question with `memories` memories (JPEG photos of varied sizes, as `bench serve` sends)."""
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        return {"skipped": f"the serve extra is not installed ({', '.join(missing)} missing): pip install "
+                           "'.[gpu,serve]'"}
     import httpx
 
     from pixeltriage.bench.serve import episodes, request_body

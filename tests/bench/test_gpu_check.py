@@ -2,6 +2,8 @@
 import json
 import shutil
 
+import torch
+
 from pixeltriage.bench import gpu_check
 
 SECTIONS = ["environment", "budget_s", "kernels", "parity", "timing", "roofline", "serve", "wall_s", "skipped",
@@ -117,3 +119,13 @@ def test_failures_name_what_failed():
     assert gpu_check.failures(result) == ["serve: error", "parity 2b bfloat16: 0.05 > 0.02", "parity tiny: error",
                                           "CUDA graphs: error"]
     assert gpu_check.skipped_parts(result) == ["roofline: time budget: 0 s of 240 s left, this part needs ~5 s"]
+
+
+def test_the_service_part_names_a_missing_serve_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    out = gpu_check.serve("tiny", torch.device("cpu"), 1, 1.0, gpu_check.Budget(60), progress=lambda msg: None)
+    assert out == {"skipped": "the serve extra is not installed (uvicorn missing): pip install '.[gpu,serve]'"}
+    assert gpu_check.skipped_parts({"serve": out}) == [f"serve: {out['skipped']}"]
