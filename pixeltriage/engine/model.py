@@ -42,7 +42,9 @@ class Varlen:
         lengths = [e - b for b, e in zip(bounds, bounds[1:])]
         if not lengths or bounds[0] != 0 or min(lengths) < 0:
             raise ValueError(f"varlen boundaries must rise from 0, got {bounds}")
-        segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths), output_size=bounds[-1])
+        segments = torch.empty(bounds[-1], dtype=torch.long)
+        for i, (b, e) in enumerate(zip(bounds, bounds[1:])):     # slice fills: ~2 us each, where repeat_interleave
+            segments[b:e] = i                                    # and bucketize took 0.5-1 ms at 3k tokens
         device_bounds = None
         if registry.kernel_device(device) == "cuda":
             device_bounds = torch.tensor(bounds, dtype=torch.long).to(device)
