@@ -100,10 +100,14 @@ def emulating_cuda() -> bool:
 def kernel_device(device: torch.device | str) -> str:
     """The device whose kernels run tensors on `device`: "cuda" for CUDA, and for the CPU under the test switch
     (`emulating_cuda`); "cpu" otherwise."""
-    kind = torch.device(device).type
+    kind = _kind(device)
     if kind == "cuda" or (kind == "cpu" and emulating_cuda()):
         return "cuda"
     return kind
+
+
+def _kind(device: torch.device | str) -> str:
+    return device.type if isinstance(device, torch.device) else torch.device(device).type
 
 
 def _load_ops() -> None:
@@ -127,7 +131,7 @@ def choose(op: str, device: torch.device | str, dtype: torch.dtype) -> Kernel:
         if op not in _ENTRIES:
             raise KeyError(f"no kernels registered for op {op!r}; known: {sorted(_ENTRIES)}")
     kdevice = kernel_device(device)
-    emulated = kdevice == "cuda" and torch.device(device).type == "cpu"
+    emulated = kdevice == "cuda" and _kind(device) == "cpu"
     for entry in _candidates(op, kdevice, dtype, emulated):
         if entry.available():
             return entry.kernel
@@ -161,7 +165,7 @@ def check_fast(device: torch.device | str, dtype: torch.dtype, allow_slow: bool)
             continue
         if kernel.slow:
             kdevice = kernel_device(device)
-            emulated = kdevice == "cuda" and torch.device(device).type == "cpu"
+            emulated = kdevice == "cuda" and _kind(device) == "cpu"
             slow[op] = sorted({e.package for e in _candidates(op, kdevice, dtype, emulated)
                                if e.package and not e.kernel.slow and not e.available()})
     if slow:
