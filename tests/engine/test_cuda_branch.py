@@ -160,3 +160,19 @@ def test_a_bf16_model_hands_fla_bf16_and_grouped_heads(grouped_checkpoint, fla_i
     assert g.dtype == torch.float32 and g.shape == beta.shape == (1, tokens, VALUE_HEADS)
     assert isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device == hidden.device
     assert not cu_seqlens.is_floating_point() and cu_seqlens.tolist() == bounds
+
+
+def test_the_load_refuses_slow_cuda_fallbacks_unless_allowed(tiny_checkpoint, fla_interpreter, monkeypatch):
+    """Without flash-linear-attention a bf16 model's gated delta rule would be the slow torch chunked rule on CUDA:
+    the load refuses it naming the package, unless allow_slow, and then the scorer names the fallback it runs. A
+    float32 model takes the torch chunked rule anyway (the exact path, not a fallback)."""
+    from pixeltriage.errors import BackendUnavailableError
+    from pixeltriage.kernels.gated_delta import fla
+
+    assert Scorer.load(tiny_checkpoint, dtype=torch.bfloat16).kernels()["gated_delta"] == "fla chunk_gated_delta_rule"
+    monkeypatch.setattr(fla, "available", lambda: False)
+    with pytest.raises(BackendUnavailableError, match="flash-linear-attention.*allow_slow=True"):
+        Scorer.load(tiny_checkpoint, dtype=torch.bfloat16)
+    slow = Scorer.load(tiny_checkpoint, dtype=torch.bfloat16, allow_slow=True)
+    assert slow.kernels()["gated_delta"] == "torch chunked (slow)"
+    assert Scorer.load(tiny_checkpoint).kernels()["gated_delta"] == "torch chunked"
