@@ -125,4 +125,4 @@ def _fla_conv_available() -> bool:
 
 FLA_CONV = registry.register("conv1d", "fla causal_conv1d", _fla_conv, devices=("cuda",),
                              dtypes=(torch.bfloat16, torch.float16), available=_fla_conv_available, priority=20,
-                             package="flash-linear-attention")
+                             package="flash-linear-attention>=0.6")

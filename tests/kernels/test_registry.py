@@ -148,7 +148,7 @@ def test_real_ops_cuda(monkeypatch, no_switch):
     registry.check_fast("cuda", torch.bfloat16, allow_slow=False)
     monkeypatch.setattr(fla, "available", lambda: False)
     assert registry.choices("cuda", torch.bfloat16)["gated_delta"] == "torch chunked (slow)"
-    with pytest.raises(BackendUnavailableError, match="CUDA needs flash-linear-attention .*allow_slow=True"):
+    with pytest.raises(BackendUnavailableError, match="CUDA needs flash-linear-attention>=0.6 .*allow_slow=True"):
         registry.check_fast("cuda", torch.bfloat16, allow_slow=False)
     registry.check_fast("cuda", torch.float32, allow_slow=False)
 
@@ -185,3 +185,17 @@ def test_cpu_ops_take_the_c_kernels_the_registry_names(no_switch, native_calls):
     assert registry.choose("silu_mul", "cpu", torch.float32).name == "native C pt_silu_mul"
     silu_mul(torch.randn(8, 32))
     assert [name for name, _ in native_calls] == ["pt_silu_mul"]
+
+
+def test_an_older_fla_is_not_available(monkeypatch):
+    """fla before 0.6 takes neither more value heads than key heads nor a precomputed chunk table."""
+    import fla as fla_package
+
+    check = fla.available.__wrapped__
+    assert check()
+    for old in ("0.5.9", "0.3.2"):
+        monkeypatch.setattr(fla_package, "__version__", old)
+        assert not check()
+    for new in ("0.6.0", "0.6.1.dev3", "0.10.0", "1.0"):
+        monkeypatch.setattr(fla_package, "__version__", new)
+        assert check()

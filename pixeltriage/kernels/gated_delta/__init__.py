@@ -22,7 +22,7 @@ __all__ = ["FLA", "NATIVE", "TORCH", "chunk_gated_delta_rule", "conv_chunk_gated
 # torch chunked path, so float32 remains the reference on every device (under the interpreter, float32 stands in)
 FLA = _registry.register("gated_delta", "fla chunk_gated_delta_rule", fla.gated_delta_fla, devices=("cuda",),
                          dtypes=(torch.bfloat16, torch.float16), available=lambda: fla.available(), priority=20,
-                         package="flash-linear-attention")
+                         package=fla.FLA_REQUIREMENT)
 NATIVE = _registry.register("gated_delta", "native C pt_delta_chunked", gated_delta_native, devices=("cpu",),
                             dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(), priority=10)
 TORCH = _registry.register("gated_delta", "torch chunked", gated_delta_torch, devices=("cpu",))

@@ -17,14 +17,28 @@ from pixeltriage.kernels import registry
 FLA_CHUNK = 64           # fla's chunk size for the gated delta rule and its conv's rows per program
 
 
+FLA_MIN_VERSION = (0, 6)   # the first to take more value heads than key heads and a precomputed chunk table
+FLA_REQUIREMENT = "flash-linear-attention>=0.6"
+
+
 @functools.cache
 def available() -> bool:
-    """Whether flash-linear-attention's gated delta rule imports here (checked once per process)."""
+    """Whether flash-linear-attention's gated delta rule imports here, at FLA_MIN_VERSION or later (checked once
+    per process; an older fla is reported by `registry.check_fast` as the requirement it misses)."""
     try:
+        import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
     except Exception:  # ImportError, or a Triton that cannot initialise
         return False
-    return True
+    return _version(getattr(fla, "__version__", "0")) >= FLA_MIN_VERSION
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
 
 
 def gated_delta_fla(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -98,7 +112,10 @@ def varlen_chunk_indices(cu_seqlens: list[int], cu_seqlens_device: torch.Tensor,
 
 @functools.cache
 def conv_available() -> bool:
-    """Whether flash-linear-attention's causal conv1d imports here (checked once per process)."""
+    """Whether flash-linear-attention's causal conv1d imports here, fla being recent enough (checked once per
+    process)."""
+    if not available():
+        return False
     try:
         from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
     except Exception:  # ImportError, or a Triton that cannot initialise
