@@ -62,10 +62,10 @@ def grouped_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cpu_scores(grouped_checkpoint):
     """The CPU forward's scores, outside the emulation: {"torch": C kernels off, "native": the default path}, each
-    (one question, the questions packed)."""
+    (each question alone, the questions packed)."""
     def scores():
         scorer = Scorer.load(grouped_checkpoint)
-        return scorer.score(*questions()[0]), scorer.score_batch(questions())
+        return [scorer.score(q, m) for q, m in questions()], scorer.score_batch(questions())
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "library", lambda: None)
@@ -82,9 +82,10 @@ def counted(monkeypatch, module, name) -> list:
 
 
 def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scores, fla_interpreter, monkeypatch):
-    """One question (the static path a CUDA graph captures) and two packed (varlen, the head's rows), through fla
-    and the Triton head: the CPU forward's scores within TOLERANCE, and no host sync or upload inside either
-    forward (tests/sync_guard.py), the static one reading only its buffers, the weights and what it made."""
+    """Each question alone through the static path a CUDA graph captures (one 64-token bucket), then both packed
+    (varlen, the head's rows), through fla and the Triton head: the CPU forward's scores within TOLERANCE, and no
+    host sync or upload inside any forward (tests/sync_guard.py); the static path reads only its buffers, the
+    weights and what it made, and runs the same ops on the same shapes for both questions."""
     import fla.ops.gated_delta_rule as fla_ops
 
     from pixeltriage.kernels.head import triton as head_triton
@@ -95,7 +96,8 @@ def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scor
     fla_calls = counted(monkeypatch, fla_ops, "chunk_gated_delta_rule")
     head_calls = counted(monkeypatch, head_triton, "decision_head_triton")
 
-    state = scorer.pack(*questions()[0])
+    states = [scorer.pack(q, m) for q, m in questions()]
+    assert states[0].num_tokens != states[1].num_tokens
     scorer.enable_cuda_graphs(buckets=(64,), capture=False)
     graphs, static_forward, recorders = scorer.graphs, scorer.graphs._forward, []
     allowed = [graphs.embeds, graphs.positions, graphs.out, *tensors_of(graphs.weights)]
@@ -106,8 +108,9 @@ def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scor
             static_forward(t_b)
 
     graphs._forward = recorded_static
-    single = scorer.score_states([state])[0]
-    assert graphs.replays == {"graph": 1, "eager": 0} and len(fla_calls) == 1 and len(head_calls) == 1
+    singles = [scorer.score_states([state])[0] for state in states]
+    assert graphs.replays == {"graph": 2, "eager": 0} and len(fla_calls) == 2 and len(head_calls) == 2
+    assert recorders[0].trace == recorders[1].trace                # what a capture records, for either question
     scorer.disable_cuda_graphs()
 
     def recorded_forward(*args, **kwargs):
@@ -117,11 +120,10 @@ def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scor
 
     monkeypatch.setattr(scorer_module, "decoder_forward", recorded_forward)
     packed = scorer.score_batch(questions())
-    assert len(fla_calls) == 2 and len(head_calls) == 2 and len(recorders) == 2
+    assert len(fla_calls) == 3 and len(head_calls) == 3 and len(recorders) == 3
 
-    for path, (want_single, want_packed) in cpu_scores.items():
-        assert max_diff(single, want_single) <= TOLERANCE, path
-        for got, want in zip(packed, want_packed, strict=True):
+    for path, (want_singles, want_packed) in cpu_scores.items():
+        for got, want in zip(singles + packed, want_singles + want_packed, strict=True):
             assert max_diff(got, want) <= TOLERANCE, path
     for rec in recorders:
         rec.check()
