@@ -50,7 +50,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "(/health, /ready and /metrics stay open)")
     net.add_argument("--payload-limit", metavar="MB", type=positive_float, default=DEFAULTS["payload_limit"],
                      help=f"largest request body in MiB (default {DEFAULTS['payload_limit']:g}); larger: 413")
-    net.add_argument("--access-log", action="store_true", help="log one line per request (method, path, status)")
+    net.add_argument("--access-log", action="store_true",
+                     help="log one line per request (client, method, path, status) to stderr, at any verbosity")
     data = p.add_argument_group("memories")
     data.add_argument("--cache", metavar="DB", type=new_file, default=None,
                       help="write-time cache file: POST /v1/memories fills it, memories may be given by key, "
@@ -73,10 +74,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     batching.add_argument("--max-queued", metavar="N", type=int_at_least(1), default=DEFAULTS["max_queued"],
                           help=f"questions admitted at once (default {DEFAULTS['max_queued']}); more: 429 "
                                "with Retry-After")
-    batching.add_argument("--max-client-batch", metavar="N", type=int_at_least(1),
-                          default=DEFAULTS["max_client_batch"],
-                          help=f"questions per /v1/score/batch request (default {DEFAULTS['max_client_batch']}, "
-                               "at most --max-queued); more: 422")
+    batching.add_argument("--max-client-batch", metavar="N", type=int_at_least(1), default=None,
+                          help=f"questions per /v1/score/batch request (default {DEFAULTS['max_client_batch']}, or "
+                               "--max-queued when that is smaller; at most --max-queued); more: 422")
     batching.add_argument("--request-timeout", metavar="S", type=positive_float, default=DEFAULTS["request_timeout"],
                           help=f"seconds a request may wait for its forward (default {DEFAULTS['request_timeout']:g});"
                                " later: dropped, 504")
@@ -113,7 +113,7 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     """The checks that span several flags, before anything is imported or loaded: ConfigError (exit 2)."""
     from pixeltriage.serve.config import ConfigError as UsageError
 
-    if args.max_client_batch > args.max_queued:
+    if args.max_client_batch is not None and args.max_client_batch > args.max_queued:
         raise UsageError(f"--max-client-batch {args.max_client_batch} is above --max-queued {args.max_queued}: "
                          "such a batch could never be admitted")
     ray_flags = [name for name in ("ray_address", "replicas", "min_replicas", "max_replicas",

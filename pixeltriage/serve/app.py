@@ -1,17 +1,24 @@
-"""The ASGI application: FastAPI routes over a `Service`, behind one plain ASGI guard (auth, admission, payload limit).
+"""The ASGI application: FastAPI routes over a `Service`, behind one plain ASGI guard (auth, admission, content
+type, payload limit).
 
-Status codes: 200; 401 missing or wrong API key; 404 unknown cache key; 413 body past --payload-limit; 422 a field of
-the wrong type or value, an image that does not decode, an unknown cache key in a question, too many memories or
-questions, a state too long; 429 the queue is full (Retry-After); 501 /v1/memories without --cache or /v1/retrieve
-without --index-encoder; 503 loading or
-shutting down; 504 the request's deadline passed before its forward began. Error bodies are
-`{"error": message, "error_type": kind, "field": "memories[2].image" or null}`.
+Status codes: 200; 401 missing or wrong API key; 404 unknown cache key or unknown path; 405 a method the path does
+not take; 413 body past --payload-limit; 415 a body that is not `application/json`; 422 a field of the wrong type or
+value (a text field past its character limit included), an image that does not decode, an unknown cache key in a
+question, too many memories or questions, a state too long, a body that is not JSON; 429 the queue is full
+(Retry-After); 499 (recorded only) the client went away first; 500 a bug; 501 /v1/memories without --cache or
+/v1/retrieve without --index-encoder; 503 loading or shutting down; 504 the request's deadline passed before its
+forward began. Error bodies are `{"error": message, "error_type": kind, "field": "memories[2].image" or null}`.
+
+Every route that takes a body is declared in BODY_ROUTES with its request model: the guard checks its content type
+and size, and `_post` parses the body straight from its bytes into that model (pydantic's JSON parser, every string
+checked against its character limit as it is read: `schemas.Strict`), so no route can skip a limit.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -23,6 +30,7 @@ from typing import Sequence
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,14 +38,21 @@ from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, Inval
                                 PixelTriageError, ServiceUnavailableError, StateTooLongError)
 from pixeltriage.serve.batcher import Scored
 from pixeltriage.serve.schemas import (CACHE_KEY, BatchRequest, BatchResponse, ErrorBody, MemoryInfo, MemoryPut,
-                                       Policy, RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status)
+                                       Policy, RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status,
+                                       Strict)
 from pixeltriage.serve.service import FieldError, Service
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")           # answered without an API key
 SCORING_PATHS = ("/v1/score", "/v1/score/batch")
-BODY_PATHS = (*SCORING_PATHS, "/v1/memories", "/v1/retrieve")   # read by the guard, their number bounded
+# every route that takes a body, with its request model: the guard reads these bodies (their number bounded by
+# --max-queued, their content type and size checked) and `_post` parses them into the model, limits included
+BODY_ROUTES: dict[str, type[Strict]] = {"/v1/score": ScoreRequest, "/v1/score/batch": BatchRequest,
+                                        "/v1/memories": MemoryPut, "/v1/retrieve": RetrieveRequest}
+BODY_PATHS = tuple(BODY_ROUTES)
+JSON_TYPE = "application/json"
+BODY = "pixeltriage.body"                                # scope key: the body the guard read, until parsed
 ROUTES = ("/v1/score", "/v1/score/batch", "/v1/memories", "/v1/retrieve", "/health", "/ready", "/info", "/metrics", "/docs",
           "/openapi.json")
 ARRIVAL = "pixeltriage.arrival"                          # scope key: when the request's first byte was seen
@@ -45,7 +60,9 @@ CLIENT_CLOSED = 499                                      # the status recorded f
 
 ERROR_RESPONSES = {status: {"model": ErrorBody, "description": text} for status, text in (
     (401, "missing or wrong API key"), (413, "the body is larger than --payload-limit"),
-    (422, "a field of the wrong type or value, naming it"), (429, "the queue is full; retry after Retry-After s"),
+    (415, "the body is not sent as application/json"),
+    (422, "a field of the wrong type or value (or past its character limit), naming it"),
+    (429, "the queue is full; retry after Retry-After s"),
     (503, "loading or shutting down"), (504, "the deadline passed before the forward began"))}
 
 
@@ -68,6 +85,7 @@ def create_app(service: Service, *, own_lifespan: bool = True) -> FastAPI:
     app = FastAPI(title="PixelTriage", version=__version__, lifespan=lifespan, redoc_url=None,
                   description="System One as a service: which retrieved memories deserve pixels. See docs/serve.md.")
     app.state.service = service
+    _document_bodies(app)
     _add_error_handlers(app, service)
     _add_scoring_routes(app, service)
     _add_memory_routes(app, service)
@@ -76,9 +94,61 @@ def create_app(service: Service, *, own_lifespan: bool = True) -> FastAPI:
     return app
 
 
+# -- bodies ----------------------------------------------------------------------------------------------------------
+def _post(app: FastAPI, path: str, **options):
+    """`app.post(path)` for a route of BODY_ROUTES: the endpoint `fn(body, request)` gets the body parsed into the
+    route's model from the bytes the guard read (a KeyError for a path missing from the table)."""
+    model = BODY_ROUTES[path]
+
+    def register(fn):
+        @functools.wraps(fn)
+        async def endpoint(request: Request):
+            return await fn(await parse_body(request, model), request)
+
+        endpoint.__signature__ = inspect.Signature([inspect.Parameter(
+            "request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)])
+        body_schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+        app.post(path, responses=ERROR_RESPONSES, openapi_extra={"requestBody": {
+            "required": True, "content": {JSON_TYPE: {"schema": body_schema}}}}, **options)(endpoint)
+        return fn
+
+    return register
+
+
+async def parse_body(request: Request, model: type[Strict]) -> Strict:
+    """The request's body as `model`, parsed from its bytes in one pass (strings past their limit refused as they
+    are read, before any object of the body is built); a RequestValidationError (422) naming the field."""
+    body = request.scope.pop(BODY, None)        # dropped from the scope: the parsed body is all that stays
+    if body is None:
+        body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_input=False, include_context=True)) from None
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Put BODY_ROUTES' models into the OpenAPI schema's components (the routes refer to them by name)."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = default()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in BODY_ROUTES.values():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
+
+
 # -- scoring ---------------------------------------------------------------------------------------------------------
 def _add_scoring_routes(app: FastAPI, service: Service) -> None:
-    @app.post("/v1/score", response_model=ScoreResponse, responses=ERROR_RESPONSES, tags=["scoring"])
+    @_post(app, "/v1/score", response_model=ScoreResponse, tags=["scoring"])
     async def score(body: ScoreRequest, request: Request):
         """Score one question and its memories (one state, one forward shared with whatever else is ready)."""
         service.check_question(body.memories, "")
@@ -86,7 +156,7 @@ def _add_scoring_routes(app: FastAPI, service: Service) -> None:
         results, headers = await _score(service, request, questions, body.timeout_s, body.priority)
         return _json(results[0], headers)
 
-    @app.post("/v1/score/batch", response_model=BatchResponse, responses=ERROR_RESPONSES, tags=["scoring"])
+    @_post(app, "/v1/score/batch", response_model=BatchResponse, tags=["scoring"])
     async def score_batch(body: BatchRequest, request: Request):
         """Score several questions, each as its own state; they are split across forwards as the budget needs."""
         if len(body.questions) > service.config.max_client_batch:
@@ -183,8 +253,8 @@ def _ms(seconds: float) -> str:
 
 # -- the write-time cache --------------------------------------------------------------------------------------------
 def _add_memory_routes(app: FastAPI, service: Service) -> None:
-    @app.post("/v1/memories", response_model=MemoryInfo, responses=ERROR_RESPONSES, tags=["memories"])
-    async def put_memory(body: MemoryPut):
+    @_post(app, "/v1/memories", response_model=MemoryInfo, tags=["memories"])
+    async def put_memory(body: MemoryPut, request: Request):
         """Put an image (base64, or a path under --image-root) and its note into the write-time cache -> its key.
         Idempotent: a second put keeps the row; a non-empty note replaces the stored one."""
         _need_cache(service)
@@ -197,8 +267,8 @@ def _add_memory_routes(app: FastAPI, service: Service) -> None:
         return _json(await _write(service, service.memory_info, key))
 
 
-    @app.post("/v1/retrieve", response_model=RetrieveResponse, responses=ERROR_RESPONSES, tags=["memories"])
-    async def retrieve(body: RetrieveRequest):
+    @_post(app, "/v1/retrieve", response_model=RetrieveResponse, tags=["memories"])
+    async def retrieve(body: RetrieveRequest, request: Request):
         """Rank the cached images for a question by their best region (MaxSim over SigLIP 2 vectors stored at write
         time by /v1/memories), or by the whole image with `whole_image`: what to hand /v1/score."""
         _need_index(service)
@@ -300,8 +370,11 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         field = field_path(first.get("loc", ()))
         failures.labels("invalid_input").inc()
-        return _error(422, "invalid_input", f"{field}: {first.get('msg')}" if field else str(first.get("msg")),
-                      field)
+        message = str(first.get("msg"))
+        if first.get("type") == "string_too_long":
+            message = (f"longer than this server's limit of {first['ctx']['max_length']} characters for this field "
+                       "(docs/serve.md, Limits)")
+        return _error(422, "invalid_input", f"{field}: {message}" if field else message, field)
 
     async def known(request: Request, e: Exception):
         status, kind = error_kind(e)
@@ -380,13 +453,20 @@ class Guard:
         if path not in BODY_PATHS or scope["method"] not in ("POST", "PUT"):
             await self.app(scope, receive, counting_send)      # no body of ours to read (unknown routes: 404)
             return
+        wrong_type = _wrong_content_type(scope)
+        if wrong_type is not None:
+            self.service.metrics.failures.labels("unsupported_media_type").inc()
+            await wrong_type(scope, receive, counting_send)
+            return
         self.service.open_requests += 1        # every body held in memory counts: at most max_queued of them
         try:
             body = await self._body(scope, receive)
             if isinstance(body, Response):
                 await body(scope, receive, counting_send)
                 return
-            await self.app(scope, _replay(body, receive), counting_send)
+            scope[BODY] = body                 # parsed by the route (`parse_body`), which drops it from the scope
+            del body
+            await self.app(scope, _after_body(receive), counting_send)
         finally:
             self.service.open_requests -= 1
 
@@ -447,18 +527,32 @@ class Guard:
                       headers={"connection": "close"})
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A receive that gives the buffered body once, then the connection's own messages (its disconnect)."""
+def _after_body(receive: Receive) -> Receive:
+    """The receive of a request whose body the guard read (it is in scope[BODY]): an empty last chunk once (for a
+    reader of `request.body()` that comes after `parse_body`), then the connection's own messages (its
+    disconnect)."""
     sent = False
 
-    async def replay() -> Message:
+    async def after() -> Message:
         nonlocal sent
         if not sent:
             sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.request", "body": b"", "more_body": False}
         return await receive()
 
-    return replay
+    return after
+
+
+def _wrong_content_type(scope: Scope) -> Response | None:
+    """415 for a body not sent as JSON (curl's -d sends application/x-www-form-urlencoded), else None."""
+    value = next((v for k, v in scope["headers"] if k == b"content-type"), b"").decode("latin-1")
+    media = value.split(";", 1)[0].strip().lower()
+    if media == JSON_TYPE:
+        return None
+    given = f"content-type {media!r}" if media else "no content-type"
+    return _error(415, "unsupported_media_type", f"the body must be JSON sent with 'content-type: {JSON_TYPE}' "
+                  f"(this request has {given}); with curl: -H 'content-type: {JSON_TYPE}' --data-binary @body.json",
+                  headers={"accept": JSON_TYPE})
 
 
 def _route(path: str) -> str:

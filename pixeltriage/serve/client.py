@@ -169,7 +169,7 @@ def error_of(response: httpx.Response, question_offset: int = 0) -> Exception:
         return error
     if kind == "state_too_long":
         return StateTooLongError(message.removeprefix(f"{field}: ") if field else message)
-    if status in (413, 422):
+    if status in (413, 415, 422):
         return InvalidRequestError(message.removeprefix(f"{field}: ") if field else message, field, status)
     return ServiceError(message, status)
 

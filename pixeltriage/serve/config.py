@@ -9,6 +9,7 @@ from pathlib import Path
 from pixeltriage.errors import PixelTriageError
 
 MIB = 2 ** 20
+DEFAULT_CLIENT_BATCH = 32           # questions per batch request, unless --max-queued is smaller
 
 
 class ConfigError(PixelTriageError, ValueError):
@@ -22,7 +23,8 @@ class ServeConfig:
     max_batch_tokens: state tokens per forward (None: the scorer's default for its device, 4096 CPU / 32768 CUDA).
     max_wait_ms: how long an idle worker holding a partial batch waits for more ready questions.
     max_queued: questions admitted at once (preparing, ready or in a forward); past it, 429.
-    max_client_batch: questions per /v1/score/batch request (at most max_queued); past it, 422.
+    max_client_batch: questions per /v1/score/batch request (at most max_queued; None: 32, or max_queued when that
+        is smaller); past it, 422.
     max_memories: memories per question; past it, 422.
     request_timeout: seconds from arrival to a question's forward; a request still waiting then is dropped (504).
     payload_limit: request body bytes; past it, 413.
@@ -36,7 +38,7 @@ class ServeConfig:
     max_batch_tokens: int | None = None
     max_wait_ms: float = 0.0
     max_queued: int = 256
-    max_client_batch: int = 32
+    max_client_batch: int | None = None
     max_memories: int = 64
     request_timeout: float = 60.0
     payload_limit: int = 32 * MIB
@@ -50,6 +52,8 @@ class ServeConfig:
     def __post_init__(self):
         _at_least("max_batch_tokens", self.max_batch_tokens, 1, optional=True)
         _at_least("max_queued", self.max_queued, 1)
+        if self.max_client_batch is None:
+            object.__setattr__(self, "max_client_batch", min(DEFAULT_CLIENT_BATCH, self.max_queued))
         _at_least("max_client_batch", self.max_client_batch, 1)
         _at_least("max_memories", self.max_memories, 0)
         _at_least("payload_limit", self.payload_limit, 1)

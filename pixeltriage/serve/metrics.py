@@ -12,8 +12,8 @@ QUESTIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 # why a request failed: the `reason` label of pixeltriage_request_failures_total
-FAILURE_REASONS = ("overloaded", "payload_too_large", "invalid_input", "state_too_long", "deadline", "disconnected",
-                   "unauthorized", "unavailable", "not_found", "no_cache", "internal")
+FAILURE_REASONS = ("overloaded", "payload_too_large", "unsupported_media_type", "invalid_input", "state_too_long",
+                   "deadline", "disconnected", "unauthorized", "unavailable", "not_found", "no_cache", "internal")
 
 
 class Metrics(Observer):

@@ -2,33 +2,98 @@
 
 Memories and questions are numbered from 0 in field paths (`memories[2].image`, as JSON indexes them) and from 1
 in messages ("memory 3"), as everywhere in the engine.
+
+Every string field of a request has a character limit (`max_length`), checked while the body is parsed, before the
+model reads anything: the text the model reads (question, note, dialogue) at most TEXT_LIMIT characters, a date
+DATE_LIMIT; only the encoded images are bounded by the body's size alone (`--payload-limit`), which they mark with
+`PAYLOAD_BOUNDED`. A request model without a limit on a string field is refused when its class is defined.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+import types
+import typing
+from typing import Annotated, Literal, Optional
 
+from annotated_types import MaxLen
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 CACHE_KEY = r"^[0-9a-f]{64}$"               # pixeltriage.Cache keys: SHA-256 hex of the image's bytes
 ANSWERING_MODELS = ("qwen2.5-vl", "qwen3.5")  # pixeltriage.delivery.cost.RULES
 
+# characters of one text field the model reads. The library keeps at most 512 tokens of a question and 256 of a
+# memory's text (a few thousand characters of prose), so a longer field is never read whole; refusing it bounds the
+# preprocessing of a request (docs/serve.md, "Limits")
+TEXT_LIMIT = 16_384
+DATE_LIMIT = 256                            # the library keeps 32 tokens of a date
+
+
+class PayloadBounded:
+    """The metadata of a string bounded only by the body's size (base64 images): see `Strict`."""
+
+    def __repr__(self) -> str:
+        return "PAYLOAD_BOUNDED"
+
+
+PAYLOAD_BOUNDED = PayloadBounded()
+Text = Annotated[str, Field(max_length=TEXT_LIMIT)]
+Encoded = Annotated[str, PAYLOAD_BOUNDED]
+
+
+class UnboundedFieldError(TypeError):
+    """A request model declares a string field with no character limit."""
+
+
+def _limits(metadata) -> bool:
+    return any(isinstance(m, (MaxLen, PayloadBounded)) or (isinstance(m, FieldInfo) and _limits(m.metadata))
+               for m in metadata)
+
+
+def _unbounded(annotation, limited: bool) -> str | None:
+    """The first type inside `annotation` that can carry an unlimited string (None: none can). `limited`: a limit
+    given around it applies to a string here (through Optional/Union, not into a list's items)."""
+    if annotation is str:
+        return None if limited else "str"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return None if issubclass(annotation, Strict) else annotation.__name__     # Strict checks its own fields
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _unbounded(args[0], limited or _limits(args[1:]))
+    if origin in (typing.Union, types.UnionType):
+        return next((found for a in args if (found := _unbounded(a, limited))), None)
+    return next((found for a in args if (found := _unbounded(a, False))), None) if origin is not Literal else None
+
 
 class Strict(BaseModel):
+    """A request body (or part of one): strict types, unknown fields refused, and every string field limited."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs):
+        super().__pydantic_init_subclass__(**kwargs)
+        for name, info in cls.model_fields.items():
+            found = _unbounded(info.annotation, _limits(info.metadata))
+            if found is not None:
+                raise UnboundedFieldError(f"{cls.__name__}.{name}: a request string needs a character limit "
+                                          f"(Field(max_length=...), or Text; a base64 image is Encoded), and a "
+                                          f"nested model must be Strict; found {found}")
 
 
 class MemoryIn(Strict):
     """One retrieved memory: exactly one of `image` (base64, or a data URI `data:image/...;base64,...`), `key` (a
     write-time cache key, needs the server's --cache) or `path` (relative to the server's --image-root)."""
 
-    image: Optional[str] = Field(None, description="the encoded image (JPEG, PNG, GIF, WebP, BMP, TIFF) as base64 "
-                                                   "or a data URI")
-    key: Optional[str] = Field(None, pattern=CACHE_KEY, description="a write-time cache key (POST /v1/memories)")
+    image: Optional[Encoded] = Field(None, description="the encoded image (JPEG, PNG, GIF, WebP, BMP, TIFF) as "
+                                                       "base64 or a data URI")
+    key: Optional[str] = Field(None, max_length=64, pattern=CACHE_KEY,
+                               description="a write-time cache key (POST /v1/memories)")
     path: Optional[str] = Field(None, min_length=1, max_length=4096,
                                 description="a file under the server's --image-root, relative to it")
-    note: Optional[str] = Field(None, description="the memory's note; for a `key` memory, null means the cached note")
-    dialogue: str = ""
-    date: str = ""
+    note: Optional[Text] = Field(None, description="the memory's note; for a `key` memory, null means the cached "
+                                                   "note")
+    dialogue: Text = ""
+    date: str = Field("", max_length=DATE_LIMIT)
 
     @model_validator(mode="after")
     def one_source(self) -> "MemoryIn":
@@ -58,7 +123,7 @@ class Policy(Strict):
 
 
 class ScoreRequest(Strict):
-    question: str
+    question: Text
     memories: list[MemoryIn] = Field(default_factory=list)
     policy: Optional[Policy] = None
     id: Optional[str] = Field(None, max_length=256, description="echoed in the response")
@@ -68,7 +133,7 @@ class ScoreRequest(Strict):
 
 
 class BatchQuestion(Strict):
-    question: str
+    question: Text
     memories: list[MemoryIn] = Field(default_factory=list)
     policy: Optional[Policy] = Field(None, description="this question's rule (default: the batch's)")
     id: Optional[str] = Field(None, max_length=256)
@@ -122,9 +187,9 @@ class BatchResponse(BaseModel):
 
 
 class MemoryPut(Strict):
-    image: Optional[str] = Field(None, description="base64 or a data URI")
+    image: Optional[Encoded] = Field(None, description="base64 or a data URI")
     path: Optional[str] = Field(None, min_length=1, max_length=4096, description="relative to --image-root")
-    note: str = ""
+    note: Text = ""
 
     @model_validator(mode="after")
     def one_source(self) -> "MemoryPut":
@@ -148,7 +213,7 @@ class MemoryInfo(BaseModel):
 class RetrieveRequest(Strict):
     """A question to rank the cached images for, by their best region (DeliverMem R1)."""
 
-    question: str = Field(max_length=65536)
+    question: Text
     top: int = Field(10, ge=1, le=1000, description="images to return")
     whole_image: bool = Field(False, description="score by the whole-image embedding only (the control)")
 
@@ -167,8 +232,8 @@ class RetrieveResponse(BaseModel):
 class ErrorBody(BaseModel):
     error: str
     error_type: str = Field(description="invalid_input, invalid_memory, state_too_long, payload_too_large, "
-                                        "unauthorized, overloaded, deadline, unavailable, not_found, no_cache, "
-                                        "internal")
+                                        "unsupported_media_type, unauthorized, overloaded, deadline, unavailable, "
+                                        "not_found, method_not_allowed, no_cache, internal")
     field: Optional[str] = Field(None, description="the request field, e.g. memories[2].image")
     reason: Optional[str] = Field(None, description="invalid_memory: the library's reason, without 'memory N: '")
 

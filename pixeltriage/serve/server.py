@@ -109,6 +109,8 @@ def run(service: Service, sock: socket.socket, *, access_log: bool = False, on_r
     config = uvicorn.Config(create_app(service), log_config=None, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=CONNECTION_GRACE, server_header=False,
                             log_level=logging.getLogger().getEffectiveLevel())
+    if access_log:      # uvicorn logs each request at INFO: asked for, it is shown at the default verbosity too
+        logging.getLogger("uvicorn.access").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     server = _Server(config, service)
     service.start_loading(server.load_failed, on_ready)
     server.run(sockets=[sock])

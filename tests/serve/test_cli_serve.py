@@ -47,3 +47,18 @@ def test_bench_serve_usage_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "serve", *argv])
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [([], 32), (["--max-queued", "1"], 1), (["--max-queued", "8"], 8),
+                                            (["--max-queued", "8", "--max-client-batch", "3"], 3)])
+def test_max_client_batch_defaults_to_at_most_max_queued(argv, expected, tiny_checkpoint):
+    import argparse
+
+    from pixeltriage.cli.serve import add_serve_arguments, check_serve_arguments, serve_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--checkpoint", str(tiny_checkpoint), *argv])
+    check_serve_arguments(args)
+    config = serve_config(args)
+    assert config.max_client_batch == expected and config.max_queued == (int(argv[1]) if argv else 256)
