@@ -79,7 +79,10 @@ def test_an_exhausted_budget_skips_every_part_with_its_reason(tmp_path, capsys):
     assert skipped == {"parity/tiny", "parity/bench-small", "parity/2b", "timing", "roofline", "serve"}
     assert all("time budget" in line for line in r["skipped"])
     assert "## Skipped" in md and "parity/2b: time budget" in md
-    assert "INCOMPLETE: serve: time budget" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "INCOMPLETE: serve: time budget" in err
+    order = [line.split("skipping ")[1].split(":")[0] for line in err.splitlines() if "] skipping " in line]
+    assert order == ["2b", "timing", "roofline", "serve", "tiny", "bench-small"]    # the small presets last
 
 
 def test_no_cuda_is_a_clear_exit(monkeypatch, capsys):
