@@ -355,8 +355,8 @@ def test_gpt4o_published_examples():
     assert OpenAITileRule().scaled((4000, 3000)) == (1024, 768)
 
 
-def test_claude_published_examples():
-    claude = ANSWERING_MODELS["claude"]
+def test_claude_formula():
+    claude = ANSWERING_MODELS["claude"]            # width * height / 750, rounded up, under 1568 px / ~1600 tokens
     assert claude.tokens((200, 200)) == 54
     assert claude.tokens((1000, 1000)) == 1334
     assert claude.tokens((1092, 1092)) == 1590
