@@ -21,6 +21,12 @@ few seconds per bucket. Runs are serialised by a lock, and each run's stream wai
 completion event, so threads on different CUDA streams cannot overwrite a replay's buffers mid-flight.
 A replay records no per-stage profile (the decoder's stages run inside the graph).
 With `capture=False` (the CPU, and the tests) the same padded static path runs eagerly.
+
+What a capture needs is checked without a GPU on that eager path, the CUDA branch's kernels included (Triton's
+interpreter): two states of one bucket run the same ops on the same shapes, read nothing but the static buffers,
+the weights and what the forward made, make no host sync or upload, and leave the buffers where they were
+(tests/engine/test_graphs.py, tests/engine/test_cuda_branch.py). The capture itself, the shared pool and replays
+on the device wait for a GPU run (docs/performance.md).
 """
 from __future__ import annotations
 
