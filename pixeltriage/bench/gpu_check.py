@@ -19,9 +19,9 @@
 Everything goes to DIR/gpu_check.json and a short table to DIR/gpu_check.md (DIR defaults to $OUT). A time budget
 (--budget-s, default 240 s) keeps the whole run well within 5 minutes: a part that would not fit in what is left is
 skipped with the reason recorded (and listed in both files), never silently. Order: the timed preset's parity, the
-timings, the roofline comparison, the service, then the other presets' parity (what a short budget drops first). Runs on the CPU too (`--device cpu
---parity-presets tiny --timing-preset tiny --device-spec h100`), which is how its logic is tested in CI; only a run on
-a GPU gives GPU figures.
+timings, the roofline comparison, the service, then the other presets' parity (what a short budget drops first).
+Runs on the CPU too (`--device cpu --parity-presets tiny --timing-preset tiny --device-spec h100`, float32 timings),
+which is how its logic is tested in CI; only a run on a GPU gives GPU figures.
 """
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ class Budget:
 
     def skip(self, needs: float) -> str | None:
         left = self.left()
-        return None if needs <= 0 or left >= needs else f"time budget: {max(0.0, left):.0f} s of {self.seconds:.0f} s left, " \
-                                          f"this part needs ~{needs:.0f} s"
+        if needs <= 0 or left >= needs:
+            return None
+        return f"time budget: {max(0.0, left):.0f} s of {self.seconds:.0f} s left, this part needs ~{needs:.0f} s"
 
 
 class Scorers:
@@ -428,7 +429,8 @@ def markdown(result: dict) -> str:
     lines = [f"# gpu_check: {env['device']}", "",
              f"torch {env['torch']}, triton {env['triton']}, fla {env['fla']}; budget {result['budget_s']:.0f} s, "
              f"wall {result['wall_s']:.1f} s", "", "## Parity (against the CPU float32 forward)", "",
-             "| preset | memories | tokens | dtype | max abs diff | tolerance | ok |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| preset | memories | tokens | dtype | max abs diff | tolerance | ok |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for preset, p in result["parity"].items():
         if "skipped" in p or "error" in p:
             lines.append(f"| {preset} | | | | {'skipped' if 'skipped' in p else 'error'} | | no |")

@@ -43,7 +43,8 @@ class DeviceSpec:
     source: str
 
 
-A100_DATASHEET = "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+A100_DATASHEET = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                  "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
 H100_DATASHEET = "https://www.nvidia.com/en-us/data-center/h100/"
 H200_DATASHEET = "https://www.nvidia.com/en-us/data-center/h200/"
 
