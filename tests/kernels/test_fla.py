@@ -251,3 +251,14 @@ def test_harness_restores_what_it_patched(monkeypatch):
     assert autotuner.Autotuner.prune_configs is prune
     assert "visit_For" not in vars(interpreter.ASTTransformer)
     assert registry.kernel_device("cpu") == "cpu"
+
+
+def test_the_poison_reaches_every_empty_allocation():
+    """The NaN poison covers the allocation calls fla's wrappers make (empty, empty_like, new_empty, strided)."""
+    x = torch.zeros(3, 4)
+    with NanPoisonedEmpty():
+        made = [torch.empty(3, 4), torch.empty_like(x), x.new_empty(2, 2), torch.empty_strided((2, 3), (1, 2)),
+                torch.empty_like(x, memory_format=torch.contiguous_format)]
+        untouched = [torch.zeros(2), torch.empty(2, dtype=torch.long)]
+    assert all(t.isnan().all() for t in made)
+    assert not untouched[0].isnan().any()
