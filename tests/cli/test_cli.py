@@ -292,3 +292,15 @@ def test_choice_lists_agree_with_the_library():
 def test_version():
     out = run_cli("--version")
     assert out.returncode == 0 and out.stdout.startswith("pixeltriage ")
+
+
+def test_the_command_line_tunes_malloc(tiny_checkpoint, monkeypatch, tmp_path):
+    from pixeltriage.cli import main
+    from pixeltriage.engine import cpu_memory
+
+    calls = []
+    monkeypatch.setattr(cpu_memory, "tune_malloc", lambda: calls.append(1) or True)
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(write_episode(tmp_path)),
+                 "--json"]) == 0
+    assert calls == [1]

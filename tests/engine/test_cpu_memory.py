@@ -19,20 +19,6 @@ def test_applied_once_on_linux_glibc_and_opt_out():
     assert run("0") == ["False", "False"]
 
 
-def test_cuda_dispatch_refuses_slow_fallbacks_unless_allowed():
-    import pytest
-
-    from pixeltriage.engine.scorer import cuda_implementations
-    from pixeltriage.errors import BackendUnavailableError
-
-    fast = cuda_implementations("triton", False, fla_ok=True, triton_ok=True)
-    assert fast["gated_delta"].startswith("fla") and fast["head"] == "triton"
-    with pytest.raises(BackendUnavailableError, match="flash-linear-attention.*allow_slow=True"):
-        cuda_implementations("triton", False, fla_ok=False, triton_ok=True)
-    slow = cuda_implementations("torch", True, fla_ok=False, triton_ok=False)
-    assert slow["gated_delta"] == "torch chunked (slow)" and slow["head"] == "torch"
-
-
 def test_cpu_path_never_imports_gpu_kernels(tiny_checkpoint):
     """Loading and scoring on the CPU imports neither Triton nor fla (nor transformers, which pulls Triton in)."""
     code = ("import sys; from pixeltriage import Scorer; from pixeltriage.episode import sample_episode; "
@@ -52,17 +38,3 @@ def test_loading_and_scoring_leave_malloc_alone(tiny_checkpoint):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "0"           # never called
-
-
-def test_the_command_line_tunes_malloc(tiny_checkpoint, monkeypatch, tmp_path):
-    from pixeltriage.cli import main
-    from pixeltriage.engine import cpu_memory
-
-    calls = []
-    monkeypatch.setattr(cpu_memory, "tune_malloc", lambda: calls.append(1) or True)
-    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
-    from test_cli import write_episode
-
-    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(write_episode(tmp_path)),
-                 "--json"]) == 0
-    assert calls == [1]
