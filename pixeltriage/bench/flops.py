@@ -412,62 +412,63 @@ def paper_state(num_memories: int = 10, thumbnail: tuple[int, int] = (THUMBNAIL_
 _LINEAR_3_FULL_1 = (LINEAR, LINEAR, LINEAR, FULL)
 
 
-def _answering_vision(checkpoint: str, **tower) -> VisionShape:
-    """A checkpoint's vision tower, its patching and resize limits taken from its answering model's rule in the
-    registry (pixeltriage.delivery.profiles), so that the FLOP model and the delivery count the same tokens."""
-    rule = answering_profile(CHECKPOINTS[checkpoint]).rule
+def _answering_shape(checkpoint: str, language: LanguageShape, **tower) -> ModelShape:
+    """An answering checkpoint's shape; its vision tower's patching and resize limits are its answering model's rule
+    in the registry (pixeltriage.delivery.profiles), so the FLOP model and the delivery count the same tokens."""
+    model = CHECKPOINTS[checkpoint]
+    rule = answering_profile(model).rule
     if not isinstance(rule, GridRule):
         raise ValueError(f"{checkpoint}: the FLOP model counts Qwen vision towers only, found {type(rule).__name__}")
-    return VisionShape(patch_size=rule.patch_size, spatial_merge_size=rule.merge_size, min_pixels=rule.min_pixels,
-                       max_pixels=rule.max_pixels, **tower)
+    vision = VisionShape(patch_size=rule.patch_size, spatial_merge_size=rule.merge_size, min_pixels=rule.min_pixels,
+                         max_pixels=rule.max_pixels, **tower)
+    return ModelShape(name=checkpoint, language=language, vision=vision, answering=model)
 
 
 _QWEN35_VISION = dict(  # Qwen3.5-27B and -397B-A17B: 27 blocks of 1152 (SigLIP-2 so400m shape)
     depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, gated_mlp=False)
 
-# Answering checkpoints (the registry's CHECKPOINTS, in its order), public config.json values; their patching and
-# pixel limits are the registry's (the checkpoints' preprocessor_config.json).
-_ANSWERING_SHAPES: dict[str, ModelShape] = {
+# Answering checkpoints (the registry's CHECKPOINTS), public config.json values; their patching and pixel limits are
+# the registry's (the checkpoints' preprocessor_config.json).
+_ANSWERING_SHAPES: dict[str, ModelShape] = {shape.name: shape for shape in (
     # Qwen/Qwen2.5-VL-7B-Instruct. LM: 28 layers of 3584, 28 query / 4 KV heads of 128 (q/k/v biases), FFN
     # 18944, vocab 152064. ViT: 32 blocks of 1280, 16 heads, SwiGLU FFN 3420, 14-px patches merged 2x2 into
     # 3584 (one token per 28x28 px); 112-px window attention except blocks 7, 15, 23, 31.
-    "qwen2.5-vl-7b": ModelShape(
-        name="qwen2.5-vl-7b", answering=CHECKPOINTS["qwen2.5-vl-7b"],
-        language=LanguageShape(
+    _answering_shape(
+        "qwen2.5-vl-7b",
+        LanguageShape(
             hidden_size=3584, vocab_size=152064, layer_types=(FULL,) * 28, num_attention_heads=28,
             num_key_value_heads=4, head_dim=128, attention_output_gate=False, intermediate_size=18944),
-        vision=_answering_vision(
-            "qwen2.5-vl-7b", depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-            gated_mlp=True, window_size=112, full_attention_blocks=(7, 15, 23, 31))),
+        depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, gated_mlp=True,
+        window_size=112, full_attention_blocks=(7, 15, 23, 31)),
     # Qwen/Qwen3.5-27B: 64 layers of 5120 = 16 x (3 Gated DeltaNet + 1 gated attention); attention 24 query /
     # 4 KV heads of 256; linear attention 16 key / 48 value heads of 128, conv 4; FFN 17408; vocab 248320.
-    "qwen3.5-27b": ModelShape(
-        name="qwen3.5-27b", answering=CHECKPOINTS["qwen3.5-27b"],
-        language=LanguageShape(
+    _answering_shape(
+        "qwen3.5-27b",
+        LanguageShape(
             hidden_size=5120, vocab_size=248320, layer_types=_LINEAR_3_FULL_1 * 16, num_attention_heads=24,
             num_key_value_heads=4, head_dim=256, attention_output_gate=True, intermediate_size=17408,
             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
             linear_value_head_dim=128, linear_conv_kernel_dim=4),
-        vision=_answering_vision("qwen3.5-27b", out_hidden_size=5120, **_QWEN35_VISION)),
+        out_hidden_size=5120, **_QWEN35_VISION),
     # Qwen/Qwen3.5-397B-A17B: 60 layers of 4096 = 15 x (3 Gated DeltaNet + 1 gated attention); attention 32
     # query / 2 KV heads of 256; linear attention 16 key / 64 value heads of 128, conv 4; MoE of 512 experts,
     # 10 routed + 1 shared per token, all of width 1024; vocab 248320. Active decoder weights ~15B, with the
     # embedding and LM head ~17B, as the name says. The vision tower is taken to be the 27B's (the
     # larger Qwen3.5 models share it); its width into the decoder is 4096.
-    "qwen3.5-397b": ModelShape(
-        name="qwen3.5-397b", answering=CHECKPOINTS["qwen3.5-397b"],
-        language=LanguageShape(
+    _answering_shape(
+        "qwen3.5-397b",
+        LanguageShape(
             hidden_size=4096, vocab_size=248320, layer_types=_LINEAR_3_FULL_1 * 15, num_attention_heads=32,
             num_key_value_heads=2, head_dim=256, attention_output_gate=True, num_experts=512,
             experts_per_token=10, expert_intermediate_size=1024, shared_expert_intermediate_size=1024,
             linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
             linear_value_head_dim=128, linear_conv_kernel_dim=4),
-        vision=_answering_vision("qwen3.5-397b", out_hidden_size=4096, **_QWEN35_VISION)),
-}
+        out_hidden_size=4096, **_QWEN35_VISION),
+)}
 if set(_ANSWERING_SHAPES) != set(CHECKPOINTS):
     raise AssertionError(f"FLOP shapes {sorted(_ANSWERING_SHAPES)} differ from the registry's checkpoints "
                          f"{sorted(CHECKPOINTS)} (pixeltriage.delivery.profiles)")
-ANSWERING_MODELS: dict[str, ModelShape] = {name: _ANSWERING_SHAPES[name] for name in CHECKPOINTS}
+ANSWERING_MODELS: dict[str, ModelShape] = {name: _ANSWERING_SHAPES[name] for name in CHECKPOINTS}  # its order
 
 
 def answering_model(name: str) -> ModelShape:

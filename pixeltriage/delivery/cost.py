@@ -8,13 +8,14 @@ processor config directory, an AnsweringModel or a rule; it defaults to DEFAULT_
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL, AnsweringModel, answering_model
 from pixeltriage.delivery.rules import GridRule, Rule
 
-Model = str | AnsweringModel | Rule
+Model = str | os.PathLike | AnsweringModel | Rule
 
 
 def token_rule(model: Model = DEFAULT_ANSWERING_MODEL, *, min_pixels: int | None = None,

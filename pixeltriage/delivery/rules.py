@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -45,11 +46,12 @@ def _positive(owner: str, **values: int) -> None:
             raise ValueError(f"{owner}: {name} must be an int >= 1, found {value!r}")
 
 
-class Rule:
+class Rule(ABC):
     """The interface every rule family implements."""
 
+    @abstractmethod
     def tokens(self, image_size: tuple[int, int]) -> int:
-        raise NotImplementedError
+        """Visual tokens of one image of (width, height) px, alone in its prompt."""
 
     def prompt_tokens(self, image_sizes: Sequence[tuple[int, int]]) -> list[int]:
         """Tokens of each image when one prompt holds all of them (the same as alone, for most families)."""
