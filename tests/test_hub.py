@@ -35,8 +35,15 @@ def test_a_cached_id_resolves_offline_and_scores_as_the_directory(tiny_checkpoin
     assert resolve_checkpoint("pixeltriage/tiny", "v1") == cache
     assert resolve_checkpoint(f"pixeltriage/tiny@{COMMIT}") == cache
     memories = [Memory(image=png(c), note=f"note {i}") for i, c in enumerate(COLORS[:3])]
-    assert Scorer.load(resolve_checkpoint("pixeltriage/tiny")).score(QUESTION, memories) == \
-        Scorer.load(tiny_checkpoint).score(QUESTION, memories)
+    expected = Scorer.load(tiny_checkpoint).score(QUESTION, memories)
+    assert Scorer.load(resolve_checkpoint("pixeltriage/tiny")).score(QUESTION, memories) == expected
+    assert Scorer.load("pixeltriage/tiny", revision="v1").score(QUESTION, memories) == expected
+    assert no_network == []
+
+
+def test_scorer_load_refuses_an_id_not_cached_without_a_connection(cache, no_network):
+    with pytest.raises(CheckpointError, match="allow_download=True"):
+        Scorer.load("pixeltriage/absent")
     assert no_network == []
 
 

@@ -77,8 +77,9 @@ class Scorer:
              dtype: torch.dtype | str = torch.float32, *, cache: "Cache | None" = None,
              head_backend: str = "auto", adapter: str | os.PathLike | None = None,
              allow_slow: bool = False, verify: bool | None = None,
-             cuda_graphs: bool | Sequence[int] = False) -> "Scorer":
-        """Load a System One checkpoint directory (docs/checkpoints.md).
+             cuda_graphs: bool | Sequence[int] = False, revision: str | None = None,
+             allow_download: bool = False) -> "Scorer":
+        """Load a System One checkpoint: a directory, a packed file, or a Hugging Face hub id (docs/checkpoints.md).
 
         Weights in transformers' layout or Valen's export layout (auto-detected). adapter: a PEFT LoRA adapter
         directory merged at load; by default one is used when the checkpoint directory itself holds
@@ -95,11 +96,17 @@ class Scorer:
         True reads them all and re-hashes the file against its fingerprint.
         cuda_graphs: on CUDA, capture the decoder as CUDA graphs at load (True: `graphs.DEFAULT_BUCKETS` of state
         length; or the bucket lengths), replayed by single-question scoring; see `enable_cuda_graphs`.
+        revision, allow_download: for a hub id ("org/name" or "org/name@revision", when no local path of that name
+        exists), read from huggingface_hub's local cache; it is downloaded (safetensors and JSON files only) only
+        with allow_download=True, and never while HF_HUB_OFFLINE=1 (`pixeltriage.hub.resolve_checkpoint`).
         """
+        from pixeltriage.hub import resolve_checkpoint
+
         if cuda_graphs and torch.device(device).type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, not {device!r}")
+        path = resolve_checkpoint(path, revision, allow_download=allow_download)
         with _gc_paused():
-            scorer = cls._load(Path(path), device, dtype, cache, head_backend, adapter, allow_slow, verify)
+            scorer = cls._load(path, device, dtype, cache, head_backend, adapter, allow_slow, verify)
         if cuda_graphs:
             scorer.enable_cuda_graphs(None if cuda_graphs is True else cuda_graphs)
         return scorer

@@ -132,9 +132,8 @@ def build_scorer(scorer: Any, model: str | None, base_url: str | None, *, api_ke
         return check_scorer(scorer)
     if model is not None:
         from pixeltriage.engine.scorer import Scorer
-        from pixeltriage.hub import resolve_checkpoint
 
-        return Scorer.load(resolve_checkpoint(model, revision, allow_download=allow_download), device=device)
+        return Scorer.load(model, device=device, revision=revision, allow_download=allow_download)
     from pixeltriage.serve.client import Client
 
     return Client(base_url, api_key=api_key)
