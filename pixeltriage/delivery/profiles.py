@@ -176,8 +176,8 @@ def _square(size: dict, default: int) -> int:
 
 def _grid(config: dict, processor: dict) -> Rule:
     size = config.get("size") or {}
-    min_pixels = config.get("min_pixels") or size.get("shortest_edge") or 56 * 56
-    max_pixels = config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
+    min_pixels = config.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56
+    max_pixels = config.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or 28 * 28 * 1280
     return GridRule(patch_size=int(config.get("patch_size") or 14), merge_size=int(config.get("merge_size") or 2),
                     min_pixels=int(min_pixels), max_pixels=int(max_pixels))
 
