@@ -75,8 +75,10 @@ class ServeConfig:
             raise ConfigError("api_keys must not contain an empty key")
 
     def limits(self) -> dict:
-        """The limits a client can plan with (for /info)."""
-        return {"max_batch_tokens": self.max_batch_tokens, "max_wait_ms": self.max_wait_ms,
+        """The limits a client can plan with (for /info); the character limits are the request models' own."""
+        from pixeltriage.serve.schemas import DATE_LIMIT, TEXT_LIMIT
+
+        return {"text_chars": TEXT_LIMIT, "date_chars": DATE_LIMIT, "max_batch_tokens": self.max_batch_tokens, "max_wait_ms": self.max_wait_ms,
                 "max_queued": self.max_queued, "max_client_batch": self.max_client_batch,
                 "max_memories": self.max_memories, "request_timeout_s": self.request_timeout,
                 "payload_limit_bytes": self.payload_limit, "preprocess_threads": self.preprocess_threads,

@@ -139,6 +139,7 @@ def test_a_method_a_route_does_not_take_is_405_and_an_unknown_path_404(limited):
 def test_max_queued_alone_bounds_the_client_batch(limited):
     limits = httpx.get(limited.url + "/info").json()["limits"]
     assert limits["max_queued"] == MAX_QUEUED and limits["max_client_batch"] == MAX_QUEUED
+    assert (limits["text_chars"], limits["date_chars"]) == (TEXT_LIMIT, DATE_LIMIT)
 
 
 def test_the_access_log_is_written_at_the_default_verbosity(limited):
