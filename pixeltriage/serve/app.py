@@ -116,8 +116,9 @@ def _post(app: FastAPI, path: str, **options):
 
 
 async def parse_body(request: Request, model: type[Strict]) -> Strict:
-    """The request's body as `model`, parsed from its bytes in one pass (strings past their limit refused as they
-    are read, before any object of the body is built); a RequestValidationError (422) naming the field."""
+    """The request's body as `model`, parsed from its bytes and validated in one pass (no dict of the body is built;
+    a string past its limit is dropped as soon as it is read, never tokenized); a RequestValidationError (422)
+    naming the field."""
     body = request.scope.pop(BODY, None)        # dropped from the scope: the parsed body is all that stays
     if body is None:
         body = await request.body()
