@@ -27,6 +27,11 @@ _EXPORTS = {
     "cost_ratio": "pixeltriage.delivery.cost",
     "delivery_cost": "pixeltriage.delivery.cost",
     "visual_tokens": "pixeltriage.delivery.cost",
+    "ANSWERING_MODELS": "pixeltriage.delivery.profiles",
+    "AnsweringModel": "pixeltriage.delivery.profiles",
+    "answering_model": "pixeltriage.delivery.profiles",
+    "DEFAULT_ANSWERING_MODEL": "pixeltriage.delivery.profiles",
+    "UnknownAnsweringModelError": "pixeltriage.delivery.profiles",
     "pixel_host_messages": "pixeltriage.delivery.host",
     "stamp_tag": "pixeltriage.delivery.host",
     "text_host_messages": "pixeltriage.delivery.host",
@@ -51,6 +56,8 @@ if TYPE_CHECKING:                      # for type checkers and IDEs: the same na
     from pixeltriage.engine.cache import Cache
     from pixeltriage.delivery.cost import cost_ratio, delivery_cost, visual_tokens
     from pixeltriage.engine.cpu_memory import tune_malloc
+    from pixeltriage.delivery.profiles import (ANSWERING_MODELS, DEFAULT_ANSWERING_MODEL, AnsweringModel,
+                                               UnknownAnsweringModelError, answering_model)
     from pixeltriage.delivery.host import pixel_host_messages, stamp_tag, text_host_messages
     from pixeltriage.delivery.policy import RateGate, downsize_all, random_policy, retrieval_order, token_budget, top_k
     from pixeltriage.engine.scorer import Scorer

@@ -161,6 +161,7 @@ def _env_true(name: str) -> bool:
 def _hub():
     try:
         import huggingface_hub
+        import huggingface_hub.constants  # noqa: F401  (a submodule: not an attribute until imported)
         from huggingface_hub import errors
     except ImportError as e:
         raise CheckpointError(f"a Hugging Face hub id needs huggingface_hub (pip install huggingface_hub): {e}") \

@@ -156,3 +156,13 @@ def test_parse_hub_id():
     with pytest.raises(CheckpointError, match="disagree"):
         parse_hub_id("org/name@v1", "v2")
     assert parse_hub_id("org/name/extra") is None
+
+
+def test_the_default_cache_is_named_when_an_id_is_missing(tmp_path, monkeypatch, no_network):
+    """With no cache directory configured, huggingface_hub's default one (under HF_HOME) is looked in and named."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(CheckpointError, match="allow_download=True") as error:
+        resolve_checkpoint("pixeltriage/absent")
+    assert "huggingface" in str(error.value)
+    assert no_network == []

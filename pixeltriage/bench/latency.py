@@ -33,6 +33,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from pixeltriage.bench.flops import ANSWERING_MODELS
+from pixeltriage.delivery.profiles import DEFAULT_CHECKPOINT
 from pixeltriage.bench.timing import (device_peak_tflops, flop_rate, gemm_tflops, percentiles, set_threads,
                                       threads_label, timed)
 
@@ -278,7 +279,7 @@ def plot(r: dict, path: str) -> None:
     ax1.set_ylabel("ms per question (measured)")
     ax1.set_title(f"latency, answering scale '{r['answering']['scale']}'")
     ks = [int(n.split("@")[1]) for n in names if n.startswith("ours@")]
-    cost = cost_report("dmv", "qwen2.5-vl-7b", ks)
+    cost = cost_report("dmv", DEFAULT_CHECKPOINT, ks)
     tf = [cost["tflop"]["open_all"]] + [cost["tflop"]["ours"][str(k)] for k in ks]
     ax2.bar(names, tf, color=["#999"] + ["#2a7"] * len(ks))
     ax2.set_ylabel("TFLOP per question (analytic)")

@@ -8,7 +8,9 @@ from pixeltriage.cli.common import (DEMO_PRESETS, DEVICES, VERBOSITY, add_thread
 
 # the choices of the library's tables (tests/test_cli.py checks that they agree)
 SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.cost.SCENARIOS
-ANSWERING_MODELS = ("qwen2.5-vl-7b", "qwen3.5-27b", "qwen3.5-397b")  # pixeltriage.bench.flops.ANSWERING_MODELS
+from pixeltriage.delivery.profiles import CHECKPOINTS, DEFAULT_CHECKPOINT  # torch-free: the registry's names
+
+ANSWERING_MODELS = tuple(CHECKPOINTS)                                 # the answering checkpoints the FLOP model knows
 SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltriage.bench.flops.SYSTEM_ONE_CONFIGS
 ANSWERING_SCALES = ("7b", "small", "tiny")                           # pixeltriage.bench.latency.ANSWERING_SCALES
 DEVICE_SPECS = ("a100", "h100", "h200")                              # pixeltriage.bench.roofline.DEVICE_SPECS
@@ -34,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _add_cost(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="dmv")
-    p.add_argument("--answering", choices=ANSWERING_MODELS, default="qwen2.5-vl-7b")
+    p.add_argument("--answering", choices=ANSWERING_MODELS, default=DEFAULT_CHECKPOINT)
     p.add_argument("--system-one", choices=SYSTEM_ONE_CONFIGS, default="2b")
     p.add_argument("--k", type=int_list(1), default=[1, 2, 3], help="budgets, e.g. 1,2,3")
     p.add_argument("--cached-vision", action="store_true",

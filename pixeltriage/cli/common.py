@@ -100,6 +100,36 @@ def existing_path(text: str) -> str:
     return text
 
 
+def checkpoint_source(text: str) -> str:
+    """An argparse type: an existing checkpoint path or a Hugging Face hub id (org/name[@revision]); nothing is
+    looked up here (the command resolves it once --revision and --allow-download are known)."""
+    from pixeltriage.errors import CheckpointError
+    from pixeltriage.hub import check_checkpoint
+
+    try:
+        return check_checkpoint(text)
+    except CheckpointError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """--checkpoint PATH|ORG/NAME[@REV], --revision, --allow-download (pixeltriage.hub)."""
+    p.add_argument("--checkpoint", required=True, type=checkpoint_source,
+                   help="System One checkpoint: a directory, a packed file, or a Hugging Face hub id read from the "
+                        "local hub cache")
+    p.add_argument("--revision", default=None, help="the hub id's branch, tag or commit (default: main)")
+    p.add_argument("--allow-download", action="store_true",
+                   help="download a hub id that is not cached (safetensors and JSON files only; never while "
+                        "HF_HUB_OFFLINE=1)")
+
+
+def resolved_checkpoint(args: argparse.Namespace) -> str:
+    """The local path of --checkpoint (a hub id resolved from the hub cache, or downloaded when allowed)."""
+    from pixeltriage.hub import resolve_checkpoint
+
+    return str(resolve_checkpoint(args.checkpoint, args.revision, allow_download=args.allow_download))
+
+
 def existing_file(text: str) -> str:
     """An argparse type: a readable regular file."""
     if not os.path.isfile(text):

@@ -7,8 +7,8 @@ import json
 import sys
 import time
 
-from pixeltriage.cli.common import (DEMO_PRESETS, add_device_arguments, device_dtype, existing_path, fraction,
-                                    input_file, int_at_least, new_file)
+from pixeltriage.cli.common import (DEMO_PRESETS, add_checkpoint_arguments, add_device_arguments, device_dtype, fraction,
+                                    input_file, int_at_least, new_file, resolved_checkpoint)
 from pixeltriage.delivery.profiles import (ANSWERING_MODEL_NAMES, DEFAULT_ANSWERING_MODEL, AnsweringModel,
                                            UnknownAnsweringModelError, answering_model)
 
@@ -22,8 +22,7 @@ def answering_model_argument(value: str) -> AnsweringModel:
 
 
 def add_score_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, type=existing_path,
-                   help="System One checkpoint directory or packed file")
+    add_checkpoint_arguments(p)
     p.add_argument("--episode", required=True, type=input_file,
                    help="episode JSON file, one episode or a list of them ('-': standard input; docs/state.md)")
     p.add_argument("--k", type=int_at_least(0), default=2, help="open the k memories with the highest gain (default 2)")
@@ -65,7 +64,7 @@ def run_score(args: argparse.Namespace) -> int:
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     tune_malloc()
     with Cache(args.cache) if args.cache else contextlib.nullcontext() as cache:
-        scorer = Scorer.load(args.checkpoint, device=args.device, dtype=device_dtype(args), cache=cache,
+        scorer = Scorer.load(resolved_checkpoint(args), device=args.device, dtype=device_dtype(args), cache=cache,
                              verify=args.verify or None)
         for number, (question, memories) in enumerate(episodes, start=1):
             try:

@@ -6,8 +6,9 @@ import argparse
 import os
 import sys
 
-from pixeltriage.cli.common import (add_device_arguments, device_dtype, existing_directory, existing_path, fraction,
-                                    int_at_least, new_file, non_negative_float, positive_float)
+from pixeltriage.cli.common import (add_checkpoint_arguments, add_device_arguments, device_dtype, existing_directory,
+                                    fraction, int_at_least, new_file, non_negative_float, positive_float,
+                                    resolved_checkpoint)
 from pixeltriage.cli.retrieve import DEFAULT_OVERLAP, encoder_directory, overlap
 
 DEFAULTS = {"max_queued": 256, "max_client_batch": 32, "max_memories": 64, "request_timeout": 60.0,
@@ -38,8 +39,7 @@ def api_key_file(text: str) -> tuple[str, ...]:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, type=existing_path,
-                   help="System One checkpoint directory or packed file")
+    add_checkpoint_arguments(p)
     add_device_arguments(p)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1",
@@ -160,6 +160,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pixeltriage.serve.service import ModelSpec
 
     config = serve_config(args)
+    args.checkpoint = resolved_checkpoint(args)      # a hub id becomes its local snapshot once, for every replica
     spec = ModelSpec(checkpoint=args.checkpoint, device=args.device, dtype=device_dtype(args), cache=args.cache,
                      verify=args.verify, threads=args.threads, index_encoder=args.index_encoder,
                      index_overlap=args.index_overlap)

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import httpx
 
+from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
 from pixeltriage.engine.types import Memory, Scores, user_text
 from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
                                 OverloadedError, ServiceError, ServiceUnavailableError,
@@ -244,7 +245,7 @@ class Client(_Base):
 
     def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
                token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
-               answering_model: str = "qwen2.5-vl", timeout_s: float | None = None, priority: int = 0,
+               answering_model: str = DEFAULT_ANSWERING_MODEL, timeout_s: float | None = None, priority: int = 0,
                id: str | None = None) -> Decision:
         """Scores and the server's delivery under a policy (top k, a visual-token budget, a rate gate)."""
         body = question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
@@ -343,7 +344,7 @@ class AsyncClient(_Base):
 
     async def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
                      token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
-                     answering_model: str = "qwen2.5-vl", timeout_s: float | None = None, priority: int = 0,
+                     answering_model: str = DEFAULT_ANSWERING_MODEL, timeout_s: float | None = None, priority: int = 0,
                      id: str | None = None) -> Decision:
         body = question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
                                                                  answering_model),

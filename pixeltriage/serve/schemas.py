@@ -18,8 +18,9 @@ from annotated_types import MaxLen
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
+from pixeltriage.delivery.profiles import ANSWERING_MODEL_NAMES as ANSWERING_MODELS, DEFAULT_ANSWERING_MODEL
+
 CACHE_KEY = r"^[0-9a-f]{64}$"               # pixeltriage.Cache keys: SHA-256 hex of the image's bytes
-ANSWERING_MODELS = ("qwen2.5-vl", "qwen3.5")  # pixeltriage.delivery.cost.RULES
 
 # characters of one text field the model reads. The library keeps at most 512 tokens of a question and 256 of a
 # memory's text (a few thousand characters of prose), so a longer field is never read whole; refusing it bounds the
@@ -118,8 +119,8 @@ class Policy(Strict):
                                                                      "ranks in this top fraction of the stream")
     gate_stream: str = Field("default", min_length=1, max_length=128,
                              description="which stream's rate gate: one gate per (stream, rate)")
-    answering_model: Literal[ANSWERING_MODELS] = Field("qwen2.5-vl",
-                                                       description="whose image processor counts visual tokens")
+    answering_model: Literal[ANSWERING_MODELS] = Field(DEFAULT_ANSWERING_MODEL,
+                                                       description="whose visual-token rule prices the images (docs/delivery.md)")
 
 
 class ScoreRequest(Strict):

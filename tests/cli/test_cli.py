@@ -304,3 +304,38 @@ def test_the_command_line_tunes_malloc(tiny_checkpoint, monkeypatch, tmp_path):
     assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(write_episode(tmp_path)),
                  "--json"]) == 0
     assert calls == [1]
+
+
+def test_score_prices_images_for_the_answering_model_asked(tiny_checkpoint, tmp_path, capsys):
+    from pixeltriage.delivery.cost import visual_tokens
+
+    episode = write_episode(tmp_path)
+    sizes = [(640, 480), (300, 500)]
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(episode), "--json",
+                 "--answering-model", "internvl3"]) == 0
+    tokens = json.loads(capsys.readouterr().out)["visual_tokens"]
+    assert tokens["model"] == "internvl3"
+    assert tokens["open_all"] == sum(visual_tokens(s, "internvl3") for s in sizes)
+    processor = tmp_path / "gemma"
+    processor.mkdir()
+    (processor / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Gemma3ImageProcessor"}))
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(episode), "--json",
+                 "--answering-model", str(processor)]) == 0
+    assert json.loads(capsys.readouterr().out)["visual_tokens"]["open_all"] == 2 * 258
+
+
+def test_score_by_hub_id_from_the_local_hub_cache(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    from integrations.integration_inputs import guard_network, hub_cache
+
+    hub_cache(tmp_path / "hub", "acme/system-one", tiny_checkpoint, refs=("main", "v1"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    connections = guard_network(monkeypatch)
+    episode = write_episode(tmp_path)
+    assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(episode), "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert main(["score", "--checkpoint", "acme/system-one", "--revision", "v1", "--episode", str(episode),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memories"] == expected["memories"]
+    assert main(["score", "--checkpoint", "acme/absent", "--episode", str(episode)]) == 2
+    assert "--allow-download" in capsys.readouterr().err
+    assert connections == []

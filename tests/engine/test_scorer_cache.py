@@ -154,7 +154,7 @@ def test_score_cli_with_cache(tiny_checkpoint, tmp_path, capsys):
     second = json.loads(capsys.readouterr().out)
     assert len(first["memories"]) == 2
     sizes = [Image.open(p).size for p in paths]
-    assert first["visual_tokens"]["open_all"] == sum(visual_tokens(s, "qwen2.5-vl") for s in sizes)
+    assert first["visual_tokens"]["open_all"] == sum(visual_tokens(s) for s in sizes)
     assert second["p_vis"] == pytest.approx(first["p_vis"], abs=ATOL)
     with Cache(db) as c:
         assert c.stats()["feature_rows"] == 2
