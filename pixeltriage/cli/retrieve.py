@@ -27,7 +27,12 @@ overlap.__name__ = "float"
 
 
 def encoder_directory(text: str) -> str:
-    """An argparse type: a directory holding a config.json (a checkpoint, checked in full when it loads)."""
+    """An argparse type: a directory holding a config.json (a checkpoint, checked in full when it loads), or a
+    Hugging Face hub id (org/name[@revision]) that no local path spells, read from the local hub cache at load."""
+    from pixeltriage.hub import parse_hub_id
+
+    if not os.path.exists(text) and parse_hub_id(text) is not None:
+        return text
     existing_directory(text)
     if not os.path.isfile(os.path.join(text, "config.json")):
         raise argparse.ArgumentTypeError(f"{text}: no config.json; not a SigLIP 2 checkpoint directory")
@@ -37,8 +42,8 @@ def encoder_directory(text: str) -> str:
 def add_encoder_arguments(p: argparse.ArgumentParser, flag: str, required: bool) -> None:
     """The encoder options `retrieve` and `cache put` share."""
     p.add_argument(flag, metavar="DIR", type=encoder_directory, required=required, default=None,
-                   help="SigLIP 2 checkpoint directory (transformers layout, safetensors; "
-                        "'pixeltriage init-encoder-demo DIR' writes a demo one)")
+                   help="SigLIP 2 checkpoint directory (transformers layout, safetensors), or a hub id in the local "
+                        "hub cache (org/name[@revision]); 'pixeltriage init-encoder-demo DIR' writes a demo one")
     p.add_argument("--overlap", type=overlap, default=DEFAULT_OVERLAP,
                    help=f"share of each side the 2 x 2 tiles overlap by (default {DEFAULT_OVERLAP}); vectors are "
                         f"stored per overlap, so retrieve with the value they were indexed with")

@@ -247,13 +247,15 @@ class SiglipEncoder:
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-             batch_size: int = 32) -> "SiglipEncoder":
-        """Load a local SigLIP 2 checkpoint directory (config.json, model.safetensors, preprocessor_config.json,
-        tokenizer files); dtype None: bfloat16 on CUDA, float32 on the CPU. Every problem is a CheckpointError
-        naming the file."""
+             batch_size: int = 32, *, revision: str | None = None, allow_download: bool = False) -> "SiglipEncoder":
+        """Load a SigLIP 2 checkpoint directory (config.json, model.safetensors, preprocessor_config.json,
+        tokenizer files), or a Hugging Face hub id ("org/name[@revision]", when no local path of that name exists)
+        read from the local hub cache, downloaded only with allow_download (`pixeltriage.hub`); dtype None:
+        bfloat16 on CUDA, float32 on the CPU. Every problem is a CheckpointError naming the file."""
+        from pixeltriage.hub import resolve_checkpoint
         from pixeltriage.weights.reader import weight_files
 
-        directory = Path(path)
+        directory = resolve_checkpoint(path, revision, allow_download=allow_download)
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: not a checkpoint directory")
         device = torch.device(device)

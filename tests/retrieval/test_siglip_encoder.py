@@ -170,3 +170,16 @@ def test_load_errors_name_the_file(tiny_encoder_dir, tmp_path):
     (broken / "preprocessor_config.json").unlink()
     with pytest.raises(CheckpointError, match="preprocessor_config.json: file not found"):
         SiglipEncoder.load(broken)
+
+
+def test_a_hub_id_loads_from_the_local_hub_cache(tiny_encoder, tiny_encoder_dir, tmp_path, monkeypatch):
+    """`SiglipEncoder.load("org/name")` (and `--index-encoder org/name`) reads the hub cache, never the network."""
+    from integrations.integration_inputs import guard_network, hub_cache
+
+    hub_cache(tmp_path / "hub", "acme/siglip-tiny", tiny_encoder_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    connections = guard_network(monkeypatch)
+    assert SiglipEncoder.load("acme/siglip-tiny").fingerprint == tiny_encoder.fingerprint
+    with pytest.raises(CheckpointError, match="allow_download=True"):
+        SiglipEncoder.load("acme/absent")
+    assert connections == []
