@@ -1,4 +1,5 @@
-"""examples/: the committed episode loads and stays small, and examples/host.py runs as README shows it."""
+"""examples/: the committed episode loads and stays small; examples/host.py runs as README shows it, and
+examples/frameworks.py gives the library's gains and decisions through LlamaIndex and LangChain."""
 import json
 import os
 import subprocess
@@ -38,3 +39,27 @@ def test_host_example_reports_bad_input_in_one_line(tmp_path):
         out = subprocess.run([sys.executable, str(EXAMPLES / "host.py"), *argv], capture_output=True, text=True,
                              env=env, timeout=300)
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_frameworks_example_runs_both_pipelines_with_the_librarys_gains(tmp_path, monkeypatch):
+    import pytest
+
+    pytest.importorskip("llama_index.core", reason="llama-index-core (the integrations extra) is not installed")
+    pytest.importorskip("langchain_core", reason="langchain-core (the integrations extra) is not installed")
+    from pixeltriage import Scorer, top_k
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(EXAMPLES / "frameworks.py"), "--k", "2"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("LlamaIndex") and lines[5].startswith("LangChain")
+    (question, memories), = load_episodes(EXAMPLES / "episode.json")
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))      # the demo checkpoint the example built
+    scores = Scorer.load(demo_checkpoint("tiny")).score(question, memories)
+    order = sorted(range(len(memories)), key=lambda i: -scores.gains[i])
+    opened = top_k(scores, 2)
+    expected = [f"  {memories[i].note!r:40} {scores.gains[i]:.3f}  {'pixels' if opened[i] else 'text'}" for i in order]
+    assert lines[1:5] == expected and lines[6:10] == expected

@@ -1,0 +1,82 @@
+"""PixelTriage inside LlamaIndex and LangChain: the same retrieved memories through each framework's own reranker slot.
+
+    pip install llama-index-core langchain-core              # or: pip install ".[integrations]"
+    python examples/frameworks.py                            # the built-in demo checkpoint (random weights)
+    python examples/frameworks.py --checkpoint path/to/system-one   # a directory, packed file or hub id
+
+It turns examples/episode.json's four memories into LlamaIndex image nodes and LangChain documents, runs
+PixelTriagePostprocessor and PixelTriageCompressor on them, and prints, per framework, what comes back: the
+items by descending gain, which keep their pixels (the top k) and which go on as text.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+from pixeltriage import PixelTriageError, load_episodes
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", help="System One checkpoint (default: the demo checkpoint, built once)")
+    p.add_argument("--episode", default=str(HERE / "episode.json"))
+    p.add_argument("--k", type=int, default=1, help="memories that keep their pixels (default 1)")
+    args = p.parse_args()
+    if args.k < 0:
+        p.error("--k must be >= 0")
+    try:
+        run(args)
+    except PixelTriageError as e:                              # a bad checkpoint or episode: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ImportError as e:                                   # a framework that is not installed
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args: argparse.Namespace) -> None:
+    from pixeltriage import Scorer
+
+    if args.checkpoint is None:
+        from pixeltriage.weights.demo import demo_checkpoint
+
+        args.checkpoint = demo_checkpoint("tiny")
+    question, memories = load_episodes(args.episode)[0]
+    scorer = Scorer.load(args.checkpoint)                      # one scorer for both frameworks
+    llamaindex(scorer, question, memories, args.k)
+    langchain(scorer, question, memories, args.k)
+
+
+def llamaindex(scorer, question, memories, k: int) -> None:
+    from llama_index.core.schema import ImageNode, NodeWithScore
+
+    from pixeltriage.integrations import PixelTriagePostprocessor
+
+    # what a retriever hands over: image nodes with the retriever's own scores, notes and dates in metadata
+    nodes = [NodeWithScore(node=ImageNode(image_path=str(m.image), text=m.note,
+                                          metadata={"dialogue": m.dialogue, "date": m.date}), score=1.0 - i / 10)
+             for i, m in enumerate(memories)]
+    out = PixelTriagePostprocessor(scorer, k=k).postprocess_nodes(nodes, query_str=question)
+    print("LlamaIndex (node, gain, form):")
+    for n in out:
+        form = "pixels" if type(n.node).__name__ == "ImageNode" else "text"
+        print(f"  {n.node.metadata.get('note', n.node.get_content())!r:40} {n.score:.3f}  {form}")
+
+
+def langchain(scorer, question, memories, k: int) -> None:
+    from langchain_core.documents import Document
+
+    from pixeltriage.integrations import PixelTriageCompressor
+
+    documents = [Document(page_content=m.note, metadata={"image": str(m.image), "dialogue": m.dialogue,
+                                                         "date": m.date}) for m in memories]
+    out = PixelTriageCompressor(scorer=scorer, k=k).compress_documents(documents, question)
+    print("LangChain (document, relevance_score, form):")
+    for d in out:
+        form = "pixels" if d.metadata["pixeltriage_open"] else "text"
+        print(f"  {d.page_content!r:40} {d.metadata['relevance_score']:.3f}  {form}")
+
+
+if __name__ == "__main__":
+    main()
