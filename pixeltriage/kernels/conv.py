@@ -94,13 +94,15 @@ def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch
     return F.silu(y[0, :, :seq_len]).t()
 
 
+# The "conv1d" op's kernels share one signature: fn(x [T, C], weight [C, W], cu_seqlens, cu_seqlens_device=None, *,
+# chunk_indices=None) -> [T, C]; the device boundaries and fla's chunk table are read by fla's kernel only.
 def _conv_native(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
-                 cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+                 cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
     return causal_conv1d_silu(x, weight, cu_seqlens)
 
 
 def _conv_torch(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
-                cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
     return causal_conv1d_silu(x, weight, cu_seqlens, native=False)
 
 

@@ -60,8 +60,6 @@ def gated_delta_fla(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tenso
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from pixeltriage.kernels.conv import FLA_CONV
-
     seq_len, conv_dim = qkv.shape
     if (num_k_heads < 1 or num_v_heads % num_k_heads or conv_dim != 2 * num_k_heads * k_dim + num_v_heads * v_dim
             or conv_weight.dim() != 2 or conv_weight.shape[0] != conv_dim):
@@ -82,10 +80,8 @@ def gated_delta_fla(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tenso
     indices = varlen_chunk_indices(cu_seqlens, cu_device) if varlen else None
     dtype = qkv.dtype if qkv.dtype in (torch.bfloat16, torch.float16) else torch.float32
     conv = registry.choose("conv1d", qkv.device, qkv.dtype)
-    if conv is FLA_CONV:
-        mixed = conv.fn(qkv, conv_weight, cu_seqlens if varlen else None, cu_device, chunk_indices=indices)
-    else:
-        mixed = conv.fn(qkv, conv_weight, cu_seqlens if varlen else None, cu_device).to(dtype)
+    # fla's conv returns qkv's dtype (rounded once), the torch fallback float32: q, k, v reach fla in `dtype`
+    mixed = conv.fn(qkv, conv_weight, cu_seqlens if varlen else None, cu_device, chunk_indices=indices).to(dtype)
     q, k, v = mixed.split([num_k_heads * k_dim, num_k_heads * k_dim, num_v_heads * v_dim], dim=-1)
     o, _ = chunk_gated_delta_rule(
         q.unflatten(-1, (num_k_heads, k_dim))[None], k.unflatten(-1, (num_k_heads, k_dim))[None],
