@@ -10,7 +10,9 @@ each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up to ~2
     than 25%), and the fraction of it the engine achieves (analytic FLOPs of the forward from
     pixeltriage.bench.flops / engine median); the ceiling: transformers' median over the time those FLOPs take at
     the GEMM rate, the speed-up of an engine whose only cost were matmuls (the achieved speed-up over it is the
-    fraction above); a per-stage breakdown of the engine (vision, gated_delta, attention, mlp, head).
+    fraction above); per stage of the engine (`STAGES`, the profiler's, pixeltriage.engine.profiling), its FLOPs
+    (the FLOP model's parts, `STAGE_OF_PART`), median time, TFLOP/s and fraction of the GEMM rate, and "other":
+    the engine's median minus the stages' (embedding, rotary tables, packing the rows, Python).
 """
 from __future__ import annotations
 
@@ -28,6 +30,45 @@ from pixeltriage.bench.timing import flop_rate, gemm_tflops, set_threads, thread
 
 if TYPE_CHECKING:
     from pixeltriage.engine.state import State
+
+# The profiler's stages of one forward, in order, and what each holds. The Gated DeltaNet layer's kernel call
+# ("delta_rule") is timed apart from the norms, projections and gates around it ("gated_delta"); the C kernel does
+# the conv and the recurrence in one pass per head, so they are one stage; so is the torch path's, whose two calls
+# sit inside the registry's one kernel function (kernels/gated_delta/chunk.py).
+STAGES = {
+    "vision": "vision (matmuls + attention)",
+    "gated_delta": "gated_delta projections",
+    "delta_rule": "delta_rule (conv + recurrence)",
+    "attention": "attention",
+    "mlp": "mlp",
+    "head": "head",
+}
+# Each part of the FLOP model (flops.scorer_flops(..., split_linear=True)) in exactly one stage
+STAGE_OF_PART = {"vision": "vision", "linear_projections": "gated_delta", "linear_conv": "delta_rule",
+                 "linear_recurrence": "delta_rule", "full_attention": "attention", "ffn": "mlp", "head": "head"}
+OTHER = "other"
+
+
+def stage_flops(parts: dict) -> dict[str, int]:
+    """FLOPs per stage of `STAGES` from the FLOP model's parts (`Flops`); a part no stage holds is a KeyError."""
+    out = dict.fromkeys(STAGES, 0)
+    for name, f in parts.items():
+        out[STAGE_OF_PART[name]] += f.total
+    return out
+
+
+def stage_rows(flops: dict[str, int], seconds: dict[str, float], gemm_rate: float) -> list[dict]:
+    """The per-stage table: for each of `STAGES`, then any other stage recorded, then "other" (seconds only),
+    {stage, name, flops, seconds, tflops, of_gemm}; tflops and of_gemm None where a stage took no time."""
+    names = [*STAGES, *(k for k in seconds if k not in STAGES and k != OTHER), OTHER]
+    rows = []
+    for key in names:
+        f, s = flops.get(key, 0), seconds.get(key, 0.0)
+        tflops = f / s / 1e12 if s > 0 else None
+        rows.append({"stage": key, "name": STAGES.get(key, key), "flops": f, "seconds": s, "tflops": tflops,
+                     "of_gemm": None if tflops is None else tflops / gemm_rate})
+    return rows
+
 
 WORDS = ("the market stall had orchids in painted pots and a vendor who talked about watering them twice a week "
          "while a cat slept by the crates of lemons and someone asked about the price of the blue vase").split()
@@ -91,7 +132,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     progress(f"checkpoint {path}; {torch.get_num_threads()} threads")
     scorer = Scorer.load(path, dtype=torch_dtype)
     state = bench_episode(scorer.packer, memories, target_tokens).state
-    flops = total(scorer_flops(scorer, state))
+    parts = scorer_flops(scorer, state, split_linear=True)
+    flops = total(parts)
 
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -101,9 +143,12 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     hf_repeats = max(2, repeats // 2)             # its forward is the slow one
 
     def engine() -> dict:
+        """One forward's stage times, "other" the rest of its time."""
+        t0 = time.perf_counter()
         with profiling.record() as stages:
             scorer.score_states([state])
-        return dict(stages)
+        elapsed = time.perf_counter() - t0
+        return {**stages, OTHER: elapsed - sum(stages.values()), "total": elapsed}
 
     progress(f"state: {state.num_tokens} tokens, {state.num_memories} memories; warm-up (untimed)")
     engine()
@@ -115,9 +160,9 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     engine_times, hf_times, stage_runs = [], [], []
     for i in range(max(repeats, hf_repeats)):
         if i < repeats:
-            t0 = time.perf_counter()
-            stage_runs.append(engine())
-            engine_times.append(time.perf_counter() - t0)
+            run = engine()
+            engine_times.append(run.pop("total"))
+            stage_runs.append(run)
         if i < hf_repeats:
             t0 = time.perf_counter()
             transformers_hidden(model, state)
@@ -125,6 +170,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     rates.append(gemm_tflops(dtype=torch_dtype))
     stages = {k: statistics.median(r.get(k, 0.0) for r in stage_runs) for k in stage_runs[0]}
     rate = statistics.fmean(rates)
+    rows = stage_rows(stage_flops(parts), stages, rate)
     engine_s, hf_s = statistics.median(engine_times), statistics.median(hf_times)
     achieved = flop_rate(flops.total, engine_s, rate)
     # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach
@@ -136,6 +182,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "paired_speedups": paired_speedups(engine_times, hf_times),
         "tflop": flops.total / 1e12, "gemm_tflops": rate, "gemm_tflops_before_after": rates,
         "achieved_tflops": achieved["tflops"], "fraction_of_gemm": achieved["of_gemm"], "stages_s": stages,
+        "stages": rows,
         "gemm_bound_s": gemm_bound_s, "ceiling_speedup": hf_s / gemm_bound_s,
     }
 
@@ -175,8 +222,14 @@ def print_table(r: dict, out=None) -> None:
     if max(before, after) > DRIFT_WARNING * min(before, after):
         print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
-    print("  engine stages (median ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages_s"].items()),
-          file=out)
+    print(f"  engine stages (medians; FLOPs from the FLOP model; of GEMM: the stage's rate over the "
+          f"{r['gemm_tflops']:.3f} TFLOP/s):", file=out)
+    print(f"    {'stage':<32}{'GFLOP':>10}{'ms':>10}{'TFLOP/s':>10}{'of GEMM':>9}", file=out)
+    for row in r["stages"]:
+        rate = "" if row["tflops"] is None or not row["flops"] else f"{row['tflops']:.3f}"
+        frac = "" if row["of_gemm"] is None or not row["flops"] else f"{100 * row['of_gemm']:.0f}%"
+        print(f"    {row['name']:<32}{row['flops'] / 1e9:>10.2f}{row['seconds'] * 1e3:>10.1f}{rate:>10}{frac:>9}",
+              file=out)
 
 
 def run_cpu(args: argparse.Namespace) -> int:

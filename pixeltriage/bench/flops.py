@@ -237,6 +237,16 @@ def linear_attention_flops(lang: LanguageShape, num_tokens: int, chunk_size: int
                            output_rows: int | None = None) -> Flops:
     """One Gated DeltaNet layer: projections, causal conv1d and the chunked gated delta rule.
     output_rows: the output projection at these many rows only (the engine's last layer)."""
+    return total(linear_attention_parts(lang, num_tokens, chunk_size, output_rows))
+
+
+LINEAR_PARTS = ("projections", "conv", "recurrence")
+
+
+def linear_attention_parts(lang: LanguageShape, num_tokens: int, chunk_size: int = CHUNK_SIZE,
+                           output_rows: int | None = None) -> dict[str, Flops]:
+    """`linear_attention_flops` in its LINEAR_PARTS: the projections (in_proj's four and out_proj), the causal
+    conv1d, and the chunked gated delta rule (its products and solves), as the profiler times them apart."""
     t, h = num_tokens, lang.hidden_size
     heads = lang.linear_num_value_heads
     dk, dv, c = lang.linear_key_head_dim, lang.linear_value_head_dim, chunk_size
@@ -248,7 +258,8 @@ def linear_attention_flops(lang: LanguageShape, num_tokens: int, chunk_size: int
     intra = 2 * c * c * dk * 2 + 2 * c * c * dv          # KK^T, QK^T, A @ V
     state = 3 * 2 * c * dk * dv                          # W @ S, Q @ S, K^T @ V
     solve = c * (c - 1) * (dk + dv)                      # UT transform of V and of the decayed K
-    return Flops(matmul=projections + conv + heads * chunks * (intra + state), solve=heads * chunks * solve)
+    return {"projections": Flops(matmul=projections), "conv": Flops(matmul=conv),
+            "recurrence": Flops(matmul=heads * chunks * (intra + state), solve=heads * chunks * solve)}
 
 
 def ffn_flops(lang: LanguageShape, num_tokens: int) -> Flops:
@@ -263,20 +274,26 @@ def ffn_flops(lang: LanguageShape, num_tokens: int) -> Flops:
 
 
 def language_flops(lang: LanguageShape, num_tokens: int, causal: str = "half",
-                   output_rows: int | None = None) -> dict[str, Flops]:
+                   output_rows: int | None = None, split_linear: bool = False) -> dict[str, Flops]:
     """Every decoder layer over `num_tokens` rows (no embedding, no final norm, no head).
 
     output_rows: the decoder's output is wanted at these many rows only, so the last layer computes everything
-    after its token mixer's recurrence or keys and values at those rows (`decoder_forward(rows=...)`)."""
+    after its token mixer's recurrence or keys and values at those rows (`decoder_forward(rows=...)`).
+    split_linear: the Gated DeltaNet layers as "linear_projections", "linear_conv" and "linear_recurrence"
+    (`linear_attention_parts`) in place of one "linear_attention"; the same total."""
+    linear_names = [f"linear_{p}" for p in LINEAR_PARTS] if split_linear else ["linear_attention"]
     parts = {"full_attention": Flops()}
     if LINEAR in lang.layer_types:
-        parts["linear_attention"] = Flops()
+        parts.update((name, Flops()) for name in linear_names)
     parts["ffn"] = Flops()
     last = len(lang.layer_types) - 1
     for i, kind in enumerate(lang.layer_types):
         rows = output_rows if i == last else None                 # the last layer at the rows, when asked
         if kind == FULL:
             parts["full_attention"] += full_attention_flops(lang, num_tokens, causal, query_rows=rows)
+        elif split_linear:
+            for name, f in linear_attention_parts(lang, num_tokens, output_rows=rows).items():
+                parts[f"linear_{name}"] += f
         else:
             parts["linear_attention"] += linear_attention_flops(lang, num_tokens, output_rows=rows)
         parts["ffn"] += ffn_flops(lang, num_tokens if rows is None else rows)
@@ -324,27 +341,30 @@ def state_shape(state, merge_unit: int) -> StateShape:
     return StateShape(text_tokens=state.num_tokens - image_tokens, image_grids=grids)
 
 
-def scorer_flops(scorer, state, cached_vision: bool = False) -> dict[str, Flops]:
+def scorer_flops(scorer, state, cached_vision: bool = False, split_linear: bool = False) -> dict[str, Flops]:
     """`system_one_flops` of a loaded `Scorer`'s model for one of its `State`s."""
     return system_one_flops(scorer.model_config, state_shape(state, scorer.model_config.vision.merge_unit),
-                            scorer.triage_config.head_dim, cached_vision=cached_vision)
+                            scorer.triage_config.head_dim, cached_vision=cached_vision, split_linear=split_linear)
 
 
 def system_one_flops(model: ModelConfig | ModelShape, state: StateShape, head_dim: int = 256,
                      cached_vision: bool = False, causal: str = "half",
-                     num_memories: int | None = None, head_rows_only: bool = True) -> dict[str, Flops]:
+                     num_memories: int | None = None, head_rows_only: bool = True,
+                     split_linear: bool = False) -> dict[str, Flops]:
     """One System One forward: vision tower (skipped when its outputs are cached), decoder, decision head.
 
     num_memories: marker rows scored by the head; defaults to one per image.
     head_rows_only: the decoder's last layer at the head's n + EXTRA_HEAD_ROWS rows only, as the engine runs it;
     False counts the whole last layer, as a forward that returns every row (transformers') does.
+    split_linear: the Gated DeltaNet layers in three parts (`language_flops`), as `bench cpu` reports them.
     """
     shape = shape_from_config(model) if isinstance(model, ModelConfig) else model
     merge_unit = shape.vision.merge_unit
     memories = len(state.image_grids) if num_memories is None else num_memories
     parts = {"vision": Flops() if cached_vision else vision_flops(shape.vision, state.image_grids)}
     parts.update(language_flops(shape.language, state.num_tokens(merge_unit), causal,
-                                output_rows=memories + EXTRA_HEAD_ROWS if head_rows_only else None))
+                                output_rows=memories + EXTRA_HEAD_ROWS if head_rows_only else None,
+                                split_linear=split_linear))
     parts["head"] = decision_head_flops(shape.language.hidden_size, head_dim, memories)
     return parts
 

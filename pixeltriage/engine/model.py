@@ -76,7 +76,7 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     # on CUDA in bf16/fp16, the torch chunked rule in float32 there; the C kernel on the CPU)
     bounds, device_bounds = (None, None) if varlen is None else (varlen.bounds, varlen.device_bounds)
     kernel = registry.choose("gated_delta", x.device, x.dtype)
-    with profiling.kernel(kernel):
+    with stage("delta_rule"), profiling.kernel(kernel):     # timed apart from the projections around it
         o = kernel.fn(qkv, w.conv, g, beta, hk, dk, hv, dv, bounds, device_bounds)
     z = z.view(seq_len, hv, dv)
     if rows is not None:

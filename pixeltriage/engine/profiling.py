@@ -2,10 +2,12 @@
 
     with profiling.record() as stages:
         scorer.score(question, memories)
-    stages  # {"vision": s, "gated_delta": s, "attention": s, "mlp": s, "head": s, "pack": s, ...}
+    stages  # {"vision": s, "gated_delta": s, "delta_rule": s, "attention": s, "mlp": s, "head": s, "pack": s, ...}
 
-Stages are flat (never nested) and cost one global check when nothing records. Timings are wall clock on the
-CPU; on CUDA a stage would need a synchronize, which `record(sync=...)` applies.
+Stages cost one global check when nothing records. A stage inside another is exclusive: its time counts to itself
+and not to the one around it (the Gated DeltaNet layer's "gated_delta" holds its norms, projections and gates,
+the "delta_rule" inside it the kernel's conv + recurrence), so the stages of a run add up to the time they cover.
+Timings are wall clock on the CPU; on CUDA a stage would need a synchronize, which `record(sync=...)` applies.
 
 `kernel(chosen)` names a registry kernel's call in torch.profiler's trace ("gated_delta: fla
 chunk_gated_delta_rule") while a profiler runs, so a trace says which implementation each range is.
@@ -36,24 +38,28 @@ def stage(name: str) -> Iterator[None]:
     sync = _local.sync
     if sync is not None:
         sync()
+    around = _local.nested          # time of the stages already nested in the enclosing one
+    _local.nested = 0.0
     t0 = time.perf_counter()
     try:
         yield
     finally:
         if sync is not None:
             sync()
-        sink[name] += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        sink[name] += elapsed - _local.nested
+        _local.nested = around + elapsed
 
 
 @contextmanager
 def _recording(sink: dict[str, float] | None, sync: Callable[[], None] | None) -> Iterator[None]:
     """This thread's stages go to `sink` (None: nowhere) inside the block; the previous recording after it."""
-    previous = getattr(_local, "sink", None), getattr(_local, "sync", None)
-    _local.sink, _local.sync = sink, sync
+    previous = getattr(_local, "sink", None), getattr(_local, "sync", None), getattr(_local, "nested", 0.0)
+    _local.sink, _local.sync, _local.nested = sink, sync, 0.0
     try:
         yield
     finally:
-        _local.sink, _local.sync = previous
+        _local.sink, _local.sync, _local.nested = previous
 
 
 @contextmanager

@@ -30,12 +30,26 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert len(r["engine_times"]) == 2 and len(r["transformers_times"]) == 2
     assert r["speedup"] == r["transformers_s"] / r["engine_s"]
     assert len(r["gemm_tflops_before_after"]) == 2 and r["gemm_tflops"] > 0
-    assert {"vision", "gated_delta", "mlp", "attention", "head"} <= set(r["stages_s"])
+    assert {"vision", "gated_delta", "delta_rule", "mlp", "attention", "head", "other"} <= set(r["stages_s"])
+    # the per-stage table: every stage in order, then "other"; their FLOPs are the forward's
+    stages = r["stages"]
+    assert [row["stage"] for row in stages] == [*cpu.STAGES, "other"]
+    assert [row["name"] for row in stages][:3] == ["vision (matmuls + attention)", "gated_delta projections",
+                                                   "delta_rule (conv + recurrence)"]
+    assert all(set(row) == {"stage", "name", "flops", "seconds", "tflops", "of_gemm"} for row in stages)
+    assert sum(row["flops"] for row in stages) == pytest.approx(r["tflop"] * 1e12, rel=1e-12)
+    assert all(row["flops"] > 0 for row in stages[:-1]) and stages[-1]["flops"] == 0
+    for row in stages:
+        assert row["seconds"] == r["stages_s"][row["stage"]]
+        if row["tflops"] is not None:
+            assert row["tflops"] == pytest.approx(row["flops"] / row["seconds"] / 1e12)
+            assert row["of_gemm"] == pytest.approx(row["tflops"] / r["gemm_tflops"])
     assert len(r["paired_speedups"]) == 2
     buf = io.StringIO()
     cpu.print_table(r, buf)
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
+    assert "delta_rule (conv + recurrence)" in buf.getvalue() and "of GEMM" in buf.getvalue()
     drifted = dict(r, gemm_tflops_before_after=[0.7, 2.1])
     buf = io.StringIO()
     cpu.print_table(drifted, buf)
@@ -69,3 +83,61 @@ def test_bench_counts_out_of_range_are_usage_errors(argv, message, capsys):
         main(["bench", *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("cached_vision", [False, True])
+def test_every_flop_of_the_forward_lands_in_exactly_one_stage(tiny_checkpoint, cached_vision):
+    """The FLOP model's parts (split_linear) map onto the profiler's stages: each part to one stage, every stage
+    holds some part (the tiny preset has every layer kind), and the stages' FLOPs add up to the forward's."""
+    from pixeltriage.bench.flops import scorer_flops, total
+    from pixeltriage.engine.scorer import Scorer
+
+    scorer = Scorer.load(tiny_checkpoint)
+    state = cpu.bench_episode(scorer.packer, num_memories=3, target_tokens=400).state
+    parts = scorer_flops(scorer, state, cached_vision=cached_vision, split_linear=True)
+    assert set(parts) == set(cpu.STAGE_OF_PART)
+    assert set(cpu.STAGE_OF_PART.values()) == set(cpu.STAGES)
+    by_stage = cpu.stage_flops(parts)
+    assert list(by_stage) == list(cpu.STAGES)
+    assert sum(by_stage.values()) == total(parts).total == total(scorer_flops(scorer, state, cached_vision)).total
+    assert (by_stage["vision"] == 0) == cached_vision
+    assert all(by_stage[k] > 0 for k in cpu.STAGES if k != "vision")
+    with pytest.raises(KeyError):
+        cpu.stage_flops({**parts, "embed": parts["head"]})        # a part no stage holds is loud
+
+
+def test_stage_rows_put_unknown_stages_before_other_and_skip_rates_without_time():
+    rows = cpu.stage_rows({"mlp": 4e12, "vision": 1e12}, {"mlp": 2.0, "vision": 0.0, "pack": 0.5, "other": 0.25},
+                          gemm_rate=4.0)
+    assert [r["stage"] for r in rows] == [*cpu.STAGES, "pack", "other"]
+    mlp = rows[list(cpu.STAGES).index("mlp")]
+    assert mlp["tflops"] == 2.0 and mlp["of_gemm"] == 0.5
+    assert rows[0]["tflops"] is None and rows[0]["of_gemm"] is None          # vision: no time recorded
+    assert rows[-1] == {"stage": "other", "name": "other", "flops": 0, "seconds": 0.25, "tflops": 0.0,
+                        "of_gemm": 0.0}
+
+
+def test_a_nested_stage_is_exclusive(monkeypatch):
+    """A stage inside another counts its own time only to itself; the stages of a block add up to the time
+    they cover (a clock that moves 1 s per reading)."""
+    from pixeltriage.engine import profiling
+
+    clock = iter(range(100))
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: float(next(clock)))
+    with profiling.record() as stages:
+        with profiling.stage("gated_delta"):           # reads 0 ...
+            with profiling.stage("delta_rule"):        # 1, 2: 1 s
+                pass
+            with profiling.stage("delta_rule"):        # 3 ...
+                with profiling.stage("inner"):         # 4, 5: 1 s
+                    pass
+                                                       # ... 6: 3 s, of which 1 s in "inner"
+                                                       # ... 7: 7 s, of which 1 + 3 s nested
+        with profiling.stage("mlp"):                   # 8, 9: 1 s
+            pass
+    assert dict(stages) == {"gated_delta": 3.0, "delta_rule": 3.0, "inner": 1.0, "mlp": 1.0}
+    assert sum(stages.values()) == 9.0 - 1.0           # all but the 1 s between the two top-level stages
+    with profiling.stage("mlp"):                       # nothing records: no clock read
+        pass
+    assert next(clock) == 10

@@ -113,6 +113,15 @@ def test_system_one_matches_flop_counter(case):
         name = "linear_attn" if kind == LINEAR else "self_attn"
         assert_close(mixer.matmul, part(counts, f".layers.{i}.{name}"), f"layer {i} {name}")
         assert_close(F.ffn_flops(lang, tokens).matmul, part(counts, f".layers.{i}.mlp"), f"layer {i} mlp")
+        if kind == LINEAR:           # the parts `bench cpu` reports apart, each against its own modules
+            split = F.linear_attention_parts(lang, tokens)
+            projections = sum(part(counts, f".layers.{i}.linear_attn.{m}")
+                              for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
+            assert_close(split["projections"].matmul, projections, f"layer {i} projections")
+            # the conv (a functional call) and the chunked rule: the layer's count less its projections'
+            assert_close((split["conv"] + split["recurrence"]).matmul,
+                         part(counts, f".layers.{i}.linear_attn") - projections, f"layer {i} conv + recurrence")
+            assert F.total(split) == mixer
     without_head = F.total({k: v for k, v in analytic.items() if k != "head"})
     assert_close(without_head.matmul, counts["Global"], "whole forward")
     assert without_head.solve > 0  # the UT solves, which FlopCounterMode does not count
@@ -316,3 +325,30 @@ def test_answering_checkpoints_count_the_registrys_visual_tokens():
         assert [F.visual_tokens(w, h, shape.vision) for w, h in sizes] == [profile.tokens(s) for s in sizes], name
     with pytest.raises(ValueError, match="unknown answering checkpoint"):
         F.answering_model("qwen2.5-vl")
+
+
+@pytest.mark.parametrize("cached_vision", [False, True])
+@pytest.mark.parametrize("head_rows_only", [True, False])
+def test_split_linear_moves_only_the_gated_deltanet_layers(cached_vision, head_rows_only):
+    """split_linear=True: the Gated DeltaNet layers in three parts whose sum is their one part; every other part
+    and the total unchanged (2b preset at the paper's state, and a config whose last layer is Gated DeltaNet)."""
+    configs = [F.system_one_config(), ModelConfig.from_dict(QWEN35_CASES["mixed"])]
+    for cfg in configs:
+        kw = dict(cached_vision=cached_vision, head_rows_only=head_rows_only)
+        whole = F.system_one_flops(cfg, F.paper_state(), **kw)
+        split = F.system_one_flops(cfg, F.paper_state(), split_linear=True, **kw)
+        linear = [f"linear_{p}" for p in F.LINEAR_PARTS]
+        assert set(split) == (set(whole) - {"linear_attention"}) | set(linear)
+        assert all(split[k] == v for k, v in whole.items() if k != "linear_attention")
+        assert F.total({k: split[k] for k in linear}) == whole["linear_attention"]
+        assert F.total(split) == F.total(whole)
+        assert split["linear_recurrence"].solve == whole["linear_attention"].solve > 0
+        assert split["linear_projections"].solve == split["linear_conv"].solve == 0
+
+
+def test_linear_attention_parts_sum_to_the_layer():
+    lang = F.shape_from_config(F.system_one_config()).language
+    for tokens, rows, chunk in ((1, None, 64), (63, None, 64), (65, 5, 32), (2296, 17, 64)):
+        parts = F.linear_attention_parts(lang, tokens, chunk, rows)
+        assert tuple(parts) == F.LINEAR_PARTS
+        assert F.total(parts) == F.linear_attention_flops(lang, tokens, chunk, rows)
