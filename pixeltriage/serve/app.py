@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Sequence
@@ -37,24 +38,28 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
                                 PixelTriageError, ServiceUnavailableError, StateTooLongError)
 from pixeltriage.serve.batcher import Scored
-from pixeltriage.serve.schemas import (CACHE_KEY, BatchRequest, BatchResponse, ErrorBody, MemoryInfo, MemoryPut,
-                                       Policy, RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status,
-                                       Strict)
+from pixeltriage.serve.inputs import RerankDoc, rerank_doc
+from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_TAGS, BatchRequest, BatchResponse,
+                                       ErrorBody, MemoryInfo, MemoryPut, Policy, RerankRequest, RerankResponse,
+                                       RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status, Strict,
+                                       TEIRank, TEIRerankRequest)
 from pixeltriage.serve.service import FieldError, Service
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")           # answered without an API key
-SCORING_PATHS = ("/v1/score", "/v1/score/batch")
 # every route that takes a body, with its request model: the guard reads these bodies (their number bounded by
 # --max-queued, their content type and size checked) and `_post` parses them into the model, limits included
 BODY_ROUTES: dict[str, type[Strict]] = {"/v1/score": ScoreRequest, "/v1/score/batch": BatchRequest,
-                                        "/v1/memories": MemoryPut, "/v1/retrieve": RetrieveRequest}
+                                        "/v1/memories": MemoryPut, "/v1/retrieve": RetrieveRequest,
+                                        "/rerank": TEIRerankRequest, "/v1/rerank": RerankRequest,
+                                        "/v2/rerank": RerankRequest}
 BODY_PATHS = tuple(BODY_ROUTES)
+SCORING_PATHS = ("/v1/score", "/v1/score/batch", "/rerank", "/v1/rerank", "/v2/rerank")    # through the batcher
+MESSAGE_PATHS = ("/v1/rerank", "/v2/rerank")            # errors also carry Cohere's `message` (its SDK reads it)
 JSON_TYPE = "application/json"
 BODY = "pixeltriage.body"                                # scope key: the body the guard read, until parsed
-ROUTES = ("/v1/score", "/v1/score/batch", "/v1/memories", "/v1/retrieve", "/health", "/ready", "/info", "/metrics", "/docs",
-          "/openapi.json")
+ROUTES = (*BODY_PATHS, "/health", "/ready", "/info", "/metrics", "/docs", "/openapi.json")
 ARRIVAL = "pixeltriage.arrival"                          # scope key: when the request's first byte was seen
 CLIENT_CLOSED = 499                                      # the status recorded for a client that went away
 
@@ -88,6 +93,7 @@ def create_app(service: Service, *, own_lifespan: bool = True) -> FastAPI:
     _document_bodies(app)
     _add_error_handlers(app, service)
     _add_scoring_routes(app, service)
+    _add_rerank_routes(app, service)
     _add_memory_routes(app, service)
     _add_status_routes(app, service)
     app.add_middleware(Guard, service=service)
@@ -175,23 +181,29 @@ def _add_scoring_routes(app: FastAPI, service: Service) -> None:
 async def _score(service: Service, request: Request, questions: Sequence[tuple], timeout: float | None,
                  priority: int) -> tuple[list[dict], dict[str, str]]:
     """Admit, wait (deadline, disconnect) and answer the questions of one request -> (results, timing headers)."""
-    arrival = request.scope.get(ARRIVAL) or time.monotonic()
-    limit = service.config.request_timeout if timeout is None else min(timeout, service.config.request_timeout)
-    deadline = arrival + limit
     log.debug("%s: %d question(s), %d memories, %s bytes", request.url.path, len(questions),
               sum(len(q[1]) for q in questions), request.headers.get("content-length", "?"))   # lengths only
     prepares = [service.prepare(q, memories, policy, prefix) for q, memories, policy, _, prefix in questions]
+    scored, headers, arrival, now = await _run(service, request, prepares, timeout, priority)
+    return [_result(service, s, q[2], q[3], arrival, now) for s, q in zip(scored, questions)], headers
+
+
+async def _run(service: Service, request: Request, prepares: Sequence, timeout: float | None,
+               priority: int) -> tuple[list[Scored], dict[str, str], float, float]:
+    """Submit prepared questions to the batcher and wait for them -> (scored, timing headers, arrival, now)."""
+    arrival = request.scope.get(ARRIVAL) or time.monotonic()
+    limit = service.config.request_timeout if timeout is None else min(timeout, service.config.request_timeout)
+    deadline = arrival + limit
     futures = service.batcher.submit(prepares, deadline, priority)
     scored = await _wait(futures, deadline, request.receive)
     now = time.monotonic()
-    results = [_result(service, s, q[2], q[3], arrival, now) for s, q in zip(scored, questions)]
     total = now - arrival
     service.metrics.request_duration.observe(total)
     headers = {"x-queue-time": _ms(max(s.timing.queue for s in scored)),
                "x-preprocess-time": _ms(max(s.timing.preprocess for s in scored)),
                "x-inference-time": _ms(max(s.timing.forward for s in scored)),
                "x-total-time": _ms(total)}
-    return results, headers
+    return scored, headers, arrival, now
 
 
 async def _wait(futures: list[Future], deadline: float, receive: Receive) -> list[Scored]:
@@ -250,6 +262,85 @@ def _json(content, headers: dict[str, str] | None = None, status: int = 200) -> 
 
 def _ms(seconds: float) -> str:
     return f"{1000 * seconds:.3f}"
+
+
+# -- rerank ----------------------------------------------------------------------------------------------------------
+def _add_rerank_routes(app: FastAPI, service: Service) -> None:
+    for path, version in (("/v1/rerank", "1"), ("/v2/rerank", "2")):
+        _add_cohere_route(app, service, path, version)
+
+    @_post(app, "/rerank", response_model=list[TEIRank], tags=["rerank"])
+    async def rerank_tei(body: TEIRerankRequest, request: Request):
+        """Text Embeddings Inference's rerank: the query and its texts as one question's memories -> `[{index,
+        score}]` by descending score (System One's gain; 0 for a text with no image)."""
+        if body.raw_scores:
+            raise InvalidRequestError("System One's scores are probabilities (the gain); this server answers "
+                                      "raw_scores: false only", "raw_scores")
+        if body.truncation_direction.lower() == "left":
+            raise InvalidRequestError("the library keeps the beginning of a text; this server cuts on the right "
+                                      "only", "truncation_direction")
+        results, _, headers = await _rerank(service, request, body.query, body.texts, "texts", body.policy,
+                                            body.truncate, None, body.timeout_s)
+        ranks = [TEIRank(index=r["index"], score=r["relevance_score"], text=r["document"]["text"],
+                         pixeltriage=r["pixeltriage"]).model_dump() for r in results]
+        if not body.return_text:
+            ranks = [{k: v for k, v in r.items() if k != "text"} for r in ranks]
+        return _json(ranks, headers)
+
+
+def _add_cohere_route(app: FastAPI, service: Service, path: str, version: str) -> None:
+    @_post(app, path, response_model=RerankResponse, tags=["rerank"])
+    async def rerank(body: RerankRequest, request: Request):
+        """Cohere's, Jina's and vLLM's rerank: the query and its documents as one question's memories -> `{id,
+        results: [{index, relevance_score}], meta, usage}` by descending score (System One's gain; 0 for a document
+        with no image), at most `top_n`."""
+        results, summary, headers = await _rerank(service, request, body.query, body.documents, "documents",
+                                                   body.policy, body.truncate, body.max_tokens_per_doc,
+                                                   body.timeout_s)
+        if body.top_n is not None:
+            results = results[:body.top_n]
+        tokens = summary["state_tokens"]
+        response = RerankResponse(id=uuid.uuid4().hex, model=body.model, results=results, pixeltriage=summary,
+                                  meta={"api_version": {"version": version},
+                                        "tokens": {"input_tokens": tokens, "output_tokens": 0}},
+                                  usage={"total_tokens": tokens, "prompt_tokens": tokens}).model_dump()
+        for result in response["results"]:
+            if not body.return_documents:
+                del result["document"]
+        return _json(response, headers)
+
+
+async def _rerank(service: Service, request: Request, query: str, documents: Sequence, collection: str,
+                  policy: Policy | None, truncate: bool | None, max_tokens: int | None,
+                  timeout: float | None) -> tuple[list[dict], dict, dict[str, str]]:
+    """Score the documents that carry an image as one question's memories -> (results by descending score, the
+    summary, timing headers)."""
+    service.check_documents(documents, collection)
+    docs = [rerank_doc(d, collection, j) for j, d in enumerate(documents)]
+    policy = policy or Policy(k=DEFAULT_OPEN_K)
+    log.debug("%s: %d documents, %d with images, %s bytes", request.url.path, len(docs),
+              sum(d.memory is not None for d in docs), request.headers.get("content-length", "?"))
+    prepare = service.prepare_rerank(query, docs, policy, truncate is not False, max_tokens, "query")
+    (scored,), headers, _, _ = await _run(service, request, [prepare], timeout, 0)
+    sizes, query_cut, cuts = scored.meta
+    scores = scored.scores
+    delivery, _ = service.decide(scores, sizes, policy)
+    results, i = [], 0
+    for d in docs:
+        extra = {"image": d.memory is not None, "gain": None, "relevance": None, "p_vis": scores.p_vis,
+                 "open": False, "truncated": False}
+        if d.memory is not None:
+            extra.update(gain=scores.gains[i], relevance=scores.relevance[i], open=delivery["open"][i],
+                         truncated=cuts[i])
+            i += 1
+        results.append({"index": d.index, "relevance_score": extra["gain"] or 0.0, "document": {"text": d.text},
+                        "pixeltriage": extra})
+    # images first (a document without one has nothing to open: its gain is 0), then by score, then as given
+    results.sort(key=lambda r: (not r["pixeltriage"]["image"], -r["relevance_score"], r["index"]))
+    summary = {"p_vis": scores.p_vis, "relevance_none": scores.relevance_none,
+               "opened": sorted(r["index"] for r in results if r["pixeltriage"]["open"]),
+               "state_tokens": scored.tokens, "query_truncated": query_cut}
+    return results, summary, headers
 
 
 # -- the write-time cache --------------------------------------------------------------------------------------------
@@ -332,7 +423,10 @@ def _add_status_routes(app: FastAPI, service: Service) -> None:
 
 # -- errors ----------------------------------------------------------------------------------------------------------
 def _error(status: int, kind: str, message: str, field: str | None = None, headers: dict | None = None,
-           **extra) -> Response:
+           path: str = "", **extra) -> Response:
+    """An error body: TEI's `{error, error_type}` with the field; on MESSAGE_PATHS Cohere's `message` too."""
+    if path in MESSAGE_PATHS:
+        extra["message"] = message
     return _json({"error": message, "error_type": kind, "field": field, **extra}, headers, status)
 
 
@@ -375,7 +469,8 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         if first.get("type") == "string_too_long":
             message = (f"longer than this server's limit of {first['ctx']['max_length']} characters for this field "
                        "(docs/serve.md, Limits)")
-        return _error(422, "invalid_input", f"{field}: {message}" if field else message, field)
+        return _error(422, "invalid_input", f"{field}: {message}" if field else message, field,
+                      path=request.url.path)
 
     async def known(request: Request, e: Exception):
         status, kind = error_kind(e)
@@ -386,7 +481,7 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         extra = {"reason": inner.reason} if isinstance(inner, InvalidMemoryError) else {}
         headers = {"retry-after": str(math.ceil(inner.retry_after))} if isinstance(inner, OverloadedError) else None
         log.debug("%s: %d %s (field %s)", request.url.path, status, kind, field)
-        return _error(status, kind, message, field, headers, **extra)
+        return _error(status, kind, message, field, headers, path=request.url.path, **extra)
 
     app.add_exception_handler(FieldError, known)
     app.add_exception_handler(PixelTriageError, known)             # every typed error, by error_kind
@@ -397,7 +492,7 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         # a body FastAPI cannot parse at all (not UTF-8, numbers past Python's digit limit, nesting too deep) is
         # malformed input like any other: 422, as documented, not FastAPI's 400
         status = 422 if e.status_code == 400 else e.status_code
-        return _error(status, kind, str(e.detail), headers=getattr(e, "headers", None))
+        return _error(status, kind, str(e.detail), headers=getattr(e, "headers", None), path=request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def gone(request: Request, e: ClientDisconnected):
@@ -407,7 +502,8 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):            # the server logs the traceback after this
         failures.labels("internal").inc()
-        return _error(500, "internal", f"internal error ({type(e).__name__}); the server log has the traceback")
+        return _error(500, "internal", f"internal error ({type(e).__name__}); the server log has the traceback",
+                      path=request.url.path)
 
 
 def field_path(loc: Sequence) -> str | None:
@@ -419,7 +515,7 @@ def field_path(loc: Sequence) -> str | None:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in ("function-after[one_source()]",):
+        elif part not in ("function-after[one_source()]", "function-after[matches_type()]", *DOCUMENT_TAGS):
             out += f".{part}" if out else str(part)
     return out or None
 
@@ -454,14 +550,14 @@ class Guard:
         if path not in BODY_PATHS or scope["method"] not in ("POST", "PUT"):
             await self.app(scope, receive, counting_send)      # no body of ours to read (unknown routes: 404)
             return
-        wrong_type = _wrong_content_type(scope)
+        wrong_type = _wrong_content_type(scope, path)
         if wrong_type is not None:
             self.service.metrics.failures.labels("unsupported_media_type").inc()
             await wrong_type(scope, receive, counting_send)
             return
         self.service.open_requests += 1        # every body held in memory counts: at most max_queued of them
         try:
-            body = await self._body(scope, receive)
+            body = await self._body(scope, receive, path)
             if isinstance(body, Response):
                 await body(scope, receive, counting_send)
                 return
@@ -476,20 +572,20 @@ class Guard:
         if self.keys and path not in OPEN_PATHS and not self._authorized(scope):
             failures.labels("unauthorized").inc()
             return _error(401, "unauthorized", "a valid API key is needed: Authorization: Bearer KEY",
-                          headers={"www-authenticate": 'Bearer realm="pixeltriage"'})
-        if not path.startswith("/v1/"):
+                          headers={"www-authenticate": 'Bearer realm="pixeltriage"'}, path=path)
+        if not (path.startswith("/v1/") or path in BODY_PATHS):
             return None
         if not service.admitting:
             failures.labels("unavailable").inc()
             return _error(503, "unavailable", f"the service is {service.status}; retry on another replica or later",
                           headers={"retry-after": "1", "connection": "close"} if service.status != "loading"
-                          else {"retry-after": "5"})
+                          else {"retry-after": "5"}, path=path)
         if path in BODY_PATHS and (service.open_requests >= service.config.max_queued
                                    or (path in SCORING_PATHS and service.batcher.free <= 0)):
             failures.labels("overloaded").inc()
             return _error(429, "overloaded", f"the server is full ({service.batcher.admitted} of "
                           f"{service.config.max_queued} questions admitted, {service.open_requests} requests open)",
-                          headers={"retry-after": str(service.batcher.retry_after())})
+                          headers={"retry-after": str(service.batcher.retry_after())}, path=path)
         return None
 
     def _authorized(self, scope: Scope) -> bool:
@@ -503,11 +599,11 @@ class Guard:
             found |= hmac.compare_digest(token, key)
         return found
 
-    async def _body(self, scope: Scope, receive: Receive) -> bytes | Response:
+    async def _body(self, scope: Scope, receive: Receive, path: str) -> bytes | Response:
         limit = self.service.config.payload_limit
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and (not length.isdigit() or int(length) > limit):
-            return self._too_large(limit)
+            return self._too_large(limit, path)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -516,16 +612,16 @@ class Guard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return self._too_large(limit)
+                return self._too_large(limit, path)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _too_large(self, limit: int) -> Response:
+    def _too_large(self, limit: int, path: str) -> Response:
         self.service.metrics.failures.labels("payload_too_large").inc()
         return _error(413, "payload_too_large", f"the request body is larger than this server's payload limit of "
                       f"{limit} bytes (--payload-limit); split a batch or send smaller images",
-                      headers={"connection": "close"})
+                      headers={"connection": "close"}, path=path)
 
 
 def _after_body(receive: Receive) -> Receive:
@@ -544,7 +640,7 @@ def _after_body(receive: Receive) -> Receive:
     return after
 
 
-def _wrong_content_type(scope: Scope) -> Response | None:
+def _wrong_content_type(scope: Scope, path: str) -> Response | None:
     """415 for a body not sent as JSON (curl's -d sends application/x-www-form-urlencoded), else None."""
     value = next((v for k, v in scope["headers"] if k == b"content-type"), b"").decode("latin-1")
     media = value.split(";", 1)[0].strip().lower()
@@ -553,7 +649,7 @@ def _wrong_content_type(scope: Scope) -> Response | None:
     given = f"content-type {media!r}" if media else "no content-type"
     return _error(415, "unsupported_media_type", f"the body must be JSON sent with 'content-type: {JSON_TYPE}' "
                   f"(this request has {given}); with curl: -H 'content-type: {JSON_TYPE}' --data-binary @body.json",
-                  headers={"accept": JSON_TYPE})
+                  headers={"accept": JSON_TYPE}, path=path)
 
 
 def _route(path: str) -> str:

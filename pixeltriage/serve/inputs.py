@@ -10,11 +10,14 @@ import binascii
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from pixeltriage.engine.types import Memory
 from pixeltriage.errors import InvalidRequestError
-from pixeltriage.serve.schemas import MemoryIn
+from pydantic import ValidationError
+
+from pixeltriage.serve.schemas import DocumentIn, MemoryIn
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://|(file|data|http|https|ftp):)", re.IGNORECASE)
 _DATA_URI = re.compile(r"^data:([^;,]*)(;[^,]*)?,", re.ASCII)
@@ -112,3 +115,60 @@ def to_memory(m: MemoryIn, field: str, image_root: ImageRoot | None) -> Memory:
     else:
         image = image_root.read(m.path, f"{field}.path")
     return Memory(image=image, note=m.note, dialogue=m.dialogue, date=m.date)
+
+
+# -- rerank documents ------------------------------------------------------------------------------------------------
+_KEY = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class RerankDoc:
+    """One rerank document as System One reads it: its memory (None: no image and no key, so not scored), the text
+    a client gets back with return_documents, and its field in the request (`documents[3]`)."""
+
+    memory: MemoryIn | None
+    text: str
+    index: int
+    field: str
+    source: str = ""           # where in the document its image is: "image", "key", "content[1].image_url.url"
+
+
+def rerank_doc(document: str | DocumentIn, collection: str, index: int) -> RerankDoc:
+    """A string is a write-time cache key (64 hex digits), a JSON memory object (it starts with `{`: `MemoryIn`'s
+    fields), or plain text; an object is Jina's `{"text", "image"}`, vLLM's `{"content": [...]}` or a memory.
+    collection: the request's field of the documents ("documents", TEI's "texts")."""
+    field = f"{collection}[{index}]"
+    if isinstance(document, str):
+        if _KEY.match(document):
+            return RerankDoc(MemoryIn(key=document), document, index, field, "key")    # the note: the cached one
+        if document.lstrip().startswith("{"):
+            try:
+                memory = MemoryIn.model_validate_json(document)
+            except ValidationError as e:
+                first = e.errors(include_url=False, include_input=False)[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise InvalidRequestError(f"a string document that starts with '{{' is read as a JSON memory object "
+                                          f"(image, key or path; note, dialogue, date): {where + ': ' if where else ''}"
+                                          f"{first['msg']}", field) from None
+            return RerankDoc(memory, memory.note or "", index, field, memory.source)
+        return RerankDoc(None, document, index, field)
+    texts = [document.text] if document.text is not None else []
+    sources = {name: (name, value) for name, value in (("image", document.image), ("key", document.key),
+                                                         ("path", document.path)) if value is not None}
+    for j, part in enumerate(document.content or []):
+        if part.type == "text":
+            texts.append(part.text)
+        else:
+            sources[f"content[{j}].image_url.url"] = ("image", part.image_url.url)
+    if len(sources) > 1:
+        raise InvalidRequestError(f"a document is one memory with one image; this one has {len(sources)} "
+                                  f"({', '.join(sources)})", field)
+    note = document.note if document.note is not None else "\n".join(texts) if texts else None
+    if not sources:
+        return RerankDoc(None, note or "", index, field)
+    (where, (source, value)), = sources.items()
+    if source == "image" and not _DATA_URI.match(value) and _URL.match(value):
+        raise InvalidRequestError("image URLs are not fetched by this server: send the image as base64 or a data "
+                                  "URI, or put it with POST /v1/memories and send its key", f"{field}.{where}")
+    memory = MemoryIn(**{source: value}, note=note, dialogue=document.dialogue, date=document.date)
+    return RerankDoc(memory, note or "", index, field, where)

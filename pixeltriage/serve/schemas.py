@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 from annotated_types import MaxLen
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic.fields import FieldInfo
 
 from pixeltriage.delivery.profiles import ANSWERING_MODEL_NAMES as ANSWERING_MODELS, DEFAULT_ANSWERING_MODEL
@@ -241,3 +241,136 @@ class ErrorBody(BaseModel):
 
 class Status(BaseModel):
     status: str
+
+
+# -- rerank (TEI, Cohere, Jina, vLLM shapes: docs/serve.md, "Rerank") ------------------------------------------------
+MODEL_NAME_LIMIT = 256
+DEFAULT_OPEN_K = 2                          # the open decision without a `policy`: the adapters' default k
+
+
+class ImageURL(Strict):
+    """An OpenAI-style image part's `image_url`: a data URI or base64 (a URL is refused, never fetched)."""
+
+    url: Encoded
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ContentPart(Strict):
+    """One part of a vLLM multimodal document: `{"type": "image_url", "image_url": {"url": ...}}` or
+    `{"type": "text", "text": ...}`."""
+
+    type: Literal["image_url", "text"]
+    image_url: Optional[ImageURL] = None
+    text: Optional[Text] = None
+
+    @model_validator(mode="after")
+    def matches_type(self) -> "ContentPart":
+        if (self.type == "text") != (self.text is not None) or (self.type == "image_url") != (self.image_url is not None):
+            raise ValueError(f"a '{self.type}' part needs its '{self.type}' field and no other")
+        return self
+
+
+class DocumentIn(Strict):
+    """A rerank document given as an object: Jina's `{"text", "image"}`, vLLM's `{"content": [...]}`, or a memory
+    (`key`, `path`, `image`, with `note`, `dialogue`, `date`). `text` is the note when `note` is absent."""
+
+    text: Optional[Text] = None
+    image: Optional[Encoded] = Field(None, description="base64 or a data URI (a URL is refused, never fetched)")
+    key: Optional[str] = Field(None, max_length=64, pattern=CACHE_KEY)
+    path: Optional[str] = Field(None, min_length=1, max_length=4096, description="under the server's --image-root")
+    content: Optional[list[ContentPart]] = Field(None, description="vLLM's multimodal document: at most one image")
+    note: Optional[Text] = None
+    dialogue: Text = ""
+    date: str = Field("", max_length=DATE_LIMIT)
+
+
+DOCUMENT_TAGS = ("string-document", "object-document")     # the union's branches: left out of error field paths
+
+
+def _document_kind(value) -> str:
+    return DOCUMENT_TAGS[0] if isinstance(value, str) else DOCUMENT_TAGS[1]
+
+
+Document = Annotated[Union[Annotated[Text, Tag(DOCUMENT_TAGS[0])], Annotated[DocumentIn, Tag(DOCUMENT_TAGS[1])]],
+                     Discriminator(_document_kind)]
+
+
+class RerankRequest(Strict):
+    """Cohere v1/v2, Jina and vLLM's rerank body (POST /v1/rerank, /v2/rerank), with PixelTriage's `policy`. A
+    string document is a write-time cache key, a JSON memory object, or plain text (no image: scored 0)."""
+
+    model: Optional[str] = Field(None, max_length=MODEL_NAME_LIMIT, description="echoed; the server's model scores")
+    query: Text
+    documents: list[Document] = Field(description="at most --max-memories; see docs/serve.md for what each may be")
+    top_n: Optional[int] = Field(None, ge=1, description="return the n highest scores (null: all)")
+    return_documents: Optional[bool] = Field(None, description="each result carries `document: {text}`")
+    max_tokens_per_doc: Optional[int] = Field(None, ge=1, description="cut each document's note and dialogue to "
+                                                                      "this many tokens (below the library's budget)")
+    max_chunks_per_doc: Optional[int] = Field(None, ge=1, description="Cohere v1; a document is one memory, never "
+                                                                      "chunked")
+    truncate: Optional[bool] = Field(None, description="false: a text past the library's token budget is a 422 "
+                                                       "instead of being cut")
+    policy: Optional[Policy] = Field(None, description=f"the open decision (default: k={DEFAULT_OPEN_K})")
+    timeout_s: Optional[float] = Field(None, gt=0)
+
+
+class TEIRerankRequest(Strict):
+    """Text Embeddings Inference's POST /rerank body, with PixelTriage's `policy`."""
+
+    query: Text
+    texts: list[Text] = Field(description="documents as strings: a cache key, a JSON memory object, or plain text")
+    truncate: Optional[bool] = Field(None, description="null or true: cut at the library's token budget; false: "
+                                                       "a text past it is a 422")
+    truncation_direction: Literal["Right", "Left", "right", "left"] = "Right"
+    raw_scores: bool = Field(False, description="true: the gain's logit, l_i - l_none")
+    return_text: bool = False
+    policy: Optional[Policy] = None
+    timeout_s: Optional[float] = Field(None, gt=0)
+
+
+class RerankExtra(BaseModel):
+    """What System One says of one document beyond its score (ignored by the standard clients)."""
+
+    image: bool = Field(description="the document carried an image (or a cache key) and was scored")
+    gain: Optional[float] = Field(description="Scores.gains[i] (null: no image)")
+    relevance: Optional[float] = Field(description="Scores.relevance[i] (null: no image)")
+    p_vis: float = Field(description="Scores.p_vis of the query (the same for every document)")
+    open: bool = Field(description="the policy delivers this document's pixels")
+    truncated: bool = Field(description="a text of the document was cut to the token budget")
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: Optional[RerankDocument] = Field(None, description="with return_documents")
+    pixeltriage: RerankExtra
+
+
+class RerankSummary(BaseModel):
+    p_vis: float
+    relevance_none: float
+    opened: list[int] = Field(description="the documents whose pixels are delivered, by index")
+    state_tokens: int
+    query_truncated: bool
+
+
+class RerankResponse(BaseModel):
+    """Cohere's shape (`id`, `results`, `meta`) with Jina's and vLLM's (`model`, `usage`)."""
+
+    id: str
+    model: Optional[str]
+    results: list[RerankResult]
+    meta: dict
+    usage: dict
+    pixeltriage: RerankSummary
+
+
+class TEIRank(BaseModel):
+    index: int
+    score: float
+    text: Optional[str] = None
+    pixeltriage: RerankExtra

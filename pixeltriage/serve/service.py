@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from pixeltriage.errors import InvalidMemoryError, InvalidRequestError, StateTooLongError
 from pixeltriage.serve.batcher import Batcher, Prepare
 from pixeltriage.serve.config import ServeConfig
-from pixeltriage.serve.inputs import ImageRoot, decode_image, to_memory
+from pixeltriage.serve.inputs import ImageRoot, RerankDoc, decode_image, to_memory
 from pixeltriage.serve.metrics import Metrics
 from pixeltriage.serve.schemas import MemoryIn, Policy
 
@@ -82,6 +83,25 @@ class FieldError(Exception):
     def __init__(self, field: str | None, error: Exception):
         self.field, self.error = field, error
         super().__init__(f"{field}: {error}" if field else str(error))
+
+
+def _document_error(error: FieldError, documents: Sequence[RerankDoc]) -> FieldError:
+    """A scored memory's error (`memories[2].image`) renamed for the document it came from (`documents[5].image`),
+    a library error numbered by the document."""
+    found = _MEMORY_FIELD.match(error.field or "")
+    if found is None:
+        if error.field != "memories":
+            return error
+        collection = documents[0].field.split("[", 1)[0] if documents else "documents"
+        return FieldError(collection, error.error)          # the whole state (too long)
+    document = documents[int(found.group(1))]
+    inner = error.error
+    if isinstance(inner, InvalidMemoryError):
+        inner = InvalidMemoryError(inner.reason, document.index)
+    return FieldError(f"{document.field}.{document.source}", inner)
+
+
+_MEMORY_FIELD = re.compile(r"^memories\[(\d+)\]")
 
 
 class Gates:
@@ -280,6 +300,68 @@ class Service:
         out = {"open": opened, "opened": [i + 1 for i, o in enumerate(opened) if o], "gate_open": decided["gate_open"],
                "k": policy.k, "token_budget": policy.token_budget, "gate_rate": policy.gate_rate}
         return out, decided.get("visual_tokens")
+
+    # -- rerank ----------------------------------------------------------------------------------------------------
+    def check_documents(self, documents: Sequence, field: str) -> None:
+        """A rerank request's documents are one question's memories (one state, never split: the gains are relative
+        to each other): at most --max-memories of them."""
+        if len(documents) > self.config.max_memories:
+            raise InvalidRequestError(f"{len(documents)} documents; this server reranks at most "
+                                      f"{self.config.max_memories} per request (--max-memories): they are one "
+                                      "question's memories, scored together", field)
+
+    def prepare_rerank(self, query: str, documents: Sequence[RerankDoc], policy: Policy, truncate: bool,
+                       max_tokens: int | None, query_field: str) -> Prepare:
+        """`prepare` of the documents that carry an image (or a key), their texts cut first: -> (State, (image
+        sizes, whether the query was cut, per scored document whether a text of it was cut))."""
+        scored = [d for d in documents if d.memory is not None]
+
+        def prepare():
+            memories, query_cut, cuts = self._cut_texts(query, scored, truncate, max_tokens, query_field)
+            try:
+                state, sizes = self.prepare(query, memories, policy, "")()
+            except FieldError as e:
+                raise _document_error(e, scored) from None
+            return state, (sizes, query_cut, cuts)
+
+        return prepare
+
+    def _cut_texts(self, query: str, documents: Sequence[RerankDoc], truncate: bool, max_tokens: int | None,
+                   query_field: str) -> tuple[list[MemoryIn], bool, list[bool]]:
+        """The documents' memories with note and dialogue cut to `max_tokens` (the client's own limit), whether the
+        library will cut the query, and per memory whether a text of it is cut (by either); with `truncate` False,
+        a text the library would cut is a FieldError naming its budget."""
+        from pixeltriage.engine.state import DATE_TOKENS
+
+        encoder, budgets = self.scorer.packer.encoder, self.scorer.packer.cfg
+        query_cut = encoder.truncate(query, budgets.max_question_tokens) != query
+        if query_cut and not truncate:
+            raise FieldError(query_field, InvalidRequestError(
+                f"longer than the model's question budget of {budgets.max_question_tokens} tokens; truncate: true "
+                "(the default) cuts it there"))
+        memories, cuts = [], []
+        for d in documents:
+            m, cut = d.memory, False
+            note = m.note or ""          # a cached note (null) is the server's own: not checked
+            budget = budgets.max_memory_text_tokens - encoder.truncate_counted(m.date, DATE_TOKENS)[1]
+            if max_tokens is not None and max_tokens < budget:
+                kept_note, note_tokens = encoder.truncate_counted(note, max_tokens)
+                kept_dialogue = encoder.truncate(m.dialogue, max_tokens - note_tokens)
+                if (kept_note, kept_dialogue) != (note, m.dialogue):
+                    cut = True
+                    note, m = kept_note, m.model_copy(update={"note": kept_note if m.note is not None else None,
+                                                              "dialogue": kept_dialogue})
+            kept_note, note_tokens = encoder.truncate_counted(note, max(budget // 2, 0))
+            library_cut = (encoder.truncate(m.date, DATE_TOKENS) != m.date or kept_note != note
+                           or encoder.truncate(m.dialogue, max(budget - note_tokens, 0)) != m.dialogue)
+            if library_cut and not truncate:
+                raise FieldError(d.field, InvalidRequestError(
+                    f"longer than the model's budget for a memory's text: {budgets.max_memory_text_tokens} tokens "
+                    f"of date (at most {DATE_TOKENS}), note (at most half the rest) and dialogue; truncate: true "
+                    "(the default) cuts it there"))
+            memories.append(m)
+            cuts.append(cut or library_cut)
+        return memories, query_cut, cuts
 
     # -- the write-time cache ------------------------------------------------------------------------------------
     def put_memory(self, image: str | None, path: str | None, note: str) -> dict:

@@ -1,0 +1,177 @@
+"""The rerank endpoints as their users meet them: TEI's POST /rerank over httpx, Cohere's own SDK (ClientV2 and the v1
+Client, `base_url` pointed at a real server process) on /v2/rerank and /v1/rerank, Jina's and vLLM's multimodal
+documents. Every score is `Scorer.score`'s gain on the same memories (1e-5, float32); documents without an image
+score 0 after every image."""
+import json
+
+import httpx
+import pytest
+from serving import API_KEY, b64, episode
+
+from pixeltriage import Memory
+
+TOL = 1e-5
+
+
+def memory_json(m: Memory) -> str:
+    return json.dumps({"image": b64(m.image), "note": m.note, "dialogue": m.dialogue, "date": m.date})
+
+
+def assert_ranked(results, gains, indexes, score="relevance_score"):
+    """`results` are the documents at `indexes` (in request order, each with its library gain) by descending gain."""
+    want = sorted(zip(indexes, gains), key=lambda p: (-p[1], p[0]))
+    got = [(r["index"], r[score]) for r in results]
+    assert [i for i, _ in got] == [i for i, _ in want], (got, want)
+    assert all(abs(g - w) <= TOL for (_, g), (_, w) in zip(got, want)), (got, want)
+
+
+@pytest.fixture(scope="module")
+def stored(served, library):
+    """Three images put into the server's write-time cache: (question, memories as the library scores them, keys)."""
+    from pixeltriage.serve import Client
+
+    question, memories = episode(41, 3)
+    with Client(served.url, api_key=API_KEY, retries=0) as client:
+        keys = [client.put_memory(m.image, note=m.note) for m in memories]
+    # a key document carries the cached note and no dialogue or date
+    by_key = [Memory(image=m.image, note=m.note) for m in memories]
+    return question, by_key, keys, library.score(question, by_key)
+
+
+def test_tei_rerank_scores_are_the_library_gains_sorted(http, library):
+    question, memories = episode(40, 3)
+    texts = [memory_json(memories[0]), "we once talked about a red mug", memory_json(memories[1]),
+             memory_json(memories[2])]
+    response = http.post("/rerank", json={"query": question, "texts": texts, "return_text": True})
+    assert response.status_code == 200, response.text
+    ranks = response.json()
+    want = library.score(question, memories)
+    assert_ranked(ranks[:3], want.gains, [0, 2, 3], score="score")
+    assert ranks[3] == {**ranks[3], "index": 1, "score": 0.0, "text": texts[1]}     # no image: 0, after every image
+    assert ranks[3]["pixeltriage"]["image"] is False and ranks[3]["pixeltriage"]["gain"] is None
+    extra = {r["index"]: r["pixeltriage"] for r in ranks}
+    assert all(abs(extra[j]["p_vis"] - want.p_vis) <= TOL for j in (0, 2, 3))
+    assert all(abs(extra[j]["relevance"] - want.relevance[i]) <= TOL for i, j in enumerate((0, 2, 3)))
+    assert sum(extra[j]["open"] for j in (0, 2, 3)) == 2                                # the default k = 2
+    assert [r["index"] for r in ranks if r["pixeltriage"]["open"]] == [r["index"] for r in ranks[:2]]
+    plain = http.post("/rerank", json={"query": question, "texts": texts[:1]}).json()
+    assert "text" not in plain[0] and abs(plain[0]["score"] - library.score(question, memories[:1]).gains[0]) <= TOL
+
+
+def test_cohere_sdk_v2_ranks_stored_keys_as_the_library_does(served, stored):
+    cohere = pytest.importorskip("cohere")
+    question, _, keys, want = stored
+    client = cohere.ClientV2(api_key=API_KEY, base_url=served.url)
+    response = client.rerank(model="pixeltriage", query=question, documents=keys)
+    assert_ranked([r.dict() for r in response.results], want.gains, [0, 1, 2])
+    top = client.rerank(model="pixeltriage", query=question, documents=keys, top_n=2)
+    assert [r.index for r in top.results] == [r.index for r in response.results[:2]]
+    assert response.meta.api_version.version == "2"
+
+
+def test_cohere_sdk_v1_returns_documents(served, stored):
+    cohere = pytest.importorskip("cohere")
+    question, _, keys, want = stored
+    client = cohere.Client(api_key=API_KEY, base_url=served.url)
+    documents = [keys[0], "a text memory", keys[1], keys[2]]
+    response = client.rerank(model="pixeltriage", query=question, documents=documents, return_documents=True,
+                             top_n=4)
+    results = [r.dict() for r in response.results]
+    assert_ranked(results[:3], want.gains, [0, 2, 3])
+    assert [r.document.text for r in response.results] == [documents[r.index] for r in response.results]
+    assert (results[3]["index"], results[3]["relevance_score"]) == (1, 0.0)
+
+
+def test_jina_and_vllm_documents_carry_images(http, served, library):
+    question, memories = episode(42, 3)
+    mug = (served.root / "photos" / "mug.png").read_bytes()
+    documents = [
+        {"image": b64(memories[0].image), "text": memories[0].note},                        # Jina
+        {"text": "only words"},
+        {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(memories[1].image)}},
+                     {"type": "text", "text": memories[1].note}]},                          # vLLM
+        {"path": "photos/mug.png", "note": "a mug", "dialogue": "coffee", "date": "2026-01-02"},
+        {"image": "data:image/png;base64," + b64(memories[2].image), "note": memories[2].note,
+         "dialogue": memories[2].dialogue, "date": memories[2].date},
+    ]
+    response = http.post("/v1/rerank", json={"model": "m", "query": question, "documents": documents,
+                                             "return_documents": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    scored = [Memory(image=memories[0].image, note=memories[0].note),
+              Memory(image=memories[1].image, note=memories[1].note),
+              Memory(image=mug, note="a mug", dialogue="coffee", date="2026-01-02"), memories[2]]
+    want = library.score(question, scored)
+    assert_ranked(body["results"][:4], want.gains, [0, 2, 3, 4])
+    assert body["results"][4]["index"] == 1 and body["results"][4]["document"] == {"text": "only words"}
+    assert body["model"] == "m" and body["usage"]["total_tokens"] == body["pixeltriage"]["state_tokens"] > 0
+    assert abs(body["pixeltriage"]["p_vis"] - want.p_vis) <= TOL and len(body["id"]) == 32
+    assert body["pixeltriage"]["opened"] == sorted(r["index"] for r in body["results"][:2])
+
+
+def test_long_texts_are_cut_as_the_library_cuts_them_and_refused_with_truncate_false(http, library):
+    question, memories = episode(43, 2)
+    long = Memory(image=memories[0].image, note=" ".join(["mug"] * 3000), dialogue=memories[0].dialogue)
+    texts = [memory_json(long), memory_json(memories[1])]
+    ranks = http.post("/rerank", json={"query": question, "texts": texts}).json()
+    assert_ranked(ranks, library.score(question, [long, memories[1]]).gains, [0, 1], score="score")
+    assert {r["index"]: r["pixeltriage"]["truncated"] for r in ranks} == {0: True, 1: False}
+    refused = http.post("/rerank", json={"query": question, "texts": texts, "truncate": False})
+    assert refused.status_code == 422 and refused.json()["field"] == "texts[0]"
+    assert "256 tokens" in refused.json()["error"] and refused.json()["error_type"] == "invalid_input"
+    long_query = http.post("/rerank", json={"query": "why " * 2000, "texts": texts[1:], "truncate": False})
+    assert long_query.status_code == 422 and long_query.json()["field"] == "query"
+    assert "512 tokens" in long_query.json()["error"]
+
+
+def test_max_tokens_per_doc_cuts_each_document_first(http, library):
+    question, memories = episode(44, 2)
+    note = "a long note about the red mug on the desk " * 20
+    document = {"image": b64(memories[0].image), "note": note}
+    body = http.post("/v2/rerank", json={"query": question, "documents": [document], "max_tokens_per_doc": 8}).json()
+    kept = library.packer.encoder.truncate(note, 8)
+    assert kept != note and body["results"][0]["pixeltriage"]["truncated"]
+    want = library.score(question, [Memory(image=memories[0].image, note=kept)])
+    assert abs(body["results"][0]["relevance_score"] - want.gains[0]) <= TOL
+
+
+def test_errors_come_in_each_api_shape_naming_the_field_and_the_limit(http, served):
+    url = http.post("/v2/rerank", json={"query": "q", "documents": [{"image": "https://example.com/a.png"}]})
+    assert url.status_code == 422
+    error = url.json()
+    assert error["field"] == "documents[0].image" and "not fetched" in error["message"]
+    assert error["message"] == error["error"] and error["error_type"] == "invalid_input"
+    unknown = http.post("/v1/rerank", json={"query": "q", "documents": ["plain", "0" * 64]})
+    assert unknown.status_code == 422 and unknown.json()["field"] == "documents[1].key"
+    assert unknown.json()["error_type"] == "invalid_memory"
+    bad = http.post("/v1/rerank", json={"query": "q", "documents": [{"content": [{"type": "image_url",
+                                                                                  "image_url": {"url": "!!"}}]}]})
+    assert bad.status_code == 422 and bad.json()["field"] == "documents[0].content[0].image_url.url"
+    many = http.post("/rerank", json={"query": "q", "texts": ["t"] * 65})
+    assert many.status_code == 422 and many.json()["field"] == "texts" and "--max-memories" in many.json()["error"]
+    two = http.post("/v1/rerank", json={"query": "q", "documents": [{"key": "0" * 64, "image": "AAAA"}]})
+    assert two.status_code == 422 and "one image" in two.json()["message"]
+    wrong = http.post("/v1/rerank", json={"query": "q", "documents": [7]})
+    assert wrong.status_code == 422 and wrong.json()["field"] == "documents[0]"
+    tei = http.post("/rerank", json={"query": "q", "texts": ["t"], "raw_scores": True})
+    assert tei.status_code == 422 and set(tei.json()) >= {"error", "error_type"} and "message" not in tei.json()
+    broken = http.post("/rerank", json={"query": "q", "texts": ['{"image": 3}']})
+    assert broken.status_code == 422 and broken.json()["field"] == "texts[0]"
+
+
+def test_the_api_key_is_a_bearer_token_on_every_rerank_route(served):
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = {"query": "q", "texts": ["t"]} if path == "/rerank" else {"query": "q", "documents": ["t"]}
+        assert httpx.post(served.url + path, json=body, timeout=60).status_code == 401
+        ok = httpx.post(served.url + path, json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert ok.status_code == 200, ok.text
+    cohere = pytest.importorskip("cohere")
+    with pytest.raises(cohere.core.ApiError) as refused:
+        cohere.ClientV2(api_key="wrong", base_url=served.url).rerank(model="m", query="q", documents=["t"])
+    assert refused.value.status_code == 401 and "API key" in refused.value.body["message"]
+
+
+def test_a_document_image_is_decoded_by_the_library(http):
+    response = http.post("/v2/rerank", json={"query": "q", "documents": ["plain", {"image": b64(b"not an image" * 8)}]})
+    assert response.status_code == 422 and response.json()["error_type"] == "invalid_memory"
+    assert response.json()["field"] == "documents[1].image" and "memory 2" in response.json()["message"]
