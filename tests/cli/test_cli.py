@@ -10,31 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_inputs import ENV, run_cli, write_episode
 from PIL import Image
 
 from pixeltriage import Cache
 from pixeltriage.cli import COMMANDS, main
-
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                    os.environ.get("PYTHONPATH", "")])}
-
-
-def write_episode(tmp_path):
-    (tmp_path / "photos").mkdir(exist_ok=True)
-    Image.new("RGB", (640, 480), (200, 40, 40)).save(tmp_path / "photos" / "mug.png")
-    Image.new("RGB", (300, 500), (40, 200, 40)).save(tmp_path / "photos" / "bike.jpg")
-    episode = {"question": "What colour was the mug?", "memories": [
-        {"image": "photos/mug.png", "note": "a mug", "dialogue": "new mug", "date": "2026-01-02"},
-        {"image": "photos/bike.jpg", "note": "a bike"},
-    ]}
-    path = tmp_path / "episode.json"
-    path.write_text(json.dumps(episode))
-    return path
-
-
-def run_cli(*argv, stdin=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "pixeltriage", *argv], capture_output=True, text=True,
-                          input=stdin, env=ENV, timeout=timeout)
 
 
 def assert_one_line_error(err: str, *needles: str):

@@ -189,7 +189,7 @@ def test_pack_keeps_the_checkpoint_dtype_by_default_and_warns_when_narrowing(tin
 
 
 def test_pack_cli_warns_on_stderr_when_narrowing(tiny_checkpoint, tmp_path):
-    from test_cli import run_cli
+    from cli_inputs import run_cli
 
     out = run_cli("pack", str(tiny_checkpoint), str(tmp_path / "p.safetensors"), "--dtype", "bfloat16", "--quiet")
     assert out.returncode == 0, out.stderr
@@ -205,7 +205,7 @@ def test_pack_cli(tiny_checkpoint, tmp_path, capsys, episode):
 
 
 def test_score_cli_verify_names_the_damaged_file(packed, tmp_path, capsys):
-    from test_cli import write_episode
+    from cli_inputs import write_episode
 
     damaged = tmp_path / "damaged.safetensors"
     damaged.write_bytes(packed[torch.float32].read_bytes())
