@@ -31,21 +31,24 @@ from pixeltriage.bench.timing import flop_rate, gemm_tflops, set_threads, thread
 if TYPE_CHECKING:
     from pixeltriage.engine.state import State
 
-# The profiler's stages of one forward, in order, and what each holds. The Gated DeltaNet layer's kernel call
-# ("delta_rule") is timed apart from the norms, projections and gates around it ("gated_delta"); the C kernel does
-# the conv and the recurrence in one pass per head, so they are one stage; so is the torch path's, whose two calls
-# sit inside the registry's one kernel function (kernels/gated_delta/chunk.py).
+# The profiler's stages of one forward, in order, and what each holds. The vision tower is two: its attention
+# (SDPA per image, "vision_attention") timed apart from its linear layers, norms and rotary ("vision"). The Gated
+# DeltaNet layer's kernel call ("delta_rule") is timed apart from the norms, projections and gates around it
+# ("gated_delta"); the C kernel does the conv and the recurrence in one pass per head, so they are one stage; so is
+# the torch path's, whose two calls sit inside the registry's one kernel function (kernels/gated_delta/chunk.py).
 STAGES = {
-    "vision": "vision (matmuls + attention)",
+    "vision": "vision matmuls (+ norms)",
+    "vision_attention": "vision attention",
     "gated_delta": "gated_delta projections",
     "delta_rule": "delta_rule (conv + recurrence)",
     "attention": "attention",
     "mlp": "mlp",
     "head": "head",
 }
-# Each part of the FLOP model (flops.scorer_flops(..., split_linear=True)) in exactly one stage
-STAGE_OF_PART = {"vision": "vision", "linear_projections": "gated_delta", "linear_conv": "delta_rule",
-                 "linear_recurrence": "delta_rule", "full_attention": "attention", "ffn": "mlp", "head": "head"}
+# Each part of the FLOP model (flops.scorer_flops(..., split=True)) in exactly one stage
+STAGE_OF_PART = {"vision_matmuls": "vision", "vision_attention": "vision_attention",
+                 "linear_projections": "gated_delta", "linear_conv": "delta_rule", "linear_recurrence": "delta_rule",
+                 "full_attention": "attention", "ffn": "mlp", "head": "head"}
 OTHER = "other"
 
 
@@ -132,7 +135,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     progress(f"checkpoint {path}; {torch.get_num_threads()} threads")
     scorer = Scorer.load(path, dtype=torch_dtype)
     state = bench_episode(scorer.packer, memories, target_tokens).state
-    parts = scorer_flops(scorer, state, split_linear=True)
+    parts = scorer_flops(scorer, state, split=True)
     flops = total(parts)
 
     from transformers import Qwen3_5ForConditionalGeneration

@@ -188,10 +188,19 @@ def _window_lengths(grid: Grid, vision: VisionShape) -> list[int]:
 
 def vision_flops(vision: VisionShape, grids: Sequence[Grid]) -> Flops:
     """Patch embedding, blocks and merger over every image. grids: (t, h, w) in patches."""
+    return total(vision_parts(vision, grids))
+
+
+VISION_PARTS = ("matmuls", "attention")
+
+
+def vision_parts(vision: VisionShape, grids: Sequence[Grid]) -> dict[str, Flops]:
+    """`vision_flops` in its VISION_PARTS: the linear layers (patch embedding, qkv, proj, MLP, merger) and the
+    attention's QK^T and PV, as the profiler times them apart."""
     hidden = vision.hidden_size
     patches = sum(t * h * w for t, h, w in grids)
     if not patches:
-        return Flops()
+        return {name: Flops() for name in VISION_PARTS}
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
     embed = 2 * patches * patch_dim * hidden
     mlp_mats = 3 if vision.gated_mlp else 2
@@ -206,7 +215,7 @@ def vision_flops(vision: VisionShape, grids: Sequence[Grid]) -> Flops:
         attention = 4 * hidden * vision.depth * frame_sq
     merged_dim = vision.merge_unit * hidden
     merger = 2 * (patches // vision.merge_unit) * (merged_dim * merged_dim + merged_dim * vision.out_hidden_size)
-    return Flops(matmul=embed + blocks + attention + merger)
+    return {"matmuls": Flops(matmul=embed + blocks + merger), "attention": Flops(matmul=attention)}
 
 
 # ---- decoder -----------------------------------------------------------------------------------
@@ -274,14 +283,14 @@ def ffn_flops(lang: LanguageShape, num_tokens: int) -> Flops:
 
 
 def language_flops(lang: LanguageShape, num_tokens: int, causal: str = "half",
-                   output_rows: int | None = None, split_linear: bool = False) -> dict[str, Flops]:
+                   output_rows: int | None = None, split: bool = False) -> dict[str, Flops]:
     """Every decoder layer over `num_tokens` rows (no embedding, no final norm, no head).
 
     output_rows: the decoder's output is wanted at these many rows only, so the last layer computes everything
     after its token mixer's recurrence or keys and values at those rows (`decoder_forward(rows=...)`).
-    split_linear: the Gated DeltaNet layers as "linear_projections", "linear_conv" and "linear_recurrence"
+    split: the Gated DeltaNet layers as "linear_projections", "linear_conv" and "linear_recurrence"
     (`linear_attention_parts`) in place of one "linear_attention"; the same total."""
-    linear_names = [f"linear_{p}" for p in LINEAR_PARTS] if split_linear else ["linear_attention"]
+    linear_names = [f"linear_{p}" for p in LINEAR_PARTS] if split else ["linear_attention"]
     parts = {"full_attention": Flops()}
     if LINEAR in lang.layer_types:
         parts.update((name, Flops()) for name in linear_names)
@@ -291,7 +300,7 @@ def language_flops(lang: LanguageShape, num_tokens: int, causal: str = "half",
         rows = output_rows if i == last else None                 # the last layer at the rows, when asked
         if kind == FULL:
             parts["full_attention"] += full_attention_flops(lang, num_tokens, causal, query_rows=rows)
-        elif split_linear:
+        elif split:
             for name, f in linear_attention_parts(lang, num_tokens, output_rows=rows).items():
                 parts[f"linear_{name}"] += f
         else:
@@ -341,30 +350,34 @@ def state_shape(state, merge_unit: int) -> StateShape:
     return StateShape(text_tokens=state.num_tokens - image_tokens, image_grids=grids)
 
 
-def scorer_flops(scorer, state, cached_vision: bool = False, split_linear: bool = False) -> dict[str, Flops]:
+def scorer_flops(scorer, state, cached_vision: bool = False, split: bool = False) -> dict[str, Flops]:
     """`system_one_flops` of a loaded `Scorer`'s model for one of its `State`s."""
     return system_one_flops(scorer.model_config, state_shape(state, scorer.model_config.vision.merge_unit),
-                            scorer.triage_config.head_dim, cached_vision=cached_vision, split_linear=split_linear)
+                            scorer.triage_config.head_dim, cached_vision=cached_vision, split=split)
 
 
 def system_one_flops(model: ModelConfig | ModelShape, state: StateShape, head_dim: int = 256,
                      cached_vision: bool = False, causal: str = "half",
                      num_memories: int | None = None, head_rows_only: bool = True,
-                     split_linear: bool = False) -> dict[str, Flops]:
+                     split: bool = False) -> dict[str, Flops]:
     """One System One forward: vision tower (skipped when its outputs are cached), decoder, decision head.
 
     num_memories: marker rows scored by the head; defaults to one per image.
     head_rows_only: the decoder's last layer at the head's n + EXTRA_HEAD_ROWS rows only, as the engine runs it;
     False counts the whole last layer, as a forward that returns every row (transformers') does.
-    split_linear: the Gated DeltaNet layers in three parts (`language_flops`), as `bench cpu` reports them.
+    split: the parts as the profiler times them apart (`bench cpu`): the vision tower as "vision_matmuls" and
+    "vision_attention" (`vision_parts`), the Gated DeltaNet layers in three (`language_flops`); the same total.
     """
     shape = shape_from_config(model) if isinstance(model, ModelConfig) else model
     merge_unit = shape.vision.merge_unit
     memories = len(state.image_grids) if num_memories is None else num_memories
-    parts = {"vision": Flops() if cached_vision else vision_flops(shape.vision, state.image_grids)}
+    if split:
+        vision = vision_parts(shape.vision, () if cached_vision else state.image_grids)
+        parts = {f"vision_{name}": f for name, f in vision.items()}
+    else:
+        parts = {"vision": Flops() if cached_vision else vision_flops(shape.vision, state.image_grids)}
     parts.update(language_flops(shape.language, state.num_tokens(merge_unit), causal,
-                                output_rows=memories + EXTRA_HEAD_ROWS if head_rows_only else None,
-                                split_linear=split_linear))
+                                output_rows=memories + EXTRA_HEAD_ROWS if head_rows_only else None, split=split))
     parts["head"] = decision_head_flops(shape.language.hidden_size, head_dim, memories)
     return parts
 

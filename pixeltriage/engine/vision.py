@@ -90,5 +90,6 @@ def vision_attention(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConf
     qkv = linear(x, block.qkv_w, block.qkv_b).view(n, 3, cfg.num_heads, cfg.head_dim)
     q, k = apply_rotary_float(qkv[:, :2], cos, sin).unbind(1)   # q and k in one pass
     v = qkv[:, 2]
-    o = segment_attention(q, k, v, lengths, causal=False).reshape(n, -1)
+    with stage("vision_attention"):                 # nested in "vision": QK^T, softmax and PV timed apart
+        o = segment_attention(q, k, v, lengths, causal=False).reshape(n, -1)
     return linear(o, block.proj_w, block.proj_b)

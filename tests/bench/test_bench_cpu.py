@@ -30,12 +30,12 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert len(r["engine_times"]) == 2 and len(r["transformers_times"]) == 2
     assert r["speedup"] == r["transformers_s"] / r["engine_s"]
     assert len(r["gemm_tflops_before_after"]) == 2 and r["gemm_tflops"] > 0
-    assert {"vision", "gated_delta", "delta_rule", "mlp", "attention", "head", "other"} <= set(r["stages_s"])
+    assert set(cpu.STAGES) | {"other"} <= set(r["stages_s"])
     # the per-stage table: every stage in order, then "other"; their FLOPs are the forward's
     stages = r["stages"]
     assert [row["stage"] for row in stages] == [*cpu.STAGES, "other"]
-    assert [row["name"] for row in stages][:3] == ["vision (matmuls + attention)", "gated_delta projections",
-                                                   "delta_rule (conv + recurrence)"]
+    assert [row["name"] for row in stages][:4] == ["vision matmuls (+ norms)", "vision attention",
+                                                   "gated_delta projections", "delta_rule (conv + recurrence)"]
     assert all(set(row) == {"stage", "name", "flops", "seconds", "tflops", "of_gemm"} for row in stages)
     assert sum(row["flops"] for row in stages) == pytest.approx(r["tflop"] * 1e12, rel=1e-12)
     assert all(row["flops"] > 0 for row in stages[:-1]) and stages[-1]["flops"] == 0
@@ -88,21 +88,22 @@ def test_bench_counts_out_of_range_are_usage_errors(argv, message, capsys):
 
 @pytest.mark.parametrize("cached_vision", [False, True])
 def test_every_flop_of_the_forward_lands_in_exactly_one_stage(tiny_checkpoint, cached_vision):
-    """The FLOP model's parts (split_linear) map onto the profiler's stages: each part to one stage, every stage
+    """The FLOP model's parts (split) map onto the profiler's stages: each part to one stage, every stage
     holds some part (the tiny preset has every layer kind), and the stages' FLOPs add up to the forward's."""
     from pixeltriage.bench.flops import scorer_flops, total
     from pixeltriage.engine.scorer import Scorer
 
     scorer = Scorer.load(tiny_checkpoint)
     state = cpu.bench_episode(scorer.packer, num_memories=3, target_tokens=400).state
-    parts = scorer_flops(scorer, state, cached_vision=cached_vision, split_linear=True)
+    parts = scorer_flops(scorer, state, cached_vision=cached_vision, split=True)
     assert set(parts) == set(cpu.STAGE_OF_PART)
     assert set(cpu.STAGE_OF_PART.values()) == set(cpu.STAGES)
     by_stage = cpu.stage_flops(parts)
     assert list(by_stage) == list(cpu.STAGES)
     assert sum(by_stage.values()) == total(parts).total == total(scorer_flops(scorer, state, cached_vision)).total
-    assert (by_stage["vision"] == 0) == cached_vision
-    assert all(by_stage[k] > 0 for k in cpu.STAGES if k != "vision")
+    vision = ("vision", "vision_attention")
+    assert all((by_stage[k] == 0) == cached_vision for k in vision)
+    assert all(by_stage[k] > 0 for k in cpu.STAGES if k not in vision)
     with pytest.raises(KeyError):
         cpu.stage_flops({**parts, "embed": parts["head"]})        # a part no stage holds is loud
 

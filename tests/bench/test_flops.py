@@ -105,6 +105,10 @@ def test_system_one_matches_flop_counter(case):
 
     analytic = F.system_one_flops(shape, state, causal="dense", head_rows_only=False)
     assert_close(analytic["vision"].matmul, part(counts, ".visual"), "vision tower")
+    # the attention `bench cpu` reports apart: each block's count less its linear layers'
+    attention = sum(part(counts, f".visual.blocks.{b}.attn") - part(counts, f".visual.blocks.{b}.attn.qkv")
+                    - part(counts, f".visual.blocks.{b}.attn.proj") for b in range(vision.depth))
+    assert_close(F.vision_parts(vision, grids)["attention"].matmul, attention, "vision attention")
     tokens = state.num_tokens(vision.merge_unit)
     lang = shape.language
     for i, kind in enumerate(lang.layer_types):
@@ -329,21 +333,34 @@ def test_answering_checkpoints_count_the_registrys_visual_tokens():
 
 @pytest.mark.parametrize("cached_vision", [False, True])
 @pytest.mark.parametrize("head_rows_only", [True, False])
-def test_split_linear_moves_only_the_gated_deltanet_layers(cached_vision, head_rows_only):
-    """split_linear=True: the Gated DeltaNet layers in three parts whose sum is their one part; every other part
-    and the total unchanged (2b preset at the paper's state, and a config whose last layer is Gated DeltaNet)."""
+def test_split_moves_only_the_vision_tower_and_the_gated_deltanet_layers(cached_vision, head_rows_only):
+    """split=True: the vision tower in two parts and the Gated DeltaNet layers in three, whose sums are their one
+    part each; every other part and the total unchanged (2b preset at the paper's state, and a config whose
+    last layer is Gated DeltaNet)."""
     configs = [F.system_one_config(), ModelConfig.from_dict(QWEN35_CASES["mixed"])]
     for cfg in configs:
         kw = dict(cached_vision=cached_vision, head_rows_only=head_rows_only)
         whole = F.system_one_flops(cfg, F.paper_state(), **kw)
-        split = F.system_one_flops(cfg, F.paper_state(), split_linear=True, **kw)
+        split = F.system_one_flops(cfg, F.paper_state(), split=True, **kw)
         linear = [f"linear_{p}" for p in F.LINEAR_PARTS]
-        assert set(split) == (set(whole) - {"linear_attention"}) | set(linear)
-        assert all(split[k] == v for k, v in whole.items() if k != "linear_attention")
+        vision = [f"vision_{p}" for p in F.VISION_PARTS]
+        assert set(split) == (set(whole) - {"linear_attention", "vision"}) | set(linear) | set(vision)
+        assert all(split[k] == v for k, v in whole.items() if k not in ("linear_attention", "vision"))
         assert F.total({k: split[k] for k in linear}) == whole["linear_attention"]
+        assert F.total({k: split[k] for k in vision}) == whole["vision"]
+        assert all((split[k].total == 0) == cached_vision for k in vision)
         assert F.total(split) == F.total(whole)
         assert split["linear_recurrence"].solve == whole["linear_attention"].solve > 0
         assert split["linear_projections"].solve == split["linear_conv"].solve == 0
+
+
+def test_vision_parts_sum_to_the_tower():
+    for shape in (F.shape_from_config(F.system_one_config()), F.answering_model("qwen2.5-vl-7b")):
+        for grids in ((), ((1, 20, 20),) * 10, ((1, 8, 12), (2, 16, 4))):
+            parts = F.vision_parts(shape.vision, grids)
+            assert tuple(parts) == F.VISION_PARTS
+            assert F.total(parts) == F.vision_flops(shape.vision, grids)
+            assert (parts["attention"].total > 0) == bool(grids)
 
 
 def test_linear_attention_parts_sum_to_the_layer():
