@@ -4,10 +4,15 @@ type, payload limit).
 Status codes: 200; 401 missing or wrong API key; 404 unknown cache key or unknown path; 405 a method the path does
 not take; 413 body past --payload-limit; 415 a body that is not `application/json`; 422 a field of the wrong type or
 value (a text field past its character limit included), an image that does not decode, an unknown cache key in a
-question, too many memories or questions, a state too long, a body that is not JSON; 429 the queue is full
+question, too many memories, questions or rerank documents, a rerank text past its token budget with `truncate:
+false`, a state too long, a body that is not JSON; 429 the queue is full
 (Retry-After); 499 (recorded only) the client went away first; 500 a bug; 501 /v1/memories without --cache or
 /v1/retrieve without --index-encoder; 503 loading or shutting down; 504 the request's deadline passed before its
-forward began. Error bodies are `{"error": message, "error_type": kind, "field": "memories[2].image" or null}`.
+forward began. Error bodies are `{"error": message, "error_type": kind, "field": "memories[2].image" or null}`
+(TEI's shape), with Cohere's `message` too on /v1/rerank and /v2/rerank.
+
+The rerank routes (TEI's /rerank, Cohere's, Jina's and vLLM's /v1/rerank and /v2/rerank) score a query's documents
+as one question's memories through the same batcher as /v1/score (docs/serve.md, "Rerank").
 
 Every route that takes a body is declared in BODY_ROUTES with its request model: the guard checks its content type
 and size, and `_post` parses the body straight from its bytes into that model (pydantic's JSON parser, every string

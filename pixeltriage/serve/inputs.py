@@ -170,5 +170,9 @@ def rerank_doc(document: str | DocumentIn, collection: str, index: int) -> Reran
     if source == "image" and not _DATA_URI.match(value) and _URL.match(value):
         raise InvalidRequestError("image URLs are not fetched by this server: send the image as base64 or a data "
                                   "URI, or put it with POST /v1/memories and send its key", f"{field}.{where}")
-    memory = MemoryIn(**{source: value}, note=note, dialogue=document.dialogue, date=document.date)
+    try:
+        memory = MemoryIn(**{source: value}, note=note, dialogue=document.dialogue, date=document.date)
+    except ValidationError as e:                    # the joined texts of a vLLM document past the note's limit
+        raise InvalidRequestError(f"note: {e.errors(include_url=False, include_input=False)[0]['msg']}",
+                                  field) from None
     return RerankDoc(memory, note or "", index, field, where)

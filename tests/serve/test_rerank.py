@@ -107,6 +107,8 @@ def test_jina_and_vllm_documents_carry_images(http, served, library):
     assert body["model"] == "m" and body["usage"]["total_tokens"] == body["pixeltriage"]["state_tokens"] > 0
     assert abs(body["pixeltriage"]["p_vis"] - want.p_vis) <= TOL and len(body["id"]) == 32
     assert body["pixeltriage"]["opened"] == sorted(r["index"] for r in body["results"][:2])
+    one = http.post("/v2/rerank", json={"query": question, "documents": documents, "policy": {"k": 1}}).json()
+    assert one["pixeltriage"]["opened"] == [body["results"][0]["index"]] and "document" not in one["results"][0]
 
 
 def test_long_texts_are_cut_as_the_library_cuts_them_and_refused_with_truncate_false(http, library):
