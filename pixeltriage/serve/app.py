@@ -274,20 +274,19 @@ def _add_rerank_routes(app: FastAPI, service: Service) -> None:
     for path, version in (("/v1/rerank", "1"), ("/v2/rerank", "2")):
         _add_cohere_route(app, service, path, version)
 
-    @_post(app, "/rerank", response_model=list[TEIRank], tags=["rerank"])
+    @_post(app, "/rerank", response_model=list[TEIRank] | RerankResponse, tags=["rerank"])
     async def rerank_tei(body: TEIRerankRequest, request: Request):
         """Text Embeddings Inference's rerank: the query and its texts as one question's memories -> `[{index,
-        score}]` by descending score (System One's gain; 0 for a text with no image)."""
-        if body.raw_scores:
-            raise InvalidRequestError("System One's scores are probabilities (the gain); this server answers "
-                                      "raw_scores: false only", "raw_scores")
+        score}]` by descending score (System One's gain; 0 for a text with no image). A body with `documents`
+        instead (what vLLM and Infinity take on /rerank) is answered as /v2/rerank answers."""
+        if body.documents is not None:
+            return await _cohere(service, request, body, "2")
         if body.truncation_direction.lower() == "left":
             raise InvalidRequestError("the library keeps the beginning of a text; this server cuts on the right "
                                       "only", "truncation_direction")
-        results, _, headers = await _rerank(service, request, body.query, body.texts, "texts", body.policy,
-                                            body.truncate, None, body.timeout_s)
+        results, _, headers = await _rerank(service, request, body, body.texts, "texts")
         ranks = [TEIRank(index=r["index"], score=r["relevance_score"], text=r["document"]["text"],
-                         pixeltriage=r["pixeltriage"]).model_dump() for r in results]
+                         pixeltriage=r["pixeltriage"]).model_dump() for r in results[:body.top_n]]
         if not body.return_text:
             ranks = [{k: v for k, v in r.items() if k != "text"} for r in ranks]
         return _json(ranks, headers)
@@ -299,34 +298,38 @@ def _add_cohere_route(app: FastAPI, service: Service, path: str, version: str) -
         """Cohere's, Jina's and vLLM's rerank: the query and its documents as one question's memories -> `{id,
         results: [{index, relevance_score}], meta, usage}` by descending score (System One's gain; 0 for a document
         with no image), at most `top_n`."""
-        results, summary, headers = await _rerank(service, request, body.query, body.documents, "documents",
-                                                   body.policy, body.truncate, body.max_tokens_per_doc,
-                                                   body.timeout_s)
-        if body.top_n is not None:
-            results = results[:body.top_n]
-        tokens = summary["state_tokens"]
-        response = RerankResponse(id=uuid.uuid4().hex, model=body.model, results=results, pixeltriage=summary,
-                                  meta={"api_version": {"version": version},
-                                        "tokens": {"input_tokens": tokens, "output_tokens": 0}},
-                                  usage={"total_tokens": tokens, "prompt_tokens": tokens}).model_dump()
-        for result in response["results"]:
-            if not body.return_documents:
-                del result["document"]
-        return _json(response, headers)
+        return await _cohere(service, request, body, version)
 
 
-async def _rerank(service: Service, request: Request, query: str, documents: Sequence, collection: str,
-                  policy: Policy | None, truncate: bool | None, max_tokens: int | None,
-                  timeout: float | None) -> tuple[list[dict], dict, dict[str, str]]:
+async def _cohere(service: Service, request: Request, body: RerankRequest, version: str) -> Response:
+    """A rerank in Cohere's shape (with Jina's and vLLM's `model` and `usage`)."""
+    results, summary, headers = await _rerank(service, request, body, body.documents, "documents")
+    tokens = summary["state_tokens"]
+    response = RerankResponse(id=uuid.uuid4().hex, model=body.model, results=results[:body.top_n],
+                              pixeltriage=summary, meta={"api_version": {"version": version},
+                                                         "tokens": {"input_tokens": tokens, "output_tokens": 0}},
+                              usage={"total_tokens": tokens, "prompt_tokens": tokens}).model_dump()
+    for result in response["results"]:
+        if not body.return_documents:
+            del result["document"]
+    return _json(response, headers)
+
+
+async def _rerank(service: Service, request: Request, body: RerankRequest, documents: Sequence,
+                  collection: str) -> tuple[list[dict], dict, dict[str, str]]:
     """Score the documents that carry an image as one question's memories -> (results by descending score, the
-    summary, timing headers)."""
+    summary, timing headers). collection: the body's field of `documents` ("documents", TEI's "texts")."""
+    if body.raw_scores:
+        raise InvalidRequestError("System One's scores are probabilities (the gain); this server answers "
+                                  "raw_scores: false only", "raw_scores")
     service.check_documents(documents, collection)
     docs = [rerank_doc(d, collection, j) for j, d in enumerate(documents)]
-    policy = policy or Policy(k=DEFAULT_OPEN_K)
+    policy = body.policy or Policy(k=DEFAULT_OPEN_K)
+    query, truncate = body.query, body.truncate
     log.debug("%s: %d documents, %d with images, %s bytes", request.url.path, len(docs),
               sum(d.memory is not None for d in docs), request.headers.get("content-length", "?"))
-    prepare = service.prepare_rerank(query, docs, policy, truncate is not False, max_tokens, "query")
-    (scored,), headers, _, _ = await _run(service, request, [prepare], timeout, 0)
+    prepare = service.prepare_rerank(query, docs, policy, truncate is not False, body.max_tokens_per_doc, "query")
+    (scored,), headers, _, _ = await _run(service, request, [prepare], body.timeout_s, 0)
     sizes, query_cut, cuts = scored.meta
     scores = scored.scores
     delivery, _ = service.decide(scores, sizes, policy)

@@ -296,8 +296,9 @@ Document = Annotated[Union[Annotated[Text, Tag(DOCUMENT_TAGS[0])], Annotated[Doc
 
 
 class RerankRequest(Strict):
-    """Cohere v1/v2, Jina and vLLM's rerank body (POST /v1/rerank, /v2/rerank), with PixelTriage's `policy`. A
-    string document is a write-time cache key, a JSON memory object, or plain text (no image: scored 0)."""
+    """Cohere v1/v2, Jina, vLLM and Infinity's rerank body (POST /v1/rerank, /v2/rerank, and /rerank), with
+    PixelTriage's `policy`. A string document is a write-time cache key, a JSON memory object, or plain text (no
+    image: scored 0)."""
 
     model: Optional[str] = Field(None, max_length=MODEL_NAME_LIMIT, description="echoed; the server's model scores")
     query: Text
@@ -310,22 +311,27 @@ class RerankRequest(Strict):
                                                                       "chunked")
     truncate: Optional[bool] = Field(None, description="false: a text past the library's token budget is a 422 "
                                                        "instead of being cut")
+    raw_scores: bool = Field(False, description="TEI and Infinity; true is refused: the gain is a probability")
     policy: Optional[Policy] = Field(None, description=f"the open decision (default: k={DEFAULT_OPEN_K})")
     timeout_s: Optional[float] = Field(None, gt=0)
 
 
-class TEIRerankRequest(Strict):
-    """Text Embeddings Inference's POST /rerank body, with PixelTriage's `policy`."""
+class TEIRerankRequest(RerankRequest):
+    """POST /rerank: Text Embeddings Inference's body (`texts`, answered as TEI's list of ranks), or, as vLLM and
+    Infinity serve /rerank, the Cohere/Jina body (`documents`, answered as /v2/rerank answers)."""
 
-    query: Text
-    texts: list[Text] = Field(description="documents as strings: a cache key, a JSON memory object, or plain text")
-    truncate: Optional[bool] = Field(None, description="null or true: cut at the library's token budget; false: "
-                                                       "a text past it is a 422")
+    documents: Optional[list[Document]] = Field(None, description="the Cohere/Jina shape (exactly one of "
+                                                                  "documents or texts)")
+    texts: Optional[list[Text]] = Field(None, description="TEI's: documents as strings (a cache key, a JSON memory "
+                                                          "object, or plain text)")
     truncation_direction: Literal["Right", "Left", "right", "left"] = "Right"
-    raw_scores: bool = Field(False, description="true: the gain's logit, l_i - l_none")
     return_text: bool = False
-    policy: Optional[Policy] = None
-    timeout_s: Optional[float] = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def one_shape(self) -> "TEIRerankRequest":
+        if (self.texts is None) == (self.documents is None):
+            raise ValueError("exactly one of 'texts' (TEI's shape) or 'documents' (Cohere's and Jina's) is needed")
+        return self
 
 
 class RerankExtra(BaseModel):

@@ -58,6 +58,19 @@ def test_tei_rerank_scores_are_the_library_gains_sorted(http, library):
     assert "text" not in plain[0] and abs(plain[0]["score"] - library.score(question, memories[:1]).gains[0]) <= TOL
 
 
+def test_rerank_also_takes_the_cohere_body_as_vllm_infinity_and_mem0s_tei_provider_post_it(http, stored, library):
+    question, memories, keys, _ = stored
+    want = library.score(question, [memories[2], memories[0], memories[1]])      # the state is in request order
+    body = {"model": "pixeltriage", "query": question, "documents": [keys[2], "text", keys[0], keys[1]], "top_n": 3}
+    response = http.post("/rerank", json=body)
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert_ranked(results, want.gains, [0, 2, 3])
+    both = http.post("/rerank", json={**body, "texts": ["t"]})
+    assert both.status_code == 422 and "exactly one of 'texts'" in both.json()["error"]
+    assert http.post("/rerank", json={"query": "q"}).status_code == 422
+
+
 def test_cohere_sdk_v2_ranks_stored_keys_as_the_library_does(served, stored):
     cohere = pytest.importorskip("cohere")
     question, _, keys, want = stored
