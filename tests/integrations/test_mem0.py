@@ -80,13 +80,29 @@ def test_the_reranker_scores_as_the_library_in_process(scorer, no_network):
     assert not no_network
 
 
-def test_a_server_and_a_cache_key_in_metadata(scorer, server):
+def test_a_server_scores_as_in_process(scorer, server):
     from pixeltriage.integrations import PixelTriageReranker
 
     remote = PixelTriageReranker(base_url=server.url, k=2).rerank(QUESTION, mem0_memories())
     local = PixelTriageReranker(scorer, k=2).rerank(QUESTION, mem0_memories())
     assert [d["id"] for d in remote] == [d["id"] for d in local]
     assert all(abs(a["rerank_score"] - b["rerank_score"]) <= TOL for a, b in zip(remote, local))
+
+
+def test_a_cache_key_in_metadata(scorer, tmp_path):
+    from pixeltriage import Cache
+    from pixeltriage.integrations import PixelTriageReranker
+
+    with Cache(tmp_path / "cache.db") as cache:
+        cached = scorer.with_cache(cache)
+        key = cache.put(png(COLORS[0]), "the red mug")
+        documents = [{"id": "a", "memory": "Ann's mug", "metadata": {"pixeltriage_key": key}},
+                     {"id": "b", "memory": "a plant", "metadata": {"image": png(COLORS[1])}}]
+        want = cached.score(QUESTION, [Memory(key=key, note="Ann's mug"), Memory(image=png(COLORS[1]),
+                                                                                 note="a plant")])
+        ranked = PixelTriageReranker(cached).rerank(QUESTION, documents)
+        got = {d["id"]: d["rerank_score"] for d in ranked}
+        assert abs(got["a"] - want.gains[0]) <= TOL and abs(got["b"] - want.gains[1]) <= TOL
 
 
 def test_refusals_name_the_memory():
