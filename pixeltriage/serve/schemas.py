@@ -237,6 +237,8 @@ class ErrorBody(BaseModel):
                                         "not_found, method_not_allowed, no_cache, internal")
     field: Optional[str] = Field(None, description="the request field, e.g. memories[2].image")
     reason: Optional[str] = Field(None, description="invalid_memory: the library's reason, without 'memory N: '")
+    message: Optional[str] = Field(None, description="/v1/rerank and /v2/rerank: `error` again, where Cohere's SDK "
+                                                     "reads it")
 
 
 class Status(BaseModel):
