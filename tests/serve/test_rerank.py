@@ -190,3 +190,13 @@ def test_a_document_image_is_decoded_by_the_library(http):
     response = http.post("/v2/rerank", json={"query": "q", "documents": ["plain", {"image": b64(b"not an image" * 8)}]})
     assert response.status_code == 422 and response.json()["error_type"] == "invalid_memory"
     assert response.json()["field"] == "documents[1].image" and "memory 2" in response.json()["message"]
+
+
+def test_the_guard_refuses_rerank_bodies_as_any_other(served):
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    form = httpx.post(served.url + "/v2/rerank", content=b"query=q", timeout=60,
+                      headers={**headers, "content-type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415 and form.json()["message"] == form.json()["error"]
+    big = httpx.post(served.url + "/rerank", content=b'{"query": "' + b"x" * (3 * 2 ** 20) + b'"}', timeout=60,
+                     headers={**headers, "content-type": "application/json"})       # past the 2 MiB --payload-limit
+    assert big.status_code == 413 and big.json()["error_type"] == "payload_too_large" and "message" not in big.json()
