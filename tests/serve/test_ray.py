@@ -1,6 +1,11 @@
 """Ray Serve on a real local Ray instance: `pixeltriage serve --ray --replicas 2` with CPU replicas of the tiny demo
 checkpoint; responses equal the library's, both replicas answer, a replica killed mid-load leaves every request
-answered or failed with a typed error (none hangs), and SIGTERM shuts it all down."""
+answered or failed with a typed error (none hangs); /metrics holds every replica's series and /info every replica;
+SIGTERM under load drains as the single server does (503 with Retry-After, admitted requests answered, no 404, no
+reset), and no Ray process outlives the server, even when a test fails.
+
+The tests share one server (starting Ray on two shared cores takes a while) and run in file order; the SIGTERM test
+comes last and stops it."""
 import os
 import signal
 import socket
@@ -8,16 +13,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
 from serving import ENV, assert_scores_close, episode
 
 from pixeltriage.errors import PixelTriageError
+from pixeltriage.serve.client import question_body
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'pixeltriage[ray]')")
 
 START_TIMEOUT = 240.0
+GRACEFUL_TIMEOUT = 20.0
+EXIT_TIMEOUT = 90.0          # SIGTERM -> the server process gone (drain, proxy stop, Serve and Ray shutdown)
 
 
 def free_port() -> int:
@@ -26,16 +35,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid` (Ray's raylet and its workers, started by the server process)."""
-    parents = {}
+def _parents() -> dict[int, tuple[int, int]]:
+    """{pid: (parent pid, session id)} of every process (Linux /proc)."""
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[int(entry)] = (int(fields[1]), int(fields[3]))
             except (OSError, ValueError, IndexError):
                 pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Ray's raylet and its workers, started by the server process)."""
+    parents = {p: pp for p, (pp, _) in _parents().items()}
     found, todo = [], [pid]
     while todo:
         parent = todo.pop()
@@ -43,6 +59,20 @@ def descendants(pid: int) -> list[int]:
         found += children
         todo += children
     return found
+
+
+def in_session(sid: int) -> list[int]:
+    """The live processes of session `sid` (the server was started as a session leader: every Ray process it
+    starts is in its session, even once reparented)."""
+    return [p for p, (_, s) in _parents().items() if s == sid and _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def replica_pids(pid: int) -> list[int]:
@@ -64,8 +94,9 @@ def ray_server(tiny_checkpoint, tmp_path_factory):
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pixeltriage", "serve", "--ray", "--replicas", "2",
                                  "--cpus-per-replica", "0.5", "--checkpoint", str(tiny_checkpoint),
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                env={**ENV, "RAY_USAGE_STATS_ENABLED": "0"}, start_new_session=True)
+                                 "--graceful-timeout", str(GRACEFUL_TIMEOUT), "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**ENV, "RAY_USAGE_STATS_ENABLED": "0"},
+                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT
     try:
@@ -73,22 +104,33 @@ def ray_server(tiny_checkpoint, tmp_path_factory):
             assert proc.poll() is None, log.read_text(errors="replace")
             assert time.monotonic() < deadline, f"Ray Serve not ready in {START_TIMEOUT:.0f} s:\n{log.read_text()}"
             time.sleep(0.2)
-        yield proc, url
+        yield proc, url, log
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(90)
+                proc.wait(EXIT_TIMEOUT)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)       # the session started for it: Ray's own processes
-                proc.wait(30)
+                pass
+        left = _wait_session_gone(proc.pid, 30.0)
+        if left:
+            os.killpg(proc.pid, signal.SIGKILL)           # its session: Ray's own processes, whatever happened
+            proc.wait(30)
+    assert not left, f"Ray processes outlived the server: {left}\n{log.read_text(errors='replace')[-4000:]}"
     assert proc.returncode == 0, log.read_text(errors="replace")
+
+
+def _wait_session_gone(sid: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := in_session(sid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def test_two_replicas_answer_as_the_library_and_survive_a_killed_replica(ray_server, library):
     from pixeltriage.serve import Client
 
-    proc, url = ray_server
+    proc, url, _ = ray_server
     episodes = [episode(500 + i, 1 + i % 3, size=(200, 150)) for i in range(16)]
     expected = [library.score(q, m) for q, m in episodes]
     with Client(url, retries=2, timeout=60) as client:
@@ -123,3 +165,133 @@ def test_two_replicas_answer_as_the_library_and_survive_a_killed_replica(ray_ser
     with Client(url, retries=3, timeout=60) as client:
         assert_scores_close(client.score(*episodes[0]), expected[0])
         assert httpx.get(url + "/ready").status_code == 200
+
+
+def _two_ready_replicas(url: str, timeout: float = 120.0) -> dict:
+    """/info once it lists two live replicas, both ready (the killed one is restarted by Ray Serve)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(url + "/info", timeout=30).json()
+        live = info["ray"]["replicas_live"]
+        if len(live) == 2 and all(r["status"] == "ready" for r in live):
+            return info
+        assert time.monotonic() < deadline, f"not two ready replicas after {timeout:.0f} s: {live}"
+        time.sleep(1.0)
+
+
+def _score_200s(text: str) -> dict[str, float]:
+    """{replica: pixeltriage_requests_total of /v1/score with status 200} from a deployment's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (sample.name == "pixeltriage_requests_total" and sample.labels.get("route") == "/v1/score"
+                    and sample.labels.get("status") == "200"):
+                out[sample.labels["replica"]] = sample.value
+    return out
+
+
+def test_metrics_and_info_hold_every_replica(ray_server):
+    """/metrics, wherever Ray routes it, counts the requests of both replicas (each series labelled `replica`);
+    /info has every field of a single server's and the deployment's replicas."""
+    _, url, _ = ray_server
+    info = _two_ready_replicas(url)
+    replicas = {r["replica"] for r in info["ray"]["replicas_live"]}
+    assert info["ray"]["replica"] in replicas
+    for field in ("version", "status", "checkpoint", "instance", "limits", "checkpoint_fingerprint",
+                  "vision_fingerprint", "device", "dtype", "model", "kernels", "cache", "gates", "transport"):
+        assert field in info, field
+    assert info["transport"]["server"] == "ray-serve-proxy" and info["transport"].get("http")
+    assert info["ray"]["replicas"] == 2 and info["ray"]["cpus_per_replica"] == 0.5
+    assert {r["pid"] for r in info["ray"]["replicas_live"]} == set(replica_pids(ray_server[0].pid))
+
+    before = httpx.get(url + "/metrics", timeout=30)
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    counted_before = _score_200s(before.text)
+    assert "pixeltriage_replicas{outcome=\"answered\"} 2.0" in before.text
+    sent = 24
+    body = question_body(*episode(900, 1))
+
+    def post(n):
+        with httpx.Client(timeout=60) as c:
+            for _ in range(n):
+                assert c.post(url + "/v1/score", json=body).status_code == 200
+
+    threads = [threading.Thread(target=post, args=(sent // 4,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    after = httpx.get(url + "/metrics", timeout=30).text
+    counted_after = _score_200s(after)
+    assert set(counted_after) == replicas                        # one series per live replica
+    assert sum(counted_after.values()) - sum(counted_before.values()) == sent
+    print("score 200s per replica:", {r: counted_after[r] - counted_before.get(r, 0) for r in counted_after})
+
+
+def _load(url: str, body: dict, stop: threading.Event, outcomes: list, signalled: list) -> None:
+    """One client (its own keep-alive connection, like `hey`: Retry-After is not waited for) posting `body` until
+    `stop`, or until the server refuses connections: (sent at, answered at, status or error, retry-after, error)."""
+    with httpx.Client(timeout=60) as client:
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                r = client.post(url, json=body)
+            except httpx.ConnectError as e:
+                refused = "refused" in str(e).lower() or "errno 111" in str(e).lower()
+                outcomes.append((sent, time.monotonic(), "refused" if refused else f"ConnectError: {e}", None, None))
+                if refused and signalled:
+                    return                                         # the server has stopped listening
+                continue
+            except httpx.HTTPError as e:                           # a reset, a connection closed without an answer
+                outcomes.append((sent, time.monotonic(), f"{type(e).__name__}: {e}", None, None))
+                continue
+            error = None if r.status_code == 200 else r.text        # Ray's own 404 is plain text
+            outcomes.append((sent, time.monotonic(), r.status_code, r.headers.get("retry-after"), error))
+
+
+def test_sigterm_under_load_drains_without_404_or_reset(ray_server):
+    """SIGTERM while 6 clients post (2 of them batches that take a while): requests admitted before it are answered
+    200, later ones 503 with Retry-After (while the proxy still accepts), then connections are refused; never a 404,
+    a reset or a request left without an answer; the server exits 0 and every Ray process with it."""
+    proc, url, log = ray_server
+    _two_ready_replicas(url)
+    small = question_body(*episode(901, 1))
+    heavy = {"questions": [question_body(*episode(910 + i, 3, size=(320, 240))) for i in range(16)]}
+    stop, signalled = threading.Event(), []
+    outcomes: list = []
+    threads = [threading.Thread(target=_load, args=(url + "/v1/score", small, stop, outcomes, signalled))
+               for _ in range(4)]
+    threads += [threading.Thread(target=_load, args=(url + "/v1/score/batch", heavy, stop, outcomes, signalled))
+                for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(4.0)
+        signalled.append(time.monotonic())
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(EXIT_TIMEOUT)
+    finally:
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(70)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    at = signalled[0]
+    kinds = Counter(o[2] for o in outcomes)
+    print("outcomes:", dict(kinds), f"exit {proc.returncode}")
+    print("after the signal, s:", sorted((round(o[0] - signalled[0], 2), o[2]) for o in outcomes
+                                         if o[2] not in (200, 503)))
+    print("server log:", log.read_text(errors="replace")[-3000:])
+    assert proc.returncode == 0
+    assert set(kinds) <= {200, 503, "refused"}, kinds                  # no 404, no reset, no lost answer
+    before = [o for o in outcomes if o[0] < at - 1.0]                 # surely admitted by the signal
+    assert before and all(o[2] == 200 for o in before), Counter(o[2] for o in before)
+    assert any(o[2] == 200 and o[0] < at < o[1] for o in outcomes)    # in flight at the signal, answered
+    refusals = [o for o in outcomes if o[2] == 503]
+    assert refusals, "no 503 seen while draining"
+    late = [(round(o[0] - at, 2), o[4]) for o in refusals if o[3] is None or o[0] < at - 1.0
+            or "before this request was scored" in o[4]]
+    assert not late, late             # each with Retry-After, none for a request admitted before (none cut short)
+    assert all(o[0] >= at for o in outcomes if o[2] == "refused")
