@@ -22,9 +22,9 @@ def test_the_package_imports_no_framework_until_a_class_is_touched():
     done = run("""
 import sys
 import pixeltriage.integrations as integrations
-heavy = [m for m in ("llama_index", "langchain_core", "torch") if m in sys.modules]
+heavy = [m for m in ("llama_index", "langchain_core", "mem0", "torch") if m in sys.modules]
 assert not heavy, heavy
-assert sorted(dir(integrations)) == ["PixelTriageCompressor", "PixelTriagePostprocessor"]
+assert sorted(dir(integrations)) == ["PixelTriageCompressor", "PixelTriagePostprocessor", "PixelTriageReranker"]
 integrations.PixelTriagePostprocessor
 assert "llama_index.core" in sys.modules and "langchain_core" not in sys.modules
 integrations.PixelTriageCompressor
@@ -35,7 +35,8 @@ print("ok")
 
 
 @pytest.mark.parametrize("name, framework, package", [("PixelTriagePostprocessor", "llama_index", "llama-index-core"),
-                                                      ("PixelTriageCompressor", "langchain_core", "langchain-core")])
+                                                      ("PixelTriageCompressor", "langchain_core", "langchain-core"),
+                                                      ("PixelTriageReranker", "mem0", "mem0ai")])
 def test_a_missing_framework_names_the_package(name, framework, package):
     done = run(f"""
 import sys
