@@ -29,7 +29,6 @@ import logging
 import math
 import time
 import uuid
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Sequence
 
@@ -42,13 +41,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
                                 PixelTriageError, ServiceUnavailableError, StateTooLongError)
-from pixeltriage.serve.batcher import Scored
-from pixeltriage.serve.inputs import RerankDoc, rerank_doc
 from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_TAGS, BatchRequest, BatchResponse,
                                        ErrorBody, MemoryInfo, MemoryPut, Policy, RerankRequest, RerankResponse,
                                        RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status, Strict,
                                        TEIRank, TEIRerankRequest)
-from pixeltriage.serve.service import FieldError, Service
+from pixeltriage.serve.service import (Admission, Answer, ClientDisconnected, FieldError, NoCacheError, Question,
+                                       Reranked, RerankQuestion, Service)
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +72,6 @@ ERROR_RESPONSES = {status: {"model": ErrorBody, "description": text} for status,
     (422, "a field of the wrong type or value (or past its character limit), naming it"),
     (429, "the queue is full; retry after Retry-After s"),
     (503, "loading or shutting down"), (504, "the deadline passed before the forward began"))}
-
-
-class ClientDisconnected(Exception):
-    """The client closed its connection before its answer was ready; its queued questions were dropped."""
 
 
 def create_app(service: Service, *, own_lifespan: bool = True) -> FastAPI:
@@ -163,82 +157,22 @@ def _add_scoring_routes(app: FastAPI, service: Service) -> None:
     @_post(app, "/v1/score", response_model=ScoreResponse, tags=["scoring"])
     async def score(body: ScoreRequest, request: Request):
         """Score one question and its memories (one state, one forward shared with whatever else is ready)."""
-        service.check_question(body.memories, "")
-        questions = [(body.question, body.memories, body.policy, body.id, "")]
-        results, headers = await _score(service, request, questions, body.timeout_s, body.priority)
-        return _json(results[0], headers)
+        question = Question(body.question, body.memories, body.policy, body.id)
+        return _answer(await service.score(question, _admission(request, body.timeout_s, body.priority)))
 
     @_post(app, "/v1/score/batch", response_model=BatchResponse, tags=["scoring"])
     async def score_batch(body: BatchRequest, request: Request):
         """Score several questions, each as its own state; they are split across forwards as the budget needs."""
-        if len(body.questions) > service.config.max_client_batch:
-            raise InvalidRequestError(f"{len(body.questions)} questions; this server takes at most "
-                                      f"{service.config.max_client_batch} per request (--max-client-batch): send "
-                                      "the rest in another request", "questions")
-        questions = []
-        for j, q in enumerate(body.questions):
-            service.check_question(q.memories, f"questions[{j}].")
-            questions.append((q.question, q.memories, q.policy or body.policy, q.id, f"questions[{j}]."))
-        results, headers = await _score(service, request, questions, body.timeout_s, body.priority)
-        return _json({"results": results}, headers)
+        questions = [Question(q.question, q.memories, q.policy or body.policy, q.id, f"questions[{j}].")
+                     for j, q in enumerate(body.questions)]
+        return _answer(await service.score_batch(questions, _admission(request, body.timeout_s, body.priority)))
 
 
-async def _score(service: Service, request: Request, questions: Sequence[tuple], timeout: float | None,
-                 priority: int) -> tuple[list[dict], dict[str, str]]:
-    """Admit, wait (deadline, disconnect) and answer the questions of one request -> (results, timing headers)."""
-    log.debug("%s: %d question(s), %d memories, %s bytes", request.url.path, len(questions),
-              sum(len(q[1]) for q in questions), request.headers.get("content-length", "?"))   # lengths only
-    prepares = [service.prepare(q, memories, policy, prefix) for q, memories, policy, _, prefix in questions]
-    scored, headers, arrival, now = await _run(service, request, prepares, timeout, priority)
-    return [_result(service, s, q[2], q[3], arrival, now) for s, q in zip(scored, questions)], headers
-
-
-async def _run(service: Service, request: Request, prepares: Sequence, timeout: float | None,
-               priority: int) -> tuple[list[Scored], dict[str, str], float, float]:
-    """Submit prepared questions to the batcher and wait for them -> (scored, timing headers, arrival, now)."""
-    arrival = request.scope.get(ARRIVAL) or time.monotonic()
-    limit = service.config.request_timeout if timeout is None else min(timeout, service.config.request_timeout)
-    deadline = arrival + limit
-    futures = service.batcher.submit(prepares, deadline, priority)
-    scored = await _wait(futures, deadline, request.receive)
-    now = time.monotonic()
-    total = now - arrival
-    service.metrics.request_duration.observe(total)
-    headers = {"x-queue-time": _ms(max(s.timing.queue for s in scored)),
-               "x-preprocess-time": _ms(max(s.timing.preprocess for s in scored)),
-               "x-inference-time": _ms(max(s.timing.forward for s in scored)),
-               "x-total-time": _ms(total)}
-    return scored, headers, arrival, now
-
-
-async def _wait(futures: list[Future], deadline: float, receive: Receive) -> list[Scored]:
-    """The futures' results; on a disconnect or at the deadline the questions still waiting are cancelled (a
-    question already in its forward is waited for: it finishes within that forward)."""
-    gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no "never retrieved" noise
-    watcher = asyncio.ensure_future(_disconnect(receive))
-    try:
-        done, _ = await asyncio.wait((gathered, watcher), timeout=max(0.0, deadline - time.monotonic()),
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if gathered in done:
-            return _results(gathered, futures)
-        cancelled = [f.cancel() for f in futures]
-        if watcher in done:
-            raise ClientDisconnected()
-        if any(cancelled):
-            raise DeadlineExceededError("the request passed its deadline before it was scored; it was dropped "
-                                        "from the queue", 504)
-        await asyncio.wait((gathered,))
-        return _results(gathered, futures)
-    finally:
-        watcher.cancel()
-
-
-def _results(gathered: asyncio.Future, futures: list[Future]) -> list[Scored]:
-    if gathered.cancelled() or gathered.exception() is not None:
-        for f in futures:
-            f.cancel()
-    return gathered.result()
+def _admission(request: Request, timeout: float | None, priority: int) -> Admission:
+    """The request's arrival (when the guard saw it), deadline and priority, and its disconnect."""
+    log.debug("%s: %s bytes", request.url.path, request.headers.get("content-length", "?"))   # lengths only
+    return Admission(request.scope.get(ARRIVAL) or time.monotonic(), timeout, priority,
+                     functools.partial(_disconnect, request.receive))
 
 
 async def _disconnect(receive: Receive) -> None:
@@ -246,17 +180,12 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
-def _result(service: Service, scored: Scored, policy: Policy | None, request_id: str | None, arrival: float,
-            now: float) -> dict:
-    scores = scored.scores
-    delivery, visual = service.decide(scores, scored.meta, policy)
-    t = scored.timing
-    return {"id": request_id, "p_vis": scores.p_vis, "gains": scores.gains, "relevance": scores.relevance,
-            "relevance_none": scores.relevance_none, "state_tokens": scored.tokens, "delivery": delivery,
-            "visual_tokens": visual,
-            "timing": {"queue_ms": 1000 * t.queue, "preprocess_ms": 1000 * t.preprocess,
-                       "forward_ms": 1000 * t.forward, "total_ms": 1000 * (now - arrival),
-                       "batch_questions": t.batch_questions, "batch_tokens": t.batch_tokens}}
+def _answer(answer: Answer, content=None) -> Response:
+    """A scoring answer as JSON (its response model, or `content` built from it) with the timing headers."""
+    t = answer.timing
+    headers = {"x-queue-time": _ms(t.queue), "x-preprocess-time": _ms(t.preprocess),
+               "x-inference-time": _ms(t.forward), "x-total-time": _ms(t.total)}
+    return _json(answer.response.model_dump() if content is None else content, headers)
 
 
 def _json(content, headers: dict[str, str] | None = None, status: int = 200) -> Response:
@@ -284,12 +213,12 @@ def _add_rerank_routes(app: FastAPI, service: Service) -> None:
         if body.truncation_direction.lower() == "left":
             raise InvalidRequestError("the library keeps the beginning of a text; this server cuts on the right "
                                       "only", "truncation_direction")
-        results, _, headers = await _rerank(service, request, body, body.texts, "texts")
-        ranks = [TEIRank(index=r["index"], score=r["relevance_score"], text=r["document"]["text"],
-                         pixeltriage=r["pixeltriage"]).model_dump() for r in results[:body.top_n]]
+        answer = await _rerank(service, request, body, body.texts, "texts")
+        ranks = [TEIRank(index=r.index, score=r.relevance_score, text=r.document.text,
+                         pixeltriage=r.pixeltriage).model_dump() for r in answer.response.results[:body.top_n]]
         if not body.return_text:
             ranks = [{k: v for k, v in r.items() if k != "text"} for r in ranks]
-        return _json(ranks, headers)
+        return _answer(answer, ranks)
 
 
 def _add_cohere_route(app: FastAPI, service: Service, path: str, version: str) -> None:
@@ -303,52 +232,30 @@ def _add_cohere_route(app: FastAPI, service: Service, path: str, version: str) -
 
 async def _cohere(service: Service, request: Request, body: RerankRequest, version: str) -> Response:
     """A rerank in Cohere's shape (with Jina's and vLLM's `model` and `usage`)."""
-    results, summary, headers = await _rerank(service, request, body, body.documents, "documents")
-    tokens = summary["state_tokens"]
-    response = RerankResponse(id=uuid.uuid4().hex, model=body.model, results=results[:body.top_n],
-                              pixeltriage=summary, meta={"api_version": {"version": version},
-                                                         "tokens": {"input_tokens": tokens, "output_tokens": 0}},
+    answer = await _rerank(service, request, body, body.documents, "documents")
+    reranked = answer.response
+    tokens = reranked.summary.state_tokens
+    response = RerankResponse(id=uuid.uuid4().hex, model=body.model, results=reranked.results[:body.top_n],
+                              pixeltriage=reranked.summary, meta={"api_version": {"version": version},
+                                                                  "tokens": {"input_tokens": tokens,
+                                                                             "output_tokens": 0}},
                               usage={"total_tokens": tokens, "prompt_tokens": tokens}).model_dump()
     for result in response["results"]:
         if not body.return_documents:
             del result["document"]
-    return _json(response, headers)
+    return _answer(answer, response)
 
 
 async def _rerank(service: Service, request: Request, body: RerankRequest, documents: Sequence,
-                  collection: str) -> tuple[list[dict], dict, dict[str, str]]:
-    """Score the documents that carry an image as one question's memories -> (results by descending score, the
-    summary, timing headers). collection: the body's field of `documents` ("documents", TEI's "texts")."""
+                  collection: str) -> Answer[Reranked]:
+    """The body's rerank through the service. collection: the body's field of `documents` ("documents", TEI's
+    "texts")."""
     if body.raw_scores:
         raise InvalidRequestError("System One's scores are probabilities (the gain); this server answers "
                                   "raw_scores: false only", "raw_scores")
-    service.check_documents(documents, collection)
-    docs = [rerank_doc(d, collection, j) for j, d in enumerate(documents)]
-    policy = body.policy or Policy(k=DEFAULT_OPEN_K)
-    query, truncate = body.query, body.truncate
-    log.debug("%s: %d documents, %d with images, %s bytes", request.url.path, len(docs),
-              sum(d.memory is not None for d in docs), request.headers.get("content-length", "?"))
-    prepare = service.prepare_rerank(query, docs, policy, truncate is not False, body.max_tokens_per_doc, "query")
-    (scored,), headers, _, _ = await _run(service, request, [prepare], body.timeout_s, 0)
-    sizes, query_cut, cuts = scored.meta
-    scores = scored.scores
-    delivery, _ = service.decide(scores, sizes, policy)
-    results, i = [], 0
-    for d in docs:
-        extra = {"image": d.memory is not None, "gain": None, "relevance": None, "p_vis": scores.p_vis,
-                 "open": False, "truncated": False}
-        if d.memory is not None:
-            extra.update(gain=scores.gains[i], relevance=scores.relevance[i], open=delivery["open"][i],
-                         truncated=cuts[i])
-            i += 1
-        results.append({"index": d.index, "relevance_score": extra["gain"] or 0.0, "document": {"text": d.text},
-                        "pixeltriage": extra})
-    # images first (a document without one has nothing to open: its gain is 0), then by score, then as given
-    results.sort(key=lambda r: (not r["pixeltriage"]["image"], -r["relevance_score"], r["index"]))
-    summary = {"p_vis": scores.p_vis, "relevance_none": scores.relevance_none,
-               "opened": sorted(r["index"] for r in results if r["pixeltriage"]["open"]),
-               "state_tokens": scored.tokens, "query_truncated": query_cut}
-    return results, summary, headers
+    rerank = RerankQuestion(body.query, documents, body.policy or Policy(k=DEFAULT_OPEN_K), collection,
+                            body.truncate is not False, body.max_tokens_per_doc)
+    return await service.rerank(rerank, _admission(request, body.timeout_s, 0))
 
 
 # -- the write-time cache --------------------------------------------------------------------------------------------
@@ -357,47 +264,18 @@ def _add_memory_routes(app: FastAPI, service: Service) -> None:
     async def put_memory(body: MemoryPut, request: Request):
         """Put an image (base64, or a path under --image-root) and its note into the write-time cache -> its key.
         Idempotent: a second put keeps the row; a non-empty note replaces the stored one."""
-        _need_cache(service)
-        return _json(await _write(service, service.put_memory, body.image, body.path, body.note))
+        return _json((await service.put_memory(body)).model_dump())
 
     @app.get("/v1/memories/{key}", response_model=MemoryInfo, responses=ERROR_RESPONSES, tags=["memories"])
     async def get_memory(key: str = Path(pattern=CACHE_KEY)):
         """A cached image's note, sizes and whether its vision features are stored for this server's model."""
-        _need_cache(service)
-        return _json(await _write(service, service.memory_info, key))
-
+        return _json((await service.memory(key)).model_dump())
 
     @_post(app, "/v1/retrieve", response_model=RetrieveResponse, tags=["memories"])
     async def retrieve(body: RetrieveRequest, request: Request):
         """Rank the cached images for a question by their best region (MaxSim over SigLIP 2 vectors stored at write
         time by /v1/memories), or by the whole image with `whole_image`: what to hand /v1/score."""
-        _need_index(service)
-        return _json({"hits": await _write(service, service.retrieve, body.question, body.top, body.whole_image)})
-
-
-def _need_cache(service: Service) -> None:
-    if service.cache is None:
-        raise NoCacheError("this server has no write-time cache; start it with --cache DB")
-
-
-def _need_index(service: Service) -> None:
-    if service.index is None:
-        raise NoCacheError("this server has no region index; start it with --cache DB --index-encoder DIR")
-
-
-class NoCacheError(PixelTriageError):
-    """/v1/memories on a server started without --cache, /v1/retrieve without --index-encoder."""
-
-
-async def _write(service: Service, fn, *args):
-    """Run one cache call on a worker thread; past max_queued waiting calls, 429 (they decode images too)."""
-    if service.pending_writes >= service.config.max_queued:
-        raise OverloadedError(f"{service.pending_writes} cache writes are waiting", 1)
-    service.pending_writes += 1
-    try:
-        return await asyncio.to_thread(fn, *args)
-    finally:
-        service.pending_writes -= 1
+        return _json((await service.retrieve(body)).model_dump())
 
 
 # -- status ----------------------------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """One scoring service: the scorer, its batcher, the write-time cache, the rate gates and the metrics, and their life
-(loading -> ready -> draining -> stopped, or failed). The ASGI app (`app.py`) is a thin layer over it; a server
-process and each Ray Serve replica hold one.
+(loading -> ready -> draining -> stopped, or failed). A request's whole life is a `Service` call: `score`,
+`score_batch` and `rerank` check, prepare, submit to the batcher, wait (deadline, disconnect), decide and answer
+with the response model that documents it; `put_memory`, `memory` and `retrieve` run the cache's calls. The ASGI app
+(`app.py`) only translates HTTP to these calls and back; a server process and each Ray Serve replica hold one.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -11,13 +14,16 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
-from pixeltriage.errors import InvalidMemoryError, InvalidRequestError, StateTooLongError
-from pixeltriage.serve.batcher import Batcher, Prepare
+from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
+                                PixelTriageError, StateTooLongError)
+from pixeltriage.serve import schemas
+from pixeltriage.serve.batcher import Batcher, Prepare, Scored
 from pixeltriage.serve.config import ServeConfig
-from pixeltriage.serve.inputs import ImageRoot, RerankDoc, decode_image, to_memory
+from pixeltriage.serve.inputs import ImageRoot, RerankDoc, decode_image, rerank_doc, to_memory
 from pixeltriage.serve.metrics import Metrics
 from pixeltriage.serve.schemas import MemoryIn, Policy
 
@@ -75,6 +81,83 @@ class ModelSpec:
         encoder = SiglipEncoder.load(self.index_encoder, device=self.device)
         grid = RegionGrid() if self.index_overlap is None else RegionGrid(self.index_overlap)
         return RegionIndex(cache, encoder, grid)
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question to score: its text, its memories as the request gave them (decoded on a preparation thread),
+    the delivery policy (None: scores only), the caller's id (echoed) and where it sits in the request ("" for
+    /v1/score's body, "questions[2]." in a batch: the prefix of its error fields)."""
+
+    text: str
+    memories: Sequence[MemoryIn] = ()
+    policy: Policy | None = None
+    id: str | None = None
+    field: str = ""
+
+
+@dataclass(frozen=True)
+class RerankQuestion:
+    """One rerank: the query and the request's documents (strings or objects, as `rerank_doc` reads them), scored
+    as one question's memories. collection: the body's field that holds them ("documents", TEI's "texts");
+    max_tokens: the client's own cut of each document's text (None: the library's budget only)."""
+
+    query: str
+    documents: Sequence[Any]
+    policy: Policy
+    collection: str = "documents"
+    truncate: bool = True
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request's place in the queue: when it arrived, its own deadline (None: the server's --request-timeout; a
+    longer one is cut to it), its priority, and an awaitable that returns when the client goes away (None: never
+    watched)."""
+
+    arrival: float
+    timeout_s: float | None = None
+    priority: int = 0
+    disconnected: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where a request's time went, in seconds: the slowest of its questions' queue, preprocessing and forward, and
+    arrival -> answer."""
+
+    queue: float
+    preprocess: float
+    forward: float
+    total: float
+
+
+Response = TypeVar("Response")
+
+
+@dataclass(frozen=True)
+class Answer(Generic[Response]):
+    """A scoring call's answer: the response model (or list of models) and the request's timing."""
+
+    response: Response
+    timing: RequestTiming
+
+
+@dataclass(frozen=True)
+class Reranked:
+    """A rerank's results, every document by descending score (images first), and its summary."""
+
+    results: list[schemas.RerankResult]
+    summary: schemas.RerankSummary
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before its answer was ready; its queued questions were dropped."""
+
+
+class NoCacheError(PixelTriageError):
+    """/v1/memories on a server started without --cache, /v1/retrieve without --index-encoder."""
 
 
 class FieldError(Exception):
@@ -250,16 +333,64 @@ class Service:
                 self.cache.close()
 
     # -- scoring -------------------------------------------------------------------------------------------------
+    async def score(self, question: Question, admission: Admission) -> Answer[schemas.ScoreResponse]:
+        """Score one question (one state, one forward shared with whatever else is ready)."""
+        answer = await self._score([question], admission)
+        return Answer(answer.response[0], answer.timing)
+
+    async def score_batch(self, questions: Sequence[Question],
+                          admission: Admission) -> Answer[schemas.BatchResponse]:
+        """Score several questions, each as its own state, split across forwards as the budget needs."""
+        if len(questions) > self.config.max_client_batch:
+            raise InvalidRequestError(f"{len(questions)} questions; this server takes at most "
+                                      f"{self.config.max_client_batch} per request (--max-client-batch): send "
+                                      "the rest in another request", "questions")
+        answer = await self._score(questions, admission)
+        return Answer(schemas.BatchResponse(results=answer.response), answer.timing)
+
+    async def _score(self, questions: Sequence[Question],
+                     admission: Admission) -> Answer[list[schemas.ScoreResponse]]:
+        for q in questions:
+            self.check_question(q.memories, q.field)
+        log.debug("%d question(s), %d memories", len(questions), sum(len(q.memories) for q in questions))
+        scored, timing = await self._run([self.prepare(q) for q in questions], admission)
+        return Answer([self._response(s, q, timing) for s, q in zip(scored, questions)], timing)
+
+    async def _run(self, prepares: Sequence[Prepare], admission: Admission) -> tuple[list[Scored], RequestTiming]:
+        """Submit prepared questions to the batcher and wait for them (deadline, disconnect)."""
+        limit = (self.config.request_timeout if admission.timeout_s is None
+                 else min(admission.timeout_s, self.config.request_timeout))
+        deadline = admission.arrival + limit
+        futures = self.batcher.submit(prepares, deadline, admission.priority)
+        scored = await _wait(futures, deadline, admission.disconnected)
+        total = time.monotonic() - admission.arrival
+        self.metrics.request_duration.observe(total)
+        return scored, RequestTiming(queue=max(s.timing.queue for s in scored),
+                                     preprocess=max(s.timing.preprocess for s in scored),
+                                     forward=max(s.timing.forward for s in scored), total=total)
+
+    def _response(self, scored: Scored, question: Question, timing: RequestTiming) -> schemas.ScoreResponse:
+        scores, t = scored.scores, scored.timing
+        delivery, visual = self.decide(scores, scored.meta, question.policy)
+        return schemas.ScoreResponse(
+            id=question.id, p_vis=scores.p_vis, gains=scores.gains, relevance=scores.relevance,
+            relevance_none=scores.relevance_none, state_tokens=scored.tokens, delivery=delivery,
+            visual_tokens=visual,
+            timing=schemas.Timing(queue_ms=1000 * t.queue, preprocess_ms=1000 * t.preprocess,
+                                  forward_ms=1000 * t.forward, total_ms=1000 * timing.total,
+                                  batch_questions=t.batch_questions, batch_tokens=t.batch_tokens))
+
     def check_question(self, memories: Sequence[MemoryIn], prefix: str) -> None:
         if len(memories) > self.config.max_memories:
             raise InvalidRequestError(f"{len(memories)} memories; this server scores at most "
                                       f"{self.config.max_memories} per question (--max-memories)", f"{prefix}memories")
 
-    def prepare(self, question: str, memories: Sequence[MemoryIn], policy: Policy | None, prefix: str) -> Prepare:
+    def prepare(self, q: Question) -> Prepare:
         """The preprocessing of one question, run on a preparation thread: -> (State, image sizes)."""
         from pixeltriage.delivery.report import image_size
 
         scorer, image_root = self.scorer, self.image_root
+        question, memories, policy, prefix = q.text, q.memories, q.policy, q.field
 
         def prepare():
             try:
@@ -302,6 +433,35 @@ class Service:
         return out, decided.get("visual_tokens")
 
     # -- rerank ----------------------------------------------------------------------------------------------------
+    async def rerank(self, rerank: RerankQuestion, admission: Admission) -> Answer[Reranked]:
+        """Score the documents that carry an image (or a key) as one question's memories -> every document's
+        result by descending score (a document without an image scores 0, after every image) and the summary."""
+        self.check_documents(rerank.documents, rerank.collection)
+        docs = [rerank_doc(d, rerank.collection, j) for j, d in enumerate(rerank.documents)]
+        log.debug("rerank: %d documents, %d with images", len(docs), sum(d.memory is not None for d in docs))
+        prepare = self.prepare_rerank(rerank.query, docs, rerank.policy, rerank.truncate, rerank.max_tokens, "query")
+        (scored,), timing = await self._run([prepare], admission)
+        sizes, query_cut, cuts = scored.meta
+        scores = scored.scores
+        delivery, _ = self.decide(scores, sizes, rerank.policy)
+        results, i = [], 0
+        for d in docs:
+            extra = {"image": d.memory is not None, "gain": None, "relevance": None, "p_vis": scores.p_vis,
+                     "open": False, "truncated": False}
+            if d.memory is not None:
+                extra.update(gain=scores.gains[i], relevance=scores.relevance[i], open=delivery["open"][i],
+                             truncated=cuts[i])
+                i += 1
+            results.append(schemas.RerankResult(index=d.index, relevance_score=extra["gain"] or 0.0,
+                                                document=schemas.RerankDocument(text=d.text),
+                                                pixeltriage=schemas.RerankExtra(**extra)))
+        # images first (a document without one has nothing to open: its gain is 0), then by score, then as given
+        results.sort(key=lambda r: (not r.pixeltriage.image, -r.relevance_score, r.index))
+        summary = schemas.RerankSummary(p_vis=scores.p_vis, relevance_none=scores.relevance_none,
+                                        opened=sorted(r.index for r in results if r.pixeltriage.open),
+                                        state_tokens=scored.tokens, query_truncated=query_cut)
+        return Answer(Reranked(results, summary), timing)
+
     def check_documents(self, documents: Sequence, field: str) -> None:
         """A rerank request's documents are one question's memories (one state, never split: the gains are relative
         to each other): at most --max-memories of them."""
@@ -319,7 +479,7 @@ class Service:
         def prepare():
             memories, query_cut, cuts = self._cut_texts(query, scored, truncate, max_tokens, query_field)
             try:
-                state, sizes = self.prepare(query, memories, policy, "")()
+                state, sizes = self.prepare(Question(query, memories, policy))()
             except FieldError as e:
                 raise _document_error(e, scored) from None
             return state, (sizes, query_cut, cuts)
@@ -364,7 +524,38 @@ class Service:
         return memories, query_cut, cuts
 
     # -- the write-time cache ------------------------------------------------------------------------------------
-    def put_memory(self, image: str | None, path: str | None, note: str) -> dict:
+    async def put_memory(self, put: schemas.MemoryPut) -> schemas.MemoryInfo:
+        """Put an image and its note into the write-time cache -> its metadata (NoCacheError without a cache)."""
+        self._need_cache()
+        return schemas.MemoryInfo(**await self._write(self._put_memory, put.image, put.path, put.note))
+
+    async def memory(self, key: str) -> schemas.MemoryInfo:
+        """A cached image's metadata; CacheMissError when absent or damaged (NoCacheError without a cache)."""
+        self._need_cache()
+        return schemas.MemoryInfo(**await self._write(self.memory_info, key))
+
+    async def retrieve(self, request: schemas.RetrieveRequest) -> schemas.RetrieveResponse:
+        """The region index's ranking of the cached images for a question (NoCacheError without an index)."""
+        if self.index is None:
+            raise NoCacheError("this server has no region index; start it with --cache DB --index-encoder DIR")
+        hits = await self._write(self._retrieve, request.question, request.top, request.whole_image)
+        return schemas.RetrieveResponse(hits=hits)
+
+    def _need_cache(self) -> None:
+        if self.cache is None:
+            raise NoCacheError("this server has no write-time cache; start it with --cache DB")
+
+    async def _write(self, fn, *args):
+        """Run one cache call on a worker thread; past max_queued waiting calls, 429 (they decode images too)."""
+        if self.pending_writes >= self.config.max_queued:
+            raise OverloadedError(f"{self.pending_writes} cache writes are waiting", 1)
+        self.pending_writes += 1
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self.pending_writes -= 1
+
+    def _put_memory(self, image: str | None, path: str | None, note: str) -> dict:
         """Decode (or read from under the image root) and `Cache.put` one image -> its metadata."""
         if image is not None:
             data = decode_image(image, "image")
@@ -396,7 +587,7 @@ class Service:
         self.index.refresh()                       # rows written since the last search, by any process
         return key in self.index
 
-    def retrieve(self, question: str, top: int, whole_image: bool) -> list[dict]:
+    def _retrieve(self, question: str, top: int, whole_image: bool) -> list[dict]:
         """The region index's ranking of the cached images for `question` (MaxSim, or the whole-image control)."""
         return [hit.to_dict() for hit in self.index.search(question, top, whole_image=whole_image)]
 
@@ -439,6 +630,37 @@ class Service:
             "gates": {"active": len(self.gates), "window": self.config.gate_window, "max": self.config.max_gates},
         })
         return out
+
+
+async def _wait(futures: list[Future], deadline: float,
+                disconnected: Callable[[], Awaitable[None]] | None) -> list[Scored]:
+    """The futures' results; on a disconnect or at the deadline the questions still waiting are cancelled (a
+    question already in its forward is waited for: it finishes within that forward)."""
+    gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no "never retrieved" noise
+    watcher = asyncio.ensure_future(disconnected() if disconnected is not None else asyncio.Event().wait())
+    try:
+        done, _ = await asyncio.wait((gathered, watcher), timeout=max(0.0, deadline - time.monotonic()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if gathered in done:
+            return _results(gathered, futures)
+        cancelled = [f.cancel() for f in futures]
+        if watcher in done:
+            raise ClientDisconnected()
+        if any(cancelled):
+            raise DeadlineExceededError("the request passed its deadline before it was scored; it was dropped "
+                                        "from the queue", 504)
+        await asyncio.wait((gathered,))
+        return _results(gathered, futures)
+    finally:
+        watcher.cancel()
+
+
+def _results(gathered: asyncio.Future, futures: list[Future]) -> list[Scored]:
+    if gathered.cancelled() or gathered.exception() is not None:
+        for f in futures:
+            f.cancel()
+    return gathered.result()
 
 
 def warm_up(scorer: "Scorer", budget: int) -> None:
