@@ -404,21 +404,25 @@ def _proxy_actor_names() -> list[str]:
 
 
 def _call_all(names: list[str], fn: Callable, *args) -> dict[str, Any]:
-    """`fn(*args)` in each named actor, at once, from the driver -> {name: answer} of those that answered."""
+    """`fn(*args)` in each named actor, at once, from the driver -> {name: answer}; None for an actor that did not
+    answer within CALL_TIMEOUT, no entry for one that is gone."""
     import ray
 
     refs = {}
     for name in names:
         try:
             refs[name] = _actor(name).__ray_call__.remote(fn, *args)
-        except ValueError:
+        except ValueError:                     # gone since it was listed
             continue
     out = {}
     for name, ref in refs.items():
         try:
             out[name] = ray.get(ref, timeout=CALL_TIMEOUT)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            log.warning("%s did not answer: %s", name, str(e).strip().splitlines()[0] if str(e).strip() else e)
+        except ray.exceptions.GetTimeoutError:
+            log.warning("%s did not answer within %.0f s", name, CALL_TIMEOUT)
+            out[name] = None
+        except ray.exceptions.RayActorError:
+            continue
     return out
 
 
@@ -453,7 +457,7 @@ def drain(config: ServeConfig, hurry: threading.Event, *, stop_proxies: bool) ->
     while not hurry.is_set() and time.monotonic() < deadline:
         names = replica_actor_names(APP_NAME, DEPLOYMENT_NAME)
         answers = _call_all(names, replica_drain, grace)
-        if all(answers.get(name, True) for name in names):   # a replica that does not answer is gone
+        if all(answers.get(name, True) for name in names):   # one that is gone has nothing left to answer
             finished = True
             break
         hurry.wait(POLL)
@@ -480,7 +484,10 @@ def shut_serve_down(timeout: float) -> None:
         controller = ray.get_actor(CONTROLLER_ACTOR, namespace=SERVE_NAMESPACE)
     except ValueError:
         return
-    ray.get(controller.graceful_shutdown.remote(False), timeout=CALL_TIMEOUT)
+    try:
+        ray.get(controller.graceful_shutdown.remote(False), timeout=CALL_TIMEOUT)
+    except ray.exceptions.RayActorError:       # already gone
+        return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not any(a["namespace"] == SERVE_NAMESPACE and a["name"] == CONTROLLER_ACTOR
