@@ -16,7 +16,7 @@ processor: every image opened (open-all), or only the k highest-gain ones with a
 (ours@k), timed as one forward each.
 
 `--profile DIR`: a torch profiler trace (DIR/trace.json, chrome://tracing) of a few System One questions and a
-per-stage table (preprocess, pack, vision, gated_delta, attention, mlp, head) with each stage's analytic FLOPs,
+per-stage table (preprocess, pack, vision, vision_attention, gated_delta, delta_rule, attention, mlp, head) with each stage's analytic FLOPs,
 achieved TFLOP/s, and its fraction of the GEMM rate measured in the run and of the device's peak (A100 312,
 H100/H200 989 dense bf16 TFLOP/s) when the device is one of those.
 """
@@ -164,11 +164,11 @@ def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2,
 
 def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
     """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
+    from pixeltriage.bench.cpu import stage_flops
     from pixeltriage.bench.flops import scorer_flops
     from pixeltriage.engine import profiling
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    stage_of = {"full_attention": "attention", "linear_attention": "gated_delta", "ffn": "mlp"}  # flops -> stages
     activities = [torch.profiler.ProfilerActivity.CPU]
     if scorer.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -178,10 +178,9 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
             states.append(scorer.pack(q, m))
             scorer.score_states(states[-1:])
     flops: dict[str, float] = {}                       # counted after the profiled block, not inside it
-    for state in states:
-        for name, f in scorer_flops(scorer, state).items():
-            stage = stage_of.get(name, name)
-            flops[stage] = flops.get(stage, 0.0) + f.total
+    for state in states:                               # each FLOP of the model in the one stage that times it
+        for stage, f in stage_flops(scorer_flops(scorer, state, split=True)).items():
+            flops[stage] = flops.get(stage, 0.0) + f
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
     peak = device_peak_tflops(scorer.device)

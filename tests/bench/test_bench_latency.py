@@ -33,8 +33,11 @@ def test_report_end_to_end(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     ans = r["answering"]
     assert ans["open_all"]["visual_tokens"] > ans["ours@1"]["visual_tokens"] > 0
     stages = r["profile"]["stages"]
-    assert {"preprocess", "pack", "vision", "mlp", "head", "total"} <= set(stages)
+    assert {"preprocess", "pack", "vision", "vision_attention", "gated_delta", "delta_rule", "mlp", "head",
+            "total"} <= set(stages)
     assert stages["mlp"]["tflop"] > 0 and stages["total"]["seconds"] > 0
+    # every timed stage of the forward carries its own FLOPs (none left at zero by a stale stage mapping)
+    assert all(stages[s]["tflop"] > 0 for s in ("vision", "vision_attention", "gated_delta", "delta_rule", "head"))
     assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
 
 
