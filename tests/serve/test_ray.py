@@ -27,6 +27,8 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
 START_TIMEOUT = 240.0
 GRACEFUL_TIMEOUT = 20.0
 EXIT_TIMEOUT = 90.0          # SIGTERM -> the server process gone (drain, proxy stop, Serve and Ray shutdown)
+ADMITTED = 2.0               # a request sent this long before SIGTERM has reached its replica's queue (two shared
+                             # cores: the proxy may be slow, never this slow)
 
 
 def free_port() -> int:
@@ -286,12 +288,12 @@ def test_sigterm_under_load_drains_without_404_or_reset(ray_server):
     print("server log:", log.read_text(errors="replace")[-3000:])
     assert proc.returncode == 0
     assert set(kinds) <= {200, 503, "refused"}, kinds                  # no 404, no reset, no lost answer
-    before = [o for o in outcomes if o[0] < at - 1.0]                 # surely admitted by the signal
+    before = [o for o in outcomes if o[0] < at - ADMITTED]            # surely admitted by the signal
     assert before and all(o[2] == 200 for o in before), Counter(o[2] for o in before)
     assert any(o[2] == 200 and o[0] < at < o[1] for o in outcomes)    # in flight at the signal, answered
     refusals = [o for o in outcomes if o[2] == 503]
     assert refusals, "no 503 seen while draining"
-    late = [(round(o[0] - at, 2), o[4]) for o in refusals if o[3] is None or o[0] < at - 1.0
+    late = [(round(o[0] - at, 2), o[4]) for o in refusals if o[3] is None or o[0] < at - ADMITTED
             or "before this request was scored" in o[4]]
     assert not late, late             # each with Retry-After, none for a request admitted before (none cut short)
     assert all(o[0] >= at for o in outcomes if o[2] == "refused")
