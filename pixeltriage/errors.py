@@ -74,3 +74,8 @@ class ServiceUnavailableError(ServiceError):
 
 class AuthenticationError(ServiceError):
     """The service wants a valid API key (401)."""
+
+
+class NoCacheError(ServiceError):
+    """The service was started without what the request needs: a write-time cache (--cache) for /v1/memories, a
+    region index (--index-encoder) for /v1/retrieve (501)."""

@@ -39,14 +39,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
-                                PixelTriageError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.errors import InvalidMemoryError, InvalidRequestError, OverloadedError, PixelTriageError
 from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_TAGS, BatchRequest, BatchResponse,
                                        ErrorBody, MemoryInfo, MemoryPut, Policy, RerankRequest, RerankResponse,
                                        RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status, Strict,
-                                       TEIRank, TEIRerankRequest)
-from pixeltriage.serve.service import (Admission, Answer, ClientDisconnected, FieldError, NoCacheError, Question,
-                                       Reranked, RerankQuestion, Service)
+                                       TEIRank, TEIRerankRequest, status_of)
+from pixeltriage.serve.service import (Admission, Answer, ClientDisconnected, FieldError, Question, Reranked,
+                                       RerankQuestion, Service)
 
 log = logging.getLogger(__name__)
 
@@ -321,25 +320,13 @@ FAILURE_OF = {"invalid_memory": "invalid_input", "invalid_input": "invalid_input
               "not_found": "not_found", "no_cache": "no_cache"}
 
 
-@functools.cache
-def _kinds() -> tuple:
-    """(error class, status, error_type), the first match wins (the cache module imports torch: on first use)."""
-    from pixeltriage.engine.cache import CacheMissError
-
-    return ((InvalidMemoryError, 422, "invalid_memory"), (StateTooLongError, 422, "state_too_long"),
-            (InvalidRequestError, 422, "invalid_input"), (OverloadedError, 429, "overloaded"),
-            (DeadlineExceededError, 504, "deadline"), (ServiceUnavailableError, 503, "unavailable"),
-            (CacheMissError, 404, "not_found"), (NoCacheError, 501, "no_cache"))
-
-
 def error_kind(error: BaseException) -> tuple[int, str]:
-    """(HTTP status, error_type) of an error raised while answering (a FieldError: of the error it carries)."""
+    """(HTTP status, error_type) of an error raised while answering (a FieldError: of the error it carries), from
+    the table the clients read (`schemas.error_statuses`); 500 "internal" for any other."""
     if isinstance(error, FieldError):
         error = error.error
-    for cls, status, kind in _kinds():
-        if isinstance(error, cls):
-            return status, kind
-    return 500, "internal"
+    row = status_of(error)
+    return (row.status, row.error_type) if row is not None else (500, "internal")
 
 
 def _add_error_handlers(app: FastAPI, service: Service) -> None:

@@ -5,10 +5,11 @@
 
 Memories are the library's `Memory`: an image given as bytes, a local file path or a PIL image is sent as base64 (a
 PIL image losslessly, as PNG, or TIFF for modes PNG lacks, with its EXIF orientation), a cache key as the key. The
-server's refusals come back as the library's typed errors: InvalidMemoryError (with its index), StateTooLongError,
-InvalidRequestError (with the field), CacheMissError, OverloadedError (with retry_after), DeadlineExceededError,
-ServiceUnavailableError, AuthenticationError, ServiceError. Connection failures, 502, 503 and 429 are retried
-`retries` times (scoring is idempotent; a retried question may count twice in a server-side rate gate), after
+server's refusals come back as the library's typed errors, by the table the server answers them with
+(`schemas.error_statuses`): InvalidMemoryError (with its index), StateTooLongError, InvalidRequestError (with the
+field), CacheMissError, OverloadedError (with retry_after), DeadlineExceededError, ServiceUnavailableError,
+AuthenticationError, NoCacheError; any other status is a ServiceError. Connection failures, 502, 503 and 429 are
+retried `retries` times (scoring is idempotent; a retried question may count twice in a server-side rate gate), after
 Retry-After when the server gives one, at most `max_retry_wait` seconds.
 """
 from __future__ import annotations
@@ -26,9 +27,9 @@ import httpx
 
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
 from pixeltriage.engine.types import Memory, Scores, user_text
-from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
-                                OverloadedError, ServiceError, ServiceUnavailableError,
-                                StateTooLongError)
+from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
+                                ServiceError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.serve.schemas import error_for
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 RETRIED_STATUS = (429, 502, 503)
@@ -152,27 +153,23 @@ def error_of(response: httpx.Response, question_offset: int = 0) -> Exception:
         renumbered = f"questions[{question_offset + int(found.group(1))}]" + field[found.end():]
         message = renumbered + message[len(field):] if message.startswith(field) else message
         field = renumbered
-    if status == 401:
-        return AuthenticationError(message, status)
-    if status == 429:
+    row = error_for(status, kind)
+    error = row.error if row is not None else ServiceError
+    if error is InvalidMemoryError:
+        if field and (index := _MEMORY_INDEX.findall(field)):
+            error = InvalidMemoryError(str(body.get("reason") or message), int(index[-1]))
+            error.field = field
+            return error
+        error = InvalidRequestError             # a memory the body does not number: as any other 422
+    if error is OverloadedError:
         return OverloadedError(message, _retry_after(response) or 1.0, status)
-    if status == 503:
-        return ServiceUnavailableError(message, status)
-    if status == 504:
-        return DeadlineExceededError(message, status)
-    if status == 404 and kind == "not_found":
-        from pixeltriage.engine.cache import CacheMissError
-
-        return CacheMissError(response.url.path.rsplit("/", 1)[-1], message)
-    if kind == "invalid_memory" and field and (index := _MEMORY_INDEX.findall(field)):
-        error = InvalidMemoryError(str(body.get("reason") or message), int(index[-1]))
-        error.field = field
-        return error
-    if kind == "state_too_long":
+    if error is StateTooLongError:
         return StateTooLongError(message.removeprefix(f"{field}: ") if field else message)
-    if status in (413, 415, 422):
+    if error is InvalidRequestError:
         return InvalidRequestError(message.removeprefix(f"{field}: ") if field else message, field, status)
-    return ServiceError(message, status)
+    if row is not None and row.status == 404:
+        return error(response.url.path.rsplit("/", 1)[-1], message)          # CacheMissError: the key, the message
+    return error(message, status)        # ServiceError and its kinds: AuthenticationError, NoCacheError, ...
 
 
 def _retry_after(response: httpx.Response) -> float | None:

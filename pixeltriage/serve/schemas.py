@@ -10,8 +10,10 @@ DATE_LIMIT; only the encoded images are bounded by the body's size alone (`--pay
 """
 from __future__ import annotations
 
+import functools
 import types
 import typing
+from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Union
 
 from annotated_types import MaxLen
@@ -382,3 +384,52 @@ class TEIRank(BaseModel):
     score: float
     text: Optional[str] = None
     pixeltriage: RerankExtra
+
+
+# -- errors over HTTP ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ErrorStatus:
+    """How one error crosses HTTP: the library error, the status and the `error_type` of its body.
+
+    by_status: a response with this status and no `error_type` of the table (a proxy's plain 503, an unknown kind)
+    is still this error."""
+
+    error: type[Exception]
+    status: int
+    error_type: str
+    by_status: bool = False
+
+
+@functools.cache
+def error_statuses() -> tuple[ErrorStatus, ...]:
+    """The one table of the scoring service's errors: the server answers an error with the first row its class
+    matches, and both clients (`Client`, `AsyncClient`) raise the row of a response's status and error_type (else
+    the `by_status` row of its status, else ServiceError). The cache module imports torch: built on first use."""
+    from pixeltriage.engine.cache import CacheMissError
+    from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError,
+                                    InvalidRequestError, NoCacheError, OverloadedError, ServiceUnavailableError,
+                                    StateTooLongError)
+
+    return (ErrorStatus(InvalidMemoryError, 422, "invalid_memory"),
+            ErrorStatus(StateTooLongError, 422, "state_too_long"),
+            ErrorStatus(InvalidRequestError, 422, "invalid_input", by_status=True),
+            ErrorStatus(InvalidRequestError, 413, "payload_too_large", by_status=True),
+            ErrorStatus(InvalidRequestError, 415, "unsupported_media_type", by_status=True),
+            ErrorStatus(AuthenticationError, 401, "unauthorized", by_status=True),
+            ErrorStatus(OverloadedError, 429, "overloaded", by_status=True),
+            ErrorStatus(DeadlineExceededError, 504, "deadline", by_status=True),
+            ErrorStatus(ServiceUnavailableError, 503, "unavailable", by_status=True),
+            ErrorStatus(CacheMissError, 404, "not_found"),
+            ErrorStatus(NoCacheError, 501, "no_cache"))
+
+
+def status_of(error: BaseException) -> ErrorStatus | None:
+    """The table's row for an error the server raised (None: not a refusal of the table, a 500)."""
+    return next((row for row in error_statuses() if isinstance(error, row.error)), None)
+
+
+def error_for(status: int, error_type: str | None) -> ErrorStatus | None:
+    """The table's row for an error response (None: the client raises ServiceError)."""
+    rows = error_statuses()
+    return (next((r for r in rows if r.status == status and r.error_type == error_type), None)
+            or next((r for r in rows if r.status == status and r.by_status), None))

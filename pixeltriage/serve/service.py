@@ -18,8 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
-from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
-                                PixelTriageError, StateTooLongError)
+from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, NoCacheError,
+                                OverloadedError, StateTooLongError)
 from pixeltriage.serve import schemas
 from pixeltriage.serve.batcher import Batcher, Prepare, Scored
 from pixeltriage.serve.config import ServeConfig
@@ -154,10 +154,6 @@ class Reranked:
 
 class ClientDisconnected(Exception):
     """The client closed its connection before its answer was ready; its queued questions were dropped."""
-
-
-class NoCacheError(PixelTriageError):
-    """/v1/memories on a server started without --cache, /v1/retrieve without --index-encoder."""
 
 
 class FieldError(Exception):

@@ -1,0 +1,161 @@
+"""The one error table (`schemas.error_statuses`) walked through real servers: for each row, a request that the
+server refuses with that row's status and error_type, and both clients (Client and AsyncClient) raising that row's
+error for it; a new row without a request here fails the walk."""
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+from serving import API_KEY, ServerProcess, image_bytes
+
+from pixeltriage import Memory
+from pixeltriage.serve.schemas import error_for, error_statuses, status_of
+
+SQUARE = image_bytes((336, 336))
+
+
+@pytest.fixture(scope="module")
+def bare(tiny_checkpoint, tmp_path_factory):
+    """No cache, one open request at a time: the 501 and the 429."""
+    server = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("bare") / "server.log", "--max-queued", "1")
+    yield server.wait_ready()
+    server.stop()
+
+
+def held_upload(url: str) -> socket.socket:
+    """A request whose body never finishes: it holds one of --max-queued open requests until closed."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 1000\r\n\r\n{\"question\":")
+    return sock
+
+
+def calls(served, bare):
+    """(status, error_type) -> (server url, api key, the client call: method name and arguments)."""
+    return {
+        (422, "invalid_memory"): (served.url, API_KEY, ("score", "q", [Memory(image=b"\x89PNG\r\n\x1a\nbroken")])),
+        (422, "state_too_long"): (served.url, API_KEY, ("score", "q", [Memory(image=SQUARE, dialogue="w " * 600,
+                                                                              note="n " * 600)] * 64)),
+        (422, "invalid_input"): (served.url, API_KEY, ("score", "q", [Memory(image=image_bytes())] * 65)),
+        (413, "payload_too_large"): (served.url, API_KEY, ("score", "q", [Memory(image=b"0" * 3 * 2 ** 20)])),
+        (401, "unauthorized"): (served.url, None, ("score", "q", [])),
+        (504, "deadline"): (served.url, API_KEY, ("score", "q", [Memory(image=image_bytes())], 1e-9)),
+        (404, "not_found"): (served.url, API_KEY, ("memory", "c" * 64)),
+        (501, "no_cache"): (bare.url, None, ("put_memory", image_bytes())),
+        (429, "overloaded"): (bare.url, None, ("score", "q", [])),
+    }
+
+
+def sync_call(client, call):
+    name, *args = call
+    if name == "score" and len(args) == 3:
+        return client.score(args[0], args[1], timeout_s=args[2])
+    return getattr(client, name)(*args)
+
+
+async def async_call(url, key, call):
+    from pixeltriage.serve import AsyncClient
+
+    name, *args = call
+    async with AsyncClient(url, api_key=key, retries=0) as client:
+        if name == "score" and len(args) == 3:
+            return await client.score(args[0], args[1], timeout_s=args[2])
+        return await getattr(client, name)(*args)
+
+
+def raw(url, key, call) -> httpx.Response:
+    """The same call as a plain request (what the server answers, before a client reads it)."""
+    from pixeltriage.serve.client import question_body
+
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    name, *args = call
+    if name == "memory":
+        return httpx.get(f"{url}/v1/memories/{args[0]}", headers=headers, timeout=60)
+    if name == "put_memory":
+        return httpx.post(f"{url}/v1/memories", json={"image": "aGVsbG8="}, headers=headers, timeout=60)
+    extra = {"timeout_s": args[2]} if len(args) == 3 else {}
+    return httpx.post(f"{url}/v1/score", json=question_body(args[0], args[1], **extra), headers=headers, timeout=60)
+
+
+def test_every_row_is_what_the_server_answers_and_what_both_clients_raise(served, bare):
+    from pixeltriage.serve import Client
+    from pixeltriage.serve.client import error_of
+
+    walked = calls(served, bare)
+    table = {(row.status, row.error_type): row for row in error_statuses()}
+    assert set(table) == set(walked) | {(415, "unsupported_media_type"), (503, "unavailable")}
+    for (status, kind), (url, key, call) in walked.items():
+        row = table[(status, kind)]
+        held = held_upload(url) if status == 429 else None
+        try:
+            if held is not None:                                      # the guard counts it once its headers are in
+                deadline = time.monotonic() + 30
+                while (response := raw(url, key, call)).status_code != 429:
+                    assert time.monotonic() < deadline, response.text
+                    time.sleep(0.05)
+            else:
+                response = raw(url, key, call)
+            assert (response.status_code, response.json()["error_type"]) == (status, kind), response.text
+            assert type(error_of(response)) is row.error
+            with Client(url, api_key=key, retries=0) as client:
+                with pytest.raises(row.error) as raised_sync:
+                    sync_call(client, call)
+            raised_all = [raised_sync.value]
+            if status != 413:    # the server answers 413 before reading the body and closes: httpx's async transport
+                with pytest.raises(row.error) as raised_async:    # may meet the closed socket first (ReadError)
+                    asyncio.run(async_call(url, key, call))
+                raised_all.append(raised_async.value)
+            for raised in raised_all:
+                assert type(raised) is row.error
+                assert getattr(raised, "status", status) == status         # a ServiceError's or a 413's status
+        finally:
+            if held is not None:
+                held.close()
+
+
+def test_the_rows_no_client_call_can_reach_over_http(served):
+    """415 (the clients always send JSON) and a 503 without a JSON body (a proxy's): read as the table says."""
+    from pixeltriage.serve.client import error_of
+
+    response = httpx.post(served.url + "/v1/score", content=b'{"question": "q"}',
+                          headers={"authorization": f"Bearer {API_KEY}", "content-type": "text/plain"}, timeout=30)
+    assert (response.status_code, response.json()["error_type"]) == (415, "unsupported_media_type")
+    assert type(error_of(response)) is error_for(415, "unsupported_media_type").error
+    plain = httpx.Response(503, text="no healthy upstream", request=httpx.Request("POST", served.url + "/v1/score"))
+    assert type(error_of(plain)) is error_for(503, None).error
+
+
+def test_a_loading_service_answers_the_503_row():
+    """A service not yet loaded (in process: a server process is ready before it listens) refuses with 503."""
+    from fastapi.testclient import TestClient
+
+    from pixeltriage.serve.app import create_app
+    from pixeltriage.serve.client import error_of
+    from pixeltriage.serve.config import ServeConfig
+    from pixeltriage.serve.service import Service
+
+    with TestClient(create_app(Service(ServeConfig(), lambda: None))) as http:
+        response = http.post("/v1/score", json={"question": "q"})
+    assert (response.status_code, response.json()["error_type"]) == (503, "unavailable")
+    assert type(error_of(response)) is error_for(503, "unavailable").error
+
+
+def test_the_server_answers_each_error_with_a_row_of_its_own_class():
+    for row in error_statuses():
+        found = status_of(_instance(row.error))
+        assert found is not None and found.error is row.error      # no row of a base class shadows it
+
+
+def _instance(cls):
+    from pixeltriage.engine.cache import CacheMissError
+    from pixeltriage.errors import InvalidMemoryError, OverloadedError
+
+    if cls is CacheMissError:
+        return cls("c" * 64)
+    if cls is OverloadedError:
+        return cls("full", 1)
+    if cls is InvalidMemoryError:
+        return cls("bad", 0)
+    return cls("refused")
