@@ -300,9 +300,7 @@ def _add_status_routes(app: FastAPI, service: Service) -> None:
     @app.get("/metrics", tags=["status"], response_class=Response)
     async def metrics():
         """Prometheus text format (the service's own registry)."""
-        if service.scorer is not None:
-            service.metrics.vision_counts(service.scorer.vision_counts)
-        body, content_type = service.metrics.expose()
+        body, content_type = service.exposition()
         return Response(body, media_type=content_type)
 
 
@@ -428,8 +426,7 @@ class Guard:
             self.service.metrics.failures.labels("unsupported_media_type").inc()
             await wrong_type(scope, receive, counting_send)
             return
-        self.service.open_requests += 1        # every body held in memory counts: at most max_queued of them
-        try:
+        with self.service.holding_body():      # every body held in memory counts: at most max_queued of them
             body = await self._body(scope, receive, path)
             if isinstance(body, Response):
                 await body(scope, receive, counting_send)
@@ -437,8 +434,6 @@ class Guard:
             scope[BODY] = body                 # parsed by the route (`parse_body`), which drops it from the scope
             del body
             await self.app(scope, _after_body(receive), counting_send)
-        finally:
-            self.service.open_requests -= 1
 
     def _refusal(self, scope: Scope, path: str) -> Response | None:
         service, failures = self.service, self.service.metrics.failures
@@ -448,18 +443,18 @@ class Guard:
                           headers={"www-authenticate": 'Bearer realm="pixeltriage"'}, path=path)
         if not (path.startswith("/v1/") or path in BODY_PATHS):
             return None
-        if not service.admitting:
-            failures.labels("unavailable").inc()
-            return _error(503, "unavailable", f"the service is {service.status}; retry on another replica or later",
-                          headers={"retry-after": "1", "connection": "close"} if service.status != "loading"
-                          else {"retry-after": "5"}, path=path)
-        if path in BODY_PATHS and (service.open_requests >= service.config.max_queued
-                                   or (path in SCORING_PATHS and service.batcher.free <= 0)):
-            failures.labels("overloaded").inc()
-            return _error(429, "overloaded", f"the server is full ({service.batcher.admitted} of "
-                          f"{service.config.max_queued} questions admitted, {service.open_requests} requests open)",
-                          headers={"retry-after": str(service.batcher.retry_after())}, path=path)
-        return None
+        refused = service.refusal(path in BODY_PATHS, path in SCORING_PATHS)
+        if refused is None:
+            return None
+        status, kind = error_kind(refused)
+        failures.labels(kind).inc()
+        if isinstance(refused, OverloadedError):
+            headers = {"retry-after": str(refused.retry_after)}
+        elif service.status == "loading":
+            headers = {"retry-after": "5"}
+        else:      # draining or stopped: this replica will not be ready again, so the connection closes
+            headers = {"retry-after": "1", "connection": "close"}
+        return _error(status, kind, str(refused), headers=headers, path=path)
 
     def _authorized(self, scope: Scope) -> bool:
         value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")

@@ -15,11 +15,12 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Iterator, Sequence, TypeVar
 
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, NoCacheError,
-                                OverloadedError, StateTooLongError)
+                                OverloadedError, ServiceUnavailableError, StateTooLongError)
 from pixeltriage.serve import schemas
 from pixeltriage.serve.batcher import Batcher, Prepare, Scored
 from pixeltriage.serve.config import ServeConfig
@@ -298,6 +299,27 @@ class Service:
         if status == "ready" and self.batcher is not None and not self.batcher.alive:
             return "stalled"
         return status
+
+    def refusal(self, holds_body: bool, scoring: bool) -> ServiceUnavailableError | OverloadedError | None:
+        """Why a request is refused before its body is read (None: admit it): ServiceUnavailableError while not
+        ready; OverloadedError for a request with a body while --max-queued of them are open, or for a scoring one
+        while the batcher has no room (its retry_after: the batcher's estimate)."""
+        if not self.admitting:
+            return ServiceUnavailableError(f"the service is {self.status}; retry on another replica or later")
+        if holds_body and (self.open_requests >= self.config.max_queued or (scoring and self.batcher.free <= 0)):
+            return OverloadedError(f"the server is full ({self.batcher.admitted} of {self.config.max_queued} "
+                                   f"questions admitted, {self.open_requests} requests open)",
+                                   self.batcher.retry_after())
+        return None
+
+    @contextmanager
+    def holding_body(self) -> Iterator[None]:
+        """Count a request body held in memory (arrival to response): at most --max-queued of them."""
+        self.open_requests += 1
+        try:
+            yield
+        finally:
+            self.open_requests -= 1
 
     def drain(self, timeout: float) -> bool:
         """Stop admitting (503 from now on) and wait up to `timeout` s for admitted questions; True if all finished."""
@@ -587,7 +609,14 @@ class Service:
         """The region index's ranking of the cached images for `question` (MaxSim, or the whole-image control)."""
         return [hit.to_dict() for hit in self.index.search(question, top, whole_image=whole_image)]
 
-    # -- /info ---------------------------------------------------------------------------------------------------
+    # -- /info, /metrics -----------------------------------------------------------------------------------------
+    def exposition(self) -> tuple[bytes, str]:
+        """The metrics in Prometheus text format and its content type, the vision tower's counts brought up to
+        date first."""
+        if self.scorer is not None:
+            self.metrics.vision_counts(self.scorer.vision_counts)
+        return self.metrics.expose()
+
     def build_info(self) -> dict:
         from pixeltriage import __version__
 
