@@ -39,7 +39,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pixeltriage.errors import InvalidMemoryError, InvalidRequestError, OverloadedError, PixelTriageError
+from pixeltriage.errors import (InvalidMemoryError, InvalidRequestError, OverloadedError, PixelTriageError,
+                                ServiceUnavailableError)
 from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_TAGS, BatchRequest, BatchResponse,
                                        ErrorBody, MemoryInfo, MemoryPut, Policy, RerankRequest, RerankResponse,
                                        RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status, Strict,
@@ -350,7 +351,10 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         field = e.field if isinstance(e, FieldError) else getattr(e, "field", None)
         message = str(inner) if isinstance(inner, InvalidRequestError) or not field else f"{field}: {inner}"
         extra = {"reason": inner.reason} if isinstance(inner, InvalidMemoryError) else {}
-        headers = {"retry-after": str(math.ceil(inner.retry_after))} if isinstance(inner, OverloadedError) else None
+        # a 503 raised past the guard (a request admitted just before a drain) says when to retry, as the guard's do
+        headers = ({"retry-after": str(math.ceil(inner.retry_after))} if isinstance(inner, OverloadedError)
+                   else {"retry-after": "1", "connection": "close"} if isinstance(inner, ServiceUnavailableError)
+                   else None)
         log.debug("%s: %d %s (field %s)", request.url.path, status, kind, field)
         return _error(status, kind, message, field, headers, path=request.url.path, **extra)
 

@@ -117,6 +117,8 @@ def test_sigterm_past_the_graceful_timeout_refuses_the_rest_and_still_closes_cle
     assert server.proc.wait(60) == 0
     codes = sorted(a.status_code for a in answers)
     assert len(codes) == 4 and set(codes) <= {200, 503} and 503 in codes, codes   # the rest refused, none lost
+    # refused past the guard (admitted, then cut by the graceful timeout): still told when to retry, as the guard does
+    assert all(a.headers.get("retry-after") == "1" for a in answers if a.status_code == 503)
     output = server.output()
     assert "Traceback" not in output and "shutdown failed" not in output.lower()
     assert not Path(f"{db}-wal").exists()                        # the cache was still closed
