@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
