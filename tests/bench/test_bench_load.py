@@ -1,5 +1,6 @@
 """`pixeltriage bench load`: the per-process measurement and the report (timings are printed, never asserted)."""
 import io
+import time
 
 import pytest
 import torch
@@ -8,15 +9,65 @@ from pixeltriage.bench import load
 from pixeltriage.weights.packed import pack_checkpoint
 
 
+def _spy(monkeypatch, owner, name, spans, key):
+    """Wrap `owner.name` so each call records its own (start, end) under spans[key]."""
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spans.setdefault(key, []).append((t0, time.perf_counter()))
+
+    monkeypatch.setattr(owner, name, timed)
+
+
 @pytest.mark.parametrize("method", load.METHODS)
-def test_child_measures_each_method(tiny_checkpoint, tmp_path, method):
+def test_child_measures_each_method(tiny_checkpoint, tmp_path, monkeypatch, method):
+    """The two clocks bracket the work they name: `load_s` covers the load call, `first_s - load_s` the first
+    score. The load and the score are timed from inside by spies; the child's windows must contain them. This is
+    an order check on one clock, not a speed assertion (moving either stamp off its work fails it)."""
     path = tiny_checkpoint
     if method == "packed":
         path = tmp_path / "p.safetensors"
         pack_checkpoint(tiny_checkpoint, path, dtype=torch.bfloat16)
+    spans: dict = {}
+    if method == "transformers":
+        import transformers
+
+        import pixeltriage.bench.hf as hf
+
+        cls = transformers.Qwen3_5ForConditionalGeneration
+        _spy(monkeypatch, cls, "from_pretrained", spans, "load")
+        _spy(monkeypatch, hf, "transformers_hidden", spans, "score")
+    else:
+        from pixeltriage import Scorer
+
+        _spy(monkeypatch, Scorer, "load", spans, "load")
+        original_score = Scorer.score
+
+        def score(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original_score(self, *args, **kwargs)
+            finally:
+                spans.setdefault("score", []).append((t0, time.perf_counter()))
+
+        monkeypatch.setattr(Scorer, "score", score)
+    t_call = time.perf_counter()
     out = load._child(method, str(path), "bfloat16")
+    t_back = time.perf_counter()
     assert out["method"] == method
-    assert 0 < out["load_s"] <= out["first_s"]
+    assert len(spans["load"]) == 1 and len(spans["score"]) == 1, spans
+    (load_a, load_b), (score_a, score_b) = spans["load"][0], spans["score"][0]
+    # The child's clock starts (t_start) between our call and the load, and reads load_s and first_s from it.
+    t_start_latest = load_a
+    t_start_earliest = t_call + out["import_s"]
+    assert t_start_earliest <= t_start_latest
+    assert out["load_s"] >= load_b - load_a            # the load window holds the whole load call
+    assert out["first_s"] - out["load_s"] >= score_b - score_a   # the first-score window holds the score call
+    assert t_call + out["import_s"] + out["first_s"] <= t_back
     assert out["peak_rss"] > 50 * 2**20
 
 
