@@ -14,7 +14,7 @@ import torch
 from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.engine.model import Varlen, decoder_forward
 from pixeltriage.engine.profiling import stage
-from pixeltriage.engine.state import EXTRA_HEAD_ROWS, State, StatePacker, TextEncoder
+from pixeltriage.engine.state import EXTRA_HEAD_ROWS, HeadRows, State, StatePacker, TextEncoder
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.engine.vision import vision_forward
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, NonFiniteScoreError
@@ -340,8 +340,7 @@ class Scorer:
     def score_states(self, states: Sequence[State]) -> list[Scores]:
         if not states:
             return []
-        # Only the head's rows leave each forward: per state, in `State.head_positions` order, its n markers, the
-        # 3 decision rows, then true, false and the two `none` candidates (n + EXTRA_HEAD_ROWS rows).
+        # Only the head's rows leave each forward: per state, in `State.head_positions` order (`HeadRows`)
         rows, decision, binary, none, markers, counts = [], [], [], [], [], [0]
         base = 0
         for group in self._token_groups(states):
@@ -349,10 +348,11 @@ class Scorer:
             for s in group:
                 n = s.num_memories
                 index.append(s.head_positions() + token_offset)
-                markers.append(torch.arange(base, base + n))
-                decision.append(torch.arange(base + n, base + n + 3))
-                binary.append(torch.tensor([base + n + 3, base + n + 4]))
-                none.append(torch.tensor([base + n + 5, base + n + 6]))
+                layout = HeadRows.at(base, n)
+                markers.append(layout.markers)
+                decision.append(layout.decision)
+                binary.append(layout.binary)
+                none.append(layout.none)
                 counts.append(counts[-1] + n)
                 base += n + EXTRA_HEAD_ROWS
                 token_offset += s.num_tokens

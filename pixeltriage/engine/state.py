@@ -15,6 +15,7 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tokenizers import Tokenizer
@@ -32,7 +33,24 @@ PREFIX_MARGIN = 16
 DATE_TOKENS = 32  # per-memory budget for the session date; the rest goes to note and dialogue
 # rows the head reads besides one marker per memory (`State.head_positions`, after the markers): the 3 decision
 # rows, then the true, false and two `none` candidates
-EXTRA_HEAD_ROWS = 7
+DECISION_ROWS, BINARY_ROWS, NONE_ROWS = 3, 2, 2
+EXTRA_HEAD_ROWS = DECISION_ROWS + BINARY_ROWS + NONE_ROWS
+
+
+class HeadRows(NamedTuple):
+    """Where a state's head rows sit among the rows gathered for the head (`State.head_positions` order, from
+    `base`): its markers, the 3 decision rows, the true and false candidates, the two `none` candidates."""
+    markers: torch.Tensor      # [n]
+    decision: torch.Tensor     # [3]
+    binary: torch.Tensor       # [2] true, false
+    none: torch.Tensor         # [2] gain none, relevance none
+
+    @classmethod
+    def at(cls, base: int, num_memories: int) -> "HeadRows":
+        first = base + num_memories                                  # the first row after the markers
+        return cls(torch.arange(base, first), torch.arange(first, first + DECISION_ROWS),
+                   torch.arange(first + DECISION_ROWS, first + DECISION_ROWS + BINARY_ROWS),
+                   torch.arange(first + DECISION_ROWS + BINARY_ROWS, first + EXTRA_HEAD_ROWS))
 
 
 @dataclass

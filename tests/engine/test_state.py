@@ -180,3 +180,21 @@ def test_one_pre_token_longer_than_the_budget_is_still_cut_exactly(scorer):
     encoder = scorer.packer.encoder
     for text in ("x" * 50_000, " " * 50_000 + "x", "!" * 50_000):
         assert encoder._truncate(text, 512) == encoder._truncate_whole(text, 512)
+
+
+def test_head_rows_name_every_row_of_head_positions_once(tiny_checkpoint):
+    """The head's row layout (`HeadRows`) and `State.head_positions` describe the same rows in the same order."""
+    from pixeltriage import Scorer
+    from pixeltriage.engine.state import EXTRA_HEAD_ROWS, HeadRows
+    from pixeltriage.episode import sample_episode
+
+    state = Scorer.load(tiny_checkpoint).pack(*sample_episode())
+    n, base = state.num_memories, 5
+    layout = HeadRows.at(base, n)
+    order = torch.cat(list(layout)) - base
+    assert order.tolist() == list(range(n + EXTRA_HEAD_ROWS))
+    positions = state.head_positions()
+    assert positions[layout.markers - base].tolist() == state.marker_positions.tolist()
+    assert positions[layout.decision - base].tolist() == state.decision_positions.tolist()
+    assert positions[layout.binary - base].tolist() == [state.true_position, state.false_position]
+    assert positions[layout.none - base].tolist() == [state.gain_none_position, state.relevance_none_position]
