@@ -92,6 +92,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           default=DEFAULTS["graceful_timeout"],
                           help=f"on SIGTERM, seconds to finish admitted work (default {DEFAULTS['graceful_timeout']:g})")
     p.add_argument("--verify", action="store_true", help="read every weight of a packed checkpoint at load")
+    p.add_argument("--rerank-score", choices=("gain", "relevance"), default="gain",
+                   help="what the rerank routes answer as relevance_score (TEI: score) when a request does not set "
+                        "pixeltriage_score: System One's gain (default) or its relevance")
     ray = p.add_argument_group("Ray Serve (scale-out; pip install 'pixeltriage[ray]')")
     ray.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment of replicas, each with its "
                                                         "own batcher, behind Ray Serve's HTTP proxy")
@@ -127,6 +130,9 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--min-replicas {args.min_replicas} is above --max-replicas {args.max_replicas}")
     if args.gpus_per_replica is not None and args.device != "cuda":
         raise UsageError("--gpus-per-replica needs --device cuda")
+    if args.ray and args.rerank_score != "gain":
+        raise UsageError("--rerank-score relevance is not carried to Ray replicas yet; set pixeltriage_score: "
+                         "\"relevance\" in each rerank request instead")
     if args.index_encoder is not None and args.cache is None:
         raise UsageError("--index-encoder needs --cache DB: the region vectors are stored in the write-time cache")
 
@@ -175,7 +181,8 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = server.bind(args.host, args.port)
     host, bound = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
-    service = Service(config, spec.load, describe={"checkpoint": args.checkpoint}, index_loader=spec.load_index)
+    service = Service(config, spec.load, describe={"checkpoint": args.checkpoint}, index_loader=spec.load_index,
+                      rerank_score=args.rerank_score)
     print(f"pixeltriage serve: listening on {url}; loading {args.checkpoint} (GET /ready answers 200 once ready)",
           file=sys.stderr, flush=True)
     if not config.api_keys and not _loopback(host):

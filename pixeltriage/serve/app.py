@@ -206,7 +206,8 @@ def _add_rerank_routes(app: FastAPI, service: Service) -> None:
     @_post(app, "/rerank", response_model=list[TEIRank] | RerankResponse, tags=["rerank"])
     async def rerank_tei(body: TEIRerankRequest, request: Request):
         """Text Embeddings Inference's rerank: the query and its texts as one question's memories -> `[{index,
-        score}]` by descending score (System One's gain; 0 for a text with no image). A body with `documents`
+        score}]` by descending score (System One's gain, or its relevance by `pixeltriage_score` or
+        --rerank-score; 0 for a text with no image). A body with `documents`
         instead (what vLLM and Infinity take on /rerank) is answered as /v2/rerank answers."""
         if body.documents is not None:
             return await _cohere(service, request, body, "2")
@@ -225,8 +226,8 @@ def _add_cohere_route(app: FastAPI, service: Service, path: str, version: str) -
     @_post(app, path, response_model=RerankResponse, tags=["rerank"])
     async def rerank(body: RerankRequest, request: Request):
         """Cohere's, Jina's and vLLM's rerank: the query and its documents as one question's memories -> `{id,
-        results: [{index, relevance_score}], meta, usage}` by descending score (System One's gain; 0 for a document
-        with no image), at most `top_n`."""
+        results: [{index, relevance_score}], meta, usage}` by descending score (System One's gain, or its relevance
+        by `pixeltriage_score` or --rerank-score; 0 for a document with no image), at most `top_n`."""
         return await _cohere(service, request, body, version)
 
 
@@ -254,7 +255,8 @@ async def _rerank(service: Service, request: Request, body: RerankRequest, docum
         raise InvalidRequestError("System One's scores are probabilities (the gain); this server answers "
                                   "raw_scores: false only", "raw_scores")
     rerank = RerankQuestion(body.query, documents, body.policy or Policy(k=DEFAULT_OPEN_K), collection,
-                            body.truncate is not False, body.max_tokens_per_doc)
+                            body.truncate is not False, body.max_tokens_per_doc,
+                            body.pixeltriage_score or service.rerank_score)
     return await service.rerank(rerank, _admission(request, body.timeout_s, 0))
 
 

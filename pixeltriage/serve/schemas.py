@@ -250,6 +250,8 @@ class Status(BaseModel):
 # -- rerank (TEI, Cohere, Jina, vLLM shapes: docs/serve.md, "Rerank") ------------------------------------------------
 MODEL_NAME_LIMIT = 256
 DEFAULT_OPEN_K = 2                          # the open decision without a `policy`: the adapters' default k
+RERANK_SCORES = ("gain", "relevance")       # what `relevance_score` (TEI: `score`) carries: Scores.gains or .relevance
+RerankScore = Literal["gain", "relevance"]
 
 
 class ImageURL(Strict):
@@ -317,6 +319,10 @@ class RerankRequest(Strict):
                                                        "instead of being cut")
     raw_scores: bool = Field(False, description="TEI and Infinity; true is refused: the gain is a probability")
     policy: Optional[Policy] = Field(None, description=f"the open decision (default: k={DEFAULT_OPEN_K})")
+    pixeltriage_score: Optional[RerankScore] = Field(None, description="what `relevance_score` (TEI: `score`) "
+                                                     "carries and the results are sorted by: System One's `gain` or "
+                                                     "its `relevance` (null: the server's --rerank-score, default "
+                                                     "gain); both are in each result's `pixeltriage` either way")
     timeout_s: Optional[float] = Field(None, gt=0)
 
 

@@ -101,7 +101,8 @@ class Question:
 class RerankQuestion:
     """One rerank: the query and the request's documents (strings or objects, as `rerank_doc` reads them), scored
     as one question's memories. collection: the body's field that holds them ("documents", TEI's "texts");
-    max_tokens: the client's own cut of each document's text (None: the library's budget only)."""
+    max_tokens: the client's own cut of each document's text (None: the library's budget only); score: what each
+    result's `relevance_score` carries, "gain" (Scores.gains) or "relevance" (Scores.relevance)."""
 
     query: str
     documents: Sequence[Any]
@@ -109,6 +110,11 @@ class RerankQuestion:
     collection: str = "documents"
     truncate: bool = True
     max_tokens: int | None = None
+    score: str = "gain"
+
+    def __post_init__(self):
+        if self.score not in schemas.RERANK_SCORES:
+            raise ValueError(f"a rerank scores by one of {schemas.RERANK_SCORES}, not {self.score!r}")
 
 
 @dataclass(frozen=True)
@@ -213,8 +219,11 @@ class Service:
     """Loads the model (`load`, or `start_loading` in the background), admits and scores questions, drains."""
 
     def __init__(self, config: ServeConfig, loader: Callable[[], "Scorer"], *, describe: dict | None = None,
-                 index_loader: Callable[["Cache"], "RegionIndex | None"] | None = None):
+                 index_loader: Callable[["Cache"], "RegionIndex | None"] | None = None, rerank_score: str = "gain"):
+        if rerank_score not in schemas.RERANK_SCORES:
+            raise ValueError(f"rerank_score is one of {schemas.RERANK_SCORES}, not {rerank_score!r}")
         self.config = config
+        self.rerank_score = rerank_score    # a rerank's `relevance_score` when its request does not choose
         self.loader = loader
         self.index_loader = index_loader
         self.index: "RegionIndex | None" = None    # the region index, when the server was given an encoder
@@ -470,7 +479,7 @@ class Service:
                 extra.update(gain=scores.gains[i], relevance=scores.relevance[i], open=delivery["open"][i],
                              truncated=cuts[i])
                 i += 1
-            results.append(schemas.RerankResult(index=d.index, relevance_score=extra["gain"] or 0.0,
+            results.append(schemas.RerankResult(index=d.index, relevance_score=extra[rerank.score] or 0.0,
                                                 document=schemas.RerankDocument(text=d.text),
                                                 pixeltriage=schemas.RerankExtra(**extra)))
         # images first (a document without one has nothing to open: its gain is 0), then by score, then as given

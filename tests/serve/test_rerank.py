@@ -200,3 +200,39 @@ def test_the_guard_refuses_rerank_bodies_as_any_other(served):
     big = httpx.post(served.url + "/rerank", content=b'{"query": "' + b"x" * (3 * 2 ** 20) + b'"}', timeout=60,
                      headers={**headers, "content-type": "application/json"})       # past the 2 MiB --payload-limit
     assert big.status_code == 413 and big.json()["error_type"] == "payload_too_large" and "message" not in big.json()
+
+
+def test_pixeltriage_score_relevance_answers_the_library_relevance(http, stored, library):
+    question, memories, keys, want = stored
+    documents = [keys[0], "no image", keys[1], keys[2]]
+    body = http.post("/v2/rerank", json={"query": question, "documents": documents,
+                                         "pixeltriage_score": "relevance"}).json()
+    assert_ranked(body["results"][:3], want.relevance, [0, 2, 3])
+    assert (body["results"][3]["index"], body["results"][3]["relevance_score"]) == (1, 0.0)
+    assert all(r["relevance_score"] == r["pixeltriage"]["relevance"] for r in body["results"][:3])
+    tei = http.post("/rerank", json={"query": question, "texts": keys, "pixeltriage_score": "relevance"}).json()
+    assert_ranked(tei, want.relevance, [0, 1, 2], score="score")
+    gain = http.post("/v1/rerank", json={"query": question, "documents": keys, "pixeltriage_score": "gain"}).json()
+    assert_ranked(gain["results"], want.gains, [0, 1, 2])
+    bad = http.post("/v1/rerank", json={"query": question, "documents": keys, "pixeltriage_score": "p_vis"})
+    assert bad.status_code == 422 and bad.json()["field"] == "pixeltriage_score"
+
+
+def test_rerank_score_flag_sets_the_default_and_a_request_overrides_it(tiny_checkpoint, tmp_path, library):
+    from serving import ServerProcess
+
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--rerank-score", "relevance").wait_ready()
+    try:
+        question, memories = episode(45, 3)
+        texts = [memory_json(m) for m in memories]
+        want = library.score(question, memories)
+        with httpx.Client(base_url=server.url, timeout=60) as http_:
+            ranks = http_.post("/rerank", json={"query": question, "texts": texts}).json()
+            assert_ranked(ranks, want.relevance, [0, 1, 2], score="score")
+            cohere = http_.post("/v2/rerank", json={"query": question, "documents": texts}).json()
+            assert_ranked(cohere["results"], want.relevance, [0, 1, 2])
+            gain = http_.post("/v2/rerank", json={"query": question, "documents": texts,
+                                                  "pixeltriage_score": "gain"}).json()
+            assert_ranked(gain["results"], want.gains, [0, 1, 2])
+    finally:
+        assert server.stop() == 0
