@@ -143,6 +143,22 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _add_soak(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration", type=positive_float, required=True, help="seconds of mixed traffic")
+    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--clients", type=int_at_least(1), default=4, help="concurrent normal clients (default 4)")
+    p.add_argument("--baseline", type=positive_float, default=None,
+                   help="seconds of normal requests alone before the mix (default: duration/10, 4 to 60)")
+    p.add_argument("--max-queued", type=int_at_least(1), default=8, help="the server's --max-queued (default 8)")
+    p.add_argument("--episodes", type=int_at_least(1), default=16, help="distinct episodes (default 16)")
+    p.add_argument("--memories", type=int_at_least(0), default=4, help="memories per question (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
 def _image_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
@@ -168,4 +184,6 @@ BENCHES = {
     "roofline": ("predicted GPU time per stage at a device's published peaks: p50 per question, packed questions/s",
                  _add_roofline),
     "serve": ("the scoring service under closed- and open-loop load vs in-process Scorer.score", _add_serve),
+    "soak": ("one server for --duration s of normal, oversized, malformed, cut-off and overload traffic: statuses, "
+             "p50/p99, RSS, lost or mixed-up answers; exit 1 when a goal is not met", _add_soak),
 }

@@ -1,0 +1,367 @@
+"""`pixeltriage bench soak`: one server, S seconds of normal, oversized, malformed, cut-off and overload traffic.
+
+    pixeltriage bench soak --duration S [--preset tiny|bench-small|2b] [--device cpu|cuda] [--dtype ...]
+                           [--clients N] [--baseline B] [--max-queued Q] [--episodes E] [--memories M] [--json]
+
+One `pixeltriage serve` process starts on loopback (`ServerProcess`, as `bench serve` starts it) and this process
+drives it over real HTTP (httpx), reusing `bench serve`'s episodes, driver and answer check. Seeded episodes are
+scored in this process first (`Scorer.score`: every normal response's expected answer). Then:
+
+1. warm-up: two rounds of normal requests from every client, then twice: every oversized and malformed body, a
+   disconnect and an overload burst; the server's RSS is read a second after it ("after warm-up");
+2. baseline: N clients send normal `/v1/score` requests alone for B seconds (p50/p99 "alone");
+3. the mix, S seconds: the same N clients go on with normal requests while one thread each sends
+   - oversized text fields (question, note or dialogue one character past the documented limit up to 4 MiB:
+     422 expected),
+   - malformed bodies (bad JSON, a body sent as form data or text, wrong field types, an empty body: 400/415/422),
+   - client disconnects (raw sockets closed half-way through the body, or right after it, before the answer),
+   - overload bursts (3 x `--max-queued` concurrent normal requests at once, every 15 s: 200s checked like
+     the normal ones, 429s must carry Retry-After).
+
+Every normal or burst answer is checked against its own request (echoed id, expected scores to 1e-5); a response
+for another request counts as mixed up, a request without an answer (connection error, timeout) as lost. The
+server's RSS (VmRSS) is sampled every second; its peak is the largest sample and the kernel's VmHWM. Normal p99
+during the mix is given over the whole mix and split into the requests that overlapped a burst and those that did
+not (the ones sent during the oversized, malformed and disconnect traffic alone).
+
+Goals (exit code 1 and the failed ones printed when any is not met): no crash (the server up at the end, /ready
+200, exit 0 after SIGTERM); no lost or mixed-up response; no 500; RSS at the end within 10% of after warm-up; the
+normal p99 during the mix's oversized traffic (outside the bursts) within 2x the p99 alone. The other figures
+(p99 including the bursts, unexpected statuses) are printed beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+from pixeltriage.bench.serve import Driver, Local, Phase, _matches, episodes, request_body
+from pixeltriage.bench.timing import percentiles
+from pixeltriage.serve.process import ServerProcess
+
+RSS_GROWTH_LIMIT = 0.10            # end RSS within 10% of after warm-up
+P99_RATIO_LIMIT = 2.0              # normal p99 in the mix within 2x alone
+BURST_FACTOR = 3                   # a burst: 3 x --max-queued concurrent requests
+BURST_EVERY_S = 15.0
+OVERSIZED_EVERY_S = 0.25
+MALFORMED_EVERY_S = 0.1
+DISCONNECT_EVERY_S = 0.5
+# a 429 is a right answer to any request while a burst holds the queue (the guard admits before it parses)
+EXPECTED = {"oversized": {"422", "429"}, "malformed": {"400", "415", "422", "429"}, "normal": {"200", "429"},
+            "burst": {"200", "429"}}
+
+
+# -- bad requests ----------------------------------------------------------------------------------------------------
+def oversized_bodies(eps, text_limit: int, seed: int) -> list[tuple[str, bytes]]:
+    """(the field made too long, the body): question, a note and a dialogue, each at the limit + 1, 1 MiB, 4 MiB."""
+    from dataclasses import replace
+
+    rng, out = random.Random(seed), []
+    for size in (text_limit + 1, 2 ** 20, 4 * 2 ** 20):
+        text = "x" * size
+        q, mems = eps[rng.randrange(len(eps))]
+        out.append(("question", request_body(text, mems, f"oversized-question-{size}")))
+        if mems:
+            out.append(("note", request_body(q, [replace(mems[0], note=text), *mems[1:]], f"oversized-note-{size}")))
+            out.append(("dialogue", request_body(q, [replace(mems[0], dialogue=text), *mems[1:]],
+                                                 f"oversized-dialogue-{size}")))
+    return out
+
+
+def malformed_requests(good: bytes) -> list[tuple[str, bytes, str]]:
+    """(what is wrong, the body, its content type)."""
+    return [("bad JSON", good[: len(good) // 2], "application/json"),
+            ("not JSON", b"question=hello&memories=none", "application/json"),
+            ("form content type", good, "application/x-www-form-urlencoded"),
+            ("text content type", good, "text/plain"),
+            ("wrong types", json.dumps({"question": 42, "memories": "none"}).encode(), "application/json"),
+            ("missing field", json.dumps({"memories": []}).encode(), "application/json"),
+            ("JSON array", b"[1, 2, 3]", "application/json"),
+            ("empty body", b"", "application/json")]
+
+
+def disconnect(host: str, port: int, body: bytes, half: bool) -> None:
+    """A POST /v1/score on a raw socket, closed half-way through the body (`half`) or right after it, unread."""
+    head = (f"POST /v1/score HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(head + (body[: len(body) // 2] if half else body))
+        if not half:
+            time.sleep(0.01)                      # the server has the whole request; the answer is never read
+
+
+# -- the run ---------------------------------------------------------------------------------------------------------
+class Soak:
+    def __init__(self, server: ServerProcess, driver: Driver, eps, max_queued: int, seed: int):
+        from pixeltriage.serve.schemas import TEXT_LIMIT
+
+        self.server, self.driver, self.eps, self.max_queued = server, driver, eps, max_queued
+        self.rng = random.Random(seed)
+        self.kinds = {name: Phase(name) for name in ("oversized", "malformed", "disconnect", "burst")}
+        self.oversized = oversized_bodies(eps, TEXT_LIMIT, seed)
+        self.malformed = malformed_requests(driver.bodies[0])
+        address = urlsplit(server.url)
+        self.host, self.port = address.hostname, address.port
+        self.bursts: list[list[float]] = []            # [start, end] of each burst (end inf while it runs)
+        self.inside, self.outside = [], []             # mix latencies of normal 200s: overlapping a burst or not
+        self.rss: list[float] = []
+        self.no_retry_after = 0
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def next_id(self, prefix: str) -> str:
+        with self._lock:
+            self._n += 1
+            return f"{prefix}-{self._n}"
+
+    # normal clients
+    def normal(self, phase: Phase, until: float, split: bool) -> None:
+        while time.perf_counter() < until:
+            episode = self.rng.randrange(len(self.eps))
+            t0 = time.perf_counter()
+            answer = self.driver.send(phase, episode, self.next_id(phase.name))
+            if answer is not None and split:
+                with self._lock:
+                    overlapped = any(start <= time.perf_counter() and end >= t0 for start, end in self.bursts)
+                (self.inside if overlapped else self.outside).append(answer[0])
+
+    def clients(self, phase: Phase, count: int, seconds: float, split: bool, extra=()) -> None:
+        until = time.perf_counter() + seconds
+        threads = [threading.Thread(target=self.normal, args=(phase, until, split)) for _ in range(count)]
+        threads += [threading.Thread(target=fn, args=(until,)) for fn in extra]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        phase.wall = time.perf_counter() - start
+
+    # bad kinds, one of each
+    def send_oversized(self, body: bytes | None = None) -> None:
+        import httpx
+
+        body = body if body is not None else self.oversized[self.rng.randrange(len(self.oversized))][1]
+        try:
+            r = self.driver.http.post("/v1/score", content=body, headers={"content-type": "application/json"})
+        except httpx.HTTPError as e:
+            self.kinds["oversized"].record(f"no answer ({type(e).__name__})", lost=True)
+            return
+        self.kinds["oversized"].record(str(r.status_code))
+
+    def send_malformed(self, body: bytes | None = None, content_type: str = "") -> None:
+        import httpx
+
+        if body is None:
+            _, body, content_type = self.malformed[self.rng.randrange(len(self.malformed))]
+        try:
+            r = self.driver.http.post("/v1/score", content=body, headers={"content-type": content_type})
+        except httpx.HTTPError as e:
+            self.kinds["malformed"].record(f"no answer ({type(e).__name__})", lost=True)
+            return
+        self.kinds["malformed"].record(str(r.status_code))
+
+    def send_disconnect(self) -> None:
+        half = self.rng.random() < 0.5
+        try:
+            disconnect(self.host, self.port, self.driver.bodies[self.rng.randrange(len(self.eps))], half)
+            self.kinds["disconnect"].record("cut mid-body" if half else "cut before the answer")
+        except OSError as e:
+            self.kinds["disconnect"].record(f"refused ({type(e).__name__})")
+
+    def burst_one(self, n: int) -> None:
+        import httpx
+
+        episode = n % len(self.eps)
+        request_id = self.next_id("burst")
+        body = self.driver.bodies[episode].replace(b'"id": ""', f'"id": "{request_id}"'.encode(), 1)
+        phase = self.kinds["burst"]
+        try:
+            r = self.driver.http.post("/v1/score", content=body, headers={"content-type": "application/json"})
+        except httpx.HTTPError as e:
+            phase.record(f"no answer ({type(e).__name__})", lost=True)
+            return
+        if r.status_code == 200:
+            result = r.json()
+            phase.record("200", mixed_up=result.get("id") != request_id
+                         or not _matches(result, self.driver.expected[episode]))
+            return
+        if r.status_code == 429 and "retry-after" not in r.headers:
+            with self._lock:
+                self.no_retry_after += 1
+        phase.record(str(r.status_code))
+
+    def send_burst(self) -> None:
+        size = BURST_FACTOR * self.max_queued
+        window = [time.perf_counter(), float("inf")]
+        with self._lock:
+            self.bursts.append(window)
+        with ThreadPoolExecutor(max_workers=size) as pool:
+            list(pool.map(self.burst_one, range(size)))
+        window[1] = time.perf_counter()
+
+    def paced(self, fn, every: float):
+        def loop(until: float):
+            while time.perf_counter() < until:
+                t0 = time.perf_counter()
+                fn()
+                time.sleep(max(0.0, min(every - (time.perf_counter() - t0), until - time.perf_counter())))
+        return loop
+
+    def sample_rss(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            rss = self.server.memory_mib().get("rss")
+            if rss:
+                self.rss.append(rss)
+            stop.wait(1.0)
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    import httpx
+
+    from pixeltriage.weights.demo import demo_checkpoint
+
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    baseline = args.baseline if args.baseline is not None else min(60.0, max(4.0, args.duration / 10))
+    checkpoint = demo_checkpoint(args.preset)
+    eps = episodes(args.episodes, args.memories, args.seed)
+    report = {"preset": args.preset, "device": args.device, "dtype": dtype, "clients": args.clients,
+              "episodes": args.episodes, "memories": args.memories, "max_queued": args.max_queued,
+              "duration_s": args.duration, "baseline_s": baseline, "burst_size": BURST_FACTOR * args.max_queued,
+              "burst_every_s": BURST_EVERY_S, "load_average": list(os.getloadavg())}
+    local = Local(checkpoint, args.device, dtype, eps)
+    server = ServerProcess(["--checkpoint", str(checkpoint), "--device", args.device, "--dtype", dtype,
+                            "--max-queued", str(args.max_queued),
+                            "--max-client-batch", str(min(32, args.max_queued))])
+    alone, mix = Phase("normal alone"), Phase("normal mix")
+    stop = threading.Event()
+    crashed, ready_at_end = False, False
+    try:
+        server.wait_ready()
+        burst = BURST_FACTOR * args.max_queued
+        driver = Driver(server.url, eps, local.expected, connections=args.clients + burst + 8)
+        soak = Soak(server, driver, eps, args.max_queued, args.seed)
+        sampler = threading.Thread(target=soak.sample_rss, args=(stop,), daemon=True)
+        try:
+            for i in range(2 * args.clients):                                 # warm-up
+                driver.send(None, i % len(eps), f"warm-{i}")
+            for _ in range(2):                                               # every request shape, twice
+                for field_name, body in soak.oversized:
+                    soak.send_oversized(body)
+                for _, body, content_type in soak.malformed:
+                    soak.send_malformed(body, content_type)
+                soak.send_disconnect()
+                soak.send_burst()
+            for phase in soak.kinds.values():                               # the warm-up's bad requests not counted
+                phase.statuses.clear()
+                phase.lost = phase.mixed_up = 0
+            soak.bursts.clear()
+            soak.no_retry_after = 0
+            time.sleep(1.0)
+            rss_after_warmup = server.memory_mib().get("rss", float("nan"))
+            sampler.start()
+            soak.clients(alone, args.clients, baseline, split=False)
+            soak.clients(mix, args.clients, args.duration, split=True,
+                         extra=(soak.paced(soak.send_oversized, OVERSIZED_EVERY_S),
+                                soak.paced(soak.send_malformed, MALFORMED_EVERY_S),
+                                soak.paced(soak.send_disconnect, DISCONNECT_EVERY_S),
+                                soak.paced(soak.send_burst, BURST_EVERY_S)))
+            time.sleep(2.0)                                                  # settle: what is left once idle
+            rss_end = server.memory_mib()
+        finally:
+            stop.set()
+            driver.close()
+        crashed = server.proc.poll() is not None
+        try:
+            ready_at_end = httpx.get(server.url + "/ready", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            ready_at_end = False
+    finally:
+        report["server_exit_code"] = server.stop()
+    samples = soak.rss + [rss_end.get("rss", 0.0)]
+    report["rss_mib"] = {"after_warmup": rss_after_warmup, "peak": max(max(samples), rss_end.get("peak", 0.0)),
+                         "peak_sampled": max(samples), "end": rss_end.get("rss", float("nan"))}
+    report["normal_alone"] = alone.summary()
+    report["normal_mix"] = mix.summary()
+    report["normal_mix_outside_bursts"] = {"requests": len(soak.outside), **percentiles(soak.outside)}
+    report["normal_mix_during_bursts"] = {"requests": len(soak.inside), **percentiles(soak.inside)}
+    report["kinds"] = {name: {"requests": sum(p.statuses.values()), "statuses": p.statuses, "lost": p.lost,
+                              "mixed_up": p.mixed_up} for name, p in soak.kinds.items()}
+    report["kinds"]["normal"] = {"requests": report["normal_alone"]["requests"] + report["normal_mix"]["requests"],
+                                 "statuses": _merge(alone.statuses, mix.statuses), "lost": alone.lost + mix.lost,
+                                 "mixed_up": alone.mixed_up + mix.mixed_up}
+    report["bursts"] = len(soak.bursts)
+    report["burst_429_without_retry_after"] = soak.no_retry_after
+    report["lost"] = sum(k["lost"] for k in report["kinds"].values())
+    report["mixed_up"] = sum(k["mixed_up"] for k in report["kinds"].values())
+    report["status_500"] = sum(k["statuses"].get("500", 0) for k in report["kinds"].values())
+    report["unexpected"] = {name: {s: n for s, n in k["statuses"].items() if s not in EXPECTED[name]}
+                            for name, k in report["kinds"].items() if name in EXPECTED}
+    report["crashed"] = crashed or not ready_at_end or report["server_exit_code"] != 0
+    report["load_average_after"] = list(os.getloadavg())
+    report["goals"] = goals(report)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0 if all(g["met"] for g in report["goals"].values()) else 1
+
+
+def _merge(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
+
+
+def goals(r: dict) -> dict:
+    rss = r["rss_mib"]
+    growth = (rss["end"] - rss["after_warmup"]) / rss["after_warmup"]
+    p99_alone, p99_mix = r["normal_alone"]["latency"]["p99"], r["normal_mix_outside_bursts"]["p99"]
+    ratio = p99_mix / p99_alone if p99_alone > 0 else float("nan")
+    return {
+        "no crash": {"met": not r["crashed"], "detail": f"server exit code {r['server_exit_code']}"},
+        "no lost or mixed-up response": {"met": r["lost"] == 0 and r["mixed_up"] == 0,
+                                         "detail": f"lost {r['lost']}, mixed up {r['mixed_up']}"},
+        "no 500": {"met": r["status_500"] == 0, "detail": f"{r['status_500']} answered 500"},
+        "end RSS within 10% of after warm-up": {"met": growth <= RSS_GROWTH_LIMIT,
+                                                "detail": f"{rss['after_warmup']:.0f} -> {rss['end']:.0f} MiB "
+                                                          f"({100 * growth:+.1f}%)"},
+        "normal p99 in the mix within 2x alone": {"met": ratio <= P99_RATIO_LIMIT,
+                                                  "detail": f"{1000 * p99_mix:.1f} vs {1000 * p99_alone:.1f} ms "
+                                                            f"({ratio:.2f}x; outside the bursts)"},
+    }
+
+
+def print_report(r: dict) -> None:
+    ms = 1000.0
+    print(f"bench soak: {r['preset']} preset, {r['dtype']} on {r['device']}, {r['duration_s']:g} s of mix after a "
+          f"{r['baseline_s']:g} s baseline; {r['clients']} normal clients, {r['episodes']} episodes x "
+          f"{r['memories']} memories; server --max-queued {r['max_queued']}; bursts of {r['burst_size']} every "
+          f"{r['burst_every_s']:g} s; machine load {r['load_average'][0]:.2f} -> {r['load_average_after'][0]:.2f} "
+          "(1-min average)")
+    print("requests by kind and status:")
+    for name in ("normal", "oversized", "malformed", "disconnect", "burst"):
+        k = r["kinds"][name]
+        statuses = ", ".join(f"{s}: {n}" for s, n in sorted(k["statuses"].items()))
+        print(f"  {name:<11} {k['requests']:6d}  {{{statuses}}}  lost {k['lost']}, mixed up {k['mixed_up']}")
+    print(f"  429s of the bursts without Retry-After: {r['burst_429_without_retry_after']}; bursts: {r['bursts']}")
+    for label, key in (("normal alone", "normal_alone"), ("normal, mix (all)", "normal_mix")):
+        lat = r[key]["latency"]
+        print(f"{label:<28} p50 {ms * lat['p50']:8.1f} ms  p99 {ms * lat['p99']:8.1f} ms  ({r[key]['ok']} answered "
+              f"200, {r[key]['questions_per_s']:.2f}/s)")
+    for label, key in (("normal, mix outside bursts", "normal_mix_outside_bursts"),
+                       ("normal, mix during bursts", "normal_mix_during_bursts")):
+        lat = r[key]
+        print(f"{label:<28} p50 {ms * lat['p50']:8.1f} ms  p99 {ms * lat['p99']:8.1f} ms  ({lat['requests']})")
+    rss = r["rss_mib"]
+    print(f"server RSS: {rss['after_warmup']:.0f} MiB after warm-up, peak {rss['peak']:.0f} (sampled "
+          f"{rss['peak_sampled']:.0f}), {rss['end']:.0f} at the end")
+    unexpected = {k: v for k, v in r["unexpected"].items() if v}
+    print(f"unexpected statuses: {unexpected or 'none'}; server exit code after SIGTERM: {r['server_exit_code']}")
+    failed = [name for name, g in r["goals"].items() if not g["met"]]
+    for name, g in r["goals"].items():
+        print(f"goal {'met    ' if g['met'] else 'NOT MET'} {name}: {g['detail']}")
+    print("all goals met" if not failed else f"goals not met: {', '.join(failed)}")
