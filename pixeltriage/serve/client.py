@@ -222,6 +222,17 @@ class _Base:
                 "note": user_text(note, "note", None)}
 
     @staticmethod
+    def _rerank_body(query: str, documents: Sequence, top_n: int | None, k: int | None, score: str | None,
+                     return_documents: bool, timeout_s: float | None) -> dict:
+        docs = [_encode_memory(d, i) if isinstance(d, Memory) else d for i, d in enumerate(documents)]
+        body: dict[str, Any] = {"query": user_text(query, "query", None), "documents": docs, "top_n": top_n,
+                                "return_documents": return_documents, "pixeltriage_score": score,
+                                "timeout_s": timeout_s}
+        if k is not None:
+            body["policy"] = {"k": k}
+        return body
+
+    @staticmethod
     def _retrieve_body(question: str, top: int, whole_image: bool) -> dict:
         return {"question": user_text(question, "question", None), "top": top, "whole_image": whole_image}
 
@@ -259,6 +270,15 @@ class Client(_Base):
             body = self._batch_body(episodes[start:start + size], None, timeout_s, priority)
             out += [scores_of(r) for r in self._request("POST", "/v1/score/batch", body, timeout_s, start)["results"]]
         return out
+
+    def rerank(self, query: str, documents: Sequence, *, top_n: int | None = None, k: int | None = None,
+               score: str | None = None, return_documents: bool = False, timeout_s: float | None = None) -> dict:
+        """POST /v2/rerank: `documents` are Memory objects or what the route takes (a cache key, a JSON memory
+        string, plain text, a Jina or vLLM object); `k` the open decision (server default 2); `score` "gain" or
+        "relevance" (None: the server's --rerank-score). The route's JSON: `results` by descending score, each with
+        `index`, `relevance_score` and `pixeltriage`, and the `pixeltriage` summary (docs/serve.md, "Rerank")."""
+        body = self._rerank_body(query, documents, top_n, k, score, return_documents, timeout_s)
+        return self._request("POST", "/v2/rerank", body, timeout_s)
 
     def put_memory(self, image, note: str = "") -> str:
         """Put an image (bytes, a local path or a PIL image) and its note into the server's write-time cache; its key."""
@@ -356,6 +376,12 @@ class AsyncClient(_Base):
             out += [scores_of(r) for r in
                     (await self._request("POST", "/v1/score/batch", body, timeout_s, start))["results"]]
         return out
+
+    async def rerank(self, query: str, documents: Sequence, *, top_n: int | None = None, k: int | None = None,
+                     score: str | None = None, return_documents: bool = False,
+                     timeout_s: float | None = None) -> dict:
+        body = self._rerank_body(query, documents, top_n, k, score, return_documents, timeout_s)
+        return await self._request("POST", "/v2/rerank", body, timeout_s)
 
     async def put_memory(self, image, note: str = "") -> str:
         return (await self._request("POST", "/v1/memories", self._memory_body(image, note)))["key"]

@@ -236,3 +236,32 @@ def test_rerank_score_flag_sets_the_default_and_a_request_overrides_it(tiny_chec
             assert_ranked(gain["results"], want.gains, [0, 1, 2])
     finally:
         assert server.stop() == 0
+
+
+def test_client_rerank_and_async_client_rerank_answer_as_the_route(served, stored, library):
+    import asyncio
+
+    from pixeltriage.errors import InvalidRequestError
+    from pixeltriage.serve import AsyncClient, Client
+
+    question, memories, keys, want = stored
+    documents = [keys[0], Memory(image=memories[1].image, note=memories[1].note), "no image", keys[2]]
+    with Client(served.url, api_key=API_KEY, retries=0) as client:
+        body = client.rerank(question, documents, k=1)
+        assert_ranked(body["results"][:3], want.gains, [0, 1, 3])
+        assert body["results"][3]["index"] == 2 and body["pixeltriage"]["opened"] == [body["results"][0]["index"]]
+        relevance = client.rerank(question, documents, top_n=2, score="relevance", return_documents=True)
+        top = sorted(zip([0, 1, 3], want.relevance), key=lambda p: (-p[1], p[0]))[:2]
+        assert [r["index"] for r in relevance["results"]] == [i for i, _ in top]
+        assert all(abs(r["relevance_score"] - w) <= TOL for r, (_, w) in zip(relevance["results"], top))
+        assert relevance["results"][0]["document"]["text"] == (keys[0] if top[0][0] == 0 else
+                                                               memories[1].note if top[0][0] == 1 else keys[2])
+        with pytest.raises(InvalidRequestError) as unknown:      # a document is not a numbered memory: a 422 by field
+            client.rerank(question, ["0" * 64])
+        assert unknown.value.field == "documents[0].key" and "not in the cache" in str(unknown.value)
+
+    async def remote():
+        async with AsyncClient(served.url, api_key=API_KEY, retries=0) as client:
+            return await client.rerank(question, documents, score="gain")
+
+    assert_ranked(asyncio.run(remote())["results"][:3], want.gains, [0, 1, 3])
