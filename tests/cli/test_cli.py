@@ -231,11 +231,15 @@ def test_input_and_file_problems_are_one_line(tiny_checkpoint, tmp_path):
                   "--device", "cuda")
     assert out.returncode == 2
     assert_one_line_error(out.stderr, "CUDA is not available")
+    # a directory nobody can create, root included (CI runs as root): procfs takes no new entries
+    out = run_cli("init-demo", "/proc/pixeltriage-ckpt")
+    assert out.returncode == 2
+    assert_one_line_error(out.stderr, "error: /proc/")
     readonly = tmp_path / "ro"
     readonly.mkdir()
     readonly.chmod(0o500)
     out = run_cli("init-demo", str(readonly / "ckpt"))
-    if os.geteuid() != 0:                  # root writes anywhere
+    if os.geteuid() != 0:                  # root writes past permission bits: the /proc case above stands for it
         assert out.returncode == 2
         assert_one_line_error(out.stderr, "Permission denied")
 
