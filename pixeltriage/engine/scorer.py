@@ -15,7 +15,7 @@ from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.engine.model import Varlen, decoder_forward
 from pixeltriage.engine.profiling import stage
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS, HeadRows, State, StatePacker, TextEncoder
-from pixeltriage.engine.types import Memory, Scores
+from pixeltriage.engine.types import Memory, Scores, memory_list
 from pixeltriage.engine.vision import vision_forward
 from pixeltriage.errors import CheckpointError, InvalidMemoryError, NonFiniteScoreError
 from pixeltriage.kernels import registry
@@ -184,10 +184,7 @@ class Scorer:
     # -- state ---------------------------------------------------------------------------------
     def pack(self, question: str, memories: Sequence[Memory]) -> State:
         """Build the single fixed-order state for one question (see `pixeltriage.engine.state`)."""
-        memories = list(memories)
-        for i, m in enumerate(memories):
-            if not isinstance(m, Memory):
-                raise InvalidMemoryError(f"expected a pixeltriage.Memory, got {type(m).__name__}", i)
+        memories = memory_list(memories)
         if self.cache is None:
             for i, m in enumerate(memories):
                 if m.key is not None:
@@ -206,9 +203,7 @@ class Scorer:
                 notes.append(note if m.note is None else m.note)
             images = self.packer.images(memories, thumbnails)
         with stage("pack"):
-            state = self.packer.pack(question, memories, images=images, notes=notes)
-        state.image_keys = keys
-        return state
+            return self.packer.pack(question, memories, images=images, notes=notes, keys=keys)
 
     def _cached_entry(self, memory: Memory, index: int):
         """(key, (thumbnail, note)) of one memory from the cache, putting an image given by value first."""

@@ -22,8 +22,8 @@ from tokenizers import Tokenizer
 
 from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.engine.image import preprocess, preprocess_thumbnail
-from pixeltriage.engine.types import Memory, user_text
-from pixeltriage.errors import CheckpointError, InvalidMemoryError, StateTooLongError
+from pixeltriage.engine.types import memory_list, user_text
+from pixeltriage.errors import CheckpointError, StateTooLongError
 
 # user text is tokenized from a prefix of about this many characters per token of its budget, doubled while the
 # budget's tokens are not settled (`TextEncoder._truncate`)
@@ -225,14 +225,12 @@ class StatePacker:
                 out.append(preprocess(m.image, self.image_cfg, self.cfg.thumbnail_size, index=i))
         return out
 
-    def pack(self, question: str, memories, images=None, notes=None) -> State:
+    def pack(self, question: str, memories, images=None, notes=None, keys=None) -> State:
         """question + memories -> State. `images`: preprocessed images (default: from memory.image);
-        `notes`: per-memory notes overriding memory.note (used for cached notes)."""
+        `notes`: per-memory notes overriding memory.note (used for cached notes); `keys`: each image's write-time
+        cache key (default: memory.key; the scorer passes the keys of images it put into its cache)."""
         question = user_text(question, "question", None)
-        memories = list(memories)
-        for i, m in enumerate(memories):
-            if not isinstance(m, Memory):
-                raise InvalidMemoryError(f"expected a pixeltriage.Memory, got {type(m).__name__}", i)
+        memories = memory_list(memories)
         if images is None:
             images = self.images(memories)
         enc, fixed, tpl = self.encoder, self._fixed, self.tpl
@@ -296,5 +294,5 @@ class StatePacker:
             false_position=false_pos,
             gain_none_position=gain_none,
             relevance_none_position=rel_none,
-            image_keys=[m.key for m in memories],
+            image_keys=[m.key for m in memories] if keys is None else list(keys),
         )

@@ -49,6 +49,15 @@ class Scores:
         return len(self.gains)
 
 
+def memory_list(memories) -> list[Memory]:
+    """`memories` as a list, each checked to be a `Memory` (InvalidMemoryError naming the first that is not)."""
+    memories = list(memories)
+    for i, m in enumerate(memories):
+        if not isinstance(m, Memory):
+            raise InvalidMemoryError(f"expected a pixeltriage.Memory, got {type(m).__name__}", i)
+    return memories
+
+
 def user_text(value, what: str, index: int | None) -> str:
     """User text as a str the tokenizer accepts: bytes are decoded as UTF-8 and a str holding lone surrogates
     (e.g. from a surrogateescape'd file name) is repaired: each lone surrogate becomes U+FFFD, a split pair is joined."""
