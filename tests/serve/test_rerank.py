@@ -203,7 +203,7 @@ def test_the_guard_refuses_rerank_bodies_as_any_other(served):
 
 
 def test_pixeltriage_score_relevance_answers_the_library_relevance(http, stored, library):
-    question, memories, keys, want = stored
+    question, _, keys, want = stored
     documents = [keys[0], "no image", keys[1], keys[2]]
     body = http.post("/v2/rerank", json={"query": question, "documents": documents,
                                          "pixeltriage_score": "relevance"}).json()
