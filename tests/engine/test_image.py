@@ -26,7 +26,12 @@ from pixeltriage.engine.image import (
 )
 from pixeltriage.errors import InvalidMemoryError
 
-qwen_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+
+def qwen_pil():
+    """transformers' PIL Qwen2-VL processor module, or a skip of the test asking for it: only the comparisons with
+    transformers need it, the rest of this file runs without transformers."""
+    return pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -49,7 +54,7 @@ def encoded(img: Image.Image, fmt: str, **params) -> bytes:
 
 
 def reference_processor(cfg: ImageConfig):
-    return qwen_pil.Qwen2VLImageProcessorPil(
+    return qwen_pil().Qwen2VLImageProcessorPil(
         patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size, merge_size=cfg.merge_size,
         image_mean=list(cfg.image_mean), image_std=list(cfg.image_std),
         min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
@@ -117,7 +122,7 @@ def test_patch_layout():
 def test_smart_resize_matches_transformers(height, width, factor, min_pixels, extra):
     max_pixels = min_pixels + extra
     try:
-        expected = qwen_pil.smart_resize(height, width, factor, min_pixels, max_pixels)
+        expected = qwen_pil().smart_resize(height, width, factor, min_pixels, max_pixels)
     except ValueError:
         with pytest.raises(ValueError):
             smart_resize(height, width, factor, min_pixels, max_pixels)
