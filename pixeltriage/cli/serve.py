@@ -130,9 +130,6 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--min-replicas {args.min_replicas} is above --max-replicas {args.max_replicas}")
     if args.gpus_per_replica is not None and args.device != "cuda":
         raise UsageError("--gpus-per-replica needs --device cuda")
-    if args.ray and args.rerank_score != "gain":
-        raise UsageError("--rerank-score relevance is not carried to Ray replicas yet; set pixeltriage_score: "
-                         "\"relevance\" in each rerank request instead")
     if args.index_encoder is not None and args.cache is None:
         raise UsageError("--index-encoder needs --cache DB: the region vectors are stored in the write-time cache")
 
@@ -157,7 +154,7 @@ def serve_config(args: argparse.Namespace):
                        payload_limit=int(args.payload_limit * MIB), preprocess_threads=args.preprocess_threads,
                        image_root=Path(args.image_root) if args.image_root else None,
                        api_keys=args.api_keys or (), gate_window=args.gate_window,
-                       graceful_timeout=args.graceful_timeout)
+                       graceful_timeout=args.graceful_timeout, rerank_score=args.rerank_score)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -181,8 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = server.bind(args.host, args.port)
     host, bound = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
-    service = Service(config, spec.load, describe={"checkpoint": args.checkpoint}, index_loader=spec.load_index,
-                      rerank_score=args.rerank_score)
+    service = Service(config, spec.load, describe={"checkpoint": args.checkpoint}, index_loader=spec.load_index)
     print(f"pixeltriage serve: listening on {url}; loading {args.checkpoint} (GET /ready answers 200 once ready)",
           file=sys.stderr, flush=True)
     if not config.api_keys and not _loopback(host):

@@ -48,6 +48,7 @@ class ServeConfig:
     gate_window: int = 1000
     max_gates: int = 256
     graceful_timeout: float = 30.0
+    rerank_score: str = "gain"          # what a rerank's relevance_score carries when its request does not say
 
     def __post_init__(self):
         _at_least("max_batch_tokens", self.max_batch_tokens, 1, optional=True)
@@ -60,6 +61,8 @@ class ServeConfig:
         _at_least("preprocess_threads", self.preprocess_threads, 1)
         _at_least("gate_window", self.gate_window, 1)
         _at_least("max_gates", self.max_gates, 1)
+        if self.rerank_score not in ("gain", "relevance"):
+            raise ConfigError(f"rerank_score is 'gain' or 'relevance', not {self.rerank_score!r}")
         if self.max_client_batch > self.max_queued:
             raise ConfigError(f"max_client_batch ({self.max_client_batch}) must be at most max_queued "
                              f"({self.max_queued}): a larger batch could never be admitted")

@@ -219,11 +219,9 @@ class Service:
     """Loads the model (`load`, or `start_loading` in the background), admits and scores questions, drains."""
 
     def __init__(self, config: ServeConfig, loader: Callable[[], "Scorer"], *, describe: dict | None = None,
-                 index_loader: Callable[["Cache"], "RegionIndex | None"] | None = None, rerank_score: str = "gain"):
-        if rerank_score not in schemas.RERANK_SCORES:
-            raise ValueError(f"rerank_score is one of {schemas.RERANK_SCORES}, not {rerank_score!r}")
+                 index_loader: Callable[["Cache"], "RegionIndex | None"] | None = None):
         self.config = config
-        self.rerank_score = rerank_score    # a rerank's `relevance_score` when its request does not choose
+        self.rerank_score = config.rerank_score   # a rerank's `relevance_score` when its request does not choose
         self.loader = loader
         self.index_loader = index_loader
         self.index: "RegionIndex | None" = None    # the region index, when the server was given an encoder
