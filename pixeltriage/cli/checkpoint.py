@@ -5,11 +5,12 @@ import argparse
 import json
 from pathlib import Path
 
-from pixeltriage.cli.common import DEMO_PRESETS, DTYPE_NAMES, existing_path, new_directory, new_file
+from pixeltriage.cli.common import (DEMO_PRESETS, DTYPE_NAMES, add_checkpoint_arguments, existing_path, new_directory,
+                                    new_file, resolved_checkpoint)
 
 
 def add_pack_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", type=existing_path, help="checkpoint directory (transformers or Valen layout)")
+    add_checkpoint_arguments(p, "src", "a directory (transformers or Valen layout)")
     p.add_argument("dst", type=new_file, help="packed file to write (replaced atomically if it exists)")
     p.add_argument("--adapter", metavar="DIR", type=existing_path, default=None,
                    help="PEFT LoRA adapter directory to merge (default: one inside SRC, if any)")
@@ -23,7 +24,7 @@ def run_pack(args: argparse.Namespace) -> int:
     from pixeltriage.weights.layout import parse_dtype
     from pixeltriage.weights.packed import pack_checkpoint
 
-    info = pack_checkpoint(args.src, args.dst, adapter=args.adapter,
+    info = pack_checkpoint(resolved_checkpoint(args, "src"), args.dst, adapter=args.adapter,
                            dtype=parse_dtype(args.dtype) if args.dtype else None, progress=not args.quiet)
     print(json.dumps({"path": str(args.dst), **info}, indent=2))
     return 0

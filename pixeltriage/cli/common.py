@@ -112,22 +112,25 @@ def checkpoint_source(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
-    """--checkpoint PATH|ORG/NAME[@REV], --revision, --allow-download (pixeltriage.hub)."""
-    p.add_argument("--checkpoint", required=True, type=checkpoint_source,
-                   help="System One checkpoint: a directory, a packed file, or a Hugging Face hub id read from the "
-                        "local hub cache")
+def add_checkpoint_arguments(p: argparse.ArgumentParser, name: str = "--checkpoint",
+                             what: str = "a directory, a packed file") -> None:
+    """NAME PATH|ORG/NAME[@REV] (an option or, without dashes, a positional), --revision, --allow-download
+    (pixeltriage.hub)."""
+    required = {"required": True} if name.startswith("-") else {}
+    p.add_argument(name, type=checkpoint_source, **required,
+                   help=f"System One checkpoint: {what}, or a Hugging Face hub id read from the local hub cache")
     p.add_argument("--revision", default=None, help="the hub id's branch, tag or commit (default: main)")
     p.add_argument("--allow-download", action="store_true",
                    help="download a hub id that is not cached (safetensors and JSON files only; never while "
                         "HF_HUB_OFFLINE=1)")
 
 
-def resolved_checkpoint(args: argparse.Namespace) -> str:
-    """The local path of --checkpoint (a hub id resolved from the hub cache, or downloaded when allowed)."""
+def resolved_checkpoint(args: argparse.Namespace, name: str = "checkpoint") -> str:
+    """The local path of the checkpoint argument `name` (a hub id resolved from the hub cache, or downloaded when
+    allowed)."""
     from pixeltriage.hub import resolve_checkpoint
 
-    return str(resolve_checkpoint(args.checkpoint, args.revision, allow_download=args.allow_download))
+    return str(resolve_checkpoint(getattr(args, name), args.revision, allow_download=args.allow_download))
 
 
 def existing_file(text: str) -> str:

@@ -323,3 +323,19 @@ def test_score_by_hub_id_from_the_local_hub_cache(tiny_checkpoint, tmp_path, cap
     assert main(["score", "--checkpoint", "acme/absent", "--episode", str(episode)]) == 2
     assert "--allow-download" in capsys.readouterr().err
     assert connections == []
+
+
+def test_pack_takes_a_hub_id_from_the_local_hub_cache(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    from integrations.integration_inputs import guard_network, hub_cache
+
+    hub_cache(tmp_path / "hub", "acme/system-one", tiny_checkpoint)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    connections = guard_network(monkeypatch)
+    assert main(["pack", "acme/system-one", str(tmp_path / "from-hub.safetensors"), "--quiet"]) == 0
+    assert main(["pack", str(tiny_checkpoint), str(tmp_path / "from-dir.safetensors"), "--quiet"]) == 0
+    capsys.readouterr()
+    from pixeltriage.weights.packed import PackedCheckpoint
+
+    assert PackedCheckpoint(tmp_path / "from-hub.safetensors").fingerprint == \
+        PackedCheckpoint(tmp_path / "from-dir.safetensors").fingerprint
+    assert connections == []
