@@ -1,12 +1,13 @@
-"""PixelTriage inside LlamaIndex and LangChain: the same retrieved memories through each framework's own reranker slot.
+"""PixelTriage inside LlamaIndex, LangChain and mem0: the same retrieved memories through each one's reranker slot.
 
-    pip install llama-index-core langchain-core              # or: pip install ".[integrations]"
+    pip install llama-index-core langchain-core mem0ai       # or: pip install ".[integrations]"
     python examples/frameworks.py                            # the built-in demo checkpoint (random weights)
     python examples/frameworks.py --checkpoint path/to/system-one   # a directory, packed file or hub id
 
-It turns examples/episode.json's four memories into LlamaIndex image nodes and LangChain documents, runs
-PixelTriagePostprocessor and PixelTriageCompressor on them, and prints, per framework, what comes back: the
-items by descending gain, which keep their pixels (the top k) and which go on as text.
+It turns examples/episode.json's four memories into LlamaIndex image nodes, LangChain documents and mem0 search
+results, runs PixelTriagePostprocessor, PixelTriageCompressor and PixelTriageReranker (what mem0's Memory.search
+calls as its reranker) on them, and prints, per framework, what comes back: the items by descending gain, which
+keep their pixels (the top k) and which go on as text.
 """
 import argparse
 import sys
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> None:
     scorer = Scorer.load(args.checkpoint)                      # one scorer for both frameworks
     llamaindex(scorer, question, memories, args.k)
     langchain(scorer, question, memories, args.k)
+    mem0(scorer, question, memories, args.k)
 
 
 def llamaindex(scorer, question, memories, k: int) -> None:
@@ -76,6 +78,20 @@ def langchain(scorer, question, memories, k: int) -> None:
     for d in out:
         form = "pixels" if d.metadata["pixeltriage_open"] else "text"
         print(f"  {d.page_content!r:40} {d.metadata['relevance_score']:.3f}  {form}")
+
+
+def mem0(scorer, question, memories, k: int) -> None:
+    from pixeltriage.integrations import PixelTriageReranker
+
+    # mem0's search results: the memory text, its retrieval score, and metadata where the host keeps the image
+    results = [{"id": str(i), "memory": m.note, "score": 1.0 - i / 10,
+                "metadata": {"image": str(m.image), "dialogue": m.dialogue, "date": m.date}}
+               for i, m in enumerate(memories)]
+    out = PixelTriageReranker(scorer, k=k).rerank(question, results)    # memory.reranker = PixelTriageReranker(...)
+    print("mem0 (memory, rerank_score, form):")
+    for r in out:
+        form = "pixels" if r["pixeltriage_open"] else "text"
+        print(f"  {r['memory']!r:40} {r['rerank_score']:.3f}  {form}")
 
 
 if __name__ == "__main__":

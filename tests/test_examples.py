@@ -1,5 +1,5 @@
 """examples/: the committed episode loads and stays small; examples/host.py runs as README shows it, and
-examples/frameworks.py gives the library's gains and decisions through LlamaIndex and LangChain."""
+examples/frameworks.py gives the library's gains and decisions through LlamaIndex, LangChain and mem0."""
 import json
 import os
 import subprocess
@@ -46,6 +46,7 @@ def test_frameworks_example_runs_both_pipelines_with_the_librarys_gains(tmp_path
 
     pytest.importorskip("llama_index.core", reason="llama-index-core (the integrations extra) is not installed")
     pytest.importorskip("langchain_core", reason="langchain-core (the integrations extra) is not installed")
+    pytest.importorskip("mem0", reason="mem0ai (the integrations extra) is not installed")
     from pixeltriage import Scorer, top_k
     from pixeltriage.weights.demo import demo_checkpoint
 
@@ -55,11 +56,11 @@ def test_frameworks_example_runs_both_pipelines_with_the_librarys_gains(tmp_path
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("LlamaIndex") and lines[5].startswith("LangChain")
+    assert lines[0].startswith("LlamaIndex") and lines[5].startswith("LangChain") and lines[10].startswith("mem0")
     (question, memories), = load_episodes(EXAMPLES / "episode.json")
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))      # the demo checkpoint the example built
     scores = Scorer.load(demo_checkpoint("tiny")).score(question, memories)
     order = sorted(range(len(memories)), key=lambda i: -scores.gains[i])
     opened = top_k(scores, 2)
     expected = [f"  {memories[i].note!r:40} {scores.gains[i]:.3f}  {'pixels' if opened[i] else 'text'}" for i in order]
-    assert lines[1:5] == expected and lines[6:10] == expected
+    assert lines[1:5] == expected and lines[6:10] == expected and lines[11:15] == expected
