@@ -2,7 +2,8 @@
 
 Convention used for the comparison: attention is eager (the masked T x T products are computed in
 full, so the analytic side counts `causal="dense"`), and FlopCounterMode does not see the gated
-delta rule's triangular solves, so only `Flops.matmul` is compared. Bar: 2% on every part.
+delta rule's triangular solves, so only `Flops.matmul` is compared. Bar: exact on every part, except those that
+hold transformers' chunked gated delta rule (see RECURRENCE_GAP).
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from pixeltriage.bench.hf import force_transformers_torch_path
 from pixeltriage.config import FULL, LINEAR, ModelConfig
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
-TOLERANCE = 0.02
+# transformers' chunked gated delta rule counts a few FLOPs per layer more than the analytic recurrence: 1,920 or
+# 3,840 per layer on these configs (7.7e-4 of the conv + recurrence part, 3.7e-4 of the layer at most), the
+# same at every token count tried; not yet traced. Every other part is exact.
+RECURRENCE_GAP = 1e-3
 
 
 def qwen35_dict(text: dict | None = None, vision: dict | None = None) -> dict:
@@ -75,9 +79,10 @@ def part(counts: dict[str, int], suffix: str) -> int:
     return counts[names[0]]
 
 
-def assert_close(analytic: int, counted: int, what: str) -> None:
+def assert_close(analytic: int, counted: int, what: str, tolerance: float = 0.0) -> None:
+    """Exact unless a tolerance is given (RECURRENCE_GAP, for the parts holding the chunked rule)."""
     assert counted > 0, what
-    assert abs(analytic - counted) <= TOLERANCE * counted, f"{what}: analytic {analytic:,} vs counted {counted:,}"
+    assert abs(analytic - counted) <= tolerance * counted, f"{what}: analytic {analytic:,} vs counted {counted:,}"
 
 
 @pytest.mark.parametrize("case", sorted(QWEN35_CASES))
@@ -115,7 +120,8 @@ def test_system_one_matches_flop_counter(case):
         mixer = (F.linear_attention_flops(lang, tokens) if kind == LINEAR
                  else F.full_attention_flops(lang, tokens, causal="dense"))
         name = "linear_attn" if kind == LINEAR else "self_attn"
-        assert_close(mixer.matmul, part(counts, f".layers.{i}.{name}"), f"layer {i} {name}")
+        assert_close(mixer.matmul, part(counts, f".layers.{i}.{name}"), f"layer {i} {name}",
+                     RECURRENCE_GAP if kind == LINEAR else 0.0)
         assert_close(F.ffn_flops(lang, tokens).matmul, part(counts, f".layers.{i}.mlp"), f"layer {i} mlp")
         if kind == LINEAR:           # the parts `bench cpu` reports apart, each against its own modules
             split = F.linear_attention_parts(lang, tokens)
@@ -124,10 +130,11 @@ def test_system_one_matches_flop_counter(case):
             assert_close(split["projections"].matmul, projections, f"layer {i} projections")
             # the conv (a functional call) and the chunked rule: the layer's count less its projections'
             assert_close((split["conv"] + split["recurrence"]).matmul,
-                         part(counts, f".layers.{i}.linear_attn") - projections, f"layer {i} conv + recurrence")
+                         part(counts, f".layers.{i}.linear_attn") - projections, f"layer {i} conv + recurrence",
+                         RECURRENCE_GAP)
             assert F.total(split) == mixer
     without_head = F.total({k: v for k, v in analytic.items() if k != "head"})
-    assert_close(without_head.matmul, counts["Global"], "whole forward")
+    assert_close(without_head.matmul, counts["Global"], "whole forward", RECURRENCE_GAP)
     assert without_head.solve > 0  # the UT solves, which FlopCounterMode does not count
 
 
@@ -154,7 +161,7 @@ def test_moe_decoder_matches_flop_counter():
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4)
     assert_close(F.ffn_flops(lang, tokens).matmul, part(counts, ".layers.0.mlp"), "MoE block")
     analytic = F.total(F.language_flops(lang, tokens, causal="dense"))
-    assert_close(analytic.matmul, counts["Global"], "MoE decoder")
+    assert_close(analytic.matmul, counts["Global"], "MoE decoder", RECURRENCE_GAP)
 
 
 def qwen25_shape(vision_cfg: dict, text_cfg: dict, pixels: tuple[int, int]) -> F.ModelShape:
