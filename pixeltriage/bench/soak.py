@@ -285,7 +285,9 @@ def run_soak(args: argparse.Namespace) -> int:
         report["server_exit_code"] = server.stop()
     samples = soak.rss + [rss_end.get("rss", 0.0)]
     report["rss_mib"] = {"after_warmup": rss_after_warmup, "peak": max(max(samples), rss_end.get("peak", 0.0)),
-                         "peak_sampled": max(samples), "end": rss_end.get("rss", float("nan"))}
+                         "peak_sampled": max(samples), "end": rss_end.get("rss", float("nan")),
+                         # ten points over the run (one sample a second): growth that levels off vs a steady climb
+                         "trajectory": [samples[round(i * (len(samples) - 1) / 10)] for i in range(11)]}
     report["normal_alone"] = alone.summary()
     report["normal_mix"] = mix.summary()
     report["normal_mix_outside_bursts"] = {"requests": len(soak.outside), **percentiles(soak.outside)}
@@ -358,7 +360,8 @@ def print_report(r: dict) -> None:
         print(f"{label:<28} p50 {ms * lat['p50']:8.1f} ms  p99 {ms * lat['p99']:8.1f} ms  ({lat['requests']})")
     rss = r["rss_mib"]
     print(f"server RSS: {rss['after_warmup']:.0f} MiB after warm-up, peak {rss['peak']:.0f} (sampled "
-          f"{rss['peak_sampled']:.0f}), {rss['end']:.0f} at the end")
+          f"{rss['peak_sampled']:.0f}), {rss['end']:.0f} at the end; over the run: "
+          f"{' '.join(f'{v:.0f}' for v in rss['trajectory'])}")
     unexpected = {k: v for k, v in r["unexpected"].items() if v}
     print(f"unexpected statuses: {unexpected or 'none'}; server exit code after SIGTERM: {r['server_exit_code']}")
     failed = [name for name, g in r["goals"].items() if not g["met"]]

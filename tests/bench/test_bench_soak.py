@@ -29,6 +29,7 @@ def test_soak_smoke():
     for key in ("after_warmup", "peak", "end"):
         assert r["rss_mib"][key] > 0
     assert r["rss_mib"]["peak"] >= max(r["rss_mib"]["after_warmup"], r["rss_mib"]["end"])
+    assert len(r["rss_mib"]["trajectory"]) == 11 and r["rss_mib"]["trajectory"][-1] == r["rss_mib"]["end"]
     goals = r["goals"]
     assert set(goals) == {"no crash", "no lost or mixed-up response", "no 500", "end RSS within 10% of after warm-up",
                           "normal p99 in the mix within 2x alone"}
