@@ -132,3 +132,34 @@ def test_the_service_part_names_a_missing_serve_extra(monkeypatch):
     out = gpu_check.serve("tiny", torch.device("cpu"), 1, 1.0, gpu_check.Budget(60), progress=lambda msg: None)
     assert out == {"skipped": "the serve extra is not installed (uvicorn missing): pip install '.[gpu,serve]'"}
     assert gpu_check.skipped_parts({"serve": out}) == [f"serve: {out['skipped']}"]
+
+
+def test_parity_fails_a_device_forward_that_differs(tiny_checkpoint, tmp_path, monkeypatch):
+    """On the CPU the device forward is the reference itself (identical scores), so the comparison is checked here
+    with a device scorer whose gains are off by 1e-3: outside float32's 1e-4, inside bfloat16's 2e-2."""
+    import dataclasses
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copytree(tiny_checkpoint, cache / "demo-tiny-seed0")
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(cache))
+
+    class Shifted(gpu_check.Scorers):
+        calls = 0
+
+        def get(self, preset, device, dtype):
+            scorer = super().get(preset, device, dtype)
+            Shifted.calls += 1
+            if Shifted.calls == 1:                       # the CPU float32 reference stays as it is
+                return scorer
+            real = scorer.score_states
+
+            def shifted(states):
+                return [dataclasses.replace(s, gains=[g + 1e-3 for g in s.gains]) for s in real(states)]
+
+            monkeypatch.setattr(scorer, "score_states", shifted)
+            return scorer
+
+    out = gpu_check.parity_preset("tiny", torch.device("cpu"), Shifted(), 2, 300, lambda *_: None)
+    assert out["float32"]["ok"] is False and abs(out["float32"]["max_abs_diff"] - 1e-3) < 1e-6
+    assert out["bfloat16"]["ok"] is True

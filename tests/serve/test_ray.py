@@ -164,6 +164,8 @@ def test_two_replicas_answer_as_the_library_and_survive_a_killed_replica(ray_ser
     assert not any(t.is_alive() for t in threads), "a request hung"
     assert all(o is not None for o in outcomes), outcomes
     print("outcomes after killing a replica:", outcomes)
+    # the surviving replica kept serving: its requests (and retries of the killed one's) were answered
+    assert "ok" in outcomes, outcomes
     with Client(url, retries=3, timeout=60) as client:
         assert_scores_close(client.score(*episodes[0]), expected[0])
         assert httpx.get(url + "/ready").status_code == 200
