@@ -103,18 +103,24 @@ class ImageRoot:
         return real
 
 
+def image_bytes(image: str | None, path: str | None, field: str, image_root: ImageRoot | None) -> bytes:
+    """The bytes of an image given as base64 (`image`) or as a `path` under the server's image root; errors name
+    `field` + ".image" / ".path" (`field` "" for a body's own top-level fields)."""
+    where = f"{field}." if field else ""
+    if image is not None:
+        return decode_image(image, f"{where}image")
+    if image_root is None:
+        raise InvalidRequestError("path images need the server's --image-root; send the image as base64",
+                                  f"{where}path")
+    return image_root.read(path, f"{where}path")
+
+
 def to_memory(m: MemoryIn, field: str, image_root: ImageRoot | None) -> Memory:
     """One request memory as the library's Memory; `field` is its path in the request (`memories[2]`)."""
     if m.key is not None:
         return Memory(key=m.key, note=m.note, dialogue=m.dialogue, date=m.date)
-    if m.image is not None:
-        image = decode_image(m.image, f"{field}.image")
-    elif image_root is None:
-        raise InvalidRequestError("path memories need the server's --image-root; send the image as base64",
-                                  f"{field}.path")
-    else:
-        image = image_root.read(m.path, f"{field}.path")
-    return Memory(image=image, note=m.note, dialogue=m.dialogue, date=m.date)
+    return Memory(image=image_bytes(m.image, m.path, field, image_root), note=m.note, dialogue=m.dialogue,
+                  date=m.date)
 
 
 # -- rerank documents ------------------------------------------------------------------------------------------------

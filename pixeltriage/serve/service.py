@@ -24,7 +24,7 @@ from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, Inval
 from pixeltriage.serve import schemas
 from pixeltriage.serve.batcher import Batcher, Prepare, Scored
 from pixeltriage.serve.config import ServeConfig
-from pixeltriage.serve.inputs import ImageRoot, RerankDoc, decode_image, rerank_doc, to_memory
+from pixeltriage.serve.inputs import ImageRoot, RerankDoc, image_bytes, rerank_doc, to_memory
 from pixeltriage.serve.metrics import Metrics
 from pixeltriage.serve.schemas import MemoryIn, Policy
 
@@ -582,12 +582,7 @@ class Service:
 
     def _put_memory(self, image: str | None, path: str | None, note: str) -> dict:
         """Decode (or read from under the image root) and `Cache.put` one image -> its metadata."""
-        if image is not None:
-            data = decode_image(image, "image")
-        elif self.image_root is None:
-            raise InvalidRequestError("path images need the server's --image-root; send the image as base64", "path")
-        else:
-            data = self.image_root.read(path, "path")
+        data = image_bytes(image, path, "", self.image_root)
         try:
             key = self.index.add(data, note) if self.index is not None else self.cache.put(data, note)
         except InvalidMemoryError as e:
