@@ -13,11 +13,11 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from pixeltriage.engine.types import Memory
-from pixeltriage.errors import InvalidRequestError
 from pydantic import ValidationError
 
-from pixeltriage.serve.schemas import DocumentIn, MemoryIn
+from pixeltriage.engine.types import Memory
+from pixeltriage.errors import InvalidRequestError
+from pixeltriage.serve.schemas import CACHE_KEY, DocumentIn, MemoryIn
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://|(file|data|http|https|ftp):)", re.IGNORECASE)
 _DATA_URI = re.compile(r"^data:([^;,]*)(;[^,]*)?,", re.ASCII)
@@ -124,7 +124,7 @@ def to_memory(m: MemoryIn, field: str, image_root: ImageRoot | None) -> Memory:
 
 
 # -- rerank documents ------------------------------------------------------------------------------------------------
-_KEY = re.compile(r"^[0-9a-f]{64}$")
+_KEY = re.compile(CACHE_KEY)                # a string document that is a write-time cache key
 
 
 @dataclass(frozen=True)
