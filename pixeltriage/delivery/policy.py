@@ -31,7 +31,7 @@ def top_k(scores: Scores | Sequence[float], k: int) -> list[bool]:
     k = _count(k, "k")
     if len(gains) <= k:
         return [True] * len(gains)
-    chosen = set(_by_gain(gains)[:k])
+    chosen = set(by_gain(gains)[:k])
     return [i in chosen for i in range(len(gains))]
 
 
@@ -50,7 +50,7 @@ def token_budget(scores: Scores | Sequence[float], budget: int, costs: Sequence[
     costs = [_count(c, f"costs[{i}]") for i, c in enumerate(costs)]
     delivery = [False] * len(gains)
     left = budget
-    for i in _by_gain(gains):
+    for i in by_gain(gains):
         if costs[i] <= left:
             delivery[i] = True
             left -= costs[i]
@@ -219,7 +219,7 @@ def _fit(image_size: tuple[int, int], share: int, rule: GridRule, name: str) -> 
     return best[1]
 
 
-def _by_gain(gains: list[float]) -> list[int]:
+def by_gain(gains: list[float]) -> list[int]:
     """Memory indices by descending gain, earlier retrieved first among equal gains."""
     return sorted(range(len(gains)), key=lambda i: (-gains[i], i))
 

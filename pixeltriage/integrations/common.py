@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from pixeltriage.delivery.policy import top_k
+from pixeltriage.delivery.policy import by_gain, top_k
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import InvalidMemoryError
 
@@ -90,9 +90,7 @@ class Decision:
 
 
 def decide(scores: Scores, k: int) -> Decision:
-    gains = scores.gains
-    order = sorted(range(len(gains)), key=lambda i: (-gains[i], i))
-    return Decision(scores, top_k(scores, k), order)
+    return Decision(scores, top_k(scores, k), by_gain(scores.gains))
 
 
 def score(scorer: Any, question: str, memories: Sequence[Memory]) -> Scores:
