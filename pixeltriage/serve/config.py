@@ -61,8 +61,10 @@ class ServeConfig:
         _at_least("preprocess_threads", self.preprocess_threads, 1)
         _at_least("gate_window", self.gate_window, 1)
         _at_least("max_gates", self.max_gates, 1)
-        if self.rerank_score not in ("gain", "relevance"):
-            raise ConfigError(f"rerank_score is 'gain' or 'relevance', not {self.rerank_score!r}")
+        from pixeltriage.serve.schemas import RERANK_SCORES
+
+        if self.rerank_score not in RERANK_SCORES:
+            raise ConfigError(f"rerank_score is one of {RERANK_SCORES}, not {self.rerank_score!r}")
         if self.max_client_batch > self.max_queued:
             raise ConfigError(f"max_client_batch ({self.max_client_batch}) must be at most max_queued "
                              f"({self.max_queued}): a larger batch could never be admitted")

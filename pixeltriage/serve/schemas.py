@@ -251,7 +251,7 @@ class Status(BaseModel):
 MODEL_NAME_LIMIT = 256
 DEFAULT_OPEN_K = 2                          # the open decision without a `policy`: the adapters' default k
 RERANK_SCORES = ("gain", "relevance")       # what `relevance_score` (TEI: `score`) carries: Scores.gains or .relevance
-RerankScore = Literal["gain", "relevance"]
+RerankScore = Literal[RERANK_SCORES]
 
 
 class ImageURL(Strict):
