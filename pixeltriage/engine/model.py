@@ -35,12 +35,16 @@ class Varlen:
     device_bounds: torch.Tensor | None
     segments: torch.Tensor
 
+    @property
+    def lengths(self) -> list[int]:
+        """Each packed state's token count, from `bounds`."""
+        return [e - b for b, e in zip(self.bounds, self.bounds[1:])]
+
     @classmethod
     def prepare(cls, bounds: Sequence[int], device: str | torch.device) -> "Varlen":
         device = torch.device(device)
         bounds = [int(b) for b in bounds]
-        lengths = [e - b for b, e in zip(bounds, bounds[1:])]
-        if not lengths or bounds[0] != 0 or min(lengths) < 0:
+        if len(bounds) < 2 or bounds[0] != 0 or any(e < b for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"varlen boundaries must rise from 0, got {bounds}")
         segments = torch.empty(bounds[-1], dtype=torch.long)
         for i, (b, e) in enumerate(zip(bounds, bounds[1:])):     # slice fills: ~2 us each, where repeat_interleave
@@ -108,7 +112,7 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
     k = norm_partial_rotary(k.view(seq_len, nkv, hd), w.k_norm, cfg.rms_norm_eps, cos, sin)
     v = v.view(seq_len, nkv, hd)
     if rows is None:
-        lengths = [seq_len] if varlen is None else [e - b for b, e in zip(varlen.bounds, varlen.bounds[1:])]
+        lengths = [seq_len] if varlen is None else varlen.lengths
         o = segment_attention(q, k, v, lengths, causal=True)                   # [T, nh, hd]
     else:
         segments = None if varlen is None else varlen.segments
