@@ -8,7 +8,7 @@ import sys
 from pixeltriage.delivery.cost import Model, delivery_cost
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL, answering_model
 from pixeltriage.engine.image import display_size
-from pixeltriage.delivery.policy import RateGate, token_budget, top_k
+from pixeltriage.delivery.policy import RateGate, by_gain, token_budget, top_k
 from pixeltriage.engine.types import Memory, Scores
 
 
@@ -71,7 +71,7 @@ def delivery(scores: Scores, k: int | None, gate: RateGate | None, sizes: list[t
             raise ValueError("a token budget needs every image's size")
         opened = token_budget(scores, budget, [model.tokens(s) for s in sizes])
         if k is not None:
-            capped = set(sorted((i for i in range(n) if opened[i]), key=lambda i: (-scores.gains[i], i))[:k])
+            capped = set([i for i in by_gain(scores.gains) if opened[i]][:k])
             opened = [i in capped for i in range(n)]
     gate_open = gate.opens(scores.p_vis) if gate is not None else True
     if not gate_open:
