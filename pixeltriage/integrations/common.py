@@ -88,6 +88,11 @@ class Decision:
     open: list[bool]
     order: list[int]
 
+    def written(self, rank: int) -> dict[str, Any]:
+        """The metadata (`WRITTEN_KEYS`) an adapter writes on the scored item at position `rank`."""
+        return {OPEN: self.open[rank], GAIN: self.scores.gains[rank], P_VIS: self.scores.p_vis,
+                RELEVANCE: self.scores.relevance[rank]}
+
 
 def decide(scores: Scores, k: int) -> Decision:
     return Decision(scores, top_k(scores, k), by_gain(scores.gains))

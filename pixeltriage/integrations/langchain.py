@@ -99,9 +99,7 @@ class PixelTriageCompressor(BaseDocumentCompressor):
         out = []
         for rank in decision.order[:top_n]:
             document = documents[scored[rank]]
-            metadata = {**document.metadata, "relevance_score": scores.gains[rank],
-                        common.OPEN: decision.open[rank], common.GAIN: scores.gains[rank],
-                        common.P_VIS: scores.p_vis, common.RELEVANCE: scores.relevance[rank]}
+            metadata = {**document.metadata, "relevance_score": scores.gains[rank], **decision.written(rank)}
             if not decision.open[rank] and not self.keep_closed_images:
                 metadata.pop(self.image_field, None)
             out.append(Document(page_content=document.page_content, metadata=metadata, id=document.id))

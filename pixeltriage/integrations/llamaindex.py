@@ -146,9 +146,7 @@ class PixelTriagePostprocessor(BaseNodePostprocessor):
         out = []
         for rank in decision.order[:self._top_n(len(scored))]:
             original = nodes[scored[rank]]
-            metadata = {**original.node.metadata,
-                        common.OPEN: decision.open[rank], common.GAIN: scores.gains[rank], common.P_VIS: scores.p_vis,
-                        common.RELEVANCE: scores.relevance[rank]}
+            metadata = {**original.node.metadata, **decision.written(rank)}
             if self.keep_retrieval_score:
                 metadata["retrieval_score"] = original.score
             node = self._delivered(original.node, metadata, decision.open[rank])

@@ -65,9 +65,7 @@ class PixelTriageReranker(BaseReranker):
                 reranked = dict(document)
                 if not decision.open[rank] and not self.keep_closed_images and document.get("metadata"):
                     reranked["metadata"] = {k: v for k, v in document["metadata"].items() if k != self.fields.image}
-                out.append({**reranked, "rerank_score": scores.gains[rank],
-                            common.OPEN: decision.open[rank], common.GAIN: scores.gains[rank],
-                            common.P_VIS: scores.p_vis, common.RELEVANCE: scores.relevance[rank]})
+                out.append({**reranked, "rerank_score": scores.gains[rank], **decision.written(rank)})
         taken = set(scored)
         out += [{**d, "rerank_score": 0.0} for i, d in enumerate(documents) if i not in taken]
         limit = top_k if top_k is not None else self.top_k
