@@ -16,9 +16,9 @@ processor: every image opened (open-all), or only the k highest-gain ones with a
 (ours@k), timed as one forward each.
 
 `--profile DIR`: a torch profiler trace (DIR/trace.json, chrome://tracing) of a few System One questions and a
-per-stage table (preprocess, pack, vision, vision_attention, gated_delta, delta_rule, attention, mlp, head) with each stage's analytic FLOPs,
-achieved TFLOP/s, and its fraction of the GEMM rate measured in the run and of the device's peak (A100 312,
-H100/H200 989 dense bf16 TFLOP/s) when the device is one of those.
+per-stage table (preprocess, pack, vision, vision_attention, gated_delta, delta_rule, attention, mlp, head) with
+each stage's analytic FLOPs, achieved TFLOP/s, and its fraction of the GEMM rate measured in the run and of the
+device's peak (A100 312, H100/H200 989 dense bf16 TFLOP/s) when the device is one of those.
 """
 from __future__ import annotations
 
