@@ -83,12 +83,12 @@ class Strict(BaseModel):
                                           f"nested model must be Strict; found {found}")
 
 
-class MemoryIn(Strict):
-    """One retrieved memory: exactly one of `image` (base64, or a data URI `data:image/...;base64,...`), `key` (a
-    write-time cache key, needs the server's --cache) or `path` (relative to the server's --image-root)."""
+class MemoryFields(Strict):
+    """A memory's fields, as a score request's memory (`MemoryIn`) and a rerank document object (`DocumentIn`) both
+    take them: its image (`image`, `key` or `path`) and its texts."""
 
     image: Optional[Encoded] = Field(None, description="the encoded image (JPEG, PNG, GIF, WebP, BMP, TIFF) as "
-                                                       "base64 or a data URI")
+                                                       "base64 or a data URI (a URL is refused, never fetched)")
     key: Optional[str] = Field(None, max_length=64, pattern=CACHE_KEY,
                                description="a write-time cache key (POST /v1/memories)")
     path: Optional[str] = Field(None, min_length=1, max_length=4096,
@@ -97,6 +97,11 @@ class MemoryIn(Strict):
                                                    "note")
     dialogue: Text = ""
     date: str = Field("", max_length=DATE_LIMIT)
+
+
+class MemoryIn(MemoryFields):
+    """One retrieved memory: exactly one of `image` (base64, or a data URI `data:image/...;base64,...`), `key` (a
+    write-time cache key, needs the server's --cache) or `path` (relative to the server's --image-root)."""
 
     @model_validator(mode="after")
     def one_source(self) -> "MemoryIn":
@@ -276,18 +281,13 @@ class ContentPart(Strict):
         return self
 
 
-class DocumentIn(Strict):
+class DocumentIn(MemoryFields):
     """A rerank document given as an object: Jina's `{"text", "image"}`, vLLM's `{"content": [...]}`, or a memory
-    (`key`, `path`, `image`, with `note`, `dialogue`, `date`). `text` is the note when `note` is absent."""
+    (`MemoryFields`: `key`, `path`, `image`, with `note`, `dialogue`, `date`). `text` is the note when `note` is
+    absent; unlike `MemoryIn`, a document may have no image (it is then scored 0)."""
 
     text: Optional[Text] = None
-    image: Optional[Encoded] = Field(None, description="base64 or a data URI (a URL is refused, never fetched)")
-    key: Optional[str] = Field(None, max_length=64, pattern=CACHE_KEY)
-    path: Optional[str] = Field(None, min_length=1, max_length=4096, description="under the server's --image-root")
     content: Optional[list[ContentPart]] = Field(None, description="vLLM's multimodal document: at most one image")
-    note: Optional[Text] = None
-    dialogue: Text = ""
-    date: str = Field("", max_length=DATE_LIMIT)
 
 
 DOCUMENT_TAGS = ("string-document", "object-document")     # the union's branches: left out of error field paths
