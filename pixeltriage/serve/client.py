@@ -6,11 +6,12 @@
 Memories are the library's `Memory`: an image given as bytes, a local file path or a PIL image is sent as base64 (a
 PIL image losslessly, as PNG, or TIFF for modes PNG lacks, with its EXIF orientation), a cache key as the key. The
 server's refusals come back as the library's typed errors, by the table the server answers them with
-(`schemas.error_statuses`): InvalidMemoryError (with its index), StateTooLongError, InvalidRequestError (with the
-field), CacheMissError, OverloadedError (with retry_after), DeadlineExceededError, ServiceUnavailableError,
-AuthenticationError, NoCacheError; any other status is a ServiceError. Connection failures, 502, 503 and 429 are
-retried `retries` times (scoring is idempotent; a retried question may count twice in a server-side rate gate), after
-Retry-After when the server gives one, at most `max_retry_wait` seconds.
+(`schemas.error_statuses`: the row of the `error_type` the body names, else of the status): InvalidMemoryError (with
+its index), StateTooLongError, InvalidRequestError (with the field), CacheMissError, OverloadedError (with
+retry_after), DeadlineExceededError, ServiceUnavailableError, AuthenticationError, NoCacheError; any other is a
+ServiceError. Connection failures, 502, 503 and 429 are retried `retries` times (scoring is idempotent; a retried
+question may count twice in a server-side rate gate), after Retry-After when the server gives one, at most
+`max_retry_wait` seconds.
 """
 from __future__ import annotations
 
@@ -153,22 +154,31 @@ def error_of(response: httpx.Response, question_offset: int = 0) -> Exception:
         renumbered = f"questions[{question_offset + int(found.group(1))}]" + field[found.end():]
         message = renumbered + message[len(field):] if message.startswith(field) else message
         field = renumbered
-    row = error_for(status, kind)
-    error = row.error if row is not None else ServiceError
+    row = error_for(status, kind)           # by the error_type the body names, else by status
+    return _error_of_class(row.error if row is not None else ServiceError, message, field, body, response)
+
+
+def _error_of_class(error: type[Exception], message: str, field: str | None, body: dict,
+                    response: httpx.Response) -> Exception:
+    """An instance of the table's error class `error`, given what its constructor takes."""
+    from pixeltriage.engine.cache import CacheMissError        # loaded with the table (schemas.error_statuses)
+
+    status = response.status_code
+    unprefixed = message.removeprefix(f"{field}: ") if field else message
     if error is InvalidMemoryError:
         if field and (index := _MEMORY_INDEX.findall(field)):
-            error = InvalidMemoryError(str(body.get("reason") or message), int(index[-1]))
-            error.field = field
-            return error
-        error = InvalidRequestError             # a memory the body does not number: as any other 422
+            found = InvalidMemoryError(str(body.get("reason") or message), int(index[-1]))
+            found.field = field
+            return found
+        return InvalidRequestError(unprefixed, field, status)  # a memory the body does not number: any other 422
     if error is OverloadedError:
         return OverloadedError(message, _retry_after(response) or 1.0, status)
     if error is StateTooLongError:
-        return StateTooLongError(message.removeprefix(f"{field}: ") if field else message)
+        return StateTooLongError(unprefixed)
     if error is InvalidRequestError:
-        return InvalidRequestError(message.removeprefix(f"{field}: ") if field else message, field, status)
-    if row is not None and row.status == 404:
-        return error(response.url.path.rsplit("/", 1)[-1], message)          # CacheMissError: the key, the message
+        return InvalidRequestError(unprefixed, field, status)
+    if error is CacheMissError:                 # GET /v1/memories/{key}: the key, the server's message
+        return CacheMissError(response.url.path.rsplit("/", 1)[-1], message)
     return error(message, status)        # ServiceError and its kinds: AuthenticationError, NoCacheError, ...
 
 

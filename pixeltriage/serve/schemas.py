@@ -409,8 +409,9 @@ class ErrorStatus:
 @functools.cache
 def error_statuses() -> tuple[ErrorStatus, ...]:
     """The one table of the scoring service's errors: the server answers an error with the first row its class
-    matches, and both clients (`Client`, `AsyncClient`) raise the row of a response's status and error_type (else
-    the `by_status` row of its status, else ServiceError). The cache module imports torch: built on first use."""
+    matches, and both clients (`Client`, `AsyncClient`) raise the row of the error_type a response's body names
+    (`error_for`: else the `by_status` row of its status, else ServiceError). Each error_type names one row. The
+    cache module imports torch: built on first use."""
     from pixeltriage.engine.cache import CacheMissError
     from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError,
                                     InvalidRequestError, NoCacheError, OverloadedError, ServiceUnavailableError,
@@ -435,7 +436,9 @@ def status_of(error: BaseException) -> ErrorStatus | None:
 
 
 def error_for(status: int, error_type: str | None) -> ErrorStatus | None:
-    """The table's row for an error response (None: the client raises ServiceError)."""
+    """The table's row for an error response: the row of the `error_type` its body names (each names one row), else
+    the `by_status` row of its status (a body without a kind of the table: a proxy's); None: the client raises
+    ServiceError."""
     rows = error_statuses()
-    return (next((r for r in rows if r.status == status and r.error_type == error_type), None)
+    return (next((r for r in rows if r.error_type == error_type), None)
             or next((r for r in rows if r.status == status and r.by_status), None))

@@ -159,3 +159,37 @@ def _instance(cls):
     if cls is InvalidMemoryError:
         return cls("bad", 0)
     return cls("refused")
+
+
+def test_each_error_type_names_one_row():
+    kinds = [row.error_type for row in error_statuses()]
+    assert len(kinds) == len(set(kinds)), kinds
+
+
+def test_a_client_reads_the_error_type_before_the_status():
+    """The body's error_type picks the row whatever the status (a proxy may rewrite it); a body without a kind of the
+    table falls back to the status's by_status row, and a status without one is a ServiceError."""
+    from pixeltriage.engine.cache import CacheMissError
+    from pixeltriage.errors import InvalidRequestError, NoCacheError, OverloadedError, ServiceError
+    from pixeltriage.serve.client import error_of
+
+    key = "c" * 64
+
+    def response(status, body=None, path=f"/v1/memories/{key}"):
+        request = httpx.Request("GET", "http://127.0.0.1:1" + path)
+        if body is None:
+            return httpx.Response(status, text="upstream says no", request=request)
+        return httpx.Response(status, json=body, request=request)
+
+    missing = error_of(response(410, {"error": f"image {key} is not in the cache", "error_type": "not_found"}))
+    assert type(missing) is CacheMissError and missing.key == key and "not in the cache" in str(missing)
+    overloaded = error_of(response(502, {"error": "full", "error_type": "overloaded"}, "/v1/score"))
+    assert type(overloaded) is OverloadedError and overloaded.status == 502
+    no_cache = error_of(response(500, {"error": "no cache", "error_type": "no_cache"}, "/v1/memories"))
+    assert type(no_cache) is NoCacheError
+    plain = error_of(response(413, path="/v1/score"))                      # no body: the 413's by_status row
+    assert type(plain) is InvalidRequestError and plain.status == 413
+    unknown = error_of(response(422, {"error": "odd", "error_type": "not_a_kind"}, "/v1/score"))
+    assert type(unknown) is InvalidRequestError                           # the 422's by_status row
+    assert type(error_of(response(404, path="/v1/memories/x"))) is ServiceError    # 404 has no by_status row
+    assert type(error_of(response(500, {"error": "boom", "error_type": "internal"}, "/v1/score"))) is ServiceError
