@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import os
 import re
@@ -54,6 +55,41 @@ class Decision:
     state_tokens: int
     timing: dict
     id: str | None = None
+
+
+@dataclass(frozen=True)
+class RankedDocument:
+    """One document of a rerank answer (`schemas.RerankResult` with its `pixeltriage` fields): `index` in the request,
+    `relevance_score` (the gain, or the relevance under score="relevance"; 0.0 for a document without an image),
+    `image` (it carried an image or a cache key and was scored), its `gain` and `relevance` (None without an image),
+    `open` (the policy delivers its pixels), `truncated` (a text of it was cut to the token budget), `document` (its
+    text, with return_documents)."""
+
+    index: int
+    relevance_score: float
+    image: bool
+    gain: float | None
+    relevance: float | None
+    open: bool
+    truncated: bool
+    document: str | None = None
+
+
+@dataclass(frozen=True)
+class Reranking:
+    """A rerank answer (`schemas.RerankResponse` and its `pixeltriage` summary): `results` by descending score (the
+    first top_n), the query's `p_vis` and `relevance_none`, the `opened` documents by index, the packed state's tokens,
+    whether the query was cut; `raw` is the route's JSON as it came (Cohere's `meta`, Jina's `usage`)."""
+
+    id: str
+    model: str | None
+    results: list[RankedDocument]
+    p_vis: float
+    relevance_none: float
+    opened: list[int]
+    state_tokens: int
+    query_truncated: bool
+    raw: dict = dataclasses.field(repr=False, compare=False)
 
 
 # -- requests --------------------------------------------------------------------------------------------------------
@@ -136,6 +172,18 @@ def decision_of(result: dict) -> Decision:
     return Decision(scores=scores_of(result), open=delivery["open"] if delivery else None,
                     gate_open=delivery["gate_open"] if delivery else None, visual_tokens=result.get("visual_tokens"),
                     state_tokens=result["state_tokens"], timing=result["timing"], id=result.get("id"))
+
+
+def reranking_of(response: dict) -> Reranking:
+    summary = response["pixeltriage"]
+    results = [RankedDocument(index=r["index"], relevance_score=r["relevance_score"], image=r["pixeltriage"]["image"],
+                              gain=r["pixeltriage"]["gain"], relevance=r["pixeltriage"]["relevance"],
+                              open=r["pixeltriage"]["open"], truncated=r["pixeltriage"]["truncated"],
+                              document=r["document"]["text"] if r.get("document") else None)
+               for r in response["results"]]
+    return Reranking(id=response["id"], model=response.get("model"), results=results, p_vis=summary["p_vis"],
+                     relevance_none=summary["relevance_none"], opened=list(summary["opened"]),
+                     state_tokens=summary["state_tokens"], query_truncated=summary["query_truncated"], raw=response)
 
 
 def error_of(response: httpx.Response, question_offset: int = 0) -> Exception:
@@ -282,13 +330,14 @@ class Client(_Base):
         return out
 
     def rerank(self, query: str, documents: Sequence, *, top_n: int | None = None, k: int | None = None,
-               score: str | None = None, return_documents: bool = False, timeout_s: float | None = None) -> dict:
+               score: str | None = None, return_documents: bool = False,
+               timeout_s: float | None = None) -> Reranking:
         """POST /v2/rerank: `documents` are Memory objects or what the route takes (a cache key, a JSON memory
         string, plain text, a Jina or vLLM object); `k` the open decision (server default 2); `score` "gain" or
-        "relevance" (None: the server's --rerank-score). The route's JSON: `results` by descending score, each with
-        `index`, `relevance_score` and `pixeltriage`, and the `pixeltriage` summary (docs/serve.md, "Rerank")."""
+        "relevance" (None: the server's --rerank-score). A `Reranking`: `results` by descending score, each a
+        `RankedDocument`, and the query's summary; `.raw` is the route's JSON (docs/serve.md, "Rerank")."""
         body = self._rerank_body(query, documents, top_n, k, score, return_documents, timeout_s)
-        return self._request("POST", "/v2/rerank", body, timeout_s)
+        return reranking_of(self._request("POST", "/v2/rerank", body, timeout_s))
 
     def put_memory(self, image, note: str = "") -> str:
         """Put an image (bytes, a local path or a PIL image) and its note into the server's write-time cache; its key."""
@@ -389,9 +438,9 @@ class AsyncClient(_Base):
 
     async def rerank(self, query: str, documents: Sequence, *, top_n: int | None = None, k: int | None = None,
                      score: str | None = None, return_documents: bool = False,
-                     timeout_s: float | None = None) -> dict:
+                     timeout_s: float | None = None) -> Reranking:
         body = self._rerank_body(query, documents, top_n, k, score, return_documents, timeout_s)
-        return await self._request("POST", "/v2/rerank", body, timeout_s)
+        return reranking_of(await self._request("POST", "/v2/rerank", body, timeout_s))
 
     async def put_memory(self, image, note: str = "") -> str:
         return (await self._request("POST", "/v1/memories", self._memory_body(image, note)))["key"]

@@ -240,22 +240,35 @@ def test_rerank_score_flag_sets_the_default_and_a_request_overrides_it(tiny_chec
 
 def test_client_rerank_and_async_client_rerank_answer_as_the_route(served, stored, library):
     import asyncio
+    from dataclasses import asdict
 
     from pixeltriage.errors import InvalidRequestError
     from pixeltriage.serve import AsyncClient, Client
+    from pixeltriage.serve.client import RankedDocument, Reranking
 
     question, memories, keys, want = stored
     documents = [keys[0], Memory(image=memories[1].image, note=memories[1].note), "no image", keys[2]]
     with Client(served.url, api_key=API_KEY, retries=0) as client:
-        body = client.rerank(question, documents, k=1)
-        assert_ranked(body["results"][:3], want.gains, [0, 1, 3])
-        assert body["results"][3]["index"] == 2 and body["pixeltriage"]["opened"] == [body["results"][0]["index"]]
+        ranked = client.rerank(question, documents, k=1)
+        assert type(ranked) is Reranking and all(type(r) is RankedDocument for r in ranked.results)
+        assert_ranked([asdict(r) for r in ranked.results[:3]], want.gains, [0, 1, 3])
+        image_rank = {r.index: r for r in ranked.results if r.image}
+        assert all(abs(image_rank[j].gain - want.gains[i]) <= TOL and abs(image_rank[j].relevance - want.relevance[i])
+                   <= TOL for i, j in enumerate((0, 1, 3)))
+        text = ranked.results[3]
+        assert (text.index, text.relevance_score, text.image, text.gain, text.relevance) == (2, 0.0, False, None, None)
+        assert ranked.opened == [ranked.results[0].index] and [r.open for r in ranked.results] == [True] + [False] * 3
+        assert abs(ranked.p_vis - want.p_vis) <= TOL and abs(ranked.relevance_none - want.relevance_none) <= TOL
+        assert ranked.state_tokens == ranked.raw["usage"]["total_tokens"] > 0 and not ranked.query_truncated
+        assert ranked.id == ranked.raw["id"] and len(ranked.id) == 32 and ranked.model is None
+        assert [r["index"] for r in ranked.raw["results"]] == [r.index for r in ranked.results]
+        assert all(r.document is None and not r.truncated for r in ranked.results)
         relevance = client.rerank(question, documents, top_n=2, score="relevance", return_documents=True)
         top = sorted(zip([0, 1, 3], want.relevance), key=lambda p: (-p[1], p[0]))[:2]
-        assert [r["index"] for r in relevance["results"]] == [i for i, _ in top]
-        assert all(abs(r["relevance_score"] - w) <= TOL for r, (_, w) in zip(relevance["results"], top))
-        assert relevance["results"][0]["document"]["text"] == (keys[0] if top[0][0] == 0 else
-                                                               memories[1].note if top[0][0] == 1 else keys[2])
+        assert [r.index for r in relevance.results] == [i for i, _ in top]
+        assert all(abs(r.relevance_score - w) <= TOL for r, (_, w) in zip(relevance.results, top))
+        texts = {0: keys[0], 1: memories[1].note, 3: keys[2]}
+        assert [r.document for r in relevance.results] == [texts[i] for i, _ in top]
         with pytest.raises(InvalidRequestError) as unknown:      # a document is not a numbered memory: a 422 by field
             client.rerank(question, ["0" * 64])
         assert unknown.value.field == "documents[0].key" and "not in the cache" in str(unknown.value)
@@ -264,4 +277,6 @@ def test_client_rerank_and_async_client_rerank_answer_as_the_route(served, store
         async with AsyncClient(served.url, api_key=API_KEY, retries=0) as client:
             return await client.rerank(question, documents, score="gain")
 
-    assert_ranked(asyncio.run(remote())["results"][:3], want.gains, [0, 1, 3])
+    answer = asyncio.run(remote())
+    assert type(answer) is Reranking and [r.open for r in answer.results] == [True, True, False, False]
+    assert_ranked([asdict(r) for r in answer.results[:3]], want.gains, [0, 1, 3])
