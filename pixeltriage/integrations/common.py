@@ -8,8 +8,6 @@ was built with `allow_url_images=True` (otherwise it is refused, and nothing is 
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime
 import inspect
 import os
@@ -21,10 +19,9 @@ from typing import Any, Mapping, Sequence
 
 from pixeltriage.delivery.policy import by_gain, top_k
 from pixeltriage.engine.types import Memory, Scores
-from pixeltriage.errors import InvalidMemoryError
+from pixeltriage.errors import InvalidMemoryError, InvalidRequestError
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-DATA_URI = re.compile(r"^data:[^,;]*(?:;[^,;]*)*;base64,", re.IGNORECASE)
 MAX_URL_BYTES = 64 << 20           # a fetched image larger than this is refused before it is read whole
 URL_TIMEOUT_S = 30.0
 # a shorter str is a path, never base64: the smallest image files (a 1x1 PNG, 67 bytes) take 92 base64 characters,
@@ -156,7 +153,7 @@ def image_value(value: Any, index: int, what: str, allow_urls: bool) -> Any:
             return value
         raise InvalidMemoryError(f"{what}: an image must be a path, base64 text, bytes or a PIL image, found "
                                  f"{type(value).__name__}", index)
-    if DATA_URI.match(value):
+    if value[:5].lower() == "data:":
         return base64_image(value, index, what)
     if URL.match(value):
         if not allow_urls:
@@ -169,8 +166,8 @@ def image_value(value: Any, index: int, what: str, allow_urls: bool) -> Any:
     if len(value) < MIN_BASE64_CHARS:
         raise InvalidMemoryError(f"{what}: {_short(value)}: no such file", index)
     try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
+        return _decode(value)
+    except InvalidRequestError:
         raise InvalidMemoryError(f"{what}: {_short(value)} is neither an existing file, a data: URI nor base64",
                                  index) from None
 
@@ -200,13 +197,20 @@ def _text(metadata: Mapping[str, Any], field: str, index: int) -> str | None:
 
 
 def base64_image(text: str, index: int, what: str) -> bytes:
-    """The bytes of an image given as base64 text or a base64 `data:` URI."""
-    if DATA_URI.match(text):
-        text = text[text.index(",") + 1:]
+    """The bytes of an image given as base64 text or a base64 `data:` URI, decoded as the server decodes a request's
+    image (`serve.inputs.decode_image`); its refusal as the item's InvalidMemoryError."""
     try:
-        return base64.b64decode(text, validate=True) or _empty(index, what)
-    except (binascii.Error, ValueError):
-        raise InvalidMemoryError(f"{what}: {_short(text)} is not valid base64", index) from None
+        return _decode(text)
+    except InvalidRequestError as e:
+        raise InvalidMemoryError(f"{what}: {_short(text)}: {e}", index) from None
+
+
+def _decode(text: str) -> bytes:
+    # imported on first use: serve.inputs reads the request schemas (pydantic), which `import pixeltriage.integrations`
+    # does not need
+    from pixeltriage.serve.inputs import decode_image
+
+    return decode_image(text, None)
 
 
 def _empty(index: int, what: str) -> bytes:

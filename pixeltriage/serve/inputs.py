@@ -20,12 +20,14 @@ from pixeltriage.errors import InvalidRequestError
 from pixeltriage.serve.schemas import CACHE_KEY, DocumentIn, MemoryIn
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://|(file|data|http|https|ftp):)", re.IGNORECASE)
-_DATA_URI = re.compile(r"^data:([^;,]*)(;[^,]*)?,", re.ASCII)
+_DATA_URI = re.compile(r"^data:([^;,]*)(;[^,]*)?,", re.ASCII | re.IGNORECASE)     # a scheme is case-insensitive
 _WHITESPACE = re.compile(rb"\s+")
 
 
-def decode_image(text: str, field: str) -> bytes:
-    """The bytes of a base64 image or a base64 data URI (`data:image/png;base64,...`); whitespace is ignored."""
+def decode_image(text: str, field: str | None) -> bytes:
+    """The bytes of a base64 image or a base64 data URI (`data:image/png;base64,...`); whitespace is ignored. The
+    one decoding of an encoded image: the routes' and the framework adapters' (`integrations.common`). A refusal is
+    an InvalidRequestError naming `field` (None: the message alone)."""
     uri = _DATA_URI.match(text)
     if uri is not None:
         media, params = uri.group(1).lower(), (uri.group(2) or "").lower()
@@ -43,7 +45,7 @@ def decode_image(text: str, field: str) -> bytes:
     return data
 
 
-def _decode_spaced(text: str, field: str) -> bytes:
+def _decode_spaced(text: str, field: str | None) -> bytes:
     try:
         return base64.b64decode(_WHITESPACE.sub(b"", text.encode("ascii")), validate=True)
     except (UnicodeEncodeError, binascii.Error, ValueError) as e:

@@ -143,6 +143,24 @@ def test_a_server_scores_the_same(scorer, retrieved, server):
         [(n.node.node_id, n.score, n.node.metadata.get("pixeltriage_open")) for n in local]
 
 
+def test_encoded_images_are_decoded_as_the_server_decodes_them(scorer, no_network):
+    """The adapters decode base64 with the routes' one decoder (serve.inputs.decode_image): base64 wrapped in MIME
+    lines, a data URI's scheme in any case; a data URI of another media type is refused as the server refuses it."""
+    images = [png(c) for c in COLORS[:2]]
+    wrapped = base64.encodebytes(images[0]).decode("ascii")                  # lines of 76 characters
+    upper = "DATA:image/png;BASE64," + base64.b64encode(images[1]).decode("ascii")
+    nodes = [NodeWithScore(node=ImageNode(image=wrapped, text="note 0", id_="n0")),
+             NodeWithScore(node=TextNode(text="note 1", metadata={"image": upper}, id_="n1"))]
+    out = PixelTriagePostprocessor(scorer, k=2).postprocess_nodes(nodes, query_str=QUESTION)
+    want = scorer.score(QUESTION, [Memory(image=images[0], note="note 0"), Memory(image=images[1], note="note 1")])
+    assert {n.node.node_id: n.score for n in out} == {"n0": want.gains[0], "n1": want.gains[1]}
+    text = NodeWithScore(node=TextNode(text="x", metadata={"image": "data:text/plain;base64,aGVsbG8="}))
+    with pytest.raises(InvalidMemoryError, match=r"of type 'text/plain'; expected image/\*") as refused:
+        PixelTriagePostprocessor(scorer).postprocess_nodes([NodeWithScore(node=TextNode(text="y")), text],
+                                                           query_str=QUESTION)
+    assert refused.value.index == 1
+
+
 def test_refusals(scorer, tmp_path, no_network):
     triage = PixelTriagePostprocessor(scorer)
     url = NodeWithScore(node=ImageNode(image_url="https://example.com/mug.png"))
