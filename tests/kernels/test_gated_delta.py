@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from pixeltriage.kernels.gated_delta import (chunk_gated_delta_rule, conv_chunk_gated_delta_rule,
+                                             recurrent_gated_delta_rule)
 
 
 def inputs(seq_len, heads=3, k_dim=12, v_dim=20, seed=0):
@@ -198,3 +199,131 @@ def test_layers_share_one_chunk_plan_and_leave_it_as_it_was():
     assert torch.equal(plan.restart, restart)
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk._plan(300, [0, 400], None, True)
+
+
+# ---- the bf16 pass on the matrix units (`gated_delta/bf16.py`, C `pt_delta_chunked_bf16`) ----------------------
+
+def _bf16_engines():
+    from pixeltriage.kernels import native
+
+    return [pytest.param(name, marks=pytest.mark.skipif(name not in native.bf16_engines(),
+                                                        reason=f"no {name} here: {native.status()}"))
+            for name in ("fma", "avx512_bf16", "amx")]
+
+
+BF16_ENGINES = _bf16_engines()
+# The bf16 pass against the float32 pass, max-abs error relative to the output's largest entry: each output is a sum
+# of products of operands rounded to bf16 once each (q, k, kb, vb, T, w, the state, intra, v_new: 2^-9 relative
+# apiece), flash-linear-attention's numerics. Measured 1.8e-3 to 8.8e-3 on the cases below (all engines alike); the
+# bar is 2^-6 = 1.6e-2, four such roundings of the largest term. The float32 pass is within 5.6e-6 of the float64
+# recurrence on the same cases, so the bf16 pass is held to the same bar against the float64 recurrence.
+BF16_PASS_TOL = 2 ** -6
+BF16_SEGMENTS = {"1": [0, 1], "63": [0, 63], "64": [0, 64], "65": [0, 65], "130": [0, 130],
+                 "varlen": [0, 1, 1, 65, 66, 130]}      # a 1-token sequence, an empty one, a full chunk, 1 token, 64
+
+
+class NanPoisonedEmpty(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fills every floating tensor that empty()/empty_like()/new_empty() returns with NaN."""
+
+    EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+             torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.EMPTY and out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+
+def bf16_projection(seq_len, hk, hv, dk, dv, seed=0):
+    """A bf16 projection [T, conv_dim] (a strided slice of a wider one, as the layer's), conv weight, g (some strong
+    decays) and beta."""
+    gen = torch.Generator().manual_seed(seed)
+    conv_dim = 2 * hk * dk + hv * dv
+    x = torch.randn(seq_len, conv_dim + 40, generator=gen).bfloat16()[:, :conv_dim]
+    weight = torch.randn(conv_dim, 4, generator=gen) * 0.5
+    g = -F.softplus(torch.randn(seq_len, hv, generator=gen)) * 2.0
+    beta = torch.rand(seq_len, hv, generator=gen)
+    return x, weight, g, beta
+
+
+def float64_rule(x, weight, g, beta, hk, dk, dv, bounds):
+    """The conv + SiLU (float32, the torch path), L2 norms and the recurrence in float64, sequence by sequence."""
+    from pixeltriage.kernels.gated_delta import conv_heads
+
+    hv = beta.shape[1]
+    q, k, v = conv_heads(x, weight, hk, dk, hv, dv, bounds, native=False)
+    q, k = (F.normalize(t.double(), dim=-1, eps=0) for t in (q, k))
+    out = torch.zeros(x.shape[0], hv, dv, dtype=torch.float64)
+    for b, e in zip(bounds, bounds[1:]):
+        if e > b:
+            out[b:e] = recurrent_gated_delta_rule(q[b:e], k[b:e], v[b:e], g[b:e], beta[b:e],
+                                                  compute_dtype=torch.float64)
+    return out
+
+
+@pytest.mark.parametrize("engine", BF16_ENGINES)
+@pytest.mark.parametrize("segments", sorted(BF16_SEGMENTS))
+@pytest.mark.parametrize("heads", [(2, 2, 32, 64), (2, 4, 32, 64), (1, 2, 8, 24)], ids=["v1k", "v2k", "padded"])
+def test_bf16_pass_matches_float32_pass_and_float64_recurrence(engine, segments, heads):
+    """`pt_delta_chunked_bf16` on each engine against the float32 pass on the same bf16 projection and against the
+    float64 recurrence, within BF16_PASS_TOL of the largest output, on T = 1, 63, 64, 65, 130 and packed sequences
+    with a 1-token and an empty one; value heads = 2x key heads; head dims that are not multiples of 32 (padded
+    with zero columns inside). Allocations are NaN-poisoned, so an output row the kernel did not write fails."""
+    from pixeltriage.kernels.gated_delta import bf16
+
+    hk, hv, dk, dv = heads
+    bounds = BF16_SEGMENTS[segments]
+    x, weight, g, beta = bf16_projection(bounds[-1], hk, hv, dk, dv, seed=len(bounds) + hv)
+    with NanPoisonedEmpty():
+        got = bf16.conv_chunk_rule_bf16(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds, engine_name=engine)
+    assert got.shape == (bounds[-1], hv, dv) and got.dtype == torch.float32 and torch.isfinite(got).all()
+    want = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds)
+    exact = float64_rule(x, weight, g, beta, hk, dk, dv, bounds)
+    assert (got - want).abs().max().item() / want.abs().max().item() <= BF16_PASS_TOL
+    assert (got - exact).abs().max().item() / exact.abs().max().item() <= BF16_PASS_TOL
+    assert (want - exact).abs().max().item() / exact.abs().max().item() <= 5e-5     # the float32 pass: exact
+
+
+@pytest.mark.parametrize("engine", BF16_ENGINES[1:])
+def test_bf16_engines_agree(engine):
+    """The matrix units' engines against the float32 multiply-adds of the same bf16 operands: only the order of
+    float32 sums differs, and with it, rarely, the rounding of an intermediate (w, v_new) to bf16. Measured, of the
+    largest output over 300 tokens, 4 value heads over 2 key heads: AVX512-BF16 5.4e-8, AMX 2.2e-5; bar 2^-12."""
+    from pixeltriage.kernels.gated_delta import bf16
+
+    x, weight, g, beta = bf16_projection(300, 2, 4, 64, 32, seed=7)
+    ref = bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 64, 32, cu_seqlens=[0, 100, 300], engine_name="fma")
+    got = bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 64, 32, cu_seqlens=[0, 100, 300], engine_name=engine)
+    assert (got - ref).abs().max().item() / ref.abs().max().item() <= 2 ** -12
+
+
+def test_bf16_op_falls_back_to_the_float32_pass_and_refuses_missing_engines(native_calls):
+    """The op takes the float32 pass for what the bf16 pass does not take (a float32 projection here, a conv
+    wider than 16); an engine the machine lacks is a typed error, not a silent substitute."""
+    from pixeltriage.errors import BackendUnavailableError
+    from pixeltriage.kernels.gated_delta import bf16
+
+    x, weight, g, beta = bf16_projection(70, 2, 2, 32, 32)
+    out = bf16.gated_delta_bf16(x.float(), weight, g, beta, 2, 32, 2, 32, None)
+    assert [name for name, _ in native_calls] == ["pt_delta_chunked"]
+    assert torch.equal(out, conv_chunk_gated_delta_rule(x.float(), weight, g, beta, 2, 32, 32))
+    wide = torch.randn(weight.shape[0], 17)
+    assert not bf16.takes(x, wide, 32, 32) and bf16.takes(x, weight, 32, 32)
+    with pytest.raises(ValueError, match="conv widths up to 16"):
+        bf16.conv_chunk_rule_bf16(x, wide, g, beta, 2, 32, 32)
+    with pytest.raises(BackendUnavailableError, match="'tiles' is not on this machine"):
+        bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 32, 32, engine_name="tiles")
+
+
+@pytest.mark.parametrize("where", ["g", "beta", "projection"])
+def test_bf16_pass_keeps_nans(where):
+    """A NaN upstream comes out as NaN on the bf16 pass too (bf16 rounding keeps NaN; a zero decay times a NaN
+    state stays NaN)."""
+    from pixeltriage.kernels.gated_delta import bf16
+
+    x, weight, g, beta = bf16_projection(64, 2, 2, 32, 32, seed=9)
+    g[30:33] = -80.0
+    {"g": g, "beta": beta, "projection": x}[where][10, 0] = float("nan")
+    out = bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 32, 32, chunk_size=32, engine_name="fma")
+    assert out[10:, 0].isnan().any()

@@ -139,6 +139,32 @@ def test_real_ops_cpu(monkeypatch, no_switch):
     registry.check_fast("cpu", torch.float32, allow_slow=False)
 
 
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(monkeypatch, no_switch):
+    """A bf16 forward on the CPU takes the bf16 pass where the CPU has bf16 matrix units (AMX or AVX512-BF16: the
+    build's engines, which come from this CPU's flags) and PIXELTRIAGE_DELTA_BF16 is not 0; float32 forwards, CPUs
+    with neither (the "fma" engine alone runs anywhere, for tests) and the switch keep the float32 pass."""
+    from pixeltriage.kernels.gated_delta import bf16
+
+    flags = native._cpu_flags().split()
+    have = native.bf16_engines()
+    assert "fma" in have
+    assert "amx" not in have or "amx_bf16" in flags
+    assert "avx512_bf16" not in have or "avx512_bf16" in flags
+    monkeypatch.delenv(bf16.SWITCH, raising=False)
+    fast = "native C pt_delta_chunked_bf16" if have & {"amx", "avx512_bf16"} else "native C pt_delta_chunked"
+    assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == fast
+    for engines, name in (({"fma", "amx"}, "native C pt_delta_chunked_bf16"),
+                          ({"fma", "avx512_bf16"}, "native C pt_delta_chunked_bf16"),
+                          ({"fma"}, "native C pt_delta_chunked")):
+        monkeypatch.setattr(native, "bf16_engines", lambda e=frozenset(engines): e)
+        assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == name
+        assert registry.choose("gated_delta", "cpu", torch.float32).name == "native C pt_delta_chunked"
+    monkeypatch.setattr(native, "bf16_engines", lambda: frozenset({"fma", "amx"}))
+    monkeypatch.setenv(bf16.SWITCH, "0")
+    assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == "native C pt_delta_chunked"
+
+
 def test_real_ops_cuda(monkeypatch, no_switch):
     monkeypatch.setattr(fla, "available", lambda: True)
     names = registry.choices("cuda", torch.bfloat16)

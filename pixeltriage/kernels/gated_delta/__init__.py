@@ -1,5 +1,6 @@
 """Gated delta rule: `naive` (recurrent, float32 ground truth), `chunk` (chunked: torch, and the C kernel on the
-CPU) and `fla` (flash-linear-attention's Triton kernels on CUDA).
+CPU), `bf16` (the C kernel's bf16 pass for bf16 forwards on the CPU's matrix units) and `fla`
+(flash-linear-attention's Triton kernels on CUDA).
 
 Importing the package registers the "gated_delta" op's kernels (`kernels.registry`), all with one signature:
     fn(qkv [T, conv_dim], conv_weight [conv_dim, W], g [T, Hv] f32, beta [T, Hv] f32, hk, dk, hv, dv,
@@ -10,13 +11,13 @@ import torch
 
 from pixeltriage.kernels import native as _native
 from pixeltriage.kernels import registry as _registry
-from pixeltriage.kernels.gated_delta import fla
+from pixeltriage.kernels.gated_delta import bf16, fla
 from pixeltriage.kernels.gated_delta.chunk import (chunk_gated_delta_rule, conv_chunk_gated_delta_rule, conv_heads,
                                                    gated_delta_native, gated_delta_torch)
 from pixeltriage.kernels.gated_delta.naive import recurrent_gated_delta_rule
 
-__all__ = ["FLA", "NATIVE", "TORCH", "chunk_gated_delta_rule", "conv_chunk_gated_delta_rule", "conv_heads", "fla",
-           "gated_delta_native", "gated_delta_torch", "recurrent_gated_delta_rule"]
+__all__ = ["BF16", "FLA", "NATIVE", "TORCH", "bf16", "chunk_gated_delta_rule", "conv_chunk_gated_delta_rule",
+           "conv_heads", "fla", "gated_delta_native", "gated_delta_torch", "recurrent_gated_delta_rule"]
 
 # fla's kernels take bf16/fp16 (their fp32 dots may run as TF32): a float32 forward on CUDA stays on the exact
 # torch chunked path, so float32 remains the reference on every device (under the interpreter, float32 stands in)
@@ -25,6 +26,10 @@ FLA = _registry.register("gated_delta", "fla chunk_gated_delta_rule", fla.gated_
                          package=fla.FLA_REQUIREMENT)
 NATIVE = _registry.register("gated_delta", "native C pt_delta_chunked", gated_delta_native, devices=("cpu",),
                             dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(), priority=10)
+# a bf16 forward on a CPU with bf16 matrix units: the chunk's products as bf16 matmuls (AMX tiles), float32 state;
+# float32 forwards, and CPUs without the units, keep the float32 pass above
+BF16 = _registry.register("gated_delta", "native C pt_delta_chunked_bf16", bf16.gated_delta_bf16, devices=("cpu",),
+                          dtypes=(torch.bfloat16,), available=bf16.available, priority=15)
 TORCH = _registry.register("gated_delta", "torch chunked", gated_delta_torch, devices=("cpu",))
 _registry.register("gated_delta", "torch chunked", gated_delta_torch, devices=("cuda",), dtypes=(torch.float32,))
 _registry.register("gated_delta", "torch chunked (slow)", gated_delta_torch, devices=("cuda",), priority=-10,

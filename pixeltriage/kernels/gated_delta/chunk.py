@@ -121,14 +121,8 @@ def conv_chunk_gated_delta_rule(
     bench-small) is never written or read back. Elsewhere, or native=False, it is `causal_conv1d_silu` then
     `chunk_gated_delta_rule`, which it is tested against.
     """
-    seq_len, conv_dim = x.shape
-    num_v_heads = beta.shape[1]
-    if (num_k_heads < 1 or conv_dim != 2 * num_k_heads * k_dim + num_v_heads * v_dim or num_v_heads % num_k_heads
-            or conv_weight.dim() != 2 or conv_weight.shape[0] != conv_dim):
-        raise ValueError(f"projection width {conv_dim} (conv weight {tuple(conv_weight.shape)}) does not hold "
-                         f"{num_k_heads} key heads of {k_dim} and {num_v_heads} value heads of {v_dim}")
-    if g.shape != (seq_len, num_v_heads) or beta.shape != (seq_len, num_v_heads):
-        raise ValueError(f"g and beta [{seq_len}, {num_v_heads}] expected, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    seq_len = x.shape[0]
+    num_v_heads = check_projection(x, conv_weight, g, beta, num_k_heads, k_dim, v_dim)
     if _c_kernel_takes(native, (x, conv_weight), k_dim, v_dim):
         plan = _plan(seq_len, cu_seqlens, chunk_size, True)
         if plan.num_chunks == 0:
@@ -140,6 +134,21 @@ def conv_chunk_gated_delta_rule(
     q, k, v = conv_heads(x, conv_weight, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens, native)
     return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, qk_l2norm=True,
                                   native=native)
+
+
+def check_projection(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     num_k_heads: int, k_dim: int, v_dim: int) -> int:
+    """ValueError unless x [T, conv_dim] holds num_k_heads key heads of k_dim and Hv value heads of v_dim (Hv from beta
+    [T, Hv], a multiple of num_k_heads), conv_weight is [conv_dim, W] and g is [T, Hv]; returns Hv."""
+    seq_len, conv_dim = x.shape
+    num_v_heads = beta.shape[1]
+    if (num_k_heads < 1 or conv_dim != 2 * num_k_heads * k_dim + num_v_heads * v_dim or num_v_heads % num_k_heads
+            or conv_weight.dim() != 2 or conv_weight.shape[0] != conv_dim):
+        raise ValueError(f"projection width {conv_dim} (conv weight {tuple(conv_weight.shape)}) does not hold "
+                         f"{num_k_heads} key heads of {k_dim} and {num_v_heads} value heads of {v_dim}")
+    if g.shape != (seq_len, num_v_heads) or beta.shape != (seq_len, num_v_heads):
+        raise ValueError(f"g and beta [{seq_len}, {num_v_heads}] expected, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    return num_v_heads
 
 
 def gated_delta_native(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -173,6 +173,22 @@ def available() -> bool:
     return library() is not None
 
 
+# The engines of the delta rule's bf16 pass (`pt_delta_chunked_bf16`), by the number the kernel takes: float32
+# multiply-adds of the bf16 operands (any machine), AVX512-BF16 dot products, AMX tiles.
+BF16_ENGINES = {"fma": 0, "avx512_bf16": 1, "amx": 2}
+
+
+@functools.cache
+def bf16_engines() -> frozenset[str]:
+    """The bf16 engines this machine's build runs (empty without the library): the build has what `-march=native`
+    found on this CPU, and AMX only once Linux has granted the process its tile state (asked here, once)."""
+    lib = library()
+    if lib is None:
+        return frozenset()
+    bits = lib.pt_bf16_engines()
+    return frozenset(name for name, number in BF16_ENGINES.items() if bits >> number & 1)
+
+
 def status() -> str:
     library()
     return _state["status"]
@@ -203,3 +219,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                      ctypes.c_float, ctypes.c_float, _ptr, _i32, _i64, _ptr, _i32, _i64, _i64, _ptr,
                                      _ptr, _ptr, _ptr, _i32]
     lib.pt_delta_chunked.restype = _i32
+    lib.pt_bf16_engines.argtypes = []
+    lib.pt_bf16_engines.restype = _i32
+    lib.pt_delta_chunked_bf16.argtypes = [*lib.pt_delta_chunked.argtypes[:-4], _i32, _ptr, _ptr, _ptr, _i64, _i32]
+    lib.pt_delta_chunked_bf16.restype = _i32

@@ -4,6 +4,7 @@
  * takes its torch path). Arrays are raw pointers into contiguous-innermost tensors; strides are in elements.
  * bf16 inputs are read as the top half of a float32 (exact); all arithmetic is float32.
  */
+#define _DEFAULT_SOURCE              /* syscall(), for the AMX permission */
 #include <stdint.h>
 #include <string.h>
 
@@ -425,22 +426,20 @@ typedef struct {
 
 #define MAX_DELTA_HEAD 512
 
-/* One chunk's prep for head h: its rows gathered straight into the outputs (q into qm, kb into kbm, vb into vbm,
- * k^T into kt) and transformed in place: u (over vbm) and w (over kbm) bottom-up, so that row block i reads only
- * rows <= i of the input it overwrites. Triangular products run over their nonzero blocks only. dec: 2 C^2 floats.
- * Returns the chunk's total decay. */
-static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t h, const float *g,
-                              float *qm, float *kbm, float *vbm, float *im, float *kt, float *dec, float *kn) {
+/* One chunk's rows for head h, gathered (or, in conv mode, made from the projection) into C-row blocks: q and k
+ * L2-normalised if asked (qm, kn), kb = k * beta (kbm), vb = v * beta (vbm); rows from len on zeroed. Rows are ldk
+ * (qm, kbm, kn) and ldv (vbm) floats apart, of which the first K (V) are written. */
+static void delta_gather_rows(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t h, float *qm,
+                              float *kbm, float *vbm, float *kn, int64_t ldk, int64_t ldv) {
     const float *q = a->q, *k = a->k, *v = a->v, *beta = a->beta;
     int64_t q_t = a->q_t, q_h = a->q_h, k_t = a->k_t, k_h = a->k_h, v_t = a->v_t, v_h = a->v_h;
     int64_t H = a->H, C = a->C, K = a->K, V = a->V;
     int l2norm = a->l2norm;
-    float eps = a->eps, scale = a->scale, cutoff = a->cutoff, tiny = a->tiny;
-    float *t = dec + C * C;
+    float eps = a->eps;
     float qc[MAX_DELTA_HEAD], kc[MAX_DELTA_HEAD], vc[MAX_DELTA_HEAD];   /* conv mode: this token's q, k, v */
     int64_t hk = a->taps ? h / a->group : h, nk = H / (a->taps ? a->group : 1);
     for (int64_t i = 0; i < C; i++) {
-        float *qo = qm + i * K, *kbo = kbm + i * K, *vbo = vbm + i * V, *kno = kn + i * K;
+        float *qo = qm + i * ldk, *kbo = kbm + i * ldk, *vbo = vbm + i * ldv, *kno = kn + i * ldk;
         if (i >= len) {
             memset(qo, 0, (size_t)K * sizeof(float));
             memset(kbo, 0, (size_t)K * sizeof(float));
@@ -478,6 +477,51 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
         for (int64_t d = 0; d < V; d++)
             vbo[d] = vr[d] * b;
     }
+}
+
+/* The UT transform's inverse by forward substitution, row by row over t: T[i, :] = e_i - sum_{j < i} L[i, j] T[j, :]
+ * with L the strictly lower triangle of l ([C, C]; the rest not read), where T[j, :] is zero right of column j, so a
+ * 64-column slab starting at s takes j from s on; the slab's row is accumulated in registers. Entries under `tiny`
+ * are zeroed (products of decays underflow). t: [C, C], written whole. */
+static void ut_inverse(float *t, const float *l_all, int64_t C, float tiny) {
+    for (int64_t i = 0; i < C; i++) {
+        float *restrict row = t + i * C;
+        const float *restrict l = l_all + i * C;
+        for (int64_t s0 = 0; s0 < C; s0 += 4 * VL) {
+            int nv = C - s0 >= 4 * VL ? 4 : (int)((C - s0) / VL);
+            vf16 acc[4];
+            for (int v = 0; v < 4; v++)
+                acc[v] = (vf16){0};
+            for (int64_t j = s0; j < i; j++) {
+                float lj = l[j];
+                if (lj == 0.0f)
+                    continue;
+                const float *prev = t + j * C + s0;
+                for (int v = 0; v < 4; v++)
+                    if (v < nv)
+                        acc[v] -= lj * *(const vf16 *)(prev + v * VL);
+            }
+            for (int v = 0; v < nv; v++)
+                *(vf16 *)(row + s0 + v * VL) = acc[v];
+        }
+        for (int64_t j = 0; j < i; j++)
+            row[j] = __builtin_fabsf(row[j]) <= tiny ? 0.0f : row[j];      /* hardshrink's: NaN stays NaN */
+        row[i] = 1.0f;
+        for (int64_t j = i + 1; j < C; j++)
+            row[j] = 0.0f;
+    }
+}
+
+/* One chunk's prep for head h: its rows gathered straight into the outputs (q into qm, kb into kbm, vb into vbm,
+ * k^T into kt) and transformed in place: u (over vbm) and w (over kbm) bottom-up, so that row block i reads only
+ * rows <= i of the input it overwrites. Triangular products run over their nonzero blocks only. dec: 2 C^2 floats.
+ * Returns the chunk's total decay. */
+static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t h, const float *g,
+                              float *qm, float *kbm, float *vbm, float *im, float *kt, float *dec, float *kn) {
+    int64_t C = a->C, K = a->K, V = a->V;
+    float scale = a->scale, cutoff = a->cutoff, tiny = a->tiny;
+    float *t = dec + C * C;
+    delta_gather_rows(a, t0, len, seg0, h, qm, kbm, vbm, kn, K, V);
     for (int64_t i0 = 0; i0 < C; i0 += VL)                  /* k^T (normalised, undecayed) */
         for (int64_t d = 0; d < K; d++)
             for (int64_t i = i0; i < i0 + VL; i++)
@@ -502,39 +546,11 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
     for (int64_t i = 0; i < C; i++)
         for (int64_t j = 0; j < C; j++)
             im[i * C + j] = j <= i ? im[i * C + j] * (dec[i * C + j] * scale) : 0.0f;
-    /* L = strictly_lower(t * dec) into dec's lower triangle (dec is not read after this), then the inverse
-     * by forward substitution, row by row over t: T[i, :] = e_i - sum_{j < i} L[i, j] T[j, :], where T[j, :]
-     * is zero right of column j, so a 64-column slab starting at s takes j from s on; the slab's row is
-     * accumulated in registers */
+    /* L = strictly_lower(t * dec) into dec's lower triangle (dec is not read after this), then the inverse */
     for (int64_t i = 0; i < C; i++)
         for (int64_t j = 0; j < i; j++)
             dec[i * C + j] *= t[i * C + j];
-    for (int64_t i = 0; i < C; i++) {
-        float *restrict row = t + i * C;
-        const float *restrict l = dec + i * C;
-        for (int64_t s0 = 0; s0 < C; s0 += 4 * VL) {
-            int nv = C - s0 >= 4 * VL ? 4 : (int)((C - s0) / VL);
-            vf16 acc[4];
-            for (int v = 0; v < 4; v++)
-                acc[v] = (vf16){0};
-            for (int64_t j = s0; j < i; j++) {
-                float lj = l[j];
-                if (lj == 0.0f)
-                    continue;
-                const float *prev = t + j * C + s0;
-                for (int v = 0; v < 4; v++)
-                    if (v < nv)
-                        acc[v] -= lj * *(const vf16 *)(prev + v * VL);
-            }
-            for (int v = 0; v < nv; v++)
-                *(vf16 *)(row + s0 + v * VL) = acc[v];
-        }
-        for (int64_t j = 0; j < i; j++)
-            row[j] = __builtin_fabsf(row[j]) <= tiny ? 0.0f : row[j];      /* hardshrink's: NaN stays NaN */
-        row[i] = 1.0f;
-        for (int64_t j = i + 1; j < C; j++)
-            row[j] = 0.0f;
-    }
+    ut_inverse(t, dec, C, tiny);
     /* u = T vb over vb and, with T's columns scaled by exp(gamma_j), w = T diag(exp(gamma)) kb over kb;
      * bottom-up */
     for (int64_t i0 = C - 4; i0 >= 0; i0 -= 4)
@@ -608,6 +624,344 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
                                             gamma + (n * H + h) * C, qm, wm, um, im, kt, dec, kn);
                 delta_loop_chunk(um, wm, qm, im, kt, cd, S, out + (n * C * H + h) * V, H * V, C, K, V);
             }
+    }
+    return 0;
+}
+
+/* ---- The delta rule in bf16 on the matrix units ----------------------------------------------------------------
+ * The same chunked rule as pt_delta_chunked for a bf16 forward, with its products as bf16 matmuls accumulated in
+ * float32 (flash-linear-attention's numerics on a GPU): per chunk and head, kb k^T and q k^T, u = T vb and
+ * w = T diag(exp(gamma)) kb with T rounded to bf16, v_new = u - w S, out = diag(exp(gamma) scale) q S + intra v_new
+ * and S = chunk_decay S + k_end^T v_new, where every operand of a product is rounded to bf16 once and the state S,
+ * u, v_new before its rounding, the decays, the UT inverse and every sum stay float32.
+ * Products take A row-major [M, Kd] and B in the matrix units' pair-interleaved layout ("VNNI": row p holds
+ * B[2p, n], B[2p + 1, n] for each n, 2N bf16), and run on one of three engines: AMX tiles, AVX512-BF16 dot
+ * products, or plain float32 multiply-adds of the same bf16 operands (any machine; the tests' reference for the
+ * other two, equal up to the order of float32 sums). M, N and Kd are multiples of 32. */
+#if defined(__x86_64__) && (defined(__AVX512BF16__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__)))
+#include <immintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PT_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+enum { ENGINE_FMA = 0, ENGINE_AVX512_BF16 = 1, ENGINE_AMX = 2 };
+
+/* Which engines this build has: bit e set for engine e; AMX only once the kernel has granted this process the
+ * tile state (Linux arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; asked here, once per process). */
+int pt_bf16_engines(void) {
+    int engines = 1 << ENGINE_FMA;
+#ifdef __AVX512BF16__
+    engines |= 1 << ENGINE_AVX512_BF16;
+#endif
+#ifdef PT_HAVE_AMX
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0)
+        engines |= 1 << ENGINE_AMX;
+#endif
+    return engines;
+}
+
+typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+static inline int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
+
+/* bf16 pair (a[0], a[1]) as one 32-bit word */
+static inline uint32_t bf16_pair(const uint16_t *a) {
+    uint32_t w;
+    memcpy(&w, a, sizeof w);
+    return w;
+}
+
+/* c[M, N] (float32, row stride ldc) = (acc ? c : 0) + a[M, Kd] b[Kd, N]; a: bf16 row-major (row stride lda); b: the
+ * pair-interleaved layout of a [Kd, N] matrix (row p: 2N bf16). lower: a is lower triangular (a[i, p] = 0 for p > i),
+ * so row block i0 reads only its first i0 + block columns. The engines without tiles: 4 rows by 16 columns in
+ * registers, one pair of the reduction per step. */
+static void mm_bf16_vec(int engine, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N,
+                        int64_t Kd, float *c, int64_t ldc, int acc, int lower) {
+    for (int64_t i0 = 0; i0 < M; i0 += 4) {
+        int64_t kd = lower && i0 + 4 < Kd ? i0 + 4 : Kd;
+        for (int64_t j0 = 0; j0 < N; j0 += VL) {
+            vf16 s[4];
+            for (int r = 0; r < 4; r++)
+                s[r] = acc ? *(const vf16 *)(c + (i0 + r) * ldc + j0) : (vf16){0};
+            for (int64_t p = 0; p < kd / 2; p++) {
+                vu16 bb = *(const vu16 *)(b + p * 2 * N + 2 * j0);
+#ifdef __AVX512BF16__
+                if (engine == ENGINE_AVX512_BF16) {
+                    for (int r = 0; r < 4; r++) {
+                        __m512i ap = _mm512_set1_epi32((int)bf16_pair(a + (i0 + r) * lda + 2 * p));
+                        s[r] = (vf16)_mm512_dpbf16_ps((__m512)s[r], (__m512bh)ap, (__m512bh)(__m512i)bb);
+                    }
+                    continue;
+                }
+#endif
+                vf16 even = (vf16)(bb << 16), odd = (vf16)(bb & 0xffff0000u);
+                for (int r = 0; r < 4; r++) {
+                    const uint16_t *ar = a + (i0 + r) * lda + 2 * p;
+                    s[r] += bf16_to_float(ar[0]) * even;
+                    s[r] += bf16_to_float(ar[1]) * odd;
+                }
+            }
+            for (int r = 0; r < 4; r++)
+                *(vf16 *)(c + (i0 + r) * ldc + j0) = s[r];
+        }
+    }
+    (void)engine;
+}
+
+#ifdef PT_HAVE_AMX
+/* Tile configuration: eight 16-row x 64-byte tiles; 0-3 hold a 32 x 32 block of c (float32), 4-5 two 16-row
+ * blocks of a (32 bf16 of the reduction each), 6-7 two 16-column blocks of b (16 pairs of rows each). */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* mm_bf16_vec's contract on AMX tiles, in 32 x 32 blocks of c. */
+static void mm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N, int64_t Kd,
+                        float *c, int64_t ldc, int acc, int lower) {
+    int64_t sa = lda * 2, sb = N * 4, sc = ldc * 4;          /* row strides in bytes */
+    for (int64_t i0 = 0; i0 < M; i0 += 32) {
+        int64_t kd = lower && i0 + 32 < Kd ? i0 + 32 : Kd;
+        for (int64_t j0 = 0; j0 < N; j0 += 32) {
+            float *c0 = c + i0 * ldc + j0, *c1 = c0 + 16 * ldc;
+            if (acc) {
+                _tile_loadd(0, c0, sc);
+                _tile_loadd(1, c0 + 16, sc);
+                _tile_loadd(2, c1, sc);
+                _tile_loadd(3, c1 + 16, sc);
+            } else {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            for (int64_t p = 0; p < kd; p += 32) {
+                _tile_loadd(4, a + i0 * lda + p, sa);
+                _tile_loadd(5, a + (i0 + 16) * lda + p, sa);
+                _tile_loadd(6, b + p * N + 2 * j0, sb);               /* row p / 2 of 2N bf16 */
+                _tile_loadd(7, b + p * N + 2 * (j0 + 16), sb);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c0, sc);
+            _tile_stored(1, c0 + 16, sc);
+            _tile_stored(2, c1, sc);
+            _tile_stored(3, c1 + 16, sc);
+        }
+    }
+}
+#endif
+
+static void mm_bf16(int engine, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N, int64_t Kd,
+                    float *c, int64_t ldc, int acc, int lower) {
+#ifdef PT_HAVE_AMX
+    if (engine == ENGINE_AMX) {
+        mm_bf16_amx(a, lda, b, M, N, Kd, c, ldc, acc, lower);
+        return;
+    }
+#endif
+    mm_bf16_vec(engine, a, lda, b, M, N, Kd, c, ldc, acc, lower);
+}
+
+/* dst[R, N] bf16 row-major (row stride ldd) = src[R, N] float32 (row stride lds) * (rowscale ? rowscale[r] : 1) */
+static void to_bf16_rows(const float *src, int64_t lds, int64_t R, int64_t N, const float *rowscale, uint16_t *dst,
+                         int64_t ldd) {
+    for (int64_t r = 0; r < R; r++) {
+        float s = rowscale ? rowscale[r] : 1.0f;
+        for (int64_t n = 0; n < N; n++)
+            dst[r * ldd + n] = float_to_bf16(src[r * lds + n] * s);
+    }
+}
+
+/* The pair-interleaved layout of B = src[R, N] (float32, row stride lds; R even): dst[p, 2n + e] = bf16(B[2p + e, n]) */
+static void pack_pairs(const float *src, int64_t lds, int64_t R, int64_t N, uint16_t *dst) {
+    for (int64_t p = 0; p < R / 2; p++) {
+        const float *r0 = src + 2 * p * lds, *r1 = r0 + lds;
+        uint16_t *o = dst + p * 2 * N;
+        for (int64_t n = 0; n < N; n++) {
+            o[2 * n] = float_to_bf16(r0[n]);
+            o[2 * n + 1] = float_to_bf16(r1[n]);
+        }
+    }
+}
+
+/* The same for B = src^T, src [N, R] float32 (row stride lds): dst[p, 2n + e] = bf16(src[n, 2p + e]) */
+static void pack_pairs_t(const float *src, int64_t lds, int64_t N, int64_t R, uint16_t *dst) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *row = src + n * lds;
+        for (int64_t p = 0; p < R / 2; p++) {
+            dst[p * 2 * N + 2 * n] = float_to_bf16(row[2 * p]);
+            dst[p * 2 * N + 2 * n + 1] = float_to_bf16(row[2 * p + 1]);
+        }
+    }
+}
+
+/* Per-thread scratch of the bf16 pass, in floats, for K and V the head dims padded to multiples of 32 (zero
+ * columns, which change no product; the caller zeroes the scratch once and nothing writes the padding after):
+ * float32 q, kb, k, w (4 C K), vb, u, the output before its copy when V was padded (3 C V), the decay matrix,
+ * kb k^T (then T), q k^T (3 C^2); bf16 (half a float each): q, kb, k^T and kb paired, w, k_end^T (6 C K), intra,
+ * T, T diag(exp(gamma)) (3 C^2), vb and v_new paired (2 C V), the state paired (K V); each of the 22 arrays
+ * rounded up to 64 floats (256 bytes). */
+#define DELTA_BF16_SCRATCH(C, K, V) \
+    (4 * (C) * (K) + 3 * (C) * (V) + 3 * (C) * (C) + (6 * (C) * (K) + 3 * (C) * (C) + 2 * (C) * (V) + (K) * (V)) / 2 \
+     + 24 * 64)
+
+/* One chunk of one head in bf16 (see pt_delta_chunked_bf16): S is the head's float32 state, updated; o the chunk's
+ * first output row for this head, rows ldo apart. */
+static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_t len, int64_t seg0, int64_t h,
+                             const float *g, float *S, float *out, int64_t ldo, float *scratch) {
+    int64_t C = a->C, K = round32(a->K), V = round32(a->V);          /* the padded head dims */
+    float scale = a->scale, cutoff = a->cutoff, tiny = a->tiny;
+    float *at = scratch;
+#define TAKE_F32(n) (at += ((n) + 63) / 64 * 64, at - ((n) + 63) / 64 * 64)
+#define TAKE_BF16(n) ((uint16_t *)TAKE_F32(((n) + 1) / 2))
+    float *qm = TAKE_F32(C * K), *kbm = TAKE_F32(C * K), *vbm = TAKE_F32(C * V), *kn = TAKE_F32(C * K);
+    float *dec = TAKE_F32(C * C), *t = TAKE_F32(C * C), *qk = TAKE_F32(C * C), *u = TAKE_F32(C * V);
+    float *wf = TAKE_F32(C * K), *o = V == a->V ? out : TAKE_F32(C * V);
+    uint16_t *qb = TAKE_BF16(C * K), *kbb = TAKE_BF16(C * K), *ktp = TAKE_BF16(C * K), *kbp = TAKE_BF16(C * K);
+    uint16_t *wb = TAKE_BF16(C * K), *kendt = TAKE_BF16(C * K), *intra = TAKE_BF16(C * C), *tb = TAKE_BF16(C * C);
+    uint16_t *twb = TAKE_BF16(C * C), *vbp = TAKE_BF16(C * V), *vnp = TAKE_BF16(C * V), *sp = TAKE_BF16(K * V);
+#undef TAKE_BF16
+#undef TAKE_F32
+    delta_gather_rows(a, t0, len, seg0, h, qm, kbm, vbm, kn, K, V);
+    float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK], qscale[MAX_DELTA_CHUNK];
+    for (int64_t i = 0; i < C; i++) {
+        gexp[i] = decay_exp(g[i], cutoff);
+        kend[i] = decay_exp(g[C - 1] - g[i], cutoff);
+        qscale[i] = gexp[i] * scale;
+    }
+    for (int64_t i = 0; i < C; i++)
+        for (int64_t j = 0; j <= i; j++)
+            dec[i * C + j] = decay_exp(g[i] - g[j], cutoff);
+    /* kb k^T and q k^T */
+    to_bf16_rows(qm, K, C, K, NULL, qb, K);
+    to_bf16_rows(kbm, K, C, K, NULL, kbb, K);
+    pack_pairs_t(kn, K, C, K, ktp);
+    mm_bf16(engine, kbb, K, ktp, C, C, K, t, C, 0, 0);
+    mm_bf16(engine, qb, K, ktp, C, C, K, qk, C, 0, 0);
+    for (int64_t i = 0; i < C; i++)
+        for (int64_t j = 0; j < C; j++)
+            intra[i * C + j] = float_to_bf16(j <= i ? qk[i * C + j] * (dec[i * C + j] * scale) : 0.0f);
+    /* T = (I + strictly_lower(kb k^T * decay))^-1 in float32, then its two bf16 copies */
+    for (int64_t i = 0; i < C; i++)
+        for (int64_t j = 0; j < i; j++)
+            dec[i * C + j] *= t[i * C + j];
+    ut_inverse(t, dec, C, tiny);
+    to_bf16_rows(t, C, C, C, NULL, tb, C);
+    for (int64_t i = 0; i < C; i++)
+        for (int64_t j = 0; j < C; j++)
+            twb[i * C + j] = float_to_bf16(t[i * C + j] * gexp[j]);
+    /* u = T vb; w = T diag(exp(gamma)) kb, kept as -w in bf16 (exact) for v_new = u + (-w) S */
+    pack_pairs(vbm, V, C, V, vbp);
+    pack_pairs(kbm, K, C, K, kbp);
+    mm_bf16(engine, tb, C, vbp, C, V, C, u, V, 0, 1);
+    mm_bf16(engine, twb, C, kbp, C, K, C, wf, K, 0, 1);
+    to_bf16_rows(wf, K, C, K, NULL, wb, K);
+    for (int64_t n = 0; n < C * K; n++)
+        wb[n] ^= 0x8000u;
+    for (int64_t d = 0; d < K; d++)                                 /* k_end^T: k decayed to the chunk's end */
+        for (int64_t i = 0; i < C; i++)
+            kendt[d * C + i] = float_to_bf16(kn[i * K + d] * kend[i]);
+    /* the recurrence: v_new = u - w S; out = diag(exp(gamma) scale) q S + intra v_new; S = decay S + k_end^T v_new */
+    pack_pairs(S, V, K, V, sp);
+    mm_bf16(engine, wb, K, sp, C, V, K, u, V, 1, 0);
+    pack_pairs(u, V, C, V, vnp);
+    int64_t ld = o == out ? ldo : V;
+    mm_bf16(engine, qb, K, sp, C, V, K, o, ld, 0, 0);
+    for (int64_t i = 0; i < C; i++)
+        for (int64_t d = 0; d < V; d++)
+            o[i * ld + d] *= qscale[i];
+    mm_bf16(engine, intra, C, vnp, C, V, C, o, ld, 1, 1);
+    if (o != out)                                                    /* the head's V of its padded columns */
+        for (int64_t i = 0; i < C; i++)
+            memcpy(out + i * ldo, o + i * V, (size_t)a->V * sizeof(float));
+    float cd = gexp[C - 1];
+    for (int64_t n = 0; n < K * V; n++)
+        S[n] *= cd;                                                  /* 0 * inf stays NaN */
+    mm_bf16(engine, kendt, C, vnp, K, V, C, S, V, 1, 0);
+}
+
+/* Conv mode: ask for head h's spans of the projection rows a chunk reads (t0 - W + 1 .. t0 + len - 1, from seg0), a
+ * chunk ahead of their use. Each row lies on its own pages (its stride is 12-24 KB), where the hardware prefetcher
+ * does not follow, so without this the conv waited on each span's first read. */
+static void delta_prefetch_rows(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t h) {
+    if (!a->taps)
+        return;
+    int64_t K = a->K, V = a->V, nk = a->H / a->group, hk = h / a->group;
+    size_t elem = a->x_bf16 ? 2 : 4;
+    int64_t first = t0 - a->W + 1 < seg0 ? seg0 : t0 - a->W + 1;
+    int64_t spans[3][2] = {{hk * K, K}, {(nk + hk) * K, K}, {2 * nk * K + h * V, V}};
+    for (int64_t t = first; t < t0 + len; t++)
+        for (int s = 0; s < 3; s++) {
+            const char *p = (const char *)a->x + (size_t)(t * a->x_t + spans[s][0]) * elem;
+            for (size_t off = 0; off < (size_t)spans[s][1] * elem; off += 64)
+                __builtin_prefetch(p + off, 0, 2);
+        }
+}
+
+/* pt_delta_chunked's contract (conv mode or not) with its products in bf16 on `engine` (a bit of
+ * pt_bf16_engines()); the state is [H, K32, V32] floats, with K32 and V32 the head dims rounded up to multiples of
+ * 32; scratch holds scratch_floats floats per thread, at least DELTA_BF16_SCRATCH(C, K32, V32), zeroed. C a
+ * multiple of 32; returns 1 (nothing written) for what it does not handle, 2 for an engine this build lacks. */
+int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h,
+                          const float *v, int64_t v_t, int64_t v_h, const float *beta, const int64_t *chunk_start,
+                          const int64_t *chunk_len, const uint8_t *restart, int64_t N, int64_t H, int64_t C, int64_t K,
+                          int64_t V, int l2norm, float eps, const float *gamma, float scale, float cutoff, float tiny,
+                          const void *x, int x_bf16, int64_t x_t, const float *taps, int W, int64_t conv_dim,
+                          int64_t group, const int64_t *seg_start, int engine, float *out, float *state,
+                          float *scratch, int64_t scratch_floats, int nthreads) {
+    if (N < 0 || H < 0 || C < 32 || C % 32 || C > MAX_DELTA_CHUNK || K < 1 || V < 1 || K > MAX_DELTA_HEAD
+        || V > MAX_DELTA_HEAD || scratch_floats < DELTA_BF16_SCRATCH(C, round32(K), round32(V)))
+        return 1;
+    if (taps && (W < 1 || W > MAX_CONV_WIDTH || group < 1 || H % group || conv_dim != 2 * (H / group) * K + H * V))
+        return 1;
+    if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
+        return 2;
+    for (int64_t n = 0; n < N; n++)
+        if (chunk_len[n] < 0 || chunk_len[n] > C || (taps && seg_start[n] > chunk_start[n]))
+            return 1;
+    delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
+                    x, x_bf16, W, x_t, conv_dim, group, taps};
+#pragma omp parallel num_threads(nthreads)
+    {
+        int tid = THREAD_NUM(), nth = NUM_THREADS();
+        int64_t h0 = H * tid / nth, h1 = H * (tid + 1) / nth;      /* as pt_delta_chunked: a block of heads */
+        float *mine = scratch + (int64_t)tid * scratch_floats;
+#ifdef PT_HAVE_AMX
+        if (engine == ENGINE_AMX)
+            amx_configure();
+#endif
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t h = h0; h < h1; h++) {
+                float *S = state + h * round32(K) * round32(V);
+                if (n == 0 || restart[n])
+                    memset(S, 0, (size_t)(round32(K) * round32(V)) * sizeof(float));
+                int64_t next_n = h + 1 < h1 ? n : n + 1, next_h = h + 1 < h1 ? h + 1 : h0;
+                if (next_n < N)
+                    delta_prefetch_rows(&a, chunk_start[next_n], chunk_len[next_n], taps ? seg_start[next_n] : 0,
+                                        next_h);
+                delta_chunk_bf16(&a, engine, chunk_start[n], chunk_len[n], taps ? seg_start[n] : 0, h,
+                                 gamma + (n * H + h) * C, S, out + (n * C * H + h) * V, H * V, mine);
+            }
+#ifdef PT_HAVE_AMX
+        if (engine == ENGINE_AMX)
+            _tile_release();
+#endif
     }
     return 0;
 }

@@ -1,0 +1,116 @@
+"""The Gated DeltaNet's token mixing in a bf16 forward on the CPU's matrix units (C `pt_delta_chunked_bf16`).
+
+The chunked rule of `chunk.py` with flash-linear-attention's numerics: each chunk's products (kb k^T and q k^T, the
+UT transform's u = T vb and w = T diag(exp(gamma)) kb, and the recurrence's w S, q S, intra v_new and k_end^T v_new)
+are bf16 matmuls accumulated in float32, on AMX tiles where the CPU has them; the state, u and v_new before their
+rounding, the decays, the UT inverse and every sum stay float32. The conv + SiLU and the L2 norms are the float32
+pass's (`pt_delta_chunked`), in the same one pass per head. A float32 forward never comes here: the float32 pass
+stays the reference, and the tests hold this one to it.
+
+Engines (`native.BF16_ENGINES`): "amx" (tiles), "avx512_bf16" (dot products), "fma" (float32 multiply-adds of the
+same bf16 operands, on any machine: what the tests run where the CPU has neither, and the other two's reference).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pixeltriage.errors import BackendUnavailableError
+from pixeltriage.kernels import native
+from pixeltriage.kernels.gated_delta import chunk
+
+BF16_CHUNK = 64
+FAST_ENGINES = ("amx", "avx512_bf16")     # best first; "fma" only when asked for by name
+
+
+def engine() -> str | None:
+    """The engine a bf16 forward takes on this CPU: AMX, else AVX512-BF16, else None (no bf16 matrix units)."""
+    have = native.bf16_engines()
+    return next((name for name in FAST_ENGINES if name in have), None)
+
+
+SWITCH = "PIXELTRIAGE_DELTA_BF16"      # =0: a bf16 forward keeps the float32 pass (for A/B runs, or its accuracy)
+
+
+def available() -> bool:
+    """Whether the registry gives a bf16 forward this pass: the CPU has bf16 matrix units (`engine`) and
+    PIXELTRIAGE_DELTA_BF16 is not 0."""
+    off = os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+    return not off and engine() is not None
+
+
+def takes(x: torch.Tensor, conv_weight: torch.Tensor, k_dim: int, v_dim: int, chunk_size: int = BF16_CHUNK) -> bool:
+    """Whether the bf16 pass takes a projection x: bf16 on the CPU, last dim contiguous; heads up to 512 wide (the
+    kernel pads them to multiples of 32, the matrix units' blocks, with zero columns); conv widths up to 16; the
+    chunk a multiple of 32 up to 256; the library built."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1 and 0 < k_dim <= 512
+            and 0 < v_dim <= 512 and 0 < conv_weight.shape[-1] <= 16 and chunk_size % 32 == 0
+            and 0 < chunk_size <= 256 and native.available())
+
+
+def _round32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+def scratch_floats(c: int, k_dim: int, v_dim: int) -> int:
+    """Per-thread scratch of `pt_delta_chunked_bf16`, in floats (its DELTA_BF16_SCRATCH at the padded head dims,
+    which it checks)."""
+    k_dim, v_dim = _round32(k_dim), _round32(v_dim)
+    return (4 * c * k_dim + 3 * c * v_dim + 3 * c * c
+            + (6 * c * k_dim + 3 * c * c + 2 * c * v_dim + k_dim * v_dim) // 2 + 24 * 64)
+
+
+def conv_chunk_rule_bf16(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         num_k_heads: int, k_dim: int, v_dim: int, cu_seqlens: list[int] | None = None,
+                         chunk_size: int = BF16_CHUNK, engine_name: str | None = None) -> torch.Tensor:
+    """`chunk.conv_chunk_gated_delta_rule`'s contract on the bf16 pass: x [T, conv_dim] bf16, conv_weight
+    [conv_dim, W], g, beta [T, Hv] float32 -> [T, Hv, v_dim] float32.
+
+    engine_name: one of `native.BF16_ENGINES` (None: `engine()`); "fma" runs on any machine with the library.
+    ValueError for inputs it does not take (`takes`); BackendUnavailableError for an engine this machine lacks."""
+    num_v_heads = chunk.check_projection(x, conv_weight, g, beta, num_k_heads, k_dim, v_dim)
+    if not takes(x, conv_weight, k_dim, v_dim, chunk_size):
+        raise ValueError(f"the bf16 delta pass takes a contiguous-last bf16 CPU projection, heads up to 512 wide, "
+                         f"conv widths up to 16 and a chunk of a multiple of 32 up to 256; got {x.dtype} on "
+                         f"{x.device}, heads of {k_dim} and {v_dim}, conv width {conv_weight.shape[-1]}, chunk "
+                         f"{chunk_size}")
+    name = engine() if engine_name is None else engine_name
+    if name not in native.bf16_engines():
+        raise BackendUnavailableError(f"bf16 delta engine {name!r} is not on this machine (has "
+                                      f"{sorted(native.bf16_engines())}; {native.status()})")
+    seq_len = x.shape[0]
+    plan = chunk._plan(seq_len, cu_seqlens, chunk_size, True)
+    if plan.num_chunks == 0:
+        return x.new_zeros(seq_len, num_v_heads, v_dim, dtype=torch.float32)
+    gamma = plan.gamma(g)
+    beta = beta.float().contiguous()
+    taps = conv_weight.float().t().contiguous()                       # [W, conv_dim]
+    c = plan.c
+    out = gamma.new_empty(plan.num_chunks * c, num_v_heads, v_dim)
+    state = gamma.new_empty(num_v_heads, _round32(k_dim), _round32(v_dim))
+    per_thread = scratch_floats(c, k_dim, v_dim)
+    scratch = gamma.new_zeros(torch.get_num_threads(), per_thread)    # the head dims' padding stays zero
+    rc = native.library().pt_delta_chunked_bf16(
+        None, 0, 0, None, 0, 0, None, 0, 0, beta.data_ptr(), plan.chunk_start.data_ptr(), plan.chunk_len.data_ptr(),
+        plan.restart.data_ptr(), plan.num_chunks, num_v_heads, c, k_dim, v_dim, 1, chunk.L2NORM_EPS,
+        gamma.data_ptr(), k_dim ** -0.5, chunk.LOG_DECAY_CUTOFF, chunk._TINY, x.data_ptr(), 1, x.stride(0),
+        taps.data_ptr(), taps.shape[0], x.shape[1], num_v_heads // num_k_heads, plan.seg_start.data_ptr(),
+        native.BF16_ENGINES[name], out.data_ptr(), state.data_ptr(), scratch.data_ptr(), per_thread,
+        torch.get_num_threads())
+    if rc != 0:
+        raise BackendUnavailableError(f"pt_delta_chunked_bf16 refused its inputs (code {rc}): conv width "
+                                      f"{taps.shape[0]}, {num_v_heads} value heads over {num_k_heads} key heads")
+    return plan.unpad(out.view(plan.num_chunks * c, num_v_heads, v_dim))
+
+
+def gated_delta_bf16(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
+                     cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
+    """The "gated_delta" op of a bf16 forward on the matrix units: the registry's signature (see the package), the
+    float32 pass (`chunk.gated_delta_native`) for the inputs the bf16 pass does not take."""
+    chunk._check_value_heads(beta, num_v_heads)
+    if not takes(qkv, conv_weight, k_dim, v_dim):
+        return chunk.gated_delta_native(qkv, conv_weight, g, beta, num_k_heads, k_dim, num_v_heads, v_dim,
+                                        cu_seqlens, cu_seqlens_device)
+    return conv_chunk_rule_bf16(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, cu_seqlens=cu_seqlens)
