@@ -30,11 +30,30 @@ from pixeltriage.errors import CheckpointError, StateTooLongError
 PREFIX_CHARS_PER_TOKEN = 8
 PREFIX_MIN = 256
 PREFIX_MARGIN = 16
+# a pre-token longer than the prefix (10 MB of one letter): its prefix grows to at most this many times the characters
+# that the budget's tokens can cover (budget + 1 tokens of the vocabulary's longest entry), `TextEncoder._truncate`
+RUN_CAP_FACTOR = 4
 DATE_TOKENS = 32  # per-memory budget for the session date; the rest goes to note and dialogue
 # rows the head reads besides one marker per memory (`State.head_positions`, after the markers): the 3 decision
 # rows, then the true, false and two `none` candidates
 DECISION_ROWS, BINARY_ROWS, NONE_ROWS = 3, 2, 2
 EXTRA_HEAD_ROWS = DECISION_ROWS + BINARY_ROWS + NONE_ROWS
+
+
+class Kept(NamedTuple):
+    """A user text cut to its token budget: the kept prefix, its token count, whether anything was cut away."""
+    text: str
+    tokens: int
+    cut: bool
+
+
+@dataclass(frozen=True)
+class TextCuts:
+    """What `StatePacker.pack` cut to its token budgets: whether the question was cut, and for each memory the names
+    of its texts that were ("date", "note", "dialogue"; a note given in `notes` counts as the memory's note)."""
+
+    question: bool = False
+    memories: tuple[frozenset[str], ...] = ()
 
 
 class HeadRows(NamedTuple):
@@ -68,6 +87,7 @@ class State:
     gain_none_position: int
     relevance_none_position: int
     image_keys: list[str | None] = field(default_factory=list)  # write-time cache key per memory, if any
+    text_cuts: TextCuts = field(default_factory=TextCuts)      # which user texts were cut to their budgets
 
     @property
     def num_tokens(self) -> int:
@@ -98,7 +118,13 @@ class TextEncoder:
         except Exception as e:  # an unreadable file, or tokenizers' bare Exception on malformed JSON
             raise CheckpointError(f"{source}: cannot load tokenizer ({e})") from None
         self.plain.encode_special_tokens = True
-        self.special = {t.content: i for i, t in self.control.get_added_tokens_decoder().items() if t.special}
+        added = self.control.get_added_tokens_decoder()
+        self.special = {t.content: i for i, t in added.items() if t.special}
+        # the most characters one token of plain text can cover: its longest vocabulary entry (bytes, for a byte-level
+        # vocabulary; added tokens are never plain text's)
+        contents = {t.content for t in added.values()}
+        self.token_chars = max((len(t) for t in self.plain.get_vocab(with_added_tokens=False) if t not in contents),
+                               default=1)
         names = sorted(self.special, key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
 
@@ -114,11 +140,21 @@ class TextEncoder:
         """The longest prefix of `text` that is at most `max_tokens` tokens on its own (cut at a token edge)."""
         return self._truncate(text, max_tokens)[0]
 
-    def truncate_counted(self, text: str, max_tokens: int) -> tuple[str, int]:
-        """`truncate`, plus the token count of the kept text (encoded again only when it was cut: a prefix cut at a
-        token edge may tokenize differently on its own)."""
+    def cut(self, text: str, max_tokens: int) -> tuple[str, bool]:
+        """`truncate`, and whether anything was cut away."""
         kept, count = self._truncate(text, max_tokens)
-        return kept, len(self.encode_plain(kept)) if count is None else count
+        return kept, count is None
+
+    def truncate_counted(self, text: str, max_tokens: int) -> Kept:
+        """`truncate`, with the token count of the kept text (encoded again only when it was cut: a prefix cut at a
+        token edge may tokenize differently on its own) and whether it was cut."""
+        kept, count = self._truncate(text, max_tokens)
+        return Kept(kept, len(self.encode_plain(kept)), True) if count is None else Kept(kept, count, False)
+
+    def run_cap(self, max_tokens: int) -> int:
+        """The longest prefix `_truncate` tokenizes for a text whose last pre-token outgrows its prefixes:
+        RUN_CAP_FACTOR times the characters that `max_tokens` + 1 tokens can cover at most, or PREFIX_MIN."""
+        return max(PREFIX_MIN, RUN_CAP_FACTOR * (max_tokens + 1) * self.token_chars)
 
     def _truncate(self, text: str, max_tokens: int, first_prefix: int | None = None) -> tuple[str, int | None]:
         """(kept prefix, its token count when nothing was cut, else None): `_truncate_whole`'s result, from the
@@ -129,21 +165,43 @@ class TextEncoder:
         prefix's last two (the pre-tokenizer reads at most a few characters past a pre-token to end it) and more
         than PREFIX_MARGIN characters before the prefix's end. The prefix is doubled from `first_prefix`
         characters until token `max_tokens` (the first one cut away) lies in such a settled pre-token: the tokens
-        kept and the cut are then the whole text's. A single pre-token longer than the budget (10 MB of one
-        letter, of spaces) is tokenized whole, since merges inside one pre-token can depend on its far end: once
-        the prefix's last pre-token fills half of it, the whole text is tokenized at once, not prefixes again."""
+        kept and the cut are then the whole text's (exact).
+
+        A pre-token that fills half the prefix or more (10 MB of one letter, of spaces, one unbroken word) never
+        settles that way: BPE merges inside a pre-token by rank, so in principle a merge near its far end can change
+        the tokens before the cut. Such a text is cut from a prefix when (a) doubling the prefix left its first
+        `max_tokens` + 1 tokens as they were, all ending `_run_margin` characters before the shorter prefix's end,
+        or (b) the prefix reached `run_cap(max_tokens)` characters (at least RUN_CAP_FACTOR times what those tokens
+        can cover). What is given up: exactness for a pre-token longer than the prefix whose merges near the cut
+        depend on characters past both prefixes of (a), or past the cap in (b); no tokenizer we know merges that way
+        (each token covers at most `token_chars` characters, and BPE's merges are local in practice), and the
+        tests compare both rules with the whole text's cut on long runs of every kind. The characters handed to the
+        tokenizer are then at most about 4 x `run_cap`, whatever the text's length."""
         if not text:
             return text, 0
         length = first_prefix or max(PREFIX_MIN, (max_tokens + 1) * PREFIX_CHARS_PER_TOKEN)
+        cap, margin = self.run_cap(max_tokens), self._run_margin()
+        shorter = None                      # the previous prefix's encoding and length, while one pre-token fills it
         while 2 * length < len(text):       # past half the text, the whole one costs at most twice as much
             enc = self.plain.encode(text[:length], add_special_tokens=False)
             if _settled(enc, length, max_tokens):
-                return (text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""), None
+                return _cut(text, enc, max_tokens), None
             last_word = enc.word_ids[-1]
-            if last_word is not None and enc.word_to_chars(last_word)[0] <= length // 2:
-                break                       # one pre-token fills half the prefix or more: tokenized whole, once
+            if last_word is not None and enc.word_to_chars(last_word)[0] <= length // 2:   # one long pre-token
+                if shorter is not None and _unchanged(*shorter, enc, max_tokens, margin):
+                    return _cut(text, enc, max_tokens), None
+                if length >= cap and _covers(enc, length, max_tokens, margin):
+                    return _cut(text, enc, max_tokens), None
+                shorter = enc, length
+            else:
+                shorter = None
             length *= 2
         return self._truncate_whole(text, max_tokens)
+
+    def _run_margin(self) -> int:
+        """How far before a prefix's end the kept tokens of one long pre-token must end: two of the longest tokens
+        and PREFIX_MARGIN (the normalizer and pre-tokenizer's reach)."""
+        return 2 * self.token_chars + PREFIX_MARGIN
 
     def _truncate_whole(self, text: str, max_tokens: int) -> tuple[str, int | None]:
         """The reference of `_truncate`: the whole text tokenized, then cut."""
@@ -152,7 +210,7 @@ class TextEncoder:
         enc = self.plain.encode(text, add_special_tokens=False)
         if len(enc.ids) <= max_tokens:
             return text, len(enc.ids)
-        return (text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""), None
+        return _cut(text, enc, max_tokens), None
 
     def segment(self, template: str, values: dict[str, str]) -> list[int]:
         """Render one template field: literal specials -> control ids; everything else plain text."""
@@ -188,6 +246,26 @@ def _settled(enc, length: int, max_tokens: int) -> bool:
     return words[max_tokens] < words[-1] - 1 and enc.offsets[max_tokens][1] <= length - PREFIX_MARGIN
 
 
+def _unchanged(shorter, shorter_length: int, enc, max_tokens: int, margin: int) -> bool:
+    """Whether the first `max_tokens` + 1 tokens of a prefix and of the one twice as long are the same tokens at the
+    same places, ending `margin` characters before the shorter one's end."""
+    if len(shorter.ids) <= max_tokens or len(enc.ids) <= max_tokens:
+        return False
+    return (shorter.offsets[max_tokens][1] <= shorter_length - margin
+            and shorter.ids[: max_tokens + 1] == enc.ids[: max_tokens + 1]
+            and shorter.offsets[: max_tokens + 1] == enc.offsets[: max_tokens + 1])
+
+
+def _covers(enc, length: int, max_tokens: int, margin: int) -> bool:
+    """Whether a prefix's token `max_tokens` ends `margin` characters before the prefix's end."""
+    return len(enc.ids) > max_tokens and enc.offsets[max_tokens][1] <= length - margin
+
+
+def _cut(text: str, enc, max_tokens: int) -> str:
+    """`text` up to the end of the encoding's token `max_tokens` - 1 (the budget's last token)."""
+    return text[: enc.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""
+
+
 class StatePacker:
     """Builds `State`s for one checkpoint (its tokenizer, image rules and template)."""
 
@@ -214,6 +292,15 @@ class StatePacker:
         for key in ("q1_true", "q1_false", "q2_none", "q3_none", "decision_1", "decision_2", "decision_3"):
             if not self._fixed[key]:
                 raise CheckpointError(f"pixeltriage.json: template['{key}'] tokenizes to nothing")
+
+    def cut_date(self, date, index: int | None = None) -> Kept:
+        """A memory's date cut to its DATE_TOKENS."""
+        return self.encoder.truncate_counted(user_text(date, "date", index), DATE_TOKENS)
+
+    def text_budget(self, date: Kept) -> int:
+        """The tokens a memory's note and dialogue share: its text budget less its (cut) date's tokens. The note
+        gets at most half of them, the dialogue the rest."""
+        return self.cfg.max_memory_text_tokens - date.tokens
 
     def images(self, memories, thumbnails=None) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
         """Preprocess each memory's image (or its cached thumbnail) -> (pixel_values, grid_thw)."""
@@ -246,16 +333,19 @@ class StatePacker:
             return len(ids) - 1
 
         text(fixed["prefix"])
-        q = enc.truncate(question, self.cfg.max_question_tokens)
+        q, question_cut = enc.cut(question, self.cfg.max_question_tokens)
         text(enc.segment(tpl["question"], {"question": q}))
-        markers = []
+        markers, cuts = [], []
         for i, m in enumerate(memories):
             note = notes[i] if notes is not None and notes[i] is not None else m.note
-            date, date_tokens = enc.truncate_counted(user_text(m.date, "date", i), DATE_TOKENS)
-            budget = self.cfg.max_memory_text_tokens - date_tokens
-            note, note_tokens = enc.truncate_counted(user_text(note, "note", i), max(budget // 2, 0))
-            dialogue = enc.truncate(user_text(m.dialogue, "dialogue", i), max(budget - note_tokens, 0))
-            text(enc.segment(tpl["memory"], {"index": str(i + 1), "date": date, "dialogue": dialogue, "note": note}))
+            date = self.cut_date(m.date, i)
+            budget = self.text_budget(date)
+            note = enc.truncate_counted(user_text(note, "note", i), max(budget // 2, 0))
+            dialogue, dialogue_cut = enc.cut(user_text(m.dialogue, "dialogue", i), max(budget - note.tokens, 0))
+            cuts.append(frozenset(name for name, cut in (("date", date.cut), ("note", note.cut),
+                                                         ("dialogue", dialogue_cut)) if cut))
+            text(enc.segment(tpl["memory"], {"index": str(i + 1), "date": date.text, "dialogue": dialogue,
+                                             "note": note.text}))
             _, (t, h, w) = images[i]
             text([self.vision_start])
             gh, gw = h // self.merge, w // self.merge
@@ -295,4 +385,5 @@ class StatePacker:
             gain_none_position=gain_none,
             relevance_none_position=rel_none,
             image_keys=[m.key for m in memories] if keys is None else list(keys),
+            text_cuts=TextCuts(question=question_cut, memories=tuple(cuts)),
         )

@@ -497,56 +497,63 @@ class Service:
 
     def prepare_rerank(self, query: str, documents: Sequence[RerankDoc], policy: Policy, truncate: bool,
                        max_tokens: int | None, query_field: str) -> Prepare:
-        """`prepare` of the documents that carry an image (or a key), their texts cut first: -> (State, (image
-        sizes, whether the query was cut, per scored document whether a text of it was cut))."""
+        """`prepare` of the documents that carry an image (or a key), cut first to the client's `max_tokens`: ->
+        (State, (image sizes, whether the query was cut, per scored document whether a text of it was cut)). What
+        the library cut is the packer's own report (`State.text_cuts`); with `truncate` False, a text it cut is a
+        FieldError naming its budget (the query first)."""
         scored = [d for d in documents if d.memory is not None]
 
         def prepare():
-            memories, query_cut, cuts = self._cut_texts(query, scored, truncate, max_tokens, query_field)
+            memories, client_cuts = self._cut_to(scored, max_tokens)
             try:
                 state, sizes = self.prepare(Question(query, memories, policy))()
             except FieldError as e:
                 raise _document_error(e, scored) from None
-            return state, (sizes, query_cut, cuts)
+            cuts = state.text_cuts
+            # a cached note (null) is the server's own: its cut is neither reported nor refused
+            library = [cut - {"note"} if m.note is None else cut for m, cut in zip(memories, cuts.memories)]
+            if not truncate:
+                self._refuse_cuts(cuts.question, library, scored, query_field)
+            return state, (sizes, cuts.question, [bool(c or lib) for c, lib in zip(client_cuts, library)])
 
         return prepare
 
-    def _cut_texts(self, query: str, documents: Sequence[RerankDoc], truncate: bool, max_tokens: int | None,
-                   query_field: str) -> tuple[list[MemoryIn], bool, list[bool]]:
-        """The documents' memories with note and dialogue cut to `max_tokens` (the client's own limit), whether the
-        library will cut the query, and per memory whether a text of it is cut (by either); with `truncate` False,
-        a text the library would cut is a FieldError naming its budget."""
-        from pixeltriage.engine.state import DATE_TOKENS
-
-        encoder, budgets = self.scorer.packer.encoder, self.scorer.packer.cfg
-        query_cut = encoder.truncate(query, budgets.max_question_tokens) != query
-        if query_cut and not truncate:
-            raise FieldError(query_field, InvalidRequestError(
-                f"longer than the model's question budget of {budgets.max_question_tokens} tokens; truncate: true "
-                "(the default) cuts it there"))
+    def _cut_to(self, documents: Sequence[RerankDoc], max_tokens: int | None) -> tuple[list[MemoryIn], list[bool]]:
+        """The documents' memories with note, then dialogue, cut to the client's `max_tokens` (None: no cut of its
+        own) where that is below the library's budget for them, and per memory whether this cut anything."""
+        packer = self.scorer.packer
         memories, cuts = [], []
         for d in documents:
             m, cut = d.memory, False
-            note = m.note or ""          # a cached note (null) is the server's own: not checked
-            budget = budgets.max_memory_text_tokens - encoder.truncate_counted(m.date, DATE_TOKENS)[1]
-            if max_tokens is not None and max_tokens < budget:
-                kept_note, note_tokens = encoder.truncate_counted(note, max_tokens)
-                kept_dialogue = encoder.truncate(m.dialogue, max_tokens - note_tokens)
-                if (kept_note, kept_dialogue) != (note, m.dialogue):
+            if max_tokens is not None and max_tokens < packer.text_budget(packer.cut_date(m.date)):
+                note = m.note or ""      # a cached note (null) is the server's own: not cut
+                kept_note = packer.encoder.truncate_counted(note, max_tokens)
+                kept_dialogue = packer.encoder.truncate(m.dialogue, max_tokens - kept_note.tokens)
+                if (kept_note.text, kept_dialogue) != (note, m.dialogue):
                     cut = True
-                    note, m = kept_note, m.model_copy(update={"note": kept_note if m.note is not None else None,
-                                                              "dialogue": kept_dialogue})
-            kept_note, note_tokens = encoder.truncate_counted(note, max(budget // 2, 0))
-            library_cut = (encoder.truncate(m.date, DATE_TOKENS) != m.date or kept_note != note
-                           or encoder.truncate(m.dialogue, max(budget - note_tokens, 0)) != m.dialogue)
-            if library_cut and not truncate:
+                    m = m.model_copy(update={"note": kept_note.text if m.note is not None else None,
+                                             "dialogue": kept_dialogue})
+            memories.append(m)
+            cuts.append(cut)
+        return memories, cuts
+
+    def _refuse_cuts(self, query_cut: bool, library_cuts: Sequence[frozenset], documents: Sequence[RerankDoc],
+                     query_field: str) -> None:
+        """With `truncate: false`: the first text the library cut, the query first, as a FieldError naming its
+        budget."""
+        from pixeltriage.engine.state import DATE_TOKENS
+
+        budgets = self.scorer.packer.cfg
+        if query_cut:
+            raise FieldError(query_field, InvalidRequestError(
+                f"longer than the model's question budget of {budgets.max_question_tokens} tokens; truncate: true "
+                "(the default) cuts it there"))
+        for d, cut in zip(documents, library_cuts):
+            if cut:
                 raise FieldError(d.field, InvalidRequestError(
                     f"longer than the model's budget for a memory's text: {budgets.max_memory_text_tokens} tokens "
                     f"of date (at most {DATE_TOKENS}), note (at most half the rest) and dialogue; truncate: true "
                     "(the default) cuts it there"))
-            memories.append(m)
-            cuts.append(cut or library_cut)
-        return memories, query_cut, cuts
 
     # -- the write-time cache ------------------------------------------------------------------------------------
     async def put_memory(self, put: schemas.MemoryPut) -> schemas.MemoryInfo:

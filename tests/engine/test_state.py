@@ -137,7 +137,8 @@ def test_truncation_from_a_prefix_equals_the_whole_text_cut(scorer, tokenizer):
             # small first prefixes: the prefix grows through many lengths, so cuts fall at every kind of place
             for first in (1, 7, 33, None):
                 assert encoder._truncate(text, budget, first) == want, (text[:60], budget, first)
-            assert encoder.truncate_counted(text, budget) == (want[0], len(encoder.encode_plain(want[0])))
+            assert encoder.truncate_counted(text, budget) == (want[0], len(encoder.encode_plain(want[0])),
+                                                              want[1] is None)
 
 
 class Counting:
@@ -180,6 +181,142 @@ def test_one_pre_token_longer_than_the_budget_is_still_cut_exactly(scorer):
     encoder = scorer.packer.encoder
     for text in ("x" * 50_000, " " * 50_000 + "x", "!" * 50_000):
         assert encoder._truncate(text, 512) == encoder._truncate_whole(text, 512)
+
+
+def runs_tokenizer():
+    """A byte-level BPE trained on runs (of one letter, of spaces, of "ab", of "é") and words of a few letters: its
+    vocabulary holds run tokens of up to ~200 characters, so merges inside a long pre-token reach far, unlike the
+    checkpoint's, whose runs are mostly one token per character."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pixeltriage.engine.state import TextEncoder
+
+    rng, corpus = random.Random(0), []
+    for _ in range(3000):
+        corpus.append(rng.choice(["x", " ", "!", "é", "ab", "abc", "1", "\n", "e\u0301", "xyxyy", "q"])
+                      * rng.randint(1, 40))
+        corpus.append("".join(rng.choice("abcdeqxy") for _ in range(rng.randint(1, 30))))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return TextEncoder(json_text=tokenizer.to_str(), source="runs")
+
+
+def encoder_named(scorer, tokenizer: str):
+    encoder = scorer.packer.encoder
+    return {"checkpoint": lambda: encoder, "qwen-like": lambda: qwen_like(encoder), "runs": runs_tokenizer}[tokenizer]()
+
+
+def long_runs(seed: int) -> list[str]:
+    """Texts that are one pre-token (or a few words, then one) far longer than any budget's prefix: runs of one
+    character of every class, periodic words, random words over small and large alphabets."""
+    import random
+
+    rng, size = random.Random(seed), 20_000
+    texts = ["x" * size, " " * size, "!" * size, "\n" * size, "1" * size, "é" * size, "e\u0301" * (size // 2),
+             "\U0001F600" * (size // 2), "ab" * (size // 2), "a" + " " * size + "b", "word " * 30 + "q" * size]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for alphabet_size in (2, 3, 5, 26):
+        alphabet = rng.sample(letters, alphabet_size)
+        texts.append("".join(rng.choice(alphabet) for _ in range(size)))
+    for length in (3, 7):
+        word = "".join(rng.choice(letters) for _ in range(length))
+        texts.append(word * (size // length))
+    return texts
+
+
+RUN_BUDGETS = (0, 1, 5, 17, 128, 512)
+
+
+@pytest.mark.parametrize("tokenizer", ["checkpoint", "qwen-like", "runs"])
+def test_one_long_pre_token_is_cut_from_a_prefix_as_the_whole_text_is_cut(scorer, tokenizer, monkeypatch):
+    """Rule (a) of `_truncate`: the first budget + 1 tokens unchanged when the prefix doubled. Its cut equals the
+    whole text's on every long run (from the default first prefix and from tiny ones, so that cuts fall at every
+    kind of place), and it hands the tokenizer at most 4 x `run_cap` characters. Taking a prefix's cut without
+    the comparison fails here (on the runs tokenizer)."""
+    encoder = encoder_named(scorer, tokenizer)
+    for text in long_runs(seed=1):
+        for budget in RUN_BUDGETS:
+            want = encoder._truncate_whole(text, budget)
+            counting = Counting(encoder.plain)
+            monkeypatch.setattr(encoder, "plain", counting)
+            assert encoder._truncate(text, budget) == want, (text[:30], budget)
+            monkeypatch.undo()
+            assert counting.characters <= 4 * encoder.run_cap(budget)
+            assert counting.characters < len(text) or 4 * encoder.run_cap(budget) >= len(text)
+            for first in (1, 7):
+                assert encoder._truncate(text, budget, first) == want, (text[:30], budget, first)
+
+
+@pytest.mark.parametrize("tokenizer", ["checkpoint", "qwen-like", "runs"])
+def test_the_cap_on_one_long_pre_token_still_cuts_as_the_whole_text(scorer, tokenizer, monkeypatch):
+    """Rule (b) alone (rule (a) switched off): the prefix grows to `run_cap` characters and is cut there; on every
+    long run that is still the whole text's cut."""
+    import pixeltriage.engine.state as state
+
+    encoder = encoder_named(scorer, tokenizer)
+    monkeypatch.setattr(state, "_unchanged", lambda *args: False)
+    for text in long_runs(seed=2):
+        for budget in (0, 1, 5, 17, 128):
+            assert encoder._truncate(text, budget) == encoder._truncate_whole(text, budget), (text[:30], budget)
+
+
+def test_the_cost_of_one_long_pre_token_follows_its_budget_not_its_length(scorer, monkeypatch):
+    """10 MB of one letter (one pre-token): the tokenizer is handed the same characters as for 100 KB of it, at most
+    4 x `run_cap` (whatever the rule that ends the growth), and the state is the same."""
+    encoder = scorer.packer.encoder
+    for letter in ("x", " ", "é"):
+        costs, states = [], []
+        for size in (100_000, 1_000_000, 10_000_000):
+            cost, packed = characters_tokenized(scorer, letter * size, monkeypatch)
+            costs.append(cost)
+            states.append(packed.input_ids)
+        assert costs[0] == costs[1] == costs[2], (letter, costs)
+        cfg = scorer.triage_config
+        assert costs[2] <= 4 * sum(encoder.run_cap(b) for b in (cfg.max_question_tokens, 32, 32,
+                                                                 cfg.max_memory_text_tokens, cfg.max_memory_text_tokens,
+                                                                 cfg.max_memory_text_tokens, cfg.max_memory_text_tokens))
+        assert all(torch.equal(states[0], s) for s in states[1:])
+        run = letter * 200_000
+        assert encoder.truncate(run, 512) == encoder._truncate_whole(run, 512)[0]
+    runs = runs_tokenizer()                     # run tokens of up to ~200 characters: a larger bound, the same rule
+    for letter in ("x", " ", "ab"):
+        costs = []
+        for size in (1_000_000, 10_000_000):
+            counting = Counting(runs.plain)
+            monkeypatch.setattr(runs, "plain", counting)
+            runs.truncate(letter * size, 256)
+            monkeypatch.undo()
+            costs.append(counting.characters)
+        assert costs[0] == costs[1] <= 4 * runs.run_cap(256), (letter, costs)
+
+
+def test_the_packer_reports_what_it_cut(scorer, tiny_checkpoint):
+    """`State.text_cuts`: the question and each memory's date, note and dialogue cut to their budgets, as
+    `truncate` cuts them; a note passed in `notes` (a cached note) is the memory's note."""
+    long = "word " * 2000
+    short = memories(1)[0]
+    cut_note = Memory(image=short.image, note=long, dialogue="hi", date="2026-01-02")
+    cut_all = Memory(image=short.image, note=long, dialogue=long, date=long)
+    cut_dialogue = Memory(image=short.image, note="a note", dialogue=long)
+    state = scorer.pack(long, [short, cut_note, cut_all, cut_dialogue])
+    assert state.text_cuts.question is True
+    assert state.text_cuts.memories == (frozenset(), frozenset({"note"}), frozenset({"date", "note", "dialogue"}),
+                                        frozenset({"dialogue"}))
+    assert scorer.pack("which one?", [short]).text_cuts == state.text_cuts.__class__(False, (frozenset(),))
+    packer = scorer.packer
+    images = packer.images([short])
+    assert packer.pack("q", [short], images=images, notes=[long]).text_cuts.memories == (frozenset({"note"}),)
+    # the budget the report follows: the question's, then per memory the date's and half the rest for the note
+    encoder, cfg = packer.encoder, scorer.triage_config
+    assert encoder.cut(long, cfg.max_question_tokens) == (encoder.truncate(long, cfg.max_question_tokens), True)
+    date = packer.cut_date("2026-01-02")
+    assert date == (("2026-01-02", len(encoder.encode_plain("2026-01-02")), False))
+    assert packer.text_budget(date) == cfg.max_memory_text_tokens - date.tokens
 
 
 def test_head_rows_name_every_row_of_head_positions_once(tiny_checkpoint):
