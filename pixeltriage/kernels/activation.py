@@ -1,6 +1,7 @@
 """SwiGLU's gated product silu(gate) * up, from the fused gate/up projection's output.
 
-Registers the "silu_mul" op (`kernels.registry`): the C kernel on the CPU where it is built, torch everywhere.
+Registers the "silu_mul" op (`kernels.registry`): in bf16 on a CPU with AVX-512 BF16 the intrinsics kernel
+(`kernels.simd`), else the C kernel on the CPU where it is built, torch everywhere.
 """
 from __future__ import annotations
 
@@ -8,16 +9,23 @@ import torch
 import torch.nn.functional as F
 
 from pixeltriage.kernels import native as _native
-from pixeltriage.kernels import registry
+from pixeltriage.kernels import registry, simd
 
 
-def silu_mul(gate_up: torch.Tensor, native: bool | None = None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, native: bool | None = None, vector: bool | None = None) -> torch.Tensor:
     """gate_up: [T, 2I] (gate columns first) -> silu(gate) * up: [T, I] in gate_up's dtype.
 
     The torch path rounds twice in bf16 (the SiLU, then the product), as transformers' MLP does; the C kernel
     (`kernels.native`, on the CPU when it is built; native=False: torch) computes in float32 and rounds once, so
-    in bf16 the two differ by at most one bf16 ulp of the product, in float32 by float32 rounding only."""
-    if native is not False and registry.choose("silu_mul", gate_up.device, gate_up.dtype) is NATIVE:
+    in bf16 the two differ by at most one bf16 ulp of the product, in float32 by float32 rounding only. The AVX-512
+    kernel (`kernels.simd`, bf16; vector=False: skip it) rounds once too, from float32 arithmetic a few ulps from
+    the C kernel's."""
+    chosen = None if native is False else registry.choose("silu_mul", gate_up.device, gate_up.dtype)
+    if chosen is VECTOR and vector is not False:
+        out = simd.silu_mul(gate_up)
+        if out is not None:
+            return out
+    if chosen in (VECTOR, NATIVE):
         out = _native_silu_mul(gate_up)
         if out is not None:
             return out
@@ -37,6 +45,8 @@ def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out if ok else None
 
 
+VECTOR = registry.register("silu_mul", "AVX-512 pt_simd_silu_mul", silu_mul, devices=("cpu",),
+                           dtypes=(torch.bfloat16,), available=lambda: simd.available(), priority=20)
 NATIVE = registry.register("silu_mul", "native C pt_silu_mul", silu_mul, devices=("cpu",),
                            dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(), priority=10)
 registry.register("silu_mul", "torch", lambda gate_up: silu_mul(gate_up, native=False), devices=("cpu", "cuda"))

@@ -299,11 +299,62 @@ def test_silu_mul_matches_float64(dtype, native):
 
     g = torch.Generator().manual_seed(4)
     gate_up = (torch.randn(33, 90, generator=g) * 4).to(dtype)[:, 5:85]     # row stride 90, I = 40
-    got = silu_mul(gate_up, native=native)
+    got = silu_mul(gate_up, native=native, vector=False)                   # the AVX-512 kernel: tested below
     gate, up = gate_up.double().chunk(2, dim=-1)
     exact = F.silu(gate) * up
     assert got.dtype == dtype and got.shape == (33, 40)
     assert rel(got.double(), exact) <= (1e-6 if dtype == torch.float32 else 2 ** -7)
+
+
+def _vector_kernel():
+    from pixeltriage.kernels import simd
+
+    if not simd.available():
+        pytest.skip(f"no AVX-512 BF16 build here: {simd.status()}")
+    return simd
+
+
+@pytest.mark.parametrize("rows,inner,stride", [(1, 1, 2), (7, 15, 30), (33, 16, 37), (5, 17, 40), (64, 40, 90),
+                                               (3, 3072, 6144)])
+def test_vector_silu_mul_matches_float64_and_the_c_kernel(rows, inner, stride, monkeypatch):
+    """The AVX-512 bf16 kernel (`kernels.simd`) on lane counts that are not multiples of 16 (masked tails), one
+    row, and row strides wider than 2I, into a NaN-poisoned output: every element within one bf16 rounding of the
+    float64 value (|got - exact| <= 2^-8 |exact|, plus 1e-30 for the values that underflow), and equal to the C
+    kernel's, or one bf16 ulp from it where the float32 value sits next to a rounding boundary."""
+    simd = _vector_kernel()
+    from pixeltriage.kernels.activation import silu_mul
+
+    g = torch.Generator().manual_seed(rows * 1000 + inner)
+    gate_up = (torch.randn(rows, stride, generator=g) * 4).bfloat16()[:, stride - 2 * inner:]
+    gate_up[0, :inner] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-30, -9.0, 88.5, -88.5] * 384)[:inner].bfloat16()
+    empty = torch.empty
+    monkeypatch.setattr(simd.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    got = simd.silu_mul(gate_up)
+    monkeypatch.undo()
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = F.silu(gate) * up
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inner) and not got.isnan().any()
+    assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-30).all()
+    c_kernel = silu_mul(gate_up, vector=False)
+    ulp = 2.0 ** (torch.floor(torch.log2(c_kernel.double().abs().clamp_min(1e-38))) - 7)
+    assert ((got.double() - c_kernel.double()).abs() <= ulp).all()
+    assert silu_mul(gate_up).equal(got)                    # the op's bf16 choice on this machine is this kernel
+
+
+def test_vector_silu_mul_nan_inf_and_what_it_declines():
+    """NaN in the gate or the up half stays NaN; silu(+inf) * 1 = inf; float32 and a last dim that is not unit
+    stride are declined (None), and the op then runs its other kernels on them."""
+    simd = _vector_kernel()
+    from pixeltriage.kernels.activation import silu_mul
+
+    gate_up = torch.tensor([[float("nan"), 1.0, float("inf"), 2.0, 1.0, float("nan"), 1.0, 3.0]]).bfloat16()
+    got = simd.silu_mul(gate_up)
+    assert got[0, 0].isnan() and got[0, 1].isnan() and got[0, 2] == float("inf")
+    assert got[0, 3].float() == pytest.approx(float(F.silu(torch.tensor(2.0)) * 3), rel=2 ** -8)
+    assert simd.silu_mul(gate_up.float()) is None
+    assert simd.silu_mul(torch.zeros(4, 6, dtype=torch.bfloat16).t()) is None
+    f32 = torch.randn(5, 8)
+    assert rel(silu_mul(f32).double(), F.silu(f32[:, :4].double()) * f32[:, 4:].double()) <= 1e-6
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
