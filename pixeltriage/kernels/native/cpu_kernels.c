@@ -896,24 +896,6 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
     mm_bf16(engine, kendt, C, vnp, K, V, C, S, V, 1, 0);
 }
 
-/* Conv mode: ask for head h's spans of the projection rows a chunk reads (t0 - W + 1 .. t0 + len - 1, from seg0), a
- * chunk ahead of their use. Each row lies on its own pages (its stride is 12-24 KB), where the hardware prefetcher
- * does not follow, so without this the conv waited on each span's first read. */
-static void delta_prefetch_rows(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t h) {
-    if (!a->taps)
-        return;
-    int64_t K = a->K, V = a->V, nk = a->H / a->group, hk = h / a->group;
-    size_t elem = a->x_bf16 ? 2 : 4;
-    int64_t first = t0 - a->W + 1 < seg0 ? seg0 : t0 - a->W + 1;
-    int64_t spans[3][2] = {{hk * K, K}, {(nk + hk) * K, K}, {2 * nk * K + h * V, V}};
-    for (int64_t t = first; t < t0 + len; t++)
-        for (int s = 0; s < 3; s++) {
-            const char *p = (const char *)a->x + (size_t)(t * a->x_t + spans[s][0]) * elem;
-            for (size_t off = 0; off < (size_t)spans[s][1] * elem; off += 64)
-                __builtin_prefetch(p + off, 0, 2);
-        }
-}
-
 /* pt_delta_chunked's contract (conv mode or not) with its products in bf16 on `engine` (a bit of
  * pt_bf16_engines()); the state is [H, K32, V32] floats, with K32 and V32 the head dims rounded up to multiples of
  * 32; scratch holds scratch_floats floats per thread, at least DELTA_BF16_SCRATCH(C, K32, V32), zeroed. C a
@@ -951,10 +933,6 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
                 float *S = state + h * round32(K) * round32(V);
                 if (n == 0 || restart[n])
                     memset(S, 0, (size_t)(round32(K) * round32(V)) * sizeof(float));
-                int64_t next_n = h + 1 < h1 ? n : n + 1, next_h = h + 1 < h1 ? h + 1 : h0;
-                if (next_n < N)
-                    delta_prefetch_rows(&a, chunk_start[next_n], chunk_len[next_n], taps ? seg_start[next_n] : 0,
-                                        next_h);
                 delta_chunk_bf16(&a, engine, chunk_start[n], chunk_len[n], taps ? seg_start[n] : 0, h,
                                  gamma + (n * H + h) * C, S, out + (n * C * H + h) * V, H * V, mine);
             }
