@@ -12,6 +12,12 @@ The settings are process-wide and cannot be undone, so loading a Scorer never ap
 the engine calls `pixeltriage.tune_malloc()` once if it wants them. The engine's own processes (the command
 line, the server, the benchmarks) call it; PIXELTRIAGE_MALLOC_TUNING=0 turns it off there too (e.g. under
 jemalloc, or where the host tunes malloc itself).
+
+`trim_malloc()` gives the free memory back at a moment of the caller's choosing (glibc's `malloc_trim(0)`: the
+free top of every arena, and every free page inside them). The server calls it once it has been idle for a second
+after serving: the memory its requests freed (a 4 MiB body parsed, thrown away as a 422) no longer stays with
+the process under the settings above, at the cost of a colder first forward after the pause.
+PIXELTRIAGE_MALLOC_TRIM=0 turns it off.
 """
 from __future__ import annotations
 
@@ -29,26 +35,53 @@ MMAP_THRESHOLD = 32 * 2 ** 20
 TRIM_THRESHOLD = 2 ** 30
 
 
+def _opted_out(variable: str) -> bool:
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 @functools.cache
-def tune_malloc() -> bool:
-    """Apply the settings once per process; True when they are in effect (glibc on Linux, not opted out)."""
-    if os.environ.get("PIXELTRIAGE_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "off", "no"):
-        log.debug("malloc tuning disabled by PIXELTRIAGE_MALLOC_TUNING")
-        return False
+def _glibc_function(name: str, argtypes: tuple, restype):
+    """`name` from the C library on Linux, typed; None where it is missing (not glibc: musl has no mallopt or
+    malloc_trim; no libc found)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         try:
             libc = ctypes.CDLL("libc.so.6")
         except OSError:                         # find_library runs ldconfig: only when needed
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        applied = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-                   and bool(mallopt(M_MMAP_MAX, 0)))
-    except (OSError, AttributeError) as e:     # not glibc (musl has no mallopt), or no libc found
-        log.debug("malloc tuning unavailable: %s", e)
+        function = getattr(libc, name)
+    except (OSError, AttributeError) as e:
+        log.debug("%s unavailable: %s", name, e)
+        return None
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
+@functools.cache
+def tune_malloc() -> bool:
+    """Apply the settings once per process; True when they are in effect (glibc on Linux, not opted out)."""
+    if _opted_out("PIXELTRIAGE_MALLOC_TUNING"):
+        log.debug("malloc tuning disabled by PIXELTRIAGE_MALLOC_TUNING")
         return False
+    mallopt = _glibc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    if mallopt is None:
+        return False
+    applied = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+               and bool(mallopt(M_MMAP_MAX, 0)))
     if applied:
         log.debug("malloc tuned: mmap threshold %d B, trim threshold %d B", MMAP_THRESHOLD, TRIM_THRESHOLD)
     return applied
+
+
+def trim_malloc() -> bool:
+    """Give malloc's free memory back to the OS now (glibc's `malloc_trim(0)`, every arena); False where there is
+    no such call (not glibc on Linux) or PIXELTRIAGE_MALLOC_TRIM=0. Safe from any thread: glibc locks each arena
+    while it trims it."""
+    if _opted_out("PIXELTRIAGE_MALLOC_TRIM"):
+        return False
+    malloc_trim = _glibc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)
+    return True

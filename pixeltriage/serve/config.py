@@ -33,6 +33,8 @@ class ServeConfig:
     api_keys: Bearer keys accepted on /v1, /info and the docs (empty: no authentication).
     gate_window, max_gates: each rate gate's window of recent p_vis, and how many (stream, rate) gates are kept.
     graceful_timeout: seconds SIGTERM waits for admitted work before the remaining questions are refused (503).
+    trim_idle_s: seconds without a request (none open, none admitted) after which the memory that requests freed is
+        given back to the OS (`pixeltriage.engine.cpu_memory.trim_malloc`, once per idle spell); None: never.
     """
 
     max_batch_tokens: int | None = None
@@ -49,6 +51,7 @@ class ServeConfig:
     max_gates: int = 256
     graceful_timeout: float = 30.0
     rerank_score: str = "gain"          # what a rerank's relevance_score carries when its request does not say
+    trim_idle_s: float | None = 1.0
 
     def __post_init__(self):
         _at_least("max_batch_tokens", self.max_batch_tokens, 1, optional=True)
@@ -72,6 +75,8 @@ class ServeConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value}")
+        if self.trim_idle_s is not None and not (math.isfinite(self.trim_idle_s) and self.trim_idle_s > 0):
+            raise ConfigError(f"trim_idle_s must be a number of seconds > 0 or None, got {self.trim_idle_s}")
         if not (math.isfinite(self.max_wait_ms) and self.max_wait_ms >= 0):
             raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if self.image_root is not None and not Path(self.image_root).is_dir():
@@ -89,7 +94,7 @@ class ServeConfig:
                 "payload_limit_bytes": self.payload_limit, "preprocess_threads": self.preprocess_threads,
                 "image_root": self.image_root is not None, "auth": bool(self.api_keys),
                 "gate_window": self.gate_window, "max_gates": self.max_gates,
-                "graceful_timeout_s": self.graceful_timeout}
+                "graceful_timeout_s": self.graceful_timeout, "trim_idle_s": self.trim_idle_s}
 
 
 def _at_least(name: str, value, minimum: int, optional: bool = False) -> None:

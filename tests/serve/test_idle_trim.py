@@ -1,0 +1,84 @@
+"""The server's `IdleTrim`: malloc's free memory given back once per idle spell, never while a request is open, a
+cache write waits or a question is admitted."""
+import time
+from types import SimpleNamespace
+
+import pytest
+
+
+class FakeService:
+    """What IdleTrim reads of a Service: the open requests, the cache writes, the batcher's admitted questions and
+    the count of requests held so far."""
+
+    def __init__(self):
+        self.open_requests = self.pending_writes = self.requests_held = 0
+        self.batcher = SimpleNamespace(admitted=0)
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_idle_trim_once_per_idle_spell_and_never_while_busy(monkeypatch):
+    import pixeltriage.engine.cpu_memory as cpu_memory
+    from pixeltriage.serve.service import IdleTrim
+
+    calls, busy_at_trim = [], []
+    service = FakeService()
+
+    def trim():
+        calls.append(time.monotonic())
+        busy_at_trim.append(service.open_requests or service.batcher.admitted or service.pending_writes)
+        return True
+
+    monkeypatch.setattr(cpu_memory, "trim_malloc", trim)
+    idle = IdleTrim(service, after_s=0.05)
+    idle.start()
+    try:
+        wait_for(lambda: len(calls) == 1)                       # after the warm-up: once
+        time.sleep(0.3)
+        assert len(calls) == 1                                  # idle on: not again
+        for field in ("open_requests", "pending_writes"):       # a request held, then a cache write
+            before = len(calls)
+            setattr(service, field, 1)
+            service.requests_held += 1
+            time.sleep(0.3)
+            assert len(calls) == before                         # busy: never
+            setattr(service, field, 0)
+            wait_for(lambda: len(calls) == before + 1)          # idle again: once
+        service.batcher.admitted = 2                            # questions still admitted after their request
+        service.requests_held += 1
+        time.sleep(0.3)
+        assert len(calls) == 3
+        service.batcher.admitted = 0
+        wait_for(lambda: len(calls) == 4)
+        service.requests_held += 1                              # a request that came and went between two looks
+        wait_for(lambda: len(calls) == 5)
+        time.sleep(0.3)
+        assert len(calls) == 5 and not any(busy_at_trim) and idle.trims == 5
+    finally:
+        idle.stop()
+
+
+def test_idle_trim_stops_where_there_is_no_malloc_trim(monkeypatch):
+    import pixeltriage.engine.cpu_memory as cpu_memory
+    from pixeltriage.serve.service import IdleTrim
+
+    monkeypatch.setattr(cpu_memory, "trim_malloc", lambda: False)
+    idle = IdleTrim(FakeService(), after_s=0.05)
+    idle.start()
+    idle._thread.join(timeout=20)
+    assert not idle._thread.is_alive() and idle.trims == 0
+    idle.stop()
+
+
+def test_the_config_takes_a_positive_idle_time_or_none():
+    from pixeltriage.serve.config import ConfigError, ServeConfig
+
+    assert ServeConfig().trim_idle_s == 1.0 and ServeConfig(trim_idle_s=None).trim_idle_s is None
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="trim_idle_s"):
+            ServeConfig(trim_idle_s=bad)
