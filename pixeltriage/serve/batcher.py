@@ -9,9 +9,14 @@ waits: one batch is prepared ahead, and no more (prepared states hold every imag
 One model worker thread owns every forward. The moment it is idle it takes ready questions, higher priority
 first, then in admission order, up to `max_batch_tokens` state tokens (a question's memories are one state and are
 never split; a question larger than the budget runs alone); only when it holds a partial batch does it wait, up to
-`max_wait_ms`, for more. Idle with nothing ready, it prepares the next admitted question itself. A failing forward is retried one question at a time, so that only the question that fails
-fails. A question whose deadline passes before its forward begins fails with DeadlineExceededError; a future
-its caller cancels (deadline, disconnect) is skipped wherever it waits, and its slot is freed at once.
+`max_wait_ms`, for more. Idle with nothing ready, it prepares the next admitted question itself. A failing forward
+is retried one question at a time, so that only the question that fails fails. A question whose deadline passes
+before its forward begins fails with DeadlineExceededError; a future its caller cancels (deadline, disconnect) is
+skipped wherever it waits, and its slot is freed at once.
+
+`queue_state()` tells where the admitted questions are and what the threads do; `wait_until(condition, timeout)`
+blocks until that state meets a condition (the drain's "every admitted question answered", or a point a caller must
+act at: a batch prepared ahead, the worker holding a partial batch).
 """
 from __future__ import annotations
 
@@ -70,6 +75,21 @@ class Observer:
     def forward_failed(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class QueueState:
+    """Where the admitted questions are at one moment, and what the threads are doing (`Batcher.queue_state`)."""
+
+    admitted: int           # every question holding a slot, wherever it is
+    pending: int            # admitted, its preparation not begun
+    preparing: int          # in its `prepare`, on a preparation thread or the worker
+    ready: int              # prepared, waiting for a forward
+    ready_tokens: int       # their state tokens
+    taken: int              # taken by the worker for its next forward while it waits (max_wait_ms) for more
+    running: int            # in a forward
+    idle_preparers: int     # preparation threads waiting for work (nothing to prepare, or a batch ready ahead)
+    worker_idle: bool       # the worker waits with nothing ready or admitted
+
+
 class _Job:
     __slots__ = ("seq", "priority", "deadline", "prepare", "future", "state", "meta", "tokens", "where",
                  "admitted", "prep_start", "prep_end")
@@ -98,19 +118,25 @@ class Batcher:
         self.max_wait = max_wait_ms / 1000
         self.max_queued = max_queued
         self.observer = observer or Observer()
-        self._cond = threading.Condition(threading.RLock())
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)   # the worker and the preparation threads wait on it for work
+        self._watch = threading.Condition(lock)  # callers of wait_until wait on it (never wakes the threads)
         self._pending: list = []          # heap of _Job.order(): admitted, not yet preparing
         self._ready: list = []            # heap of _Job.order(): prepared, not yet in a forward
         self._ready_tokens = 0
         self._dead = 0                    # cancelled jobs still sitting in a heap
         self._admitted = 0
         self._running = 0
+        self._preparing = 0
+        self._taken = 0
+        self._idle_preparers = 0
         self._seq = itertools.count()
         self._seconds_per_question = 0.0  # moving average of forward time per question, for Retry-After
         self._threads: list[threading.Thread] = []
         self._preprocess_threads = preprocess_threads
         self._accepting = False
         self._closed = False
+        self._close_reason = ""             # the first close's: also what a question prepared after it fails with
         self._worker_idle = False           # waiting with nothing ready or admitted
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -133,19 +159,38 @@ class Batcher:
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every admitted question is answered; False if some were still admitted after `timeout` s."""
+        with self._watch:
+            return self._watch.wait_for(lambda: self._admitted == 0, timeout)
+
+    def queue_state(self) -> QueueState:
+        """Where the admitted questions are now, and what the threads are doing."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._admitted == 0, timeout)
+            return self._queue_state()
+
+    def wait_until(self, condition: Callable[[QueueState], bool], timeout: float) -> QueueState:
+        """Block until `condition(queue_state)` holds, checked again at every change of the queue and whenever a
+        thread starts waiting for work; -> the state that met it. TimeoutError naming the last state after
+        `timeout` s."""
+        with self._watch:
+            met = self._watch.wait_for(lambda: condition(self._queue_state()), timeout)
+            state = self._queue_state()
+        if not met:
+            raise TimeoutError(f"the batcher's queue did not reach the awaited state within {timeout:g} s; it is "
+                               f"{state}")
+        return state
 
     def close(self, reason: str = "the service is shutting down", join_timeout: float = 10.0) -> None:
         """Stop admitting, fail every question not yet in a forward with ServiceUnavailableError(reason), let the
         running forward finish, stop the threads."""
         with self._cond:
+            if not self._closed:
+                self._close_reason = reason
             self._accepting, self._closed = False, True
             # taken out of the queues under the lock: neither the worker nor a second close can reach them again
             waiting = [entry[-1] for entry in self._pending + self._ready if entry[-1].where in ("pending", "ready")]
             self._pending, self._ready = [], []
             self._dead = 0
-            self._cond.notify_all()
+            self._changed()
         for job in waiting:
             self._fail(job, ServiceUnavailableError(reason, 503))
         for t in self._threads:
@@ -172,7 +217,7 @@ class Batcher:
                 heapq.heappush(self._pending, job.order())
             self._admitted += len(jobs)
             self._report_queue()
-            self._cond.notify_all()
+            self._changed()
         return [job.future for job in jobs]
 
     @property
@@ -210,13 +255,17 @@ class Batcher:
                 self._ready_tokens -= job.tokens
             elif where == "running":
                 self._running -= 1
+            elif where == "preparing":
+                self._preparing -= 1
+            elif where == "taken":
+                self._taken -= 1
             if where in ("pending", "ready"):
                 self._dead += 1
                 if self._dead > self.max_queued:
                     self._compact()
             job.prepare = job.state = job.meta = None
             self._report_queue()
-            self._cond.notify_all()
+            self._changed()
 
     def _compact(self) -> None:
         """Drop cancelled entries from the heaps (they are otherwise skipped when reached)."""
@@ -225,6 +274,20 @@ class Batcher:
         heapq.heapify(self._pending)
         heapq.heapify(self._ready)
         self._dead = 0
+
+    def _queue_state(self) -> QueueState:
+        """Lock held."""
+        return QueueState(admitted=self._admitted,
+                          pending=sum(1 for entry in self._pending if entry[-1].where == "pending"),
+                          preparing=self._preparing,
+                          ready=sum(1 for entry in self._ready if entry[-1].where == "ready"),
+                          ready_tokens=self._ready_tokens, taken=self._taken, running=self._running,
+                          idle_preparers=self._idle_preparers, worker_idle=self._worker_idle)
+
+    def _changed(self) -> None:
+        """Wake the threads waiting for work and the callers of wait_until. Lock held."""
+        self._cond.notify_all()
+        self._watch.notify_all()
 
     def _report_queue(self) -> None:
         self.observer.queue(self._admitted - self._running, self._running)
@@ -260,12 +323,13 @@ class Batcher:
             if job.where != "preparing":           # cancelled meanwhile
                 return
             if self._closed:
-                self._fail(job, ServiceUnavailableError("the service is shutting down", 503))
+                self._fail(job, ServiceUnavailableError(self._close_reason, 503))
                 return
             job.state, job.meta, job.tokens, job.where = state, meta, state.num_tokens, "ready"
+            self._preparing -= 1
             heapq.heappush(self._ready, job.order())
             self._ready_tokens += job.tokens
-            self._cond.notify_all()
+            self._changed()
 
     def _next_to_prepare(self) -> _Job | None:
         with self._cond:
@@ -273,7 +337,10 @@ class Batcher:
                 # ahead of the worker only: an idle worker prepares the next question itself
                 while not self._closed and not (self._pending and self._ready_tokens < self.max_batch_tokens
                                                 and not self._worker_idle):
+                    self._idle_preparers += 1
+                    self._watch.notify_all()
                     self._cond.wait()
+                    self._idle_preparers -= 1
                 if self._closed:
                     return None
                 job = self._pop_pending()
@@ -289,6 +356,8 @@ class Batcher:
                 self._dead -= 1
                 continue
             job.where, job.prep_start = "preparing", time.monotonic()
+            self._preparing += 1
+            self._watch.notify_all()
             if not self._expired(job, job.prep_start):
                 return job
         return None
@@ -323,11 +392,12 @@ class Batcher:
                 job = self._pop_pending()
                 if job is None:
                     self._worker_idle = True
+                    self._watch.notify_all()
                     self._cond.wait()
                     self._worker_idle = False
                     # preparation threads woken with it saw the worker idle and slept again: the rest of a
                     # several-question request would wait for the first question's preparation
-                    self._cond.notify_all()
+                    self._changed()
                     continue
             self._prepare(job)
 
@@ -335,17 +405,20 @@ class Batcher:
         """Wait for more (max_wait, when the batch is partial), then mark the group running. Lock held."""
         if self.max_wait and tokens < self.max_batch_tokens:
             end = time.monotonic() + self.max_wait
+            self._watch.notify_all()               # a wait_until may be waiting for this partial batch
             while tokens < self.max_batch_tokens and not self._closed and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)
                 tokens = self._take_ready(group, tokens)
         running = []
         for job in group:
+            # a job cancelled meanwhile is left to its done callback (_finished), which frees its slot
             if job.where == "taken" and job.future.set_running_or_notify_cancel():
+                self._taken -= 1
                 job.where = "running"
                 running.append(job)
         self._running += len(running)
         self._report_queue()
-        self._cond.notify_all()                    # the preparation threads may go on
+        self._changed()                            # the preparation threads may go on
         return running
 
     def _take_ready(self, group: list[_Job], tokens: int) -> int:
@@ -362,6 +435,7 @@ class Batcher:
             heapq.heappop(self._ready)
             self._ready_tokens -= job.tokens
             job.where = "taken"
+            self._taken += 1
             if self._expired(job, now):
                 continue
             group.append(job)
