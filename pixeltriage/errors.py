@@ -79,3 +79,19 @@ class AuthenticationError(ServiceError):
 class NoCacheError(ServiceError):
     """The service was started without what the request needs: a write-time cache (--cache) for /v1/memories, a
     region index (--index-encoder) for /v1/retrieve (501)."""
+
+
+class CacheMissError(PixelTriageError, KeyError):
+    """A key has no row in the cache (or no usable one). `key` is the key."""
+
+    def __init__(self, key: str, message: str | None = None):
+        self.key = key
+        self.message = message or f"image {key} is not in the cache; put it first"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CorruptEntryError(CacheMissError):
+    """A stored thumbnail fails its checksum or does not decode; put the image again."""

@@ -49,7 +49,8 @@ from PIL import Image
 
 from pixeltriage.engine.image import display_size, encode_png, local_path, thumbnail
 from pixeltriage.engine.types import ImageSource
-from pixeltriage.errors import InvalidMemoryError, PixelTriageError
+# the cache's own errors live in pixeltriage.errors (the clients raise them without torch); imported from here too
+from pixeltriage.errors import CacheMissError, CorruptEntryError, InvalidMemoryError, PixelTriageError  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
@@ -86,22 +87,6 @@ CREATE TRIGGER images_deleted AFTER DELETE ON images BEGIN
     DELETE FROM features WHERE key = OLD.key;
 END
 """
-
-
-class CacheMissError(PixelTriageError, KeyError):
-    """A key has no row in the cache (or no usable one). `key` is the key."""
-
-    def __init__(self, key: str, message: str | None = None):
-        self.key = key
-        self.message = message or f"image {key} is not in the cache; put it first"
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class CorruptEntryError(CacheMissError):
-    """A stored thumbnail fails its checksum or does not decode; put the image again."""
 
 
 def image_key(image: ImageSource) -> str:

@@ -15,6 +15,8 @@ _EXPORTS = {
     "Client": "pixeltriage.serve.client",
     "AsyncClient": "pixeltriage.serve.client",
     "Decision": "pixeltriage.serve.client",
+    "Reranking": "pixeltriage.serve.client",
+    "RankedDocument": "pixeltriage.serve.client",
     "ServeConfig": "pixeltriage.serve.config",
     "Service": "pixeltriage.serve.service",
     "ModelSpec": "pixeltriage.serve.service",
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
                                     ServiceError, ServiceUnavailableError)
     from pixeltriage.serve.app import create_app
     from pixeltriage.serve.batcher import Batcher
-    from pixeltriage.serve.client import AsyncClient, Client, Decision
+    from pixeltriage.serve.client import AsyncClient, Client, Decision, RankedDocument, Reranking
     from pixeltriage.serve.config import ServeConfig
     from pixeltriage.serve.process import ServerProcess
     from pixeltriage.serve.service import ModelSpec, Service

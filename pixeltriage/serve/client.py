@@ -29,8 +29,8 @@ import httpx
 
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
 from pixeltriage.engine.types import Memory, Scores, user_text
-from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, OverloadedError,
-                                ServiceError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.errors import (CacheMissError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
+                                OverloadedError, ServiceError, ServiceUnavailableError, StateTooLongError)
 from pixeltriage.serve.schemas import error_for
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -209,8 +209,6 @@ def error_of(response: httpx.Response, question_offset: int = 0) -> Exception:
 def _error_of_class(error: type[Exception], message: str, field: str | None, body: dict,
                     response: httpx.Response) -> Exception:
     """An instance of the table's error class `error`, given what its constructor takes."""
-    from pixeltriage.engine.cache import CacheMissError        # loaded with the table (schemas.error_statuses)
-
     status = response.status_code
     unprefixed = message.removeprefix(f"{field}: ") if field else message
     if error is InvalidMemoryError:

@@ -410,10 +410,8 @@ class ErrorStatus:
 def error_statuses() -> tuple[ErrorStatus, ...]:
     """The one table of the scoring service's errors: the server answers an error with the first row its class
     matches, and both clients (`Client`, `AsyncClient`) raise the row of the error_type a response's body names
-    (`error_for`: else the `by_status` row of its status, else ServiceError). Each error_type names one row. The
-    cache module imports torch: built on first use."""
-    from pixeltriage.engine.cache import CacheMissError
-    from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidMemoryError,
+    (`error_for`: else the `by_status` row of its status, else ServiceError). Each error_type names one row."""
+    from pixeltriage.errors import (AuthenticationError, CacheMissError, DeadlineExceededError, InvalidMemoryError,
                                     InvalidRequestError, NoCacheError, OverloadedError, ServiceUnavailableError,
                                     StateTooLongError)
 

@@ -193,3 +193,29 @@ def test_a_client_reads_the_error_type_before_the_status():
     assert type(unknown) is InvalidRequestError                           # the 422's by_status row
     assert type(error_of(response(404, path="/v1/memories/x"))) is ServiceError    # 404 has no by_status row
     assert type(error_of(response(500, {"error": "boom", "error_type": "internal"}, "/v1/score"))) is ServiceError
+
+
+def test_a_client_raises_every_row_of_the_table_without_loading_torch():
+    """The clients run where the engine is not installed: building the table and raising a CacheMissError from a 404
+    loads no torch (the cache's errors live in pixeltriage.errors, not in the engine's cache module)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys
+import httpx
+from pixeltriage.errors import CacheMissError
+from pixeltriage.serve.client import error_of
+from pixeltriage.serve.schemas import error_statuses
+assert error_statuses()
+request = httpx.Request("GET", "http://127.0.0.1/v1/memories/" + "ab" * 32)
+error = error_of(httpx.Response(404, json={"error": "no such image", "error_type": "not_found"}, request=request))
+assert isinstance(error, CacheMissError) and error.key == "ab" * 32, error
+assert "torch" not in sys.modules, "torch was imported"
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
