@@ -1,7 +1,8 @@
 """Norms used by Qwen3.5 (its RMSNorm variants, the ViT's LayerNorm), in float32, cast for the next matmul.
 
 Registers the "add_norm" and "rms_norm_gated" ops (`kernels.registry`), chosen by the output's dtype: the C
-kernels on the CPU where they are built, torch everywhere.
+kernels on the CPU where they are built, torch everywhere; for a bf16 "rms_norm_gated" on a CPU with AVX-512 BF16,
+`kernels.simd`'s pass first.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pixeltriage.kernels import native as _native
-from pixeltriage.kernels import registry
+from pixeltriage.kernels import registry, simd
 
 
 def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -85,15 +86,18 @@ def _native_add_norm(h, delta, out_dtype, weight, bias, eps):
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                   native: bool | None = None) -> torch.Tensor:
+                   native: bool | None = None, vector: bool | None = None) -> torch.Tensor:
     """w * norm(x) * silu(gate): the Gated DeltaNet output norm (plain weight, norm before gate).
 
     Computed in float32 end to end and returned in the gate's dtype. x is the gated delta rule's output, often
     tiny (rms ~1e-2) and scaled up here by its reciprocal rms, so it should arrive unrounded (float32).
     torch's fused rms_norm and an in-place SiLU on the gate's float32 copy: 38 -> 23 ms at [2296, 16, 128], the
     same values as `rms_norm_gated_reference`. native: on the CPU, one C pass (`kernels.native`) when it is built
-    (None: whenever available; False: the torch ops)."""
+    (None: whenever available; False: the torch ops). In bf16 the AVX-512 pass (`kernels.simd`; vector=False: the
+    C pass) comes first where it is built."""
     kernel = TORCH_NORM_GATED if native is False else registry.choose("rms_norm_gated", x.device, gate.dtype)
+    if kernel is VECTOR_NORM_GATED and vector is False:
+        return _rms_norm_gated_c(x, gate, weight, eps)
     return kernel.fn(x, gate, weight, eps)
 
 
@@ -133,10 +137,19 @@ def _rms_norm_gated_c(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     return out if out is not None else _rms_norm_gated_torch(x, gate, weight, eps)
 
 
+def _rms_norm_gated_simd(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The "rms_norm_gated" op in one AVX-512 pass (bf16 gate and output), the C pass where it declines."""
+    out = simd.rms_norm_gated(x, gate, weight, eps)
+    return out if out is not None else _rms_norm_gated_c(x, gate, weight, eps)
+
+
 _C_DTYPES = (torch.float32, torch.bfloat16)
 registry.register("add_norm", "native C pt_add_norm", _add_norm_c, devices=("cpu",), dtypes=_C_DTYPES,
                   available=lambda: _native.available(), priority=10)
 TORCH_ADD_NORM = registry.register("add_norm", "torch", _add_norm_torch, devices=("cpu", "cuda"))
+VECTOR_NORM_GATED = registry.register("rms_norm_gated", "AVX-512 pt_simd_rms_norm_gated", _rms_norm_gated_simd,
+                                      devices=("cpu",), dtypes=(torch.bfloat16,), available=lambda: simd.available(),
+                                      priority=20)
 registry.register("rms_norm_gated", "native C pt_rms_norm_gated", _rms_norm_gated_c, devices=("cpu",),
                   dtypes=_C_DTYPES, available=lambda: _native.available(), priority=10)
 TORCH_NORM_GATED = registry.register("rms_norm_gated", "torch fused rms_norm", _rms_norm_gated_torch,

@@ -1,18 +1,20 @@
-"""An AVX-512 pass for SwiGLU's silu(gate) * up in bf16, the one elementwise pass between the MLP's two matmuls.
+"""AVX-512 passes for the SiLU-gated products between the decoder's matmuls in bf16: SwiGLU's silu(gate) * up
+and the Gated DeltaNet's output norm (RMSNorm times silu(z)).
 
-The pass is compute-bound on this engine's CPUs, not memory-bound: the C kernel (`kernels.native` pt_silu_mul,
-auto-vectorised) spends ~1.2-1.4 ns per element at one thread where a copy of the same bytes takes ~0.3 ns. Written
-with AVX-512 intrinsics (e^x as 2^n * p(r), the reciprocal as rcp14 and one Newton step instead of a division, the
-bf16 rounding by `vcvtneps2bf16`), the same arithmetic takes ~0.9 ns: on the bench-small MLP's [2296, 6144] ->
-[2296, 3072], 0.66x the C kernel's time at one thread, 0.61x at two (paired medians of 40 and 60 interleaved runs).
+Both are compute-bound (the SiLU's e^x and division) on this engine's CPUs, not memory-bound: the C kernels
+(`kernels.native`, auto-vectorised) spend ~1.2-1.4 ns per element of pt_silu_mul at one thread where a copy of the
+same bytes takes ~0.3 ns. Written with AVX-512 intrinsics (e^x as 2^n * p(r), the reciprocal as rcp14 and one Newton
+step instead of a division, the bf16 rounding by `vcvtneps2bf16`) the same arithmetic takes ~0.9 ns. Against the C
+kernels (paired medians of 40 interleaved runs at one thread, 60 at two, load 7-8): the bench-small MLP's
+[2296, 6144] -> [2296, 3072] 0.66x at one thread, 0.61x at two; the output norm at [2296, 16, 128] 0.70x and 0.66x.
 
 The source is built on first use, like `kernels.native`'s, with the same compiler, flags and switch
 (`PIXELTRIAGE_NATIVE=0` turns it off too), into its own library beside theirs. Where the compiler does not target
 AVX512-F/BW/VL/BF16 (`-march=native` on another CPU) the library builds without them and the kernel declines:
 `available()` is False and the op keeps its other kernels. The result is float32 arithmetic rounded once to bf16,
 within a few float32 ulps of the exact value before that rounding, so it differs from a correctly rounded result
-only where the exact value sits next to a rounding boundary (6.8e-6 of the elements against pt_silu_mul, by one
-bf16 ulp).
+only where the exact value sits next to a rounding boundary (against the C kernels, by one bf16 ulp in 6.8e-6 of
+SwiGLU's elements and 9.1e-6 of the norm's).
 """
 from __future__ import annotations
 
@@ -92,9 +94,43 @@ int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *o
     return 0;
 }
 
+/* The Gated DeltaNet's output norm, pt_rms_norm_gated's bf16 case:
+ *   out[r, h, :] = x[r, h, :] / sqrt(mean(x[r, h, :]^2) + eps) * w * silu(z[r, h, :])
+ * x: float32 [R, H, D] with strides (x_r, x_h, 1); z: bf16 with strides (z_r, z_h, 1); w: float32 [D];
+ * out: bf16 [R, H * D] contiguous */
+int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, int64_t z_r, int64_t z_h,
+                           const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int nthreads) {
+    if (R < 0 || H < 0 || D < 1)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float *xv = x + r * x_r + h * x_h;
+            const uint16_t *zv = (const uint16_t *)z + r * z_r + h * z_h;
+            uint16_t *o = (uint16_t *)out + (r * H + h) * D;
+            __m512 sq = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                __m512 v = _mm512_maskz_loadu_ps(lanes(D - d), xv + d);
+                sq = _mm512_fmadd_ps(v, v, sq);
+            }
+            __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(sq) / (float)D + eps));
+            for (int64_t d = 0; d < D; d += 16) {
+                __mmask16 m = lanes(D - d);
+                __m512 normed = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xv + d), inv),
+                                              _mm512_maskz_loadu_ps(m, w + d));
+                store16(o + d, m, _mm512_mul_ps(normed, silu16(load16(zv + d, m))));
+            }
+        }
+    }
+    return 0;
+}
 #else
 int pt_simd_available(void) { return 0; }
 int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) { return 1; }
+int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, int64_t z_r, int64_t z_h,
+                           const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int nthreads) {
+    return 1;
+}
 #endif
 """
 
@@ -155,6 +191,8 @@ def library() -> ctypes.CDLL | None:
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.pt_simd_available.argtypes, lib.pt_simd_available.restype = [], i32
     lib.pt_simd_silu_mul.argtypes, lib.pt_simd_silu_mul.restype = [ptr, i64, i64, i64, ptr, i32], i32
+    lib.pt_simd_rms_norm_gated.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float, ptr, i32]
+    lib.pt_simd_rms_norm_gated.restype = i32
     _state["status"] = f"loaded {path}" + ("" if lib.pt_simd_available() else " (no AVX-512 BF16: declines)")
     return lib
 
@@ -186,3 +224,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
                                     torch.get_num_threads()) == 0
     return out if ok else None
 
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """w * x / sqrt(mean(x^2) + eps) * silu(gate) over the last dim, rounded once to bf16. x: float32 [R, H, D];
+    gate: bf16 [R, H, D] (each with a unit last stride); weight: [D] -> bf16 [R, H, D]; None where the kernel does
+    not apply (other dtypes or layouts, or no AVX-512 BF16)."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or gate.dtype != torch.bfloat16 or x.dim() != 3
+            or gate.shape != x.shape or x.stride(-1) != 1 or gate.stride(-1) != 1 or x.shape[-1] == 0
+            or weight.numel() != x.shape[-1] or not available()):
+        return None
+    rows, heads, dim = x.shape
+    w = weight.float().contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    ok = library().pt_simd_rms_norm_gated(x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(), gate.stride(0),
+                                          gate.stride(1), w.data_ptr(), rows, heads, dim, eps, out.data_ptr(),
+                                          torch.get_num_threads()) == 0
+    return out if ok else None

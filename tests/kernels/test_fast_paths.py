@@ -233,7 +233,7 @@ def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype, stri
         gate = torch.randn(70, 100, generator=g).to(gate_dtype)[:, 10:82].view(70, 3, 24)
     w = torch.rand(24, generator=g)
     x0, gate0 = x.clone(), gate.clone()
-    got = rms_norm_gated(x, gate, w, 1e-6, native=native)
+    got = rms_norm_gated(x, gate, w, 1e-6, native=native, vector=False)    # the AVX-512 pass: tested below
     want = rms_norm_gated_reference(x, gate, w, 1e-6)
     assert got.dtype == gate_dtype
     assert rel(got.float(), want.float()) <= (1e-6 if gate_dtype == torch.float32 else 2 ** -8)
@@ -459,3 +459,35 @@ def test_norm_partial_rotary_matches_float64(dtype, rotary_dim, native):
     assert got.dtype == dtype and got.shape == (t, heads, dim)
     tol = 1e-6 if dtype == torch.float32 else (2 ** -8 if native is None else 3 * 2 ** -8)
     assert rel(got.double(), exact) <= tol
+
+
+@pytest.mark.parametrize("rows,heads,dim,gate_stride", [(1, 1, 1, 1), (7, 3, 24, 100), (33, 2, 17, 40),
+                                                        (5, 16, 128, 8192), (2, 1, 130, 130)])
+def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(rows, heads, dim, gate_stride, monkeypatch):
+    """The AVX-512 output norm (`kernels.simd`) on head dims that are not multiples of 16 (masked tails), one row,
+    the layer's strided gate (a column slice of the projection) and a strided x, into a NaN-poisoned output:
+    within one bf16 rounding of the float32 reference (2^-8 relative), and equal to the C kernel's or one bf16 ulp
+    from it."""
+    simd = _vector_kernel()
+    from pixeltriage.kernels.norm import rms_norm_gated, rms_norm_gated_reference
+
+    g = torch.Generator().manual_seed(rows * 100 + dim)
+    x = (torch.randn(rows, heads, dim + 3, generator=g) * 1e-2)[..., 3:]              # the delta rule's output is small
+    width = max(gate_stride, heads * dim)
+    gate = (torch.randn(rows, width, generator=g) * 3).bfloat16()[:, width - heads * dim:].view(rows, heads, dim)
+    w = torch.rand(dim, generator=g)
+    x0, gate0 = x.clone(), gate.clone()
+    empty = torch.empty
+    monkeypatch.setattr(simd.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    got = simd.rms_norm_gated(x, gate, w, 1e-6)
+    monkeypatch.undo()
+    want = rms_norm_gated_reference(x, gate, w, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, heads, dim) and not got.isnan().any()
+    assert rel(got.float(), want.float()) <= 2 ** -8
+    c_kernel = rms_norm_gated(x, gate, w, 1e-6, vector=False)
+    ulp = 2.0 ** (torch.floor(torch.log2(c_kernel.double().abs().clamp_min(1e-38))) - 7)
+    assert ((got.double() - c_kernel.double()).abs() <= ulp).all()
+    assert rms_norm_gated(x, gate, w, 1e-6).equal(got)      # the op's bf16 choice on this machine is this kernel
+    assert torch.equal(x, x0) and torch.equal(gate, gate0)
+    assert simd.rms_norm_gated(x, gate.float(), w, 1e-6) is None              # declined: the op's other kernels
+    assert simd.rms_norm_gated(x.bfloat16(), gate, w, 1e-6) is None
