@@ -8,7 +8,9 @@ drives it over real HTTP (httpx), reusing `bench serve`'s episodes, driver and a
 scored in this process first (`Scorer.score`: every normal response's expected answer). Then:
 
 1. warm-up: two rounds of normal requests from every client, then twice: every oversized and malformed body, a
-   disconnect and an overload burst; the server's RSS is read a second after it ("after warm-up");
+   disconnect and an overload burst, then WARMUP_MIX_S seconds (at most S) of the mix below (every kind at once,
+   one burst: the concurrency the run will meet, so that the server's threads have met it once); the server's RSS
+   is read SETTLE_S seconds after it ("after warm-up");
 2. baseline: N clients send normal `/v1/score` requests alone for B seconds (p50/p99 "alone");
 3. the mix, S seconds: the same N clients go on with normal requests while one thread each sends
    - oversized text fields (question, note or dialogue one character past the documented limit up to 4 MiB:
@@ -20,7 +22,10 @@ scored in this process first (`Scorer.score`: every normal response's expected a
 
 Every normal or burst answer is checked against its own request (echoed id, expected scores to 1e-5); a response
 for another request counts as mixed up, a request without an answer (connection error, timeout) as lost. The
-server's RSS (VmRSS) is sampled every second; its peak is the largest sample and the kernel's VmHWM. Normal p99
+server's RSS (VmRSS) is sampled every second; its peak is the largest sample and the kernel's VmHWM. Both the
+"after warm-up" and the "end" figures are read once the server has been idle SETTLE_S seconds, past the second
+after which it gives freed memory back (`ServeConfig.trim_idle_s`): the same idle state twice, so that their
+difference is memory the server still holds, not what malloc kept at one moment and not at the other. Normal p99
 during the mix is given over the whole mix and split into the requests that overlapped a burst and those that did
 not (the ones sent during the oversized, malformed and disconnect traffic alone).
 
@@ -52,6 +57,8 @@ BURST_EVERY_S = 15.0
 OVERSIZED_EVERY_S = 0.25
 MALFORMED_EVERY_S = 0.1
 DISCONNECT_EVERY_S = 0.5
+SETTLE_S = 3.0                     # idle before each RSS figure: past the server's idle trim (1 s) and its poll
+WARMUP_MIX_S = BURST_EVERY_S       # the warm-up's share of the mix: one burst among the other kinds
 # a 429 is a right answer to any request while a burst holds the queue (the guard admits before it parses)
 EXPECTED = {"oversized": {"422", "429"}, "malformed": {"400", "415", "422", "429"}, "normal": {"200", "429"},
             "burst": {"200", "429"}}
@@ -213,6 +220,11 @@ class Soak:
                 time.sleep(max(0.0, min(every - (time.perf_counter() - t0), until - time.perf_counter())))
         return loop
 
+    def mix(self) -> tuple:
+        """The mix's senders besides the normal clients: oversized, malformed, disconnects, bursts, each paced."""
+        return (self.paced(self.send_oversized, OVERSIZED_EVERY_S), self.paced(self.send_malformed, MALFORMED_EVERY_S),
+                self.paced(self.send_disconnect, DISCONNECT_EVERY_S), self.paced(self.send_burst, BURST_EVERY_S))
+
     def sample_rss(self, stop: threading.Event) -> None:
         while not stop.is_set():
             rss = self.server.memory_mib().get("rss")
@@ -233,7 +245,10 @@ def run_soak(args: argparse.Namespace) -> int:
     report = {"preset": args.preset, "device": args.device, "dtype": dtype, "clients": args.clients,
               "episodes": args.episodes, "memories": args.memories, "max_queued": args.max_queued,
               "duration_s": args.duration, "baseline_s": baseline, "burst_size": BURST_FACTOR * args.max_queued,
-              "burst_every_s": BURST_EVERY_S, "load_average": list(os.getloadavg())}
+              "burst_every_s": BURST_EVERY_S, "load_average": list(os.getloadavg()),
+              # the malloc switches the server inherits (the A/B runs of docs/serve.md set them)
+              "malloc_env": {k: os.environ[k] for k in ("PIXELTRIAGE_MALLOC_TUNING", "PIXELTRIAGE_MALLOC_TRIM",
+                                                        "MALLOC_ARENA_MAX") if k in os.environ}}
     local = Local(checkpoint, args.device, dtype, eps)
     server = ServerProcess(["--checkpoint", str(checkpoint), "--device", args.device, "--dtype", dtype,
                             "--max-queued", str(args.max_queued),
@@ -257,21 +272,19 @@ def run_soak(args: argparse.Namespace) -> int:
                     soak.send_malformed(body, content_type)
                 soak.send_disconnect()
                 soak.send_burst()
+            soak.clients(Phase("warm-up mix"), args.clients, min(WARMUP_MIX_S, args.duration), split=False,
+                         extra=soak.mix())
             for phase in soak.kinds.values():                               # the warm-up's bad requests not counted
                 phase.statuses.clear()
                 phase.lost = phase.mixed_up = 0
             soak.bursts.clear()
             soak.no_retry_after = 0
-            time.sleep(1.0)
+            time.sleep(SETTLE_S)
             rss_after_warmup = server.memory_mib().get("rss", float("nan"))
             sampler.start()
             soak.clients(alone, args.clients, baseline, split=False)
-            soak.clients(mix, args.clients, args.duration, split=True,
-                         extra=(soak.paced(soak.send_oversized, OVERSIZED_EVERY_S),
-                                soak.paced(soak.send_malformed, MALFORMED_EVERY_S),
-                                soak.paced(soak.send_disconnect, DISCONNECT_EVERY_S),
-                                soak.paced(soak.send_burst, BURST_EVERY_S)))
-            time.sleep(2.0)                                                  # settle: what is left once idle
+            soak.clients(mix, args.clients, args.duration, split=True, extra=soak.mix())
+            time.sleep(SETTLE_S)                                             # settle: what is left once idle
             rss_end = server.memory_mib()
         finally:
             stop.set()
@@ -343,7 +356,7 @@ def print_report(r: dict) -> None:
           f"{r['baseline_s']:g} s baseline; {r['clients']} normal clients, {r['episodes']} episodes x "
           f"{r['memories']} memories; server --max-queued {r['max_queued']}; bursts of {r['burst_size']} every "
           f"{r['burst_every_s']:g} s; machine load {r['load_average'][0]:.2f} -> {r['load_average_after'][0]:.2f} "
-          "(1-min average)")
+          f"(1-min average){'; ' + str(r['malloc_env']) if r['malloc_env'] else ''}")
     print("requests by kind and status:")
     for name in ("normal", "oversized", "malformed", "disconnect", "burst"):
         k = r["kinds"][name]
