@@ -1,7 +1,7 @@
 """Fixtures of the serve tests: the library Scorer every response is compared with, and the main server."""
 import httpx
 import pytest
-from serving import API_KEY, ServerProcess, image_bytes
+from serving import API_KEY, GatedServer, ServerProcess, image_bytes
 
 from pixeltriage import Scorer
 
@@ -52,6 +52,21 @@ def indexed(tiny_checkpoint, encoder_dir, tmp_path_factory):
     server.db = base / "cache.db"
     yield server
     server.stop()
+
+
+@pytest.fixture
+def gated(tiny_checkpoint, tmp_path):
+    """`gated(name, *flags, hold=("load", "forward"))` starts a GatedServer of the tiny checkpoint under
+    tmp_path/name; whatever the test's outcome, each one started is stopped after it (its gates opened first)."""
+    servers: list[GatedServer] = []
+
+    def start(name: str, *flags: str, hold: tuple[str, ...] = ()) -> GatedServer:
+        servers.append(GatedServer(tiny_checkpoint, tmp_path / name, *flags, hold=hold))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture

@@ -1,11 +1,17 @@
 """What the serve tests share: real `python -m pixeltriage serve` subprocesses on loopback (port 0: the OS picks a
-free one, the server prints it), waited for until /ready answers 200, bounded in time; inputs; comparisons."""
+free one, the server prints it), waited for until /ready answers 200, bounded in time; the same server with gates
+its test holds (gated_serve.py); polls with a deadline; inputs; comparisons."""
 import base64
 import io
 import os
 import random
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
+import httpx
 import pytest
 from PIL import Image
 
@@ -35,7 +41,80 @@ class ServerProcess(process.ServerProcess):
         return super().stop(timeout)
 
 
+class GatedServer(ServerProcess):
+    """A real `pixeltriage serve` process started through gated_serve.py, its files under `base`: the gates named in
+    `hold` ("load", "forward") stay shut until `open(gate)`; `forwards()` lists every forward begun so far;
+    `send("close batcher")` stops the batcher's threads. Closing the control pipe (`stop`) opens every gate."""
+
+    def __init__(self, checkpoint, base: Path, *flags: str, hold: tuple[str, ...] = (), env: dict | None = None):
+        base.mkdir(parents=True, exist_ok=True)
+        self.control_path, self.forwards_path = base / "control", base / "forwards"
+        os.mkfifo(self.control_path)
+        self._control = os.open(self.control_path, os.O_RDWR)   # the server's end then opens without waiting
+        self.forwards_path.touch()
+        # process.ServerProcess.__init__ starts `python -m pixeltriage serve`; this is the same, through the launcher
+        self._tmp, self.log, self.url = None, base / "server.log", None
+        self.argv = [sys.executable, str(LAUNCHER), str(self.control_path), str(self.forwards_path),
+                     ",".join(hold) or "none", "--checkpoint", str(checkpoint), *flags, "--port", "0"]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env or ENV)
+
+    def send(self, command: str) -> None:
+        os.write(self._control, f"{command}\n".encode())
+
+    def open(self, gate: str) -> None:
+        self.send(f"open {gate}")
+
+    def forwards(self) -> list[tuple[int, int]]:
+        """(states, state tokens) of every forward begun, the warm-up's first."""
+        return [tuple(map(int, line.split())) for line in self.forwards_path.read_text().splitlines()]
+
+    def wait_listening(self, timeout: float = READY_TIMEOUT) -> "GatedServer":
+        """Until the server printed its URL and /health answers 200 (the model may still be loading)."""
+        def listening() -> bool:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            found = process.LISTENING.search(self.output())
+            self.url = found.group(1) if found else None
+            return self.url is not None and health(self.url) == 200
+
+        wait_for("the server to listen", listening, timeout)
+        return self
+
+    def close_control(self) -> None:
+        if self._control is not None:
+            os.close(self._control)
+            self._control = None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.close_control()
+        return super().stop(timeout)
+
+
+LAUNCHER = Path(__file__).with_name("gated_serve.py")
+
+
+def health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2.0).status_code
+    except httpx.HTTPError:
+        return None
+
+
 metric = process.metric
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, check: Callable[[], T], timeout: float = 60.0) -> T:
+    """Call `check` until it returns a true value, and return that; fail the test naming `what` after `timeout` s.
+    For a state only another process can tell (a status, a metric); within this process, wait on an event."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:g} s for {what}; the last check gave {value!r}")
+        time.sleep(0.01)
+    return value
 
 
 # -- inputs ----------------------------------------------------------------------------------------------------------
