@@ -15,7 +15,7 @@ from pixeltriage.config import FULL, TextConfig
 from pixeltriage.engine import profiling
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels import registry
-from pixeltriage.kernels.activation import silu_mul
+from pixeltriage.kernels.activation import sigmoid_gate_, silu_mul
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
 from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
@@ -118,8 +118,8 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
         segments = None if varlen is None else varlen.segments
         o = rows_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), rows, segments).transpose(0, 1)
     # the gate straight from its strided half of the projection, into the attention output in place: no copies of
-    # either (the same bf16 products)
-    o = o.mul_(torch.sigmoid(gate)).reshape(num_q, nh * hd)
+    # either
+    o = sigmoid_gate_(o, gate).reshape(num_q, nh * hd)
     return o @ w.o_proj.t()
 
 

@@ -56,6 +56,15 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 1 / (1 + e^-y): rcp14 and one Newton step (relative error ~2^-28) in place of a division; NaN in, NaN out */
+static inline __m512 sigmoid16(__m512 y) {
+    __m512 d = _mm512_add_ps(exp16(_mm512_sub_ps(_mm512_setzero_ps(), y)), _mm512_set1_ps(1.0f));
+    __m512 rc = _mm512_rcp14_ps(d);
+    rc = _mm512_mul_ps(rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.0f)));
+    __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(rc, nan, y);
+}
+
 /* y / (1 + e^-y): rcp14 and one Newton step (relative error ~2^-28) in place of a division; 0 below y = -87, as
  * pt_silu_mul (the true value is under 2e-36 there), NaN kept (the comparison is unordered-true) */
 static inline __m512 silu16(__m512 y) {
@@ -124,11 +133,34 @@ int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void 
     }
     return 0;
 }
+/* o[r, h, :] *= sigmoid(g[r, h, :]) in place: the gated attention's output gate. o, g: bf16 [R, H, D] with strides
+ * (o_r, o_h, 1) and (g_r, g_h, 1) */
+int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64_t g_r, int64_t g_h, int64_t R,
+                         int64_t H, int64_t D, int nthreads) {
+    if (R < 0 || H < 0 || D < 0)
+        return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t h = 0; h < H; h++) {
+            uint16_t *ov = (uint16_t *)o + r * o_r + h * o_h;
+            const uint16_t *gv = (const uint16_t *)g + r * g_r + h * g_h;
+            for (int64_t d = 0; d < D; d += 16) {
+                __mmask16 m = lanes(D - d);
+                store16(ov + d, m, _mm512_mul_ps(load16(ov + d, m), sigmoid16(load16(gv + d, m))));
+            }
+        }
+    }
+    return 0;
+}
 #else
 int pt_simd_available(void) { return 0; }
 int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) { return 1; }
 int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, int64_t z_r, int64_t z_h,
                            const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int nthreads) {
+    return 1;
+}
+int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64_t g_r, int64_t g_h, int64_t R,
+                         int64_t H, int64_t D, int nthreads) {
     return 1;
 }
 #endif
@@ -193,6 +225,8 @@ def library() -> ctypes.CDLL | None:
     lib.pt_simd_silu_mul.argtypes, lib.pt_simd_silu_mul.restype = [ptr, i64, i64, i64, ptr, i32], i32
     lib.pt_simd_rms_norm_gated.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float, ptr, i32]
     lib.pt_simd_rms_norm_gated.restype = i32
+    lib.pt_simd_sigmoid_gate.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32]
+    lib.pt_simd_sigmoid_gate.restype = i32
     _state["status"] = f"loaded {path}" + ("" if lib.pt_simd_available() else " (no AVX-512 BF16: declines)")
     return lib
 
@@ -241,3 +275,14 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                                           gate.stride(1), w.data_ptr(), rows, heads, dim, eps, out.data_ptr(),
                                           torch.get_num_threads()) == 0
     return out if ok else None
+
+
+def sigmoid_gate_(o: torch.Tensor, gate: torch.Tensor) -> bool:
+    """o *= sigmoid(gate) in place, rounded once. o, gate: bf16 [R, H, D] with unit last strides. False (o untouched)
+    where the kernel does not apply."""
+    if (o.device.type != "cpu" or o.dtype != torch.bfloat16 or gate.dtype != torch.bfloat16 or o.dim() != 3
+            or gate.shape != o.shape or o.stride(-1) != 1 or gate.stride(-1) != 1 or not available()):
+        return False
+    rows, heads, dim = o.shape
+    return library().pt_simd_sigmoid_gate(o.data_ptr(), o.stride(0), o.stride(1), gate.data_ptr(), gate.stride(0),
+                                          gate.stride(1), rows, heads, dim, torch.get_num_threads()) == 0

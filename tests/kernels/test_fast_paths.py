@@ -491,3 +491,34 @@ def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(rows, heads, d
     assert torch.equal(x, x0) and torch.equal(gate, gate0)
     assert simd.rms_norm_gated(x, gate.float(), w, 1e-6) is None              # declined: the op's other kernels
     assert simd.rms_norm_gated(x.bfloat16(), gate, w, 1e-6) is None
+
+
+@pytest.mark.parametrize("rows,heads,dim", [(1, 1, 1), (7, 3, 17), (33, 8, 256), (5, 2, 130)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_vector_sigmoid_gate_matches_float64_and_torch(rows, heads, dim, transposed):
+    """o *= sigmoid(gate) by the AVX-512 pass (`kernels.simd`), the gate a strided half of the projection and o
+    contiguous or head-major (the last layer's rows): each element within one bf16 rounding of float64 (2^-8
+    relative; the torch path rounds twice), within one bf16 ulp of torch's plus the rounding of its sigmoid; NaN
+    and inf kept; elements outside o untouched."""
+    simd = _vector_kernel()
+    from pixeltriage.kernels.activation import sigmoid_gate_
+
+    g = torch.Generator().manual_seed(rows * 10 + dim)
+    gate = (torch.randn(rows, heads, 2 * dim + 5, generator=g) * 4).bfloat16()[..., dim + 5:]
+    base = torch.randn(heads, rows, dim + 2, generator=g).bfloat16()
+    o = base[..., 1:-1].transpose(0, 1) if transposed else base[..., 1:-1].transpose(0, 1).contiguous()
+    special = o.numel() > 1                          # an inf in o and a NaN in the gate, at two elements
+    if special:
+        o[0, 0, 0], gate[-1, -1, -1] = float("inf"), float("nan")
+    o0, base0 = o.clone(), base.clone()
+    got = sigmoid_gate_(o, gate)
+    assert got is o and got.shape == (rows, heads, dim)
+    exact = o0.double() * torch.sigmoid(gate.double())
+    finite = exact.isfinite()
+    assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-30)[finite].all()
+    assert not special or (got[0, 0, 0] == float("inf") and got[-1, -1, -1].isnan())
+    torch_path = sigmoid_gate_(o0.clone(), gate, vector=False)
+    assert ((got.double() - torch_path.double()).abs() <= 2 ** -7 * exact.abs() + 1e-30)[finite].all()
+    if transposed:                                   # the columns around o's slice of the buffer
+        assert torch.equal(base[..., 0], base0[..., 0]) and torch.equal(base[..., -1], base0[..., -1])
+    assert not simd.sigmoid_gate_(o0.float(), gate.float())          # declined: the op's torch path runs
