@@ -173,9 +173,9 @@ class TextEncoder:
         `max_tokens` + 1 tokens as they were, all ending `_run_margin` characters before the shorter prefix's end,
         or (b) the prefix reached `run_cap(max_tokens)` characters (at least RUN_CAP_FACTOR times what those tokens
         can cover). What is given up: exactness for a pre-token longer than the prefix whose merges near the cut
-        depend on characters past both prefixes of (a), or past the cap in (b); no tokenizer we know merges that way
-        (each token covers at most `token_chars` characters, and BPE's merges are local in practice), and the
-        tests compare both rules with the whole text's cut on long runs of every kind. The characters handed to the
+        depend on characters past both prefixes of (a), or past the cap in (b). Not proven: none of the tokenizers
+        tested merges that way (tests/engine/test_state.py compares both rules with the whole text's cut on long
+        runs of every kind, under three tokenizers). The characters handed to the
         tokenizer are then at most about 4 x `run_cap`, whatever the text's length."""
         if not text:
             return text, 0
