@@ -649,8 +649,8 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
 
 enum { ENGINE_FMA = 0, ENGINE_AVX512_BF16 = 1, ENGINE_AMX = 2 };
 
-/* Which engines this build has: bit e set for engine e; AMX only once the kernel has granted this process the
- * tile state (Linux arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; asked here, once per process). */
+/* Which engines this build has: bit e set for engine e; AMX only once Linux has granted this process the tile
+ * state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA: asked at each call, a no-op after the first grant). */
 int pt_bf16_engines(void) {
     int engines = 1 << ENGINE_FMA;
 #ifdef __AVX512BF16__
@@ -788,7 +788,8 @@ static void to_bf16_rows(const float *src, int64_t lds, int64_t R, int64_t N, co
     }
 }
 
-/* The pair-interleaved layout of B = src[R, N] (float32, row stride lds; R even): dst[p, 2n + e] = bf16(B[2p + e, n]) */
+/* The pair-interleaved layout of B = src[R, N] (float32, row stride lds; R even):
+ * dst[p, 2n + e] = bf16(B[2p + e, n]) */
 static void pack_pairs(const float *src, int64_t lds, int64_t R, int64_t N, uint16_t *dst) {
     for (int64_t p = 0; p < R / 2; p++) {
         const float *r0 = src + 2 * p * lds, *r1 = r0 + lds;
