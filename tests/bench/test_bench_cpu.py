@@ -30,6 +30,9 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert len(r["engine_times"]) == 2 and len(r["transformers_times"]) == 2
     assert r["speedup"] == r["transformers_s"] / r["engine_s"]
     assert len(r["gemm_tflops_before_after"]) == 2 and r["gemm_tflops"] > 0
+    # the run's GEMM rate: the median of the samples before, beside each engine run and after
+    assert len(r["gemm_tflops_beside_runs"]) == 2
+    assert r["gemm_tflops"] == statistics.median(r["gemm_tflops_before_after"] + r["gemm_tflops_beside_runs"])
     assert set(cpu.STAGES) | {"other"} <= set(r["stages_s"])
     # the per-stage table: every stage in order, then "other"; their FLOPs are the forward's
     stages = r["stages"]
@@ -48,6 +51,7 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     buf = io.StringIO()
     cpu.print_table(r, buf)
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
+    assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
     assert "delta_rule (conv + recurrence)" in buf.getvalue() and "of GEMM" in buf.getvalue()
     drifted = dict(r, gemm_tflops_before_after=[0.7, 2.1])
