@@ -365,7 +365,9 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):   # unknown routes, unparsable bodies
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_input")
+        # a path the service does not have is "no_route", not the cache's "not_found": a client raises
+        # CacheMissError only for a key the cache lacks
+        kind = {404: "no_route", 405: "method_not_allowed"}.get(e.status_code, "invalid_input")
         # a body FastAPI cannot parse at all (not UTF-8, numbers past Python's digit limit, nesting too deep) is
         # malformed input like any other: 422, as documented, not FastAPI's 400
         status = 422 if e.status_code == 400 else e.status_code

@@ -17,6 +17,8 @@ from PIL import Image
 from serving import ServerProcess, assert_scores_close, b64, image_bytes
 
 from pixeltriage import Memory
+from pixeltriage.errors import ServiceError
+from pixeltriage.serve.client import error_of
 from pixeltriage.serve.schemas import DATE_LIMIT, TEXT_LIMIT
 
 MAX_QUEUED = 4
@@ -132,7 +134,10 @@ def test_a_method_a_route_does_not_take_is_405_and_an_unknown_path_404(limited):
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert response.json()["error_type"] == "method_not_allowed"
     response = httpx.post(limited.url + "/v1/nothing", json={})
-    assert response.status_code == 404 and response.json()["error_type"] == "not_found"
+    assert response.status_code == 404 and response.json()["error_type"] == "no_route"
+    with pytest.raises(ServiceError) as raised:         # a wrong path is not a cache miss to a client
+        raise error_of(response)
+    assert type(raised.value) is ServiceError and raised.value.status == 404
 
 
 def test_max_queued_alone_bounds_the_client_batch(limited):
