@@ -13,7 +13,7 @@ from pixeltriage.cli.retrieve import DEFAULT_OVERLAP, encoder_directory, overlap
 
 DEFAULTS = {"max_queued": 256, "max_client_batch": 32, "max_memories": 64, "request_timeout": 60.0,
             "payload_limit": 32.0, "preprocess_threads": 2, "gate_window": 1000, "max_gates": 256,
-            "graceful_timeout": 30.0}                       # pixeltriage.serve.config.ServeConfig's
+            "graceful_timeout": 30.0, "trim_idle_s": 1.0}   # pixeltriage.serve.config.ServeConfig's
 
 
 def port(text: str) -> int:
@@ -91,6 +91,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     batching.add_argument("--graceful-timeout", metavar="S", type=positive_float,
                           default=DEFAULTS["graceful_timeout"],
                           help=f"on SIGTERM, seconds to finish admitted work (default {DEFAULTS['graceful_timeout']:g})")
+    batching.add_argument("--trim-idle-s", metavar="S", type=non_negative_float, default=DEFAULTS["trim_idle_s"],
+                          help="seconds idle after which the memory requests freed goes back to the OS; 0: never "
+                               f"(default {DEFAULTS['trim_idle_s']:g})")
     p.add_argument("--verify", action="store_true", help="read every weight of a packed checkpoint at load")
     p.add_argument("--rerank-score", choices=("gain", "relevance"), default="gain",
                    help="what the rerank routes answer as relevance_score (TEI: score) when a request does not set "
@@ -154,7 +157,8 @@ def serve_config(args: argparse.Namespace):
                        payload_limit=int(args.payload_limit * MIB), preprocess_threads=args.preprocess_threads,
                        image_root=Path(args.image_root) if args.image_root else None,
                        api_keys=args.api_keys or (), gate_window=args.gate_window,
-                       graceful_timeout=args.graceful_timeout, rerank_score=args.rerank_score)
+                       graceful_timeout=args.graceful_timeout, rerank_score=args.rerank_score,
+                       trim_idle_s=args.trim_idle_s or None)
 
 
 def run_serve(args: argparse.Namespace) -> int:

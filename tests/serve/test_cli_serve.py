@@ -62,3 +62,18 @@ def test_max_client_batch_defaults_to_at_most_max_queued(argv, expected, tiny_ch
     check_serve_arguments(args)
     config = serve_config(args)
     assert config.max_client_batch == expected and config.max_queued == (int(argv[1]) if argv else 256)
+
+
+@pytest.mark.parametrize("argv, expected", [([], 1.0), (["--trim-idle-s", "5"], 5.0), (["--trim-idle-s", "0"], None)])
+def test_trim_idle_s_reaches_the_config_and_zero_turns_it_off(argv, expected, tiny_checkpoint):
+    import argparse
+
+    from pixeltriage.cli.serve import DEFAULTS, add_serve_arguments, check_serve_arguments, serve_config
+    from pixeltriage.serve.config import ServeConfig
+
+    assert DEFAULTS["trim_idle_s"] == ServeConfig().trim_idle_s     # the flag's default is the library's
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--checkpoint", str(tiny_checkpoint), *argv])
+    check_serve_arguments(args)
+    assert serve_config(args).trim_idle_s == expected
