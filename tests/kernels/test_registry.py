@@ -141,10 +141,10 @@ def test_real_ops_cpu(monkeypatch, no_switch):
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(monkeypatch, no_switch):
-    """A bf16 forward on the CPU takes the bf16 pass where the CPU has AMX tiles (the build's engines come from this
-    CPU's flags) and PIXELTRIAGE_DELTA_BF16 is not 0; float32 forwards, CPUs with AVX512-BF16 alone (that engine ran
-    the pass slower than the float32 pass) or neither ("fma" runs anywhere, for tests) and the switch keep the
-    float32 pass."""
+    """With PIXELTRIAGE_DELTA_BF16=1 a bf16 forward on the CPU takes the bf16 pass where the CPU has AMX tiles (the
+    build's engines come from this CPU's flags); without the switch, for float32 forwards and on CPUs with
+    AVX512-BF16 alone (that engine ran the pass slower than the float32 pass) or neither ("fma" runs anywhere, for
+    tests) the float32 pass runs."""
     from pixeltriage.kernels.gated_delta import bf16
 
     flags = native._cpu_flags().split()
@@ -153,6 +153,8 @@ def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(mon
     assert "amx" not in have or "amx_bf16" in flags
     assert "avx512_bf16" not in have or "avx512_bf16" in flags
     monkeypatch.delenv(bf16.SWITCH, raising=False)
+    assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == "native C pt_delta_chunked"
+    monkeypatch.setenv(bf16.SWITCH, "1")
     fast = "native C pt_delta_chunked_bf16" if "amx" in have else "native C pt_delta_chunked"
     assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == fast
     for engines, name in (({"fma", "amx"}, "native C pt_delta_chunked_bf16"),
@@ -162,8 +164,9 @@ def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(mon
         assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == name
         assert registry.choose("gated_delta", "cpu", torch.float32).name == "native C pt_delta_chunked"
     monkeypatch.setattr(native, "bf16_engines", lambda: frozenset({"fma", "amx"}))
-    monkeypatch.setenv(bf16.SWITCH, "0")
-    assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == "native C pt_delta_chunked"
+    for off in ("0", ""):
+        monkeypatch.setenv(bf16.SWITCH, off)
+        assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == "native C pt_delta_chunked"
 
 
 def test_real_ops_cuda(monkeypatch, no_switch):

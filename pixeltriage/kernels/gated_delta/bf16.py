@@ -33,14 +33,18 @@ def engine() -> str | None:
     return next((name for name in FAST_ENGINES if name in have), None)
 
 
-SWITCH = "PIXELTRIAGE_DELTA_BF16"      # =0: a bf16 forward keeps the float32 pass (for A/B runs, or its accuracy)
+# Opt-in: PIXELTRIAGE_DELTA_BF16=1 gives a bf16 forward this pass. Not the default: on the 2-core AMX machine it was
+# measured on (shared, load 5-9), a bench-small layer ran 1.14x faster at 1 thread (median of 20 interleaved pairs)
+# but no faster at 2 (1.00, 30 pairs), whole bf16 commands showed no gain, and its scores were no closer to
+# float32's (further than the float32 pass's on 5 of the 9 parity checkpoints, closer on 4; beyond transformers'
+# own bf16 gap on one of them, 0.0072 vs 0.0055).
+SWITCH = "PIXELTRIAGE_DELTA_BF16"
 
 
 def available() -> bool:
-    """Whether the registry gives a bf16 forward this pass: the CPU has AMX (`engine`) and PIXELTRIAGE_DELTA_BF16 is
-    not 0."""
-    off = os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
-    return not off and engine() is not None
+    """Whether the registry gives a bf16 forward this pass: PIXELTRIAGE_DELTA_BF16=1 and the CPU has AMX (`engine`)."""
+    on = os.environ.get(SWITCH, "0").strip().lower() in ("1", "true", "on", "yes")
+    return on and engine() is not None
 
 
 def takes(x: torch.Tensor, conv_weight: torch.Tensor, k_dim: int, v_dim: int, chunk_size: int = BF16_CHUNK) -> bool:
