@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -25,14 +26,17 @@ class ServerProcessError(PixelTriageError):
 
 
 class ServerProcess:
-    """`python -m pixeltriage serve ARGS --port 0` with its combined output in `log` (a temporary file when None);
-    `url` once it printed it."""
+    """`COMMAND serve ARGS --port 0` with its combined output in `log` (a temporary file when None); `url` once it
+    printed it. command: the program that takes `serve` and its arguments, `python -m pixeltriage` of this
+    interpreter when None (another is, for example, a launcher that wraps the same command line)."""
 
-    def __init__(self, args: list[str], log: str | os.PathLike | None = None, env: dict | None = None):
+    def __init__(self, args: Sequence[str], log: str | os.PathLike | None = None, env: dict | None = None,
+                 command: Sequence[str] | None = None):
         self._tmp = None if log is not None else tempfile.NamedTemporaryFile(
             "w+b", prefix="pixeltriage-serve-", suffix=".log")
         self.log = Path(log) if log is not None else Path(self._tmp.name)
-        self.argv = [sys.executable, "-m", "pixeltriage", "serve", *args, "--port", "0"]
+        program = [sys.executable, "-m", "pixeltriage"] if command is None else list(command)
+        self.argv = [*program, "serve", *args, "--port", "0"]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.url: str | None = None

@@ -5,7 +5,6 @@ import base64
 import io
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,8 +27,9 @@ READY_TIMEOUT = 120.0
 class ServerProcess(process.ServerProcess):
     """One `pixeltriage serve` subprocess of a test: this checkout on the path, its output in `log`, bounded waits."""
 
-    def __init__(self, checkpoint, log: Path, *flags: str, env: dict | None = None):
-        super().__init__(["--checkpoint", str(checkpoint), *flags], log=log, env=env or ENV)
+    def __init__(self, checkpoint, log: Path, *flags: str, env: dict | None = None,
+                 command: list[str] | None = None):
+        super().__init__(["--checkpoint", str(checkpoint), *flags], log=log, env=env or ENV, command=command)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> "ServerProcess":
         try:
@@ -43,27 +43,44 @@ class ServerProcess(process.ServerProcess):
 
 class GatedServer(ServerProcess):
     """A real `pixeltriage serve` process started through gated_serve.py, its files under `base`: the gates named in
-    `hold` ("load", "forward") stay shut until `open(gate)`; `forwards()` lists every forward begun so far;
-    `send("close batcher")` stops the batcher's threads. Closing the control pipe (`stop`) opens every gate."""
+    `hold` ("load", "forward") stay shut until `open(gate)`; `close("forward")` shuts that gate again; `forwards()`
+    lists every forward begun so far; `send("close batcher")` stops the batcher's threads. Each command has taken
+    effect when its call returns. Closing the control pipe (`stop`) opens every gate."""
 
     def __init__(self, checkpoint, base: Path, *flags: str, hold: tuple[str, ...] = (), env: dict | None = None):
         base.mkdir(parents=True, exist_ok=True)
-        self.control_path, self.forwards_path = base / "control", base / "forwards"
+        self.control_path, self.forwards_path, self.done_path = base / "control", base / "forwards", base / "done"
         os.mkfifo(self.control_path)
         self._control = os.open(self.control_path, os.O_RDWR)   # the server's end then opens without waiting
         self.forwards_path.touch()
-        # process.ServerProcess.__init__ starts `python -m pixeltriage serve`; this is the same, through the launcher
-        self._tmp, self.log, self.url = None, base / "server.log", None
-        self.argv = [sys.executable, str(LAUNCHER), str(self.control_path), str(self.forwards_path),
-                     ",".join(hold) or "none", "--checkpoint", str(checkpoint), *flags, "--port", "0"]
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env or ENV)
+        self.done_path.touch()
+        self._sent = 0
+        launcher = [sys.executable, str(LAUNCHER), str(self.control_path), str(self.forwards_path),
+                    str(self.done_path), ",".join(hold) or "none"]
+        super().__init__(checkpoint, base / "server.log", *flags, env=env, command=launcher)
 
-    def send(self, command: str) -> None:
+    def send(self, command: str, timeout: float = 60.0) -> None:
+        """Write `command` to the control pipe and wait until the launcher has run it."""
         os.write(self._control, f"{command}\n".encode())
+        self._sent += 1
+
+        def done() -> bool:
+            exited = self.proc.poll() is not None            # read first: it may run the command, then exit
+            if len(self.done_path.read_text().splitlines()) >= self._sent:
+                return True
+            if exited:
+                pytest.fail(f"the server exited with {self.proc.returncode} before running {command!r}:\n"
+                            f"{self.output()[-4000:]}")
+            return False
+
+        wait_for(f"the launcher to run {command!r}", done, timeout)
 
     def open(self, gate: str) -> None:
         self.send(f"open {gate}")
+
+    def close(self, gate: str) -> None:
+        """Shut a gate again: the next forward to begin waits (only "forward")."""
+        self.send(f"close {gate}")
 
     def forwards(self) -> list[tuple[int, int]]:
         """(states, state tokens) of every forward begun, the warm-up's first."""
