@@ -133,8 +133,14 @@ int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void 
     }
     return 0;
 }
-/* o[r, h, :] *= sigmoid(g[r, h, :]) in place: the gated attention's output gate. o, g: bf16 [R, H, D] with strides
- * (o_r, o_h, 1) and (g_r, g_h, 1) */
+/* float32 -> bf16 (round to nearest even) -> float32 */
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* o[r, h, :] *= sigmoid(g[r, h, :]) in place: the gated attention's output gate, with the sigmoid rounded to bf16
+ * before the product, as torch's bf16 sigmoid then multiply (and transformers) round it. o, g: bf16 [R, H, D] with
+ * strides (o_r, o_h, 1) and (g_r, g_h, 1) */
 int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64_t g_r, int64_t g_h, int64_t R,
                          int64_t H, int64_t D, int nthreads) {
     if (R < 0 || H < 0 || D < 0)
@@ -146,7 +152,7 @@ int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64
             const uint16_t *gv = (const uint16_t *)g + r * g_r + h * g_h;
             for (int64_t d = 0; d < D; d += 16) {
                 __mmask16 m = lanes(D - d);
-                store16(ov + d, m, _mm512_mul_ps(load16(ov + d, m), sigmoid16(load16(gv + d, m))));
+                store16(ov + d, m, _mm512_mul_ps(load16(ov + d, m), round16(sigmoid16(load16(gv + d, m)))));
             }
         }
     }
@@ -278,8 +284,8 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def sigmoid_gate_(o: torch.Tensor, gate: torch.Tensor) -> bool:
-    """o *= sigmoid(gate) in place, rounded once. o, gate: bf16 [R, H, D] with unit last strides. False (o untouched)
-    where the kernel does not apply."""
+    """o *= sigmoid(gate) in place, the sigmoid rounded to bf16 and then the product, as torch's two ops round them.
+    o, gate: bf16 [R, H, D] with unit last strides. False (o untouched) where the kernel does not apply."""
     if (o.device.type != "cpu" or o.dtype != torch.bfloat16 or gate.dtype != torch.bfloat16 or o.dim() != 3
             or gate.shape != o.shape or o.stride(-1) != 1 or gate.stride(-1) != 1 or not available()):
         return False

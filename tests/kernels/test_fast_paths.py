@@ -497,9 +497,9 @@ def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(rows, heads, d
 @pytest.mark.parametrize("transposed", [False, True])
 def test_vector_sigmoid_gate_matches_float64_and_torch(rows, heads, dim, transposed):
     """o *= sigmoid(gate) by the AVX-512 pass (`kernels.simd`), the gate a strided half of the projection and o
-    contiguous or head-major (the last layer's rows): each element within one bf16 rounding of float64 (2^-8
-    relative; the torch path rounds twice), within one bf16 ulp of torch's plus the rounding of its sigmoid; NaN
-    and inf kept; elements outside o untouched."""
+    contiguous or head-major (the last layer's rows): each element within two bf16 roundings of float64 (2^-7
+    relative: the sigmoid's and the product's, as torch rounds them), and equal to torch's or one bf16 ulp from it
+    where its float32 sigmoid sits next to a rounding boundary; NaN and inf kept; elements outside o untouched."""
     simd = _vector_kernel()
     from pixeltriage.kernels.activation import sigmoid_gate_
 
@@ -515,10 +515,12 @@ def test_vector_sigmoid_gate_matches_float64_and_torch(rows, heads, dim, transpo
     assert got is o and got.shape == (rows, heads, dim)
     exact = o0.double() * torch.sigmoid(gate.double())
     finite = exact.isfinite()
-    assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-30)[finite].all()
+    assert ((got.double() - exact).abs() <= 2 ** -7 * exact.abs() + 1e-30)[finite].all()
     assert not special or (got[0, 0, 0] == float("inf") and got[-1, -1, -1].isnan())
     torch_path = sigmoid_gate_(o0.clone(), gate, vector=False)
-    assert ((got.double() - torch_path.double()).abs() <= 2 ** -7 * exact.abs() + 1e-30)[finite].all()
+    ulp = 2.0 ** (torch.floor(torch.log2(torch_path.double().abs().clamp_min(1e-38))) - 7)
+    assert ((got.double() - torch_path.double()).abs() <= ulp)[finite].all()
+    assert (got == torch_path)[finite].double().mean() >= 0.99
     if transposed:                                   # the columns around o's slice of the buffer
         assert torch.equal(base[..., 0], base0[..., 0]) and torch.equal(base[..., -1], base0[..., -1])
     assert not simd.sigmoid_gate_(o0.float(), gate.float())          # declined: the op's torch path runs
