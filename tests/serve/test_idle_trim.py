@@ -1,9 +1,14 @@
 """The server's `IdleTrim`: malloc's free memory given back once per idle spell, never while a request is open, a
-cache write waits or a question is admitted."""
+cache write waits or a question is admitted.
+
+The trim thread's looks are counted (its stop event's waits): "never" is checked over enough looks that a trim that
+ignored the state would have run, not over a sleep the thread may not get the processor in."""
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+from serving import wait_for
 
 
 class FakeService:
@@ -15,11 +20,17 @@ class FakeService:
         self.batcher = SimpleNamespace(admitted=0)
 
 
-def wait_for(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+class Looks(threading.Event):
+    """IdleTrim's stop event, counting its waits: the thread looks at the service after each, so once `waits` is n,
+    its first n - 1 looks are done."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        return super().wait(timeout)
 
 
 def test_idle_trim_once_per_idle_spell_and_never_while_busy(monkeypatch):
@@ -36,28 +47,36 @@ def test_idle_trim_once_per_idle_spell_and_never_while_busy(monkeypatch):
 
     monkeypatch.setattr(cpu_memory, "trim_malloc", trim)
     idle = IdleTrim(service, after_s=0.05)
+    looks = idle._stop = Looks()
+
+    def spell_passes():
+        """Until the thread has looked, after this call, for long enough that an idle spell would end in a trim (a
+        look every after_s / POLLS: POLLS of them, and one more each side)."""
+        target = looks.waits + IdleTrim.POLLS + 3
+        wait_for(f"{IdleTrim.POLLS + 2} looks of the trim thread", lambda: looks.waits >= target, 20)
+
     idle.start()
     try:
-        wait_for(lambda: len(calls) == 1)                       # after the warm-up: once
-        time.sleep(0.3)
+        wait_for("the first trim", lambda: len(calls) == 1, 20)   # after the warm-up: once
+        spell_passes()
         assert len(calls) == 1                                  # idle on: not again
         for field in ("open_requests", "pending_writes"):       # a request held, then a cache write
             before = len(calls)
             setattr(service, field, 1)
             service.requests_held += 1
-            time.sleep(0.3)
+            spell_passes()
             assert len(calls) == before                         # busy: never
             setattr(service, field, 0)
-            wait_for(lambda: len(calls) == before + 1)          # idle again: once
+            wait_for(f"a trim once {field} is 0", lambda: len(calls) == before + 1, 20)   # idle again: once
         service.batcher.admitted = 2                            # questions still admitted after their request
         service.requests_held += 1
-        time.sleep(0.3)
+        spell_passes()
         assert len(calls) == 3
         service.batcher.admitted = 0
-        wait_for(lambda: len(calls) == 4)
+        wait_for("a trim once no question is admitted", lambda: len(calls) == 4, 20)
         service.requests_held += 1                              # a request that came and went between two looks
-        wait_for(lambda: len(calls) == 5)
-        time.sleep(0.3)
+        wait_for("a trim after a request that came and went", lambda: len(calls) == 5, 20)
+        spell_passes()
         assert len(calls) == 5 and not any(busy_at_trim) and idle.trims == 5
     finally:
         idle.stop()
