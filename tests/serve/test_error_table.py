@@ -1,13 +1,13 @@
 """The one error table (`schemas.error_statuses`) walked through real servers: for each row, a request that the
 server refuses with that row's status and error_type, and both clients (Client and AsyncClient) raising that row's
-error for it; a new row without a request here fails the walk."""
+error for it; a new row without a request here fails the walk. The 503 comes from a server whose model load is held
+(gated_serve.py): listening, and loading for as long as the test needs."""
 import asyncio
 import socket
-import time
 
 import httpx
 import pytest
-from serving import API_KEY, ServerProcess, image_bytes
+from serving import API_KEY, ServerProcess, image_bytes, wait_for
 
 from pixeltriage import Memory
 from pixeltriage.serve.schemas import error_for, error_statuses, status_of
@@ -32,7 +32,7 @@ def held_upload(url: str) -> socket.socket:
     return sock
 
 
-def calls(served, bare):
+def calls(served, bare, loading):
     """(status, error_type) -> (server url, api key, the client call: method name and arguments)."""
     return {
         (422, "invalid_memory"): (served.url, API_KEY, ("score", "q", [Memory(image=b"\x89PNG\r\n\x1a\nbroken")])),
@@ -45,6 +45,7 @@ def calls(served, bare):
         (404, "not_found"): (served.url, API_KEY, ("memory", "c" * 64)),
         (501, "no_cache"): (bare.url, None, ("put_memory", image_bytes())),
         (429, "overloaded"): (bare.url, None, ("score", "q", [])),
+        (503, "unavailable"): (loading.url, None, ("score", "q", [])),
     }
 
 
@@ -79,22 +80,21 @@ def raw(url, key, call) -> httpx.Response:
     return httpx.post(f"{url}/v1/score", json=question_body(args[0], args[1], **extra), headers=headers, timeout=60)
 
 
-def test_every_row_is_what_the_server_answers_and_what_both_clients_raise(served, bare):
+def test_every_row_is_what_the_server_answers_and_what_both_clients_raise(served, bare, gated):
     from pixeltriage.serve import Client
     from pixeltriage.serve.client import error_of
 
-    walked = calls(served, bare)
+    loading = gated("loading", hold=("load",)).wait_listening()     # its load never opens: loading throughout
+    walked = calls(served, bare, loading)
     table = {(row.status, row.error_type): row for row in error_statuses()}
-    assert set(table) == set(walked) | {(415, "unsupported_media_type"), (503, "unavailable")}
+    assert set(table) == set(walked) | {(415, "unsupported_media_type")}
     for (status, kind), (url, key, call) in walked.items():
         row = table[(status, kind)]
         held = held_upload(url) if status == 429 else None
         try:
             if held is not None:                                      # the guard counts it once its headers are in
-                deadline = time.monotonic() + 30
-                while (response := raw(url, key, call)).status_code != 429:
-                    assert time.monotonic() < deadline, response.text
-                    time.sleep(0.05)
+                response = wait_for("the held upload to fill the bare server",
+                                    lambda: (r := raw(url, key, call)).status_code == 429 and r, 30)
             else:
                 response = raw(url, key, call)
             assert (response.status_code, response.json()["error_type"]) == (status, kind), response.text
@@ -127,19 +127,25 @@ def test_the_rows_no_client_call_can_reach_over_http(served):
     assert type(error_of(plain)) is error_for(503, None).error
 
 
-def test_a_loading_service_answers_the_503_row():
-    """A service not yet loaded (in process: a server process is ready before it listens) refuses with 503."""
-    from fastapi.testclient import TestClient
-
-    from pixeltriage.serve.app import create_app
+def test_a_server_whose_model_worker_stopped_answers_the_503_row(gated):
+    """The other way to the 503 row: a ready server whose batcher's threads stopped (gated_serve.py's "close
+    batcher") refuses to score with it, and both clients raise its error, as from a loading server."""
+    from pixeltriage.serve import Client
     from pixeltriage.serve.client import error_of
-    from pixeltriage.serve.config import ServeConfig
-    from pixeltriage.serve.service import Service
 
-    with TestClient(create_app(Service(ServeConfig(), lambda: None))) as http:
-        response = http.post("/v1/score", json={"question": "q"})
-    assert (response.status_code, response.json()["error_type"]) == (503, "unavailable")
-    assert type(error_of(response)) is error_for(503, "unavailable").error
+    server = gated("stopped").wait_ready()
+    server.send("close batcher")
+    row = error_for(503, "unavailable")
+    response = httpx.post(server.url + "/v1/score", json={"question": "q", "memories": []}, timeout=30)
+    assert (response.status_code, response.json()["error_type"]) == (503, "unavailable"), response.text
+    assert type(error_of(response)) is row.error
+    with Client(server.url, retries=0) as client:
+        with pytest.raises(row.error) as raised_sync:
+            client.score("q", [])
+    with pytest.raises(row.error) as raised_async:
+        asyncio.run(async_call(server.url, None, ("score", "q", [])))
+    assert type(raised_sync.value) is type(raised_async.value) is row.error
+    assert raised_sync.value.status == raised_async.value.status == 503
 
 
 def test_the_server_answers_each_error_with_a_row_of_its_own_class():
