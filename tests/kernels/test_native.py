@@ -145,8 +145,11 @@ def test_a_new_build_prunes_all_but_the_newest_builds(tmp_path):
         os.utime(old, (1_000_000 + i, 1_000_000 + i))
     unrelated = builds / "notes.txt"
     unrelated.write_text("kept")
+    other_library = builds / "pixeltriage_simd_old.so"       # another source's build: not this one's to prune
+    other_library.write_bytes(b"")
+    os.utime(other_library, (1_000_000, 1_000_000))
     assert _library_in_subprocess({}, tmp_path).startswith("True")
     left = sorted(p.name for p in builds.glob("pixeltriage_cpu_*.so"))
     assert len(left) == native.KEEP_BUILDS
     newest_old = [f"pixeltriage_cpu_old{i:02d}.so" for i in range(4, native.KEEP_BUILDS + 3)]
-    assert set(newest_old) <= set(left) and unrelated.exists()
+    assert set(newest_old) <= set(left) and unrelated.exists() and other_library.exists()

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd"]
-_state: dict[str, str] = {"status": "not loaded"}
+_state: dict[str, str] = {}        # each C source's build status, by its file name
 
 
 def _disabled() -> bool:
@@ -61,19 +61,20 @@ def _build_dir() -> Path:
     return cache_dir() / "native"
 
 
-def _compile(cc: str, out: Path) -> None:
-    """Build the library at `out` (atomically: concurrent builders each rename a complete file into place)."""
+def _compile(cc: str, source: Path, out: Path) -> None:
+    """Build `source` into the library at `out` (atomically: concurrent builders each rename a complete file into
+    place)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
         errors = []
         for openmp in (["-fopenmp"], []):              # without OpenMP the pragmas are ignored: one thread
-            cmd = [cc, *FLAGS, *openmp, str(SOURCE), "-o", tmp, "-lm"]
+            cmd = [cc, *FLAGS, *openmp, str(source), "-o", tmp, "-lm"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 if not openmp:
-                    log.warning("native CPU kernels built without OpenMP (%s): they run on one thread", cc)
+                    log.warning("%s built without OpenMP (%s): it runs on one thread", source.name, cc)
                 umask = os.umask(0)
                 os.umask(umask)
                 os.chmod(tmp, 0o755 & ~umask)       # mkstemp made it 0600: readable by every user of the cache
@@ -86,54 +87,68 @@ def _compile(cc: str, out: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (then callers take their torch path); built once per machine."""
+def build(source: Path, prefix: str, what: str, instead: str = "the torch implementations") -> ctypes.CDLL | None:
+    """Build (once per source, compiler binary, flags and CPU) and load the C library of `source`, named
+    `{prefix}_{key}.so` in the build directory; None when disabled, not on Linux, without a compiler, or when the
+    build fails (`build_status(source)` says which; the warning names `instead`, what runs in its place). Every C
+    source of the package goes through here."""
+    def done(status: str, lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
+        _state[source.name] = status
+        return lib
+
     if _disabled():
-        _state["status"] = "disabled by PIXELTRIAGE_NATIVE=0"
-        return None
+        return done("disabled by PIXELTRIAGE_NATIVE=0")
     if platform.system() != "Linux":
-        _state["status"] = f"not built on {platform.system()} (Linux only)"
-        return None
+        return done(f"not built on {platform.system()} (Linux only)")
     cc = _compiler()
     if cc is None:
-        _state["status"] = "no C compiler found (set CC)"
-        log.warning("native CPU kernels: %s; using the torch implementations", _state["status"])
-        return None
-    source = SOURCE.read_bytes()
+        log.warning("%s: no C compiler found (set CC); using %s", what, instead)
+        return done("no C compiler found (set CC)")
     try:                              # the compiler binary itself (cheaper than running `cc --version` per process)
         real = os.path.realpath(cc)
         st = os.stat(real)
         compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     except OSError:
         compiler = cc
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
-    path = _build_dir() / f"pixeltriage_cpu_{key}.so"
+    path = _build_dir() / f"{prefix}_{key}.so"
     try:
         if not path.is_file():
-            log.info("building native CPU kernels with %s -> %s", cc, path)
-            _compile(cc, path)
-            _prune(path)
+            log.info("building %s with %s -> %s", what, cc, path)
+            _compile(cc, source, path)
+            _prune(path, prefix)
         import torch  # noqa: F401  (torch's OpenMP runtime is loaded first, so the library binds to it)
 
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _state["status"] = f"build or load failed: {str(e).strip()[:4000]}"
-        log.warning("native CPU kernels unavailable, using the torch implementations: %s", _state["status"])
-        return None
-    _declare(lib)
-    _state["status"] = f"loaded {path}"
+        status = f"build or load failed: {str(e).strip()[:4000]}"
+        log.warning("%s unavailable, using %s: %s", what, instead, status)
+        return done(status)
+    return done(f"loaded {path}", lib)
+
+
+def build_status(source: Path) -> str:
+    """What `build` did with `source` in this process ("not loaded" before it was asked)."""
+    return _state.get(source.name, "not loaded")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (then callers take their torch path); built once per machine."""
+    lib = build(SOURCE, "pixeltriage_cpu", "native CPU kernels")
+    if lib is not None:
+        _declare(lib)
     return lib
 
 
 KEEP_BUILDS = 8     # builds kept per cache directory (other sources, compilers or CPUs sharing it), newest first
 
 
-def _prune(keep: Path) -> None:
-    """Delete all but the KEEP_BUILDS most recent builds next to `keep` (old sources pile up across upgrades).
-    A process that has one loaded keeps its mapping; a machine that needs a deleted one builds it again."""
-    builds = sorted(keep.parent.glob("pixeltriage_cpu_*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+def _prune(keep: Path, prefix: str = "pixeltriage_cpu") -> None:
+    """Delete all but the KEEP_BUILDS most recent builds of `prefix` next to `keep` (old sources pile up across
+    upgrades). A process that has one loaded keeps its mapping; a machine that needs a deleted one builds it again."""
+    builds = sorted(keep.parent.glob(f"{prefix}_*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in [p for p in builds if p != keep][KEEP_BUILDS - 1:]:
         try:
             old.unlink()
@@ -191,7 +206,7 @@ def bf16_engines() -> frozenset[str]:
 
 def status() -> str:
     library()
-    return _state["status"]
+    return build_status(SOURCE)
 
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
