@@ -16,7 +16,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from poison import NanPoisonedEmpty
 from triton_interpreter import fla_interpreter  # noqa: F401  (the fixture)
 
 from pixeltriage.kernels import registry
@@ -27,19 +27,6 @@ CONV_DIM = 2 * HK * DK + HV * DV
 O_TOL_EXACT = 1.2e-5      # against the float64 recurrence
 O_TOL_TORCH = 8e-6        # against the torch chunked rule
 CONV_TOL = 2.5e-7
-
-
-class NanPoisonedEmpty(TorchDispatchMode):
-    """Fills every floating tensor that empty()/empty_like()/new_empty() returns with NaN."""
-
-    EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-             torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in self.EMPTY and out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
 
 
 def make_inputs(seq_len, dtype=torch.float32, seed=0):

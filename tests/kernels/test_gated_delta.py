@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from poison import NanPoisonedEmpty
 
 from pixeltriage.kernels.gated_delta import (chunk_gated_delta_rule, conv_chunk_gated_delta_rule,
                                              recurrent_gated_delta_rule)
@@ -220,19 +221,6 @@ BF16_ENGINES = _bf16_engines()
 BF16_PASS_TOL = 2 ** -6
 BF16_SEGMENTS = {"1": [0, 1], "63": [0, 63], "64": [0, 64], "65": [0, 65], "130": [0, 130],
                  "varlen": [0, 1, 1, 65, 66, 130]}      # a 1-token sequence, an empty one, a full chunk, 1 token, 64
-
-
-class NanPoisonedEmpty(torch.utils._python_dispatch.TorchDispatchMode):
-    """Fills every floating tensor that empty()/empty_like()/new_empty() returns with NaN."""
-
-    EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-             torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in self.EMPTY and out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
 
 
 def bf16_projection(seq_len, hk, hv, dk, dv, seed=0):
