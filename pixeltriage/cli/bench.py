@@ -5,11 +5,10 @@ import argparse
 
 from pixeltriage.cli.common import (DEMO_PRESETS, DEVICES, VERBOSITY, add_threads_argument, existing_path,
                                     int_at_least, int_list, non_negative_float, positive_float)
+from pixeltriage.delivery.profiles import CHECKPOINTS, DEFAULT_CHECKPOINT  # torch-free: the registry's names
 
 # the choices of the library's tables (tests/test_cli.py checks that they agree)
 SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.cost.SCENARIOS
-from pixeltriage.delivery.profiles import CHECKPOINTS, DEFAULT_CHECKPOINT  # torch-free: the registry's names
-
 ANSWERING_MODELS = tuple(CHECKPOINTS)                                 # the answering checkpoints the FLOP model knows
 SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltriage.bench.flops.SYSTEM_ONE_CONFIGS
 ANSWERING_SCALES = ("7b", "small", "tiny")                           # pixeltriage.bench.latency.ANSWERING_SCALES
@@ -32,6 +31,14 @@ def run(args: argparse.Namespace) -> int:
     tune_malloc()              # as the engine's other processes do; the figures are measured with it
     module = importlib.import_module(f"pixeltriage.bench.{args._bench}")
     return getattr(module, f"run_{args._bench}")(args)
+
+
+def _add_demo_model(p: argparse.ArgumentParser) -> None:
+    """--preset, --device, --dtype: the demo checkpoint the latency, serve and soak benches run."""
+    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 on the CPU, bfloat16 on CUDA")
 
 
 def _add_cost(p: argparse.ArgumentParser) -> None:
@@ -62,10 +69,7 @@ def _add_cpu(p: argparse.ArgumentParser) -> None:
 
 
 def _add_latency(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
-    p.add_argument("--device", default="cpu", choices=DEVICES)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: float32 on the CPU, bfloat16 on CUDA")
+    _add_demo_model(p)
     p.add_argument("--batch", type=int_at_least(1), default=4, help="batch size of the batched run (default 4)")
     p.add_argument("--questions", type=int_at_least(1), default=24, help="timed questions (default 24)")
     p.add_argument("--k", type=int_list(1), default=[1, 2], help="budgets for ours@k (default 1,2)")
@@ -124,10 +128,7 @@ def _add_roofline(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
-    p.add_argument("--device", default="cpu", choices=DEVICES)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: float32 on the CPU, bfloat16 on CUDA")
+    _add_demo_model(p)
     p.add_argument("--clients", type=int_at_least(1), default=8, help="closed-loop concurrent clients (default 8)")
     p.add_argument("--rate", type=positive_float, default=None,
                    help="open-loop requests/s (default: twice the closed-loop throughput, a 2x overload)")
@@ -145,10 +146,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 
 def _add_soak(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=positive_float, required=True, help="seconds of mixed traffic")
-    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
-    p.add_argument("--device", default="cpu", choices=DEVICES)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: float32 on the CPU, bfloat16 on CUDA")
+    _add_demo_model(p)
     p.add_argument("--clients", type=int_at_least(1), default=4, help="concurrent normal clients (default 4)")
     p.add_argument("--baseline", type=positive_float, default=None,
                    help="seconds of normal requests alone before the mix (default: duration/10, 4 to 60)")
