@@ -585,6 +585,22 @@ static void delta_loop_chunk(float *vn, const float *wm, const float *qm, const 
         mm4_cols(ktm + r0 * C, C, vn, V, C, S + r0 * V, V, V, 1.0f, cd, 1);   /* 0 * inf stays NaN */
 }
 
+/* The checks pt_delta_chunked and pt_delta_chunked_bf16 share. Conv mode (taps): a width of 1..MAX_CONV_WIDTH,
+ * heads up to MAX_DELTA_HEAD (the per-token buffers) and a projection of 2 (H / group) K + H V columns. */
+static int delta_conv_ok(const float *taps, int W, int64_t group, int64_t H, int64_t K, int64_t V, int64_t conv_dim) {
+    return !taps || (W >= 1 && W <= MAX_CONV_WIDTH && group >= 1 && H % group == 0 && K <= MAX_DELTA_HEAD
+                     && V <= MAX_DELTA_HEAD && conv_dim == 2 * (H / group) * K + H * V);
+}
+
+/* Every chunk's length in 0..C and, in conv mode, its segment starting at or before it. */
+static int delta_chunks_ok(int64_t N, int64_t C, const int64_t *chunk_start, const int64_t *chunk_len,
+                           const float *taps, const int64_t *seg_start) {
+    for (int64_t n = 0; n < N; n++)
+        if (chunk_len[n] < 0 || chunk_len[n] > C || (taps && seg_start[n] > chunk_start[n]))
+            return 0;
+    return 1;
+}
+
 int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h,
                      const float *v, int64_t v_t, int64_t v_h, const float *beta, const int64_t *chunk_start,
                      const int64_t *chunk_len, const uint8_t *restart, int64_t N, int64_t H, int64_t C, int64_t K,
@@ -592,14 +608,10 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
                      const void *x, int x_bf16, int64_t x_t, const float *taps, int W, int64_t conv_dim,
                      int64_t group, const int64_t *seg_start, float *out, float *state, float *scratch,
                      int nthreads) {
-    if (N < 0 || H < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL)
+    if (N < 0 || H < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL
+        || !delta_conv_ok(taps, W, group, H, K, V, conv_dim)
+        || !delta_chunks_ok(N, C, chunk_start, chunk_len, taps, seg_start))
         return 1;
-    if (taps && (W < 1 || W > MAX_CONV_WIDTH || group < 1 || H % group || K > MAX_DELTA_HEAD || V > MAX_DELTA_HEAD
-                 || conv_dim != 2 * (H / group) * K + H * V))
-        return 1;
-    for (int64_t n = 0; n < N; n++)
-        if (chunk_len[n] < 0 || chunk_len[n] > C || (taps && seg_start[n] > chunk_start[n]))
-            return 1;
     delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
                     x, x_bf16, W, x_t, conv_dim, group, taps};
 #pragma omp parallel num_threads(nthreads)
@@ -911,13 +923,12 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
     if (N < 0 || H < 0 || C < 32 || C % 32 || C > MAX_DELTA_CHUNK || K < 1 || V < 1 || K > MAX_DELTA_HEAD
         || V > MAX_DELTA_HEAD || scratch_floats < DELTA_BF16_SCRATCH(C, round32(K), round32(V)))
         return 1;
-    if (taps && (W < 1 || W > MAX_CONV_WIDTH || group < 1 || H % group || conv_dim != 2 * (H / group) * K + H * V))
+    if (!delta_conv_ok(taps, W, group, H, K, V, conv_dim))
         return 1;
     if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
         return 2;
-    for (int64_t n = 0; n < N; n++)
-        if (chunk_len[n] < 0 || chunk_len[n] > C || (taps && seg_start[n] > chunk_start[n]))
-            return 1;
+    if (!delta_chunks_ok(N, C, chunk_start, chunk_len, taps, seg_start))
+        return 1;
     delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
                     x, x_bf16, W, x_t, conv_dim, group, taps};
 #pragma omp parallel num_threads(nthreads)
