@@ -23,22 +23,23 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* 1 / (1 + e^-y): rcp14 and one Newton step (relative error ~2^-28) in place of a division; NaN in, NaN out */
-static inline __m512 sigmoid16(__m512 y) {
+/* 1 / (1 + e^-y): rcp14 and one Newton step (relative error ~2^-28) in place of a division; finite for NaN y */
+static inline __m512 inv1pexp16(__m512 y) {
     __m512 d = _mm512_add_ps(exp16(_mm512_sub_ps(_mm512_setzero_ps(), y)), _mm512_set1_ps(1.0f));
     __m512 rc = _mm512_rcp14_ps(d);
-    rc = _mm512_mul_ps(rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.0f)));
-    __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-    return _mm512_mask_mov_ps(rc, nan, y);
+    return _mm512_mul_ps(rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.0f)));
 }
 
-/* y / (1 + e^-y): rcp14 and one Newton step (relative error ~2^-28) in place of a division; 0 below y = -87, as
- * pt_silu_mul (the true value is under 2e-36 there), NaN kept (the comparison is unordered-true) */
+/* sigmoid(y) = 1 / (1 + e^-y); NaN in, NaN out */
+static inline __m512 sigmoid16(__m512 y) {
+    __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(inv1pexp16(y), nan, y);
+}
+
+/* silu(y) = y / (1 + e^-y); 0 below y = -87, as pt_silu_mul (the true value is under 2e-36 there), NaN kept (the
+ * comparison is unordered-true) */
 static inline __m512 silu16(__m512 y) {
-    __m512 d = _mm512_add_ps(exp16(_mm512_sub_ps(_mm512_setzero_ps(), y)), _mm512_set1_ps(1.0f));
-    __m512 rc = _mm512_rcp14_ps(d);
-    rc = _mm512_mul_ps(rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.0f)));
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), y, rc);
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), y, inv1pexp16(y));
 }
 
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
@@ -100,6 +101,7 @@ int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void 
     }
     return 0;
 }
+
 /* float32 -> bf16 (round to nearest even) -> float32 */
 static inline __m512 round16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
