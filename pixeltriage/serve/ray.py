@@ -191,8 +191,7 @@ class ReplicaDrain:
     def _run(self, timeout: float) -> None:
         service = self.service
         try:
-            if not service.drain(timeout) and service.batcher is not None:
-                service.batcher.close("the service shut down before this request was scored (graceful timeout)")
+            service.drain(timeout)
         finally:
             self.done.set()
 

@@ -381,7 +381,8 @@ class Service:
             self.open_requests -= 1
 
     def drain(self, timeout: float) -> bool:
-        """Stop admitting (503 from now on) and wait up to `timeout` s for admitted questions; True if all finished."""
+        """Stop admitting (503 from now on) and wait up to `timeout` s for admitted questions; True if all finished.
+        Past the timeout, the questions not yet in a forward are refused (503) and the batcher closes."""
         with self._lock:
             if self.status == "ready":
                 self.status = "draining"
@@ -395,6 +396,7 @@ class Service:
         if not done:
             log.warning("graceful timeout (%.1f s): %d questions still admitted are refused", timeout,
                         self.batcher.admitted)
+            self.batcher.close("the service shut down before this request was scored (graceful timeout)")
         return done
 
     def close(self) -> None:
