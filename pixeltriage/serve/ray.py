@@ -137,16 +137,11 @@ def _local_replica():
     return context.replica_id.unique_id, context.servable_object
 
 
-_vision_lock = threading.Lock()
-
-
 def replica_metrics(_actor_object) -> tuple[str, list]:
     """Run in a replica (`__ray_call__`): (its id, its metric families, as its own /metrics would expose them)."""
     replica, servable = _local_replica()
     service = servable.service
-    with _vision_lock:
-        if service.scorer is not None:
-            service.metrics.vision_counts(service.scorer.vision_counts)
+    service.update_vision_counts()
     return replica, list(service.metrics.registry.collect())
 
 

@@ -285,6 +285,7 @@ class Service:
         self._trim: IdleTrim | None = None
         self.pending_writes = 0
         self._lock = threading.Lock()
+        self._vision_lock = threading.Lock()
 
     @property
     def cache(self) -> "Cache | None":
@@ -678,9 +679,15 @@ class Service:
     def exposition(self) -> tuple[bytes, str]:
         """The metrics in Prometheus text format and its content type, the vision tower's counts brought up to
         date first."""
-        if self.scorer is not None:
-            self.metrics.vision_counts(self.scorer.vision_counts)
+        self.update_vision_counts()
         return self.metrics.expose()
+
+    def update_vision_counts(self) -> None:
+        """Bring the vision tower's counters up to date (`Metrics.vision_counts` adds what they gained since its
+        last call: one caller at a time, or a gain is counted twice)."""
+        with self._vision_lock:
+            if self.scorer is not None:
+                self.metrics.vision_counts(self.scorer.vision_counts)
 
     def build_info(self) -> dict:
         from pixeltriage import __version__
