@@ -114,13 +114,17 @@ def deployment(spec: ModelSpec, config: ServeConfig, *, replicas: int | None = 1
 
 
 # -- the whole deployment, seen from one replica ---------------------------------------------------------------------
-def replica_actor_names(app: str, deployment_name: str) -> list[str]:
-    """The actor names of the deployment's live replicas (Ray Serve names each `SERVE_REPLICA::app#deployment#id`)."""
+def serve_actor_names(prefix: str) -> list[str]:
+    """The names of Ray Serve's live actors (its namespace) that start with `prefix`."""
     import ray
 
-    prefix = f"{REPLICA_ACTOR_PREFIX}{app}#{deployment_name}#"
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(prefix))
+
+
+def replica_actor_names(app: str, deployment_name: str) -> list[str]:
+    """The actor names of the deployment's live replicas (Ray Serve names each `SERVE_REPLICA::app#deployment#id`)."""
+    return serve_actor_names(f"{REPLICA_ACTOR_PREFIX}{app}#{deployment_name}#")
 
 
 def _actor(name: str):
@@ -295,7 +299,7 @@ class DeploymentViews:
                          "replicas_live": sorted(statuses, key=lambda s: s["replica"]),
                          "replicas_unreachable": len(missing)})
         if self._transport is None:
-            proxies = await asyncio.to_thread(_proxy_actor_names)
+            proxies = await asyncio.to_thread(serve_actor_names, PROXY_ACTOR_PREFIX)
             answers, _ = await _gather(proxies, proxy_transport)
             self._transport = {"server": "ray-serve-proxy", **(answers[0] if answers else {})}
         info["transport"] = self._transport
@@ -390,13 +394,6 @@ def proxy_transport(proxy) -> dict:
     return {"loop": loop, "http": getattr(http, "__module__", str(http)).rsplit(".", 1)[-1].removesuffix("_impl")}
 
 
-def _proxy_actor_names() -> list[str]:
-    import ray
-
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(PROXY_ACTOR_PREFIX))
-
-
 def _call_all(names: list[str], fn: Callable, *args) -> dict[str, Any]:
     """`fn(*args)` in each named actor, at once, from the driver -> {name: answer}; None for an actor that did not
     answer within CALL_TIMEOUT, no entry for one that is gone."""
@@ -458,7 +455,7 @@ def drain(config: ServeConfig, hurry: threading.Event, *, stop_proxies: bool) ->
     if not finished:
         log.warning("the replicas did not all report their drain within %.0f s", grace + 2 * CALL_TIMEOUT)
     if stop_proxies:
-        proxies = _proxy_actor_names()
+        proxies = serve_actor_names(PROXY_ACTOR_PREFIX)
         deadline = time.monotonic() + LINGER + CONNECTION_GRACE + CALL_TIMEOUT
         while proxies and not hurry.is_set() and time.monotonic() < deadline:
             answers = _call_all(proxies, proxy_stop_http, CONNECTION_GRACE)
@@ -484,8 +481,7 @@ def shut_serve_down(timeout: float) -> None:
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(a["namespace"] == SERVE_NAMESPACE and a["name"] == CONTROLLER_ACTOR
-                   for a in ray.util.list_named_actors(all_namespaces=True)):
+        if CONTROLLER_ACTOR not in serve_actor_names(CONTROLLER_ACTOR):
             return
         time.sleep(POLL)
     log.warning("Ray Serve did not shut down within %.0f s; leaving Ray", timeout)
