@@ -61,11 +61,10 @@ class PixelTriageReranker(BaseReranker):
             scores = common.score(self.scorer, query, memories)
             decision = common.decide(scores, self.k)
             for rank in decision.order:
-                document = documents[scored[rank]]
-                reranked = dict(document)
-                if not decision.open[rank] and not self.keep_closed_images and document.get("metadata"):
-                    reranked["metadata"] = {k: v for k, v in document["metadata"].items() if k != self.fields.image}
-                out.append({**reranked, "rerank_score": scores.gains[rank], **decision.written(rank)})
+                reranked = {**documents[scored[rank]], "rerank_score": scores.gains[rank], **decision.written(rank)}
+                if not decision.open[rank] and not self.keep_closed_images and reranked.get("metadata"):
+                    reranked["metadata"] = {k: v for k, v in reranked["metadata"].items() if k != self.fields.image}
+                out.append(reranked)
         taken = set(scored)
         out += [{**d, "rerank_score": 0.0} for i, d in enumerate(documents) if i not in taken]
         limit = top_k if top_k is not None else self.top_k
