@@ -28,10 +28,7 @@ def main() -> None:
         p.error("--k must be >= 0")
     try:
         run(args)
-    except PixelTriageError as e:                              # a bad checkpoint or episode: one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except ImportError as e:                                   # a framework that is not installed
+    except (PixelTriageError, ImportError) as e:   # a bad checkpoint or episode, a framework not installed: exit 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
@@ -44,7 +41,7 @@ def run(args: argparse.Namespace) -> None:
 
         args.checkpoint = demo_checkpoint("tiny")
     question, memories = load_episodes(args.episode)[0]
-    scorer = Scorer.load(args.checkpoint)                      # one scorer for both frameworks
+    scorer = Scorer.load(args.checkpoint)                      # one scorer for the three frameworks
     llamaindex(scorer, question, memories, args.k)
     langchain(scorer, question, memories, args.k)
     mem0(scorer, question, memories, args.k)
