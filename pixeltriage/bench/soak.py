@@ -48,6 +48,7 @@ from urllib.parse import urlsplit
 
 from pixeltriage.bench.serve import Driver, Local, Phase, _matches, episodes, request_body
 from pixeltriage.bench.timing import percentiles
+from pixeltriage.cli.common import device_dtype
 from pixeltriage.serve.process import ServerProcess
 
 RSS_GROWTH_LIMIT = 0.10            # end RSS within 10% of after warm-up
@@ -150,28 +151,28 @@ class Soak:
         phase.wall = time.perf_counter() - start
 
     # bad kinds, one of each
-    def send_oversized(self, body: bytes | None = None) -> None:
+    def post(self, kind: str, body: bytes, content_type: str = "application/json"):
+        """POST /v1/score -> the response, or None (recorded as lost under `kind`) when none came back."""
         import httpx
 
-        body = body if body is not None else self.oversized[self.rng.randrange(len(self.oversized))][1]
         try:
-            r = self.driver.http.post("/v1/score", content=body, headers={"content-type": "application/json"})
+            return self.driver.http.post("/v1/score", content=body, headers={"content-type": content_type})
         except httpx.HTTPError as e:
-            self.kinds["oversized"].record(f"no answer ({type(e).__name__})", lost=True)
-            return
-        self.kinds["oversized"].record(str(r.status_code))
+            self.kinds[kind].record(f"no answer ({type(e).__name__})", lost=True)
+            return None
+
+    def send_oversized(self, body: bytes | None = None) -> None:
+        body = body if body is not None else self.oversized[self.rng.randrange(len(self.oversized))][1]
+        r = self.post("oversized", body)
+        if r is not None:
+            self.kinds["oversized"].record(str(r.status_code))
 
     def send_malformed(self, body: bytes | None = None, content_type: str = "") -> None:
-        import httpx
-
         if body is None:
             _, body, content_type = self.malformed[self.rng.randrange(len(self.malformed))]
-        try:
-            r = self.driver.http.post("/v1/score", content=body, headers={"content-type": content_type})
-        except httpx.HTTPError as e:
-            self.kinds["malformed"].record(f"no answer ({type(e).__name__})", lost=True)
-            return
-        self.kinds["malformed"].record(str(r.status_code))
+        r = self.post("malformed", body, content_type)
+        if r is not None:
+            self.kinds["malformed"].record(str(r.status_code))
 
     def send_disconnect(self) -> None:
         half = self.rng.random() < 0.5
@@ -182,16 +183,12 @@ class Soak:
             self.kinds["disconnect"].record(f"refused ({type(e).__name__})")
 
     def burst_one(self, n: int) -> None:
-        import httpx
-
         episode = n % len(self.eps)
         request_id = self.next_id("burst")
         body = self.driver.bodies[episode].replace(b'"id": ""', f'"id": "{request_id}"'.encode(), 1)
         phase = self.kinds["burst"]
-        try:
-            r = self.driver.http.post("/v1/score", content=body, headers={"content-type": "application/json"})
-        except httpx.HTTPError as e:
-            phase.record(f"no answer ({type(e).__name__})", lost=True)
+        r = self.post("burst", body)
+        if r is None:
             return
         if r.status_code == 200:
             result = r.json()
@@ -238,7 +235,7 @@ def run_soak(args: argparse.Namespace) -> int:
 
     from pixeltriage.weights.demo import demo_checkpoint
 
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype = device_dtype(args)
     baseline = args.baseline if args.baseline is not None else min(60.0, max(4.0, args.duration / 10))
     checkpoint = demo_checkpoint(args.preset)
     eps = episodes(args.episodes, args.memories, args.seed)
