@@ -45,16 +45,7 @@ def test_child_measures_each_method(tiny_checkpoint, tmp_path, monkeypatch, meth
         from pixeltriage import Scorer
 
         _spy(monkeypatch, Scorer, "load", spans, "load")
-        original_score = Scorer.score
-
-        def score(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original_score(self, *args, **kwargs)
-            finally:
-                spans.setdefault("score", []).append((t0, time.perf_counter()))
-
-        monkeypatch.setattr(Scorer, "score", score)
+        _spy(monkeypatch, Scorer, "score", spans, "score")
     t_call = time.perf_counter()
     out = load._child(method, str(path), "bfloat16")
     t_back = time.perf_counter()
