@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pixeltriage.errors import BackendUnavailableError
 from pixeltriage.kernels import registry
+from pixeltriage.kernels.gated_delta.chunk import check_projection
 
 FLA_CHUNK = 64           # fla's chunk size for the gated delta rule and its conv's rows per program
 
@@ -60,13 +61,8 @@ def gated_delta_fla(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tenso
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    seq_len, conv_dim = qkv.shape
-    if (num_k_heads < 1 or num_v_heads % num_k_heads or conv_dim != 2 * num_k_heads * k_dim + num_v_heads * v_dim
-            or conv_weight.dim() != 2 or conv_weight.shape[0] != conv_dim):
-        raise ValueError(f"projection width {conv_dim} (conv weight {tuple(conv_weight.shape)}) does not hold "
-                         f"{num_k_heads} key heads of {k_dim} and {num_v_heads} value heads of {v_dim}")
-    if g.shape != (seq_len, num_v_heads) or beta.shape != (seq_len, num_v_heads):
-        raise ValueError(f"g and beta [{seq_len}, {num_v_heads}] expected, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    check_projection(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, num_v_heads)
+    seq_len = qkv.shape[0]
     if qkv.device.type != "cuda" and not registry.emulating_cuda():
         raise BackendUnavailableError(f"fla's gated delta rule runs on CUDA, found {qkv.device}; on a CPU only in "
                                       f"Triton's interpreter, under the test switch PIXELTRIAGE_EMULATE_CUDA=1")
