@@ -33,9 +33,10 @@ import torch
 from PIL import Image, ImageDraw
 
 from pixeltriage.bench.flops import ANSWERING_MODELS
-from pixeltriage.delivery.profiles import DEFAULT_CHECKPOINT
 from pixeltriage.bench.timing import (device_peak_tflops, flop_rate, gemm_tflops, percentiles, set_threads,
                                       threads_label, timed)
+from pixeltriage.cli.common import device_dtype
+from pixeltriage.delivery.profiles import DEFAULT_CHECKPOINT
 
 SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
          (720, 1280), (512, 384)]
@@ -289,7 +290,7 @@ def plot(r: dict, path: str) -> None:
 
 def run_latency(args: argparse.Namespace) -> int:
     set_threads(args.threads)
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype = device_dtype(args)
     ks = tuple(args.k)
     r = latency_report(args.preset, args.device, dtype, args.batch, args.questions, ks, args.answering_scale,
                        args.profile, args.seed, progress=lambda s: print(s, file=sys.stderr, flush=True))
