@@ -53,7 +53,7 @@ class ServerProcess:
             if self.url is None:
                 found = LISTENING.search(self.output())
                 self.url = found.group(1) if found else None
-            elif _status(self.url + "/ready") == 200:
+            elif status_code(self.url + "/ready") == 200:
                 return self
             time.sleep(0.05)
         self.stop()
@@ -89,7 +89,8 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
-def _status(url: str) -> int | None:
+def status_code(url: str) -> int | None:
+    """The status of a GET of `url` (None: no answer within 2 s)."""
     try:
         return httpx.get(url, timeout=2.0).status_code
     except httpx.HTTPError:

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-import httpx
 import pytest
 from PIL import Image
 
@@ -93,7 +92,7 @@ class GatedServer(ServerProcess):
                 pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
             found = process.LISTENING.search(self.output())
             self.url = found.group(1) if found else None
-            return self.url is not None and health(self.url) == 200
+            return self.url is not None and process.status_code(self.url + "/health") == 200
 
         wait_for("the server to listen", listening, timeout)
         return self
@@ -109,13 +108,6 @@ class GatedServer(ServerProcess):
 
 
 LAUNCHER = Path(__file__).with_name("gated_serve.py")
-
-
-def health(url: str) -> int | None:
-    try:
-        return httpx.get(url + "/health", timeout=2.0).status_code
-    except httpx.HTTPError:
-        return None
 
 
 metric = process.metric
