@@ -512,6 +512,22 @@ static void ut_inverse(float *t, const float *l_all, int64_t C, float tiny) {
     }
 }
 
+/* A chunk's decays from its cumulative log decays g[C]: gexp[i] = exp(gamma_i), kend[i] = exp(gamma_{C-1} - gamma_i)
+ * and dec[i, j] = exp(gamma_i - gamma_j) ([C, C]) on the lower triangle, in whole 16-float vectors (the entries right
+ * of the diagonal in row i's last vector are written too: callers mask them). */
+static void chunk_decays(const float *g, int64_t C, float cutoff, float *gexp, float *kend, float *dec) {
+    for (int64_t i = 0; i < C; i++) {
+        gexp[i] = decay_exp(g[i], cutoff);
+        kend[i] = decay_exp(g[C - 1] - g[i], cutoff);
+    }
+    for (int64_t i = 0; i < C; i++) {
+        float gi = g[i];
+        int64_t n = round16(i + 1);
+        for (int64_t j = 0; j < n; j++)
+            dec[i * C + j] = decay_exp(gi - g[j], cutoff);
+    }
+}
+
 /* One chunk's prep for head h: its rows gathered straight into the outputs (q into qm, kb into kbm, vb into vbm,
  * k^T into kt) and transformed in place: u (over vbm) and w (over kbm) bottom-up, so that row block i reads only
  * rows <= i of the input it overwrites. Triangular products run over their nonzero blocks only. dec: 2 C^2 floats.
@@ -526,17 +542,8 @@ static float delta_prep_chunk(const delta_args *a, int64_t t0, int64_t len, int6
         for (int64_t d = 0; d < K; d++)
             for (int64_t i = i0; i < i0 + VL; i++)
                 kt[d * C + i] = kn[i * K + d];
-    float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK];       /* exp(gamma_i), exp(gamma_{C-1} - gamma_i) */
-    for (int64_t i = 0; i < C; i++) {
-        gexp[i] = decay_exp(g[i], cutoff);
-        kend[i] = decay_exp(g[C - 1] - g[i], cutoff);
-    }
-    for (int64_t i = 0; i < C; i++) {                     /* the lower triangle, in whole 16-float vectors */
-        float gi = g[i];
-        int64_t n = round16(i + 1);
-        for (int64_t j = 0; j < n; j++)
-            dec[i * C + j] = decay_exp(gi - g[j], cutoff);
-    }
+    float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK];
+    chunk_decays(g, C, cutoff, gexp, kend, dec);
     /* t <- kb k^T and intra <- q k^T on their lower blocks (the rest of each 16-column vector is masked below) */
     for (int64_t i0 = 0; i0 < C; i0 += 4) {
         int64_t ncols = round16(i0 + 4);
@@ -853,14 +860,9 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
 #undef TAKE_F32
     delta_gather_rows(a, t0, len, seg0, h, qm, kbm, vbm, kn, K, V);
     float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK], qscale[MAX_DELTA_CHUNK];
-    for (int64_t i = 0; i < C; i++) {
-        gexp[i] = decay_exp(g[i], cutoff);
-        kend[i] = decay_exp(g[C - 1] - g[i], cutoff);
-        qscale[i] = gexp[i] * scale;
-    }
+    chunk_decays(g, C, cutoff, gexp, kend, dec);
     for (int64_t i = 0; i < C; i++)
-        for (int64_t j = 0; j <= i; j++)
-            dec[i * C + j] = decay_exp(g[i] - g[j], cutoff);
+        qscale[i] = gexp[i] * scale;
     /* kb k^T and q k^T */
     to_bf16_rows(qm, K, C, K, NULL, qb, K);
     to_bf16_rows(kbm, K, C, K, NULL, kbb, K);
