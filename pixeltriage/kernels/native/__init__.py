@@ -145,7 +145,7 @@ def library() -> ctypes.CDLL | None:
 KEEP_BUILDS = 8     # builds kept per cache directory (other sources, compilers or CPUs sharing it), newest first
 
 
-def _prune(keep: Path, prefix: str = "pixeltriage_cpu") -> None:
+def _prune(keep: Path, prefix: str) -> None:
     """Delete all but the KEEP_BUILDS most recent builds of `prefix` next to `keep` (old sources pile up across
     upgrades). A process that has one loaded keeps its mapping; a machine that needs a deleted one builds it again."""
     builds = sorted(keep.parent.glob(f"{prefix}_*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
