@@ -73,7 +73,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out if ok else None
 
 
-
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """w * x / sqrt(mean(x^2) + eps) * silu(gate) over the last dim, rounded once to bf16. x: float32 [R, H, D];
     gate: bf16 [R, H, D] (each with a unit last stride); weight: [D] -> bf16 [R, H, D]; None where the kernel does
