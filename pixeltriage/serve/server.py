@@ -83,9 +83,7 @@ class _Server(uvicorn.Server):
         threading.Thread(target=self._drain, name="pixeltriage-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        service = self.service
-        if not service.drain(service.config.graceful_timeout) and service.batcher is not None:
-            service.batcher.close("the service shut down before this request was scored (graceful timeout)")
+        self.service.drain(self.service.config.graceful_timeout)     # refuses what is left past the timeout
         self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
