@@ -19,6 +19,7 @@ import torch
 from pixeltriage.errors import BackendUnavailableError
 from pixeltriage.kernels import native
 from pixeltriage.kernels.gated_delta import chunk
+from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value_heads
 
 BF16_CHUNK = 64
 # The engines a bf16 forward takes, best first. AVX512-BF16's dot products (32 multiply-adds per instruction, 4 rows
@@ -76,7 +77,7 @@ def conv_chunk_rule_bf16(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Te
 
     engine_name: one of `native.BF16_ENGINES` (None: `engine()`); "fma" runs on any machine with the library.
     ValueError for inputs it does not take (`takes`); BackendUnavailableError for an engine this machine lacks."""
-    num_v_heads = chunk.check_projection(x, conv_weight, g, beta, num_k_heads, k_dim, v_dim)
+    num_v_heads = check_projection(x, conv_weight, g, beta, num_k_heads, k_dim, v_dim)
     if not takes(x, conv_weight, k_dim, v_dim, chunk_size):
         raise ValueError(f"the bf16 delta pass takes a contiguous-last bf16 CPU projection, heads up to 512 wide, "
                          f"conv widths up to 16 and a chunk of a multiple of 32 up to 256; got {x.dtype} on "
@@ -116,7 +117,7 @@ def gated_delta_bf16(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tens
                      cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
     """The "gated_delta" op of a bf16 forward on the matrix units: the registry's signature (see the package), the
     float32 pass (`chunk.gated_delta_native`) for the inputs the bf16 pass does not take."""
-    chunk._check_value_heads(beta, num_v_heads)
+    check_value_heads(beta, num_v_heads)
     if not takes(qkv, conv_weight, k_dim, v_dim):
         return chunk.gated_delta_native(qkv, conv_weight, g, beta, num_k_heads, k_dim, num_v_heads, v_dim,
                                         cu_seqlens, cu_seqlens_device)

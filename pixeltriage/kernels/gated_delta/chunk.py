@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value_heads
+
 # Decays below e^-30 (~1e-13, far under float32's 6e-8 resolution of unit-scale terms) are set to exactly zero.
 # Without the cut, strong decays (g of -10 to -40 per token is common) fill the chunk with subnormal floats, which
 # x86 CPUs process ~10-100x slower: the layer ran 3.5x slower for no difference in the result.
@@ -136,29 +138,13 @@ def conv_chunk_gated_delta_rule(
                                   native=native)
 
 
-def check_projection(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     num_k_heads: int, k_dim: int, v_dim: int, num_v_heads: int | None = None) -> int:
-    """ValueError unless x [T, conv_dim] holds num_k_heads key heads of k_dim and Hv value heads of v_dim (Hv, a
-    multiple of num_k_heads: num_v_heads, or None: from beta [T, Hv]), conv_weight is [conv_dim, W] and g and beta
-    are [T, Hv]; returns Hv."""
-    seq_len, conv_dim = x.shape
-    num_v_heads = beta.shape[1] if num_v_heads is None else num_v_heads
-    if (num_k_heads < 1 or conv_dim != 2 * num_k_heads * k_dim + num_v_heads * v_dim or num_v_heads % num_k_heads
-            or conv_weight.dim() != 2 or conv_weight.shape[0] != conv_dim):
-        raise ValueError(f"projection width {conv_dim} (conv weight {tuple(conv_weight.shape)}) does not hold "
-                         f"{num_k_heads} key heads of {k_dim} and {num_v_heads} value heads of {v_dim}")
-    if g.shape != (seq_len, num_v_heads) or beta.shape != (seq_len, num_v_heads):
-        raise ValueError(f"g and beta [{seq_len}, {num_v_heads}] expected, got {tuple(g.shape)}, {tuple(beta.shape)}")
-    return num_v_heads
-
-
 def gated_delta_native(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
                        cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
     """The "gated_delta" op on the CPU's C kernel (`pt_delta_chunked` in conv mode), the torch path where it
     declines. qkv: [T, conv_dim]; conv_weight: [conv_dim, W]; g, beta: [T, Hv] float32 -> [T, Hv, v_dim] float32.
     cu_seqlens_device is not used (the boundaries are read from the list)."""
-    _check_value_heads(beta, num_v_heads)
+    check_value_heads(beta, num_v_heads)
     return conv_chunk_gated_delta_rule(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, cu_seqlens=cu_seqlens)
 
 
@@ -167,14 +153,9 @@ def gated_delta_torch(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Ten
                       cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
     """The "gated_delta" op in torch alone (the conv's shifted multiply-adds, then the chunked rule): the same
     contract as `gated_delta_native`, on any device; float32 throughout."""
-    _check_value_heads(beta, num_v_heads)
+    check_value_heads(beta, num_v_heads)
     return conv_chunk_gated_delta_rule(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, cu_seqlens=cu_seqlens,
                                        native=False)
-
-
-def _check_value_heads(beta: torch.Tensor, num_v_heads: int) -> None:
-    if beta.dim() != 2 or beta.shape[1] != num_v_heads:
-        raise ValueError(f"beta [T, {num_v_heads}] expected for {num_v_heads} value heads, got {tuple(beta.shape)}")
 
 
 def conv_heads(x: torch.Tensor, conv_weight: torch.Tensor, num_k_heads: int, k_dim: int, num_v_heads: int,

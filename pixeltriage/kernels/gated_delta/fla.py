@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pixeltriage.errors import BackendUnavailableError
 from pixeltriage.kernels import registry
-from pixeltriage.kernels.gated_delta.chunk import check_projection
+from pixeltriage.kernels.gated_delta.shapes import check_projection
 
 FLA_CHUNK = 64           # fla's chunk size for the gated delta rule and its conv's rows per program
 
