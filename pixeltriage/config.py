@@ -14,6 +14,12 @@ from typing import Any
 
 from pixeltriage.errors import CheckpointError
 
+
+def default_dtype(device: str) -> str:
+    """The forward's dtype when none is given: bfloat16 on CUDA, float32 on the CPU (where a CPU without bf16 matmul
+    units would emulate them; docs/performance.md)."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 

@@ -35,7 +35,7 @@ from PIL import Image, ImageDraw
 from pixeltriage.bench.flops import ANSWERING_MODELS
 from pixeltriage.bench.timing import (device_peak_tflops, flop_rate, gemm_tflops, percentiles, set_threads,
                                       threads_label, timed)
-from pixeltriage.cli.common import device_dtype
+from pixeltriage.config import default_dtype
 from pixeltriage.delivery.profiles import DEFAULT_CHECKPOINT
 
 SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
@@ -290,7 +290,7 @@ def plot(r: dict, path: str) -> None:
 
 def run_latency(args: argparse.Namespace) -> int:
     set_threads(args.threads)
-    dtype = device_dtype(args)
+    dtype = args.dtype or default_dtype(args.device)
     ks = tuple(args.k)
     r = latency_report(args.preset, args.device, dtype, args.batch, args.questions, ks, args.answering_scale,
                        args.profile, args.seed, progress=lambda s: print(s, file=sys.stderr, flush=True))

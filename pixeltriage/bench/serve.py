@@ -324,10 +324,10 @@ def framework_overhead(requests: int = OVERHEAD_REQUESTS, rounds: int = 5) -> di
 
 # -- the run ---------------------------------------------------------------------------------------------------------
 def run_serve(args: argparse.Namespace) -> int:
-    from pixeltriage.cli.common import device_dtype
+    from pixeltriage.config import default_dtype
     from pixeltriage.weights.demo import demo_checkpoint
 
-    dtype = device_dtype(args)
+    dtype = args.dtype or default_dtype(args.device)
     checkpoint = demo_checkpoint(args.preset)
     eps = episodes(args.episodes, args.memories, args.seed)
     body_mib = statistics.fmean(len(request_body(q, m, "")) for q, m in eps) / 2 ** 20

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 
 from pixeltriage.bench.serve import Driver, Local, Phase, _matches, episodes, request_body
 from pixeltriage.bench.timing import percentiles
-from pixeltriage.cli.common import device_dtype
+from pixeltriage.config import default_dtype
 from pixeltriage.serve.process import ServerProcess
 
 RSS_GROWTH_LIMIT = 0.10            # end RSS within 10% of after warm-up
@@ -235,7 +235,7 @@ def run_soak(args: argparse.Namespace) -> int:
 
     from pixeltriage.weights.demo import demo_checkpoint
 
-    dtype = device_dtype(args)
+    dtype = args.dtype or default_dtype(args.device)
     baseline = args.baseline if args.baseline is not None else min(60.0, max(4.0, args.duration / 10))
     checkpoint = demo_checkpoint(args.preset)
     eps = episodes(args.episodes, args.memories, args.seed)

@@ -186,4 +186,6 @@ def add_device_arguments(p: argparse.ArgumentParser, dtype_default: str | None =
 
 def device_dtype(args: argparse.Namespace) -> str:
     """The dtype name `add_device_arguments` resolves to."""
-    return args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    from pixeltriage.config import default_dtype
+
+    return args.dtype or default_dtype(args.device)

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Iterator, Sequence, TypeVar
 
+from pixeltriage.config import default_dtype
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, NoCacheError,
                                 OverloadedError, ServiceUnavailableError, StateTooLongError)
 from pixeltriage.serve import schemas
@@ -61,7 +62,7 @@ class ModelSpec:
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        dtype = self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+        dtype = self.dtype or default_dtype(self.device)
         cache = Cache(self.cache) if self.cache else None
         try:
             return Scorer.load(self.checkpoint, device=self.device, dtype=dtype, cache=cache,
