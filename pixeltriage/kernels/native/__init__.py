@@ -110,7 +110,9 @@ def build(source: Path, prefix: str, what: str, instead: str = "the torch implem
         compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     except OSError:
         compiler = cc
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+    # the headers beside the source (`#include "..."`) are part of what is built: a changed header is a new build
+    headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(FLAGS).encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
     path = _build_dir() / f"{prefix}_{key}.so"
     try:

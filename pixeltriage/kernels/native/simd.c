@@ -5,42 +5,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-/* e^x for x in [-87, 88] (clamped): 2^n * p(r), r = x - n ln2 (ln2 in two parts), p Cephes' degree-6 expf
- * polynomial; NaN in, a finite value out (the callers multiply by the NaN input again). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* 1 / (1 + e^-y): rcp14 and one Newton step (relative error ~2^-28) in place of a division; finite for NaN y */
-static inline __m512 inv1pexp16(__m512 y) {
-    __m512 d = _mm512_add_ps(exp16(_mm512_sub_ps(_mm512_setzero_ps(), y)), _mm512_set1_ps(1.0f));
-    __m512 rc = _mm512_rcp14_ps(d);
-    return _mm512_mul_ps(rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.0f)));
-}
-
-/* sigmoid(y) = 1 / (1 + e^-y); NaN in, NaN out */
-static inline __m512 sigmoid16(__m512 y) {
-    __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-    return _mm512_mask_mov_ps(inv1pexp16(y), nan, y);
-}
-
-/* silu(y) = y / (1 + e^-y); 0 below y = -87, as pt_silu_mul (the true value is under 2e-36 there), NaN kept (the
- * comparison is unordered-true) */
-static inline __m512 silu16(__m512 y) {
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), y, inv1pexp16(y));
-}
+#include "vec_math.h"
 
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
