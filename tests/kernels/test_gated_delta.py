@@ -121,7 +121,8 @@ def test_default_chunk_is_the_c_kernels_size_where_they_run(native_calls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("bounds", [None, [0, 5, 5, 77, 160]])
-def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, native_calls):
+@pytest.mark.parametrize("dk", [16, 32])       # 32: q and k through the conv's AVX-512 loop too, where it is built
+def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, dk, native_calls):
     """The Gated DeltaNet's conv + SiLU, head split and chunked rule in one C pass (conv mode of
     `pt_delta_chunked`: q, k, v made from the projection where they are used) against `causal_conv1d_silu` then
     `chunk_gated_delta_rule` in torch: <= 1e-5 relative (float32 sums in other orders, the conv's multiply-adds
@@ -130,7 +131,7 @@ def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, nati
     from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
 
     gen = torch.Generator().manual_seed(group)
-    t, hv, dk, dv = 160, 4, 16, 32
+    t, hv, dv = 160, 4, 32
     hk = hv // group
     conv_dim = 2 * hk * dk + hv * dv
     x = torch.randn(t, conv_dim + 24, generator=gen).to(dtype)[:, :conv_dim]

@@ -20,12 +20,13 @@ needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel
 @needs_native
 @pytest.mark.parametrize("seq_len,width", [(1, 4), (3, 4), (4, 4), (97, 4), (50, 2), (20, 1), (200, 6), (33, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_conv_matches_reference_and_torch_path(seq_len, width, dtype):
+@pytest.mark.parametrize("channels", [40, 96])      # 96: whole 32-channel steps, the AVX-512 loop where it is built
+def test_native_conv_matches_reference_and_torch_path(seq_len, width, dtype, channels):
     g = torch.Generator().manual_seed(seq_len * 10 + width)
-    x = torch.randn(seq_len, 40, generator=g).mul_(3).to(dtype)       # SiLU's both tails, not just its middle
-    w = torch.randn(40, width, generator=g).to(dtype)
+    x = torch.randn(seq_len, channels, generator=g).mul_(3).to(dtype)       # SiLU's both tails, not just its middle
+    w = torch.randn(channels, width, generator=g).to(dtype)
     out = causal_conv1d_silu(x, w)
-    assert out.dtype == torch.float32 and out.shape == (seq_len, 40)
+    assert out.dtype == torch.float32 and out.shape == (seq_len, channels)
     assert rel(out, causal_conv1d_silu_reference(x, w)) <= 1e-6
     assert rel(out, causal_conv1d_silu(x, w, native=False)) <= 1e-6
 
@@ -35,8 +36,8 @@ def test_native_conv_matches_reference_and_torch_path(seq_len, width, dtype):
 def test_native_conv_reads_strided_rows_and_packed_sequences(dtype):
     """The layer hands the conv a column slice of its projection (row stride > C), several sequences packed."""
     g = torch.Generator().manual_seed(5)
-    full = torch.randn(120, 50, generator=g).to(dtype)
-    x, w = full[:, 7:37], torch.randn(30, 4, generator=g).to(dtype)
+    full = torch.randn(120, 80, generator=g).to(dtype)
+    x, w = full[:, 7:71], torch.randn(64, 4, generator=g).to(dtype)
     bounds = [0, 1, 1, 40, 41, 120]
     out = causal_conv1d_silu(x, w, bounds)
     for b, e in zip(bounds, bounds[1:]):
@@ -50,13 +51,14 @@ def test_native_silu_extremes_match_torch():
     kernel returns 0 (e^-y leaves float's range; torch's value is under 2e-36 there), including for y = -1e30
     and -3e38, where a clamped exp alone would have given y / e^88, up to -1.8."""
     x = torch.tensor([[-80.0], [-30.0], [-1e-30], [0.0], [1e-30], [1.0], [30.0], [90.0], [3e38]])
-    w = torch.ones(1, 1)
-    out, want = causal_conv1d_silu(x, w), torch.nn.functional.silu(x)
-    assert torch.isfinite(out).all()
-    assert torch.allclose(out, want, rtol=1e-6, atol=0.0)
     far = torch.tensor([[-90.0], [-200.0], [-1e30], [-3e38]])
-    tail = causal_conv1d_silu(far, w)
-    assert torch.isfinite(tail).all() and (tail <= 0).all() and (tail.abs() < 1e-34).all()
+    for channels in (1, 32):                          # the scalar loop, and the AVX-512 one where it is built
+        w = torch.ones(channels, 1)
+        out, want = causal_conv1d_silu(x.expand(-1, channels), w), torch.nn.functional.silu(x.expand(-1, channels))
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out, want, rtol=1e-6, atol=0.0)
+        tail = causal_conv1d_silu(far.expand(-1, channels), w)
+        assert torch.isfinite(tail).all() and (tail <= 0).all() and (tail.abs() < 1e-34).all()
     assert (torch.nn.functional.silu(far).abs() < 1e-34).all()
 
 
@@ -132,6 +134,24 @@ def test_build_is_cached_per_source_compiler_and_cpu(tmp_path):
     assert second.startswith("True") and sorted((tmp_path / "native").glob("*.so")) == built
     assert built[0].stat().st_mtime_ns == mtime
     assert not list((tmp_path / "native").glob("*.tmp"))
+
+
+def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
+    """A source's build key covers the headers beside it (`#include "vec_math.h"`): editing one builds anew instead
+    of loading a library built from the old text."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(native, "_build_dir", lambda: tmp_path / "builds")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe.c").write_text('#include "probe.h"\nint probe(void) { return PROBE; }\n')
+    (src / "probe.h").write_text("#define PROBE 1\n")
+    first = native.build(src / "probe.c", "probe", "probe library")
+    (src / "probe.h").write_text("#define PROBE 2\n")
+    second = native.build(src / "probe.c", "probe", "probe library")
+    assert first is not None and second is not None
+    assert (first.probe(), second.probe()) == (1, 2)
+    assert len(list((tmp_path / "builds").glob("probe_*.so"))) == 2
 
 
 @needs_native

@@ -7,6 +7,17 @@
 #define _DEFAULT_SOURCE              /* syscall(), for the AMX permission */
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "vec_math.h"
+#define PT_CONV_AVX512 1
+
+/* 16 bf16 at p as float32 (exact: the top halves) */
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
 
 #define MAX_CONV_WIDTH 16
 
@@ -82,6 +93,43 @@ static void conv_silu_span(const void *x, int x_bf16, int64_t x_t, const float *
         rows[j] = (const char *)x + (size_t)(r * x_t + c0) * elem;
         w[j] = taps + (int64_t)j * ldt + c0;
     }
+#ifdef PT_CONV_AVX512
+    /* 32 channels a step (two independent chains for the SiLU's long dependency), the taps' multiply-adds in the
+     * order above and the SiLU as `silu16` (rcp14 and a Newton step for the division: within 2 ulp of
+     * y / (1 + e^-y)): 0.64 against 1.2-1.6 ns per channel for the scalar loops, in cache */
+    if (W == 4 && first == 0 && n % 32 == 0) {
+        if (x_bf16) {
+            const uint16_t *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
+            for (int64_t c = 0; c < n; c += 32) {
+                __m512 y0 = _mm512_mul_ps(load_bf16x16(r3 + c), _mm512_loadu_ps(w[3] + c));
+                __m512 y1 = _mm512_mul_ps(load_bf16x16(r3 + c + 16), _mm512_loadu_ps(w[3] + c + 16));
+                y0 = _mm512_fmadd_ps(load_bf16x16(r0 + c), _mm512_loadu_ps(w[0] + c), y0);
+                y1 = _mm512_fmadd_ps(load_bf16x16(r0 + c + 16), _mm512_loadu_ps(w[0] + c + 16), y1);
+                y0 = _mm512_fmadd_ps(load_bf16x16(r1 + c), _mm512_loadu_ps(w[1] + c), y0);
+                y1 = _mm512_fmadd_ps(load_bf16x16(r1 + c + 16), _mm512_loadu_ps(w[1] + c + 16), y1);
+                y0 = _mm512_fmadd_ps(load_bf16x16(r2 + c), _mm512_loadu_ps(w[2] + c), y0);
+                y1 = _mm512_fmadd_ps(load_bf16x16(r2 + c + 16), _mm512_loadu_ps(w[2] + c + 16), y1);
+                _mm512_storeu_ps(out + c, silu16(y0));
+                _mm512_storeu_ps(out + c + 16, silu16(y1));
+            }
+        } else {
+            const float *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
+            for (int64_t c = 0; c < n; c += 32) {
+                __m512 y0 = _mm512_mul_ps(_mm512_loadu_ps(r3 + c), _mm512_loadu_ps(w[3] + c));
+                __m512 y1 = _mm512_mul_ps(_mm512_loadu_ps(r3 + c + 16), _mm512_loadu_ps(w[3] + c + 16));
+                y0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + c), _mm512_loadu_ps(w[0] + c), y0);
+                y1 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + c + 16), _mm512_loadu_ps(w[0] + c + 16), y1);
+                y0 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + c), _mm512_loadu_ps(w[1] + c), y0);
+                y1 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + c + 16), _mm512_loadu_ps(w[1] + c + 16), y1);
+                y0 = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + c), _mm512_loadu_ps(w[2] + c), y0);
+                y1 = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + c + 16), _mm512_loadu_ps(w[2] + c + 16), y1);
+                _mm512_storeu_ps(out + c, silu16(y0));
+                _mm512_storeu_ps(out + c + 16, silu16(y1));
+            }
+        }
+        return;
+    }
+#endif
     if (W == 4 && first == 0) {
         if (x_bf16) { CONV_SPAN4(LOAD_BF16) } else { CONV_SPAN4(LOAD_F32) }
     } else {
@@ -426,6 +474,23 @@ typedef struct {
 
 #define MAX_DELTA_HEAD 512
 
+/* Conv mode: the projection row of token t for head h (its q, k and v spans) asked for into L1, CONV_PREFETCH_ROWS
+ * tokens before the conv reads it. Each span of a row is on its own page (the row stride is 12-24 KB), where the
+ * hardware prefetchers do not follow: bench-small layer, 0.94x the pass's time (paired, with the AVX-512 conv) at
+ * 8 rows ahead, 0.97x more at 16. Asking for the next chunk's rows into L2 while the current chunk's products ran
+ * gained nothing (1.00x). */
+#define CONV_PREFETCH_ROWS 16
+static inline void prefetch_spans(const delta_args *a, int64_t t, int64_t h, int64_t hk, int64_t nk) {
+    size_t el = a->x_bf16 ? 2 : 4;
+    const char *row = (const char *)a->x + (size_t)(t * a->x_t) * el;
+    const char *span[3] = {row + (size_t)(hk * a->K) * el, row + (size_t)((nk + hk) * a->K) * el,
+                           row + (size_t)(2 * nk * a->K + h * a->V) * el};
+    int64_t bytes[3] = {a->K * (int64_t)el, a->K * (int64_t)el, a->V * (int64_t)el};
+    for (int s = 0; s < 3; s++)
+        for (int64_t o = 0; o < bytes[s]; o += 64)
+            __builtin_prefetch(span[s] + o, 0, 3);
+}
+
 /* One chunk's rows for head h, gathered (or, in conv mode, made from the projection) into C-row blocks: q and k
  * L2-normalised if asked (qm, kn), kb = k * beta (kbm), vb = v * beta (vbm); rows from len on zeroed. Rows are ldk
  * (qm, kbm, kn) and ldv (vbm) floats apart, of which the first K (V) are written. */
@@ -449,6 +514,8 @@ static void delta_gather_rows(const delta_args *a, int64_t t0, int64_t len, int6
         }
         const float *restrict qr, *restrict kr, *restrict vr;
         if (a->taps) {
+            if (i + CONV_PREFETCH_ROWS < len)
+                prefetch_spans(a, t0 + i + CONV_PREFETCH_ROWS, h, hk, nk);
             conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, hk * K, K, qc);
             conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, (nk + hk) * K, K, kc);
             conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, 2 * nk * K + h * V, V,
