@@ -148,13 +148,14 @@ def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, dk, 
 
 
 @pytest.mark.parametrize("where", ["g", "beta", "projection"])
-def test_nans_reach_the_output_on_both_paths(where):
+@pytest.mark.parametrize("d", [16, 32])            # 32: the conv's AVX-512 column walk, where it is built
+def test_nans_reach_the_output_on_both_paths(where, d):
     """A NaN upstream comes out as NaN, not as plausible numbers: the C pass keeps NaN through its decay cut-off,
     the UT inverse's flush of tiny values and a state update whose decay is exactly zero, as torch's ops do."""
     from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
 
     gen = torch.Generator().manual_seed(9)
-    t, h, d = 64, 2, 16
+    t, h = 64, 2
     x = torch.randn(t, 3 * h * d, generator=gen)
     weight = torch.randn(3 * h * d, 4, generator=gen) * 0.5
     g = -F.softplus(torch.randn(t, h, generator=gen)) * 2.0
@@ -222,6 +223,55 @@ BF16_ENGINES = _bf16_engines()
 BF16_PASS_TOL = 2 ** -6
 BF16_SEGMENTS = {"1": [0, 1], "63": [0, 63], "64": [0, 64], "65": [0, 65], "130": [0, 130],
                  "varlen": [0, 1, 1, 65, 66, 130]}      # a 1-token sequence, an empty one, a full chunk, 1 token, 64
+
+
+def _as_torch_layout(layout, src, scale):
+    """torch's own float32 -> bf16 conversion, laid out as `bf16.pack`'s layout says."""
+    if scale is not None:
+        src = src * scale[:, None]
+    b = src.bfloat16()
+    if layout == "rows":
+        return b
+    if layout == "rows_t":
+        return b.t().contiguous()
+    if layout == "pairs":
+        return b.view(b.shape[0] // 2, 2, b.shape[1]).transpose(1, 2).reshape(b.shape[0] // 2, -1)
+    return b.view(b.shape[0], b.shape[1] // 2, 2).transpose(0, 1).reshape(b.shape[1] // 2, -1)      # pairs_t
+
+
+@pytest.mark.parametrize("layout", ["rows", "pairs", "pairs_t", "rows_t"])
+@pytest.mark.parametrize("shape", [(64, 96), (32, 32), (6, 10)], ids=["64x96", "32x32", "6x10"])
+def test_bf16_packers_match_their_reference_and_torch(layout, shape):
+    """The bf16 pass's vector packers (AVX512-BF16, where built) against their scalar references, bit for bit, and
+    both against torch's own conversion in the same layout: ties to even, signed zeros, infinities, the largest
+    floats and NaN (kept NaN) included; denormal floats become zero on the vector packers (the tiles read bf16
+    denormals as zero) and stay denormal on the references. 6x10 is not a whole block: the vector packers take the
+    reference's path there."""
+    from pixeltriage.errors import BackendUnavailableError
+    from pixeltriage.kernels.gated_delta import bf16
+
+    gen = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
+    src = torch.randn(*shape, generator=gen) * torch.logspace(-3, 3, shape[1])
+    specials = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), -0.0, 0.0, float("inf"), -float("inf"),
+                             3.3e38, -3.3e38, float("nan"), 1e-40, -1e-40])       # two ties, ..., two denormals
+    flat = src.view(-1)
+    flat[:specials.numel()] = specials[:flat.numel()]
+    scale = torch.rand(shape[0], generator=gen) + 0.5 if layout in ("rows", "rows_t") else None
+    ref = bf16.pack(layout, src, scale, fast=False)
+    want = _as_torch_layout(layout, src, scale)
+    assert ref.shape == want.shape
+    assert torch.equal(ref.isnan(), want.isnan())
+    assert torch.equal(ref.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
+    try:
+        fast = bf16.pack(layout, src, scale, fast=True)
+    except BackendUnavailableError:
+        pytest.skip("no vector packers in this build (AVX512-BF16)")
+    denormal = (ref.float().abs() < torch.finfo(torch.float32).tiny) & (ref != 0)
+    if shape == (6, 10):                               # not a whole block: the reference's own path
+        denormal.zero_()
+    assert denormal.sum() == (2 if shape != (6, 10) else 0)
+    assert torch.equal(fast[~denormal].view(torch.int16), ref[~denormal].view(torch.int16))
+    assert (fast[denormal] == 0).all()
 
 
 def bf16_projection(seq_len, hk, hv, dk, dv, seed=0):

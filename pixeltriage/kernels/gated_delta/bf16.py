@@ -69,6 +69,48 @@ def scratch_floats(c: int, k_dim: int, v_dim: int) -> int:
             + (6 * c * k_dim + 3 * c * c + 2 * c * v_dim + k_dim * v_dim) // 2 + 24 * 64)
 
 
+# The pass's operand layouts (`pt_bf16_pack`'s `which`): what each packer makes of a float32 matrix
+PACKERS = {"rows": 0, "pairs": 1, "pairs_t": 2, "rows_t": 3}
+
+
+def pack(layout: str, src: torch.Tensor, scale: torch.Tensor | None = None, fast: bool = True) -> torch.Tensor:
+    """One of the bf16 pass's operand packers on src (float32, 2-D, on the CPU), as the pass runs it: the vector
+    packer (fast) or its scalar reference. Returns the packed bf16 matrix:
+      "rows"     src [R, N] -> [R, N], row r times scale[r] (scale None: 1)
+      "pairs"    src [R, N] -> [R/2, 2N], out[p, 2n + e] = src[2p + e, n] (the matrix units' B layout)
+      "pairs_t"  src [N, R] -> [R/2, 2N], out[p, 2n + e] = src[n, 2p + e] (that of src^T)
+      "rows_t"   src [N, R] -> [R, N], (src[n, :] * scale[n])^T
+    BackendUnavailableError where the library, or with fast its vector packers (AVX512-BF16), is not built."""
+    if layout not in PACKERS:
+        raise ValueError(f"layout {layout!r} is not one of {sorted(PACKERS)}")
+    if src.dim() != 2 or src.dtype != torch.float32 or src.device.type != "cpu":
+        raise ValueError(f"a 2-D float32 CPU matrix expected, got {tuple(src.shape)} {src.dtype} on {src.device}")
+    src = src.contiguous()
+    rows, cols = src.shape if layout in ("rows", "pairs") else src.shape[::-1]
+    if layout in ("pairs", "pairs_t") and rows % 2:
+        raise ValueError(f"the paired layouts take an even reduction length, got {rows}")
+    needs = src.shape[0] if layout in ("rows", "rows_t") else 0
+    if layout == "rows_t" and scale is None:
+        raise ValueError("'rows_t' takes a scale per source row")
+    if scale is not None:
+        scale = scale.float().contiguous()
+        if scale.shape != (needs,):
+            raise ValueError(f"scale of shape ({needs},) expected for {layout!r}, got {tuple(scale.shape)}")
+    lib = native.library()
+    if lib is None:
+        raise BackendUnavailableError(f"the native library is not built ({native.status()})")
+    out = torch.empty(rows * cols, dtype=torch.bfloat16)
+    rc = lib.pt_bf16_pack(PACKERS[layout], int(fast), src.data_ptr(), rows, cols,
+                          None if scale is None else scale.data_ptr(), out.data_ptr())
+    if rc == 2:
+        raise BackendUnavailableError("this build has no vector packers (the CPU lacks AVX512-BF16)")
+    if rc != 0:
+        raise ValueError(f"pt_bf16_pack refused {layout!r} of {tuple(src.shape)} (code {rc})")
+    shape = {"rows": (rows, cols), "rows_t": (rows, cols), "pairs": (rows // 2, 2 * cols),
+             "pairs_t": (rows // 2, 2 * cols)}[layout]
+    return out.view(shape)
+
+
 def conv_chunk_rule_bf16(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          num_k_heads: int, k_dim: int, v_dim: int, cu_seqlens: list[int] | None = None,
                          chunk_size: int = BF16_CHUNK, engine_name: str | None = None) -> torch.Tensor:

@@ -474,22 +474,73 @@ typedef struct {
 
 #define MAX_DELTA_HEAD 512
 
-/* Conv mode: the projection row of token t for head h (its q, k and v spans) asked for into L1, CONV_PREFETCH_ROWS
- * tokens before the conv reads it. Each span of a row is on its own page (the row stride is 12-24 KB), where the
- * hardware prefetchers do not follow: bench-small layer, 0.94x the pass's time (paired, with the AVX-512 conv) at
- * 8 rows ahead, 0.97x more at 16. Asking for the next chunk's rows into L2 while the current chunk's products ran
- * gained nothing (1.00x). */
-#define CONV_PREFETCH_ROWS 16
-static inline void prefetch_spans(const delta_args *a, int64_t t, int64_t h, int64_t hk, int64_t nk) {
-    size_t el = a->x_bf16 ? 2 : 4;
-    const char *row = (const char *)a->x + (size_t)(t * a->x_t) * el;
-    const char *span[3] = {row + (size_t)(hk * a->K) * el, row + (size_t)((nk + hk) * a->K) * el,
-                           row + (size_t)(2 * nk * a->K + h * a->V) * el};
-    int64_t bytes[3] = {a->K * (int64_t)el, a->K * (int64_t)el, a->V * (int64_t)el};
-    for (int s = 0; s < 3; s++)
-        for (int64_t o = 0; o < bytes[s]; o += 64)
-            __builtin_prefetch(span[s] + o, 0, 3);
+/* Conv mode: rows i < len of the chunk starting at token t0, channels [c0, c0 + n), into out (row i at out + i * ldo):
+ * `conv_silu_span`'s values, in its order of multiply-adds. Where built with AVX-512 and W = 4: 32 channels at a
+ * time down the chunk's rows, the last three rows' inputs kept in registers (each input line read once, where row by
+ * row it was read four times), each row's line asked for 8 rows ahead (rows are 12-24 KB apart, each on its own
+ * page, where the hardware prefetchers do not follow), the next 32 channels' first rows at the end of a column.
+ * Bench-small layer (2296 tokens, 16 heads of 128), paired against the row-by-row AVX-512 conv: 0.88x the float32
+ * pass, 0.83x the bf16 pass; down the rows without the prefetches it was 1.09-1.13x slower. */
+#define CONV_COLUMN_STEP(LOAD)                                                                                  \
+    for (int64_t c = 0; c < n; c += 32) {                                                                     \
+        const float *tp = a->taps + c0 + c;                                                                   \
+        int64_t ldt = a->conv_dim;                                                                            \
+        __m512 w00 = _mm512_loadu_ps(tp), w01 = _mm512_loadu_ps(tp + 16);                                     \
+        __m512 w10 = _mm512_loadu_ps(tp + ldt), w11 = _mm512_loadu_ps(tp + ldt + 16);                         \
+        __m512 w20 = _mm512_loadu_ps(tp + 2 * ldt), w21 = _mm512_loadu_ps(tp + 2 * ldt + 16);                 \
+        __m512 w30 = _mm512_loadu_ps(tp + 3 * ldt), w31 = _mm512_loadu_ps(tp + 3 * ldt + 16);                 \
+        int64_t t = t0 + i;                                                                                   \
+        __m512 p30 = LOAD(t - 3, c), p31 = LOAD(t - 3, c + 16), p20 = LOAD(t - 2, c), p21 = LOAD(t - 2, c + 16); \
+        __m512 p10 = LOAD(t - 1, c), p11 = LOAD(t - 1, c + 16);                                               \
+        for (int64_t r = i; r < len; r++, t++) {                                                              \
+            if (r + 8 < len) {                                                                                 \
+                __builtin_prefetch(&LOAD_ADDR(t + 8, c), 0, 3);                                               \
+                __builtin_prefetch(&LOAD_ADDR(t + 8, c + 16), 0, 3);                                          \
+            } else if (c + 32 < n && i + r + 8 < 2 * len) {                                                   \
+                __builtin_prefetch(&LOAD_ADDR(t0 + i + r + 8 - len, c + 32), 0, 3);                           \
+                __builtin_prefetch(&LOAD_ADDR(t0 + i + r + 8 - len, c + 48), 0, 3);                           \
+            }                                                                                                  \
+            __m512 x0 = LOAD(t, c), x1 = LOAD(t, c + 16);                                                     \
+            __m512 y0 = _mm512_fmadd_ps(p30, w00, _mm512_mul_ps(x0, w30));                                    \
+            __m512 y1 = _mm512_fmadd_ps(p31, w01, _mm512_mul_ps(x1, w31));                                    \
+            y0 = _mm512_fmadd_ps(p10, w20, _mm512_fmadd_ps(p20, w10, y0));                                    \
+            y1 = _mm512_fmadd_ps(p11, w21, _mm512_fmadd_ps(p21, w11, y1));                                    \
+            _mm512_storeu_ps(out + r * ldo + c, silu16(y0));                                                  \
+            _mm512_storeu_ps(out + r * ldo + c + 16, silu16(y1));                                             \
+            p30 = p20, p31 = p21, p20 = p10, p21 = p11, p10 = x0, p11 = x1;                                   \
+        }                                                                                                     \
+    }
+static void conv_silu_chunk(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t c0, int64_t n,
+                            float *out, int64_t ldo) {
+    int64_t i = 0;
+#ifdef PT_CONV_AVX512
+    if (a->W == 4 && n % 32 == 0) {
+        for (; i < len && t0 + i - 3 < seg0; i++)       /* rows whose taps reach before the sequence: one by one */
+            conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, 4, a->conv_dim, t0 + i, seg0, c0, n, out + i * ldo);
+        if (i < len) {
+            if (a->x_bf16) {
+                const uint16_t *xb = (const uint16_t *)a->x + c0;
+#define LOAD_ROW(t, c) load_bf16x16(xb + (t) * a->x_t + (c))
+#define LOAD_ADDR(t, c) xb[(t) * a->x_t + (c)]
+                CONV_COLUMN_STEP(LOAD_ROW)
+#undef LOAD_ROW
+#undef LOAD_ADDR
+            } else {
+                const float *xf = (const float *)a->x + c0;
+#define LOAD_ROW(t, c) _mm512_loadu_ps(xf + (t) * a->x_t + (c))
+#define LOAD_ADDR(t, c) xf[(t) * a->x_t + (c)]
+                CONV_COLUMN_STEP(LOAD_ROW)
+#undef LOAD_ROW
+#undef LOAD_ADDR
+            }
+        }
+        return;
+    }
+#endif
+    for (; i < len; i++)
+        conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, c0, n, out + i * ldo);
 }
+#undef CONV_COLUMN_STEP
 
 /* One chunk's rows for head h, gathered (or, in conv mode, made from the projection) into C-row blocks: q and k
  * L2-normalised if asked (qm, kn), kb = k * beta (kbm), vb = v * beta (vbm); rows from len on zeroed. Rows are ldk
@@ -501,8 +552,12 @@ static void delta_gather_rows(const delta_args *a, int64_t t0, int64_t len, int6
     int64_t H = a->H, C = a->C, K = a->K, V = a->V;
     int l2norm = a->l2norm;
     float eps = a->eps;
-    float qc[MAX_DELTA_HEAD], kc[MAX_DELTA_HEAD], vc[MAX_DELTA_HEAD];   /* conv mode: this token's q, k, v */
     int64_t hk = a->taps ? h / a->group : h, nk = H / (a->taps ? a->group : 1);
+    if (a->taps) {                         /* conv mode: the chunk's q, k and v into qm, kn and vbm, then in place */
+        conv_silu_chunk(a, t0, len, seg0, hk * K, K, qm, ldk);
+        conv_silu_chunk(a, t0, len, seg0, (nk + hk) * K, K, kn, ldk);
+        conv_silu_chunk(a, t0, len, seg0, 2 * nk * K + h * V, V, vbm, ldv);
+    }
     for (int64_t i = 0; i < C; i++) {
         float *qo = qm + i * ldk, *kbo = kbm + i * ldk, *vbo = vbm + i * ldv, *kno = kn + i * ldk;
         if (i >= len) {
@@ -512,15 +567,9 @@ static void delta_gather_rows(const delta_args *a, int64_t t0, int64_t len, int6
             memset(kno, 0, (size_t)K * sizeof(float));
             continue;
         }
-        const float *restrict qr, *restrict kr, *restrict vr;
+        const float *qr, *kr, *vr;                    /* conv mode: qo, kno and vbo themselves (read, then written) */
         if (a->taps) {
-            if (i + CONV_PREFETCH_ROWS < len)
-                prefetch_spans(a, t0 + i + CONV_PREFETCH_ROWS, h, hk, nk);
-            conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, hk * K, K, qc);
-            conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, (nk + hk) * K, K, kc);
-            conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, 2 * nk * K + h * V, V,
-                           vc);
-            qr = qc, kr = kc, vr = vc;
+            qr = qo, kr = kno, vr = vbo;
         } else {
             qr = q + (t0 + i) * q_t + h * q_h, kr = k + (t0 + i) * k_t + h * k_h, vr = v + (t0 + i) * v_t + h * v_h;
         }
@@ -864,9 +913,14 @@ static void mm_bf16(int engine, const uint16_t *a, int64_t lda, const uint16_t *
     mm_bf16_vec(engine, a, lda, b, M, N, Kd, c, ldc, acc, lower);
 }
 
+/* The bf16 pass's operand packers. The scalar ones (`_ref`) are the reference, and the path of builds without
+ * AVX512-BF16; the vector ones convert 32 floats per instruction with the same rounding (nearest even, NaN quieted),
+ * except that denormal floats become zero, as the AMX tiles read bf16 denormals anyway. `pt_bf16_pack` runs either
+ * for the tests. At bench-small the scalar packers were ~30% of the pass (perf samples, 2 threads). */
+
 /* dst[R, N] bf16 row-major (row stride ldd) = src[R, N] float32 (row stride lds) * (rowscale ? rowscale[r] : 1) */
-static void to_bf16_rows(const float *src, int64_t lds, int64_t R, int64_t N, const float *rowscale, uint16_t *dst,
-                         int64_t ldd) {
+static void to_bf16_rows_ref(const float *src, int64_t lds, int64_t R, int64_t N, const float *rowscale,
+                             uint16_t *dst, int64_t ldd) {
     for (int64_t r = 0; r < R; r++) {
         float s = rowscale ? rowscale[r] : 1.0f;
         for (int64_t n = 0; n < N; n++)
@@ -876,7 +930,7 @@ static void to_bf16_rows(const float *src, int64_t lds, int64_t R, int64_t N, co
 
 /* The pair-interleaved layout of B = src[R, N] (float32, row stride lds; R even):
  * dst[p, 2n + e] = bf16(B[2p + e, n]) */
-static void pack_pairs(const float *src, int64_t lds, int64_t R, int64_t N, uint16_t *dst) {
+static void pack_pairs_ref(const float *src, int64_t lds, int64_t R, int64_t N, uint16_t *dst) {
     for (int64_t p = 0; p < R / 2; p++) {
         const float *r0 = src + 2 * p * lds, *r1 = r0 + lds;
         uint16_t *o = dst + p * 2 * N;
@@ -888,7 +942,7 @@ static void pack_pairs(const float *src, int64_t lds, int64_t R, int64_t N, uint
 }
 
 /* The same for B = src^T, src [N, R] float32 (row stride lds): dst[p, 2n + e] = bf16(src[n, 2p + e]) */
-static void pack_pairs_t(const float *src, int64_t lds, int64_t N, int64_t R, uint16_t *dst) {
+static void pack_pairs_t_ref(const float *src, int64_t lds, int64_t N, int64_t R, uint16_t *dst) {
     for (int64_t n = 0; n < N; n++) {
         const float *row = src + n * lds;
         for (int64_t p = 0; p < R / 2; p++) {
@@ -896,6 +950,122 @@ static void pack_pairs_t(const float *src, int64_t lds, int64_t N, int64_t R, ui
             dst[p * 2 * N + 2 * n + 1] = float_to_bf16(row[2 * p + 1]);
         }
     }
+}
+
+/* dst[R, N] bf16 (row stride ldd) = (src[N, R] float32 (row stride lds) * rowscale[n])^T: a row-major transpose */
+static void to_bf16_t_ref(const float *src, int64_t lds, int64_t N, int64_t R, const float *rowscale, uint16_t *dst,
+                          int64_t ldd) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t n = 0; n < N; n++)
+            dst[r * ldd + n] = float_to_bf16(src[n * lds + r] * rowscale[n]);
+}
+
+#ifdef __AVX512BF16__
+/* 32 floats, lo then hi, as 32 bf16 in order */
+static inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+
+static void to_bf16_rows_fast(const float *src, int64_t lds, int64_t R, int64_t N, const float *rowscale,
+                              uint16_t *dst, int64_t ldd) {
+    if (N % 32) {
+        to_bf16_rows_ref(src, lds, R, N, rowscale, dst, ldd);
+        return;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        __m512 s = _mm512_set1_ps(rowscale ? rowscale[r] : 1.0f);
+        const float *in = src + r * lds;
+        for (int64_t n = 0; n < N; n += 32)
+            _mm512_storeu_si512(dst + r * ldd + n, bf16x32(_mm512_mul_ps(_mm512_loadu_ps(in + n), s),
+                                                           _mm512_mul_ps(_mm512_loadu_ps(in + n + 16), s)));
+    }
+}
+
+static void pack_pairs_fast(const float *src, int64_t lds, int64_t R, int64_t N, uint16_t *dst) {
+    if (N % 16 || R % 2) {
+        pack_pairs_ref(src, lds, R, N, dst);
+        return;
+    }
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    __m512i idx = _mm512_loadu_si512(interleave);
+    for (int64_t p = 0; p < R / 2; p++) {
+        const float *r0 = src + 2 * p * lds, *r1 = r0 + lds;
+        uint16_t *o = dst + p * 2 * N;
+        for (int64_t n = 0; n < N; n += 16)           /* r0's 16 then r1's 16, interleaved */
+            _mm512_storeu_si512(o + 2 * n, _mm512_permutexvar_epi16(
+                                               idx, bf16x32(_mm512_loadu_ps(r0 + n), _mm512_loadu_ps(r1 + n))));
+    }
+}
+
+/* 16 rows of src at a time: each row's 32 floats become 16 bf16 pairs (32-bit words) of a 16 x 16 tile, which a
+ * gather per output row transposes */
+static void pack_pairs_t_fast(const float *src, int64_t lds, int64_t N, int64_t R, uint16_t *dst) {
+    if (N % 16 || R % 32) {
+        pack_pairs_t_ref(src, lds, N, R, dst);
+        return;
+    }
+    uint32_t tile[16 * 16];
+    __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_epi32(16));
+    for (int64_t n0 = 0; n0 < N; n0 += 16)
+        for (int64_t p0 = 0; p0 < R / 2; p0 += 16) {
+            for (int64_t i = 0; i < 16; i++) {
+                const float *in = src + (n0 + i) * lds + 2 * p0;
+                _mm512_storeu_si512(tile + 16 * i, bf16x32(_mm512_loadu_ps(in), _mm512_loadu_ps(in + 16)));
+            }
+            for (int64_t j = 0; j < 16; j++)          /* output row p0 + j: word j of each tile row */
+                _mm512_storeu_si512(dst + (p0 + j) * 2 * N + 2 * n0, _mm512_i32gather_epi32(column, tile + j, 4));
+        }
+}
+
+static void to_bf16_t_fast(const float *src, int64_t lds, int64_t N, int64_t R, const float *rowscale, uint16_t *dst,
+                           int64_t ldd) {
+    if (N % 16 || lds * 16 > INT32_MAX) {
+        to_bf16_t_ref(src, lds, N, R, rowscale, dst, ldd);
+        return;
+    }
+    __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                      _mm512_set1_epi32((int)lds));
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        __m512 s = _mm512_loadu_ps(rowscale + n0);
+        for (int64_t r = 0; r < R; r++) {
+            __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(rows, src + n0 * lds + r, 4), s);
+            _mm256_storeu_si256((__m256i *)(dst + r * ldd + n0), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+#define PT_FAST_PACK 1
+#define to_bf16_rows to_bf16_rows_fast
+#define pack_pairs pack_pairs_fast
+#define pack_pairs_t pack_pairs_t_fast
+#define to_bf16_t to_bf16_t_fast
+#else
+#define PT_FAST_PACK 0
+#define to_bf16_rows to_bf16_rows_ref
+#define pack_pairs pack_pairs_ref
+#define pack_pairs_t pack_pairs_t_ref
+#define to_bf16_t to_bf16_t_ref
+#endif
+
+/* The packers for the tests: `which` 0 to_bf16_rows (rowscale = scale if given), 1 pack_pairs, 2 pack_pairs_t,
+ * 3 to_bf16_t (rowscale = scale, required), of src [R, N] float32 contiguous (for 2 and 3, src is [N, R]) into dst
+ * (the layout's R * N bf16), the vector packer if fast and this build has it, else the reference. Returns 1 for
+ * what it does not take, 2 for a fast packer this build lacks. */
+int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_t N, const float *scale, uint16_t *dst) {
+    if (which < 0 || which > 3 || R < 0 || N < 0 || (which == 3 && !scale))
+        return 1;
+    if (fast && !PT_FAST_PACK)
+        return 2;
+    switch (which * 2 + (fast != 0)) {
+    case 0: to_bf16_rows_ref(src, N, R, N, scale, dst, N); break;
+    case 1: to_bf16_rows(src, N, R, N, scale, dst, N); break;
+    case 2: pack_pairs_ref(src, N, R, N, dst); break;
+    case 3: pack_pairs(src, N, R, N, dst); break;
+    case 4: pack_pairs_t_ref(src, R, N, R, dst); break;
+    case 5: pack_pairs_t(src, R, N, R, dst); break;
+    case 6: to_bf16_t_ref(src, R, N, R, scale, dst, N); break;
+    default: to_bf16_t(src, R, N, R, scale, dst, N); break;
+    }
+    return 0;
 }
 
 /* Per-thread scratch of the bf16 pass, in floats, for K and V the head dims padded to multiples of 32 (zero
@@ -938,16 +1108,18 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
     mm_bf16(engine, qb, K, ktp, C, C, K, qk, C, 0, 0);
     for (int64_t i = 0; i < C; i++)
         for (int64_t j = 0; j < C; j++)
-            intra[i * C + j] = float_to_bf16(j <= i ? qk[i * C + j] * (dec[i * C + j] * scale) : 0.0f);
+            qk[i * C + j] = j <= i ? qk[i * C + j] * (dec[i * C + j] * scale) : 0.0f;
+    to_bf16_rows(qk, C, C, C, NULL, intra, C);
     /* T = (I + strictly_lower(kb k^T * decay))^-1 in float32, then its two bf16 copies */
     for (int64_t i = 0; i < C; i++)
         for (int64_t j = 0; j < i; j++)
             dec[i * C + j] *= t[i * C + j];
     ut_inverse(t, dec, C, tiny);
     to_bf16_rows(t, C, C, C, NULL, tb, C);
-    for (int64_t i = 0; i < C; i++)
+    for (int64_t i = 0; i < C; i++)                                  /* t is not read after its two copies */
         for (int64_t j = 0; j < C; j++)
-            twb[i * C + j] = float_to_bf16(t[i * C + j] * gexp[j]);
+            t[i * C + j] *= gexp[j];
+    to_bf16_rows(t, C, C, C, NULL, twb, C);
     /* u = T vb; w = T diag(exp(gamma)) kb, kept as -w in bf16 (exact) for v_new = u + (-w) S */
     pack_pairs(vbm, V, C, V, vbp);
     pack_pairs(kbm, K, C, K, kbp);
@@ -956,9 +1128,7 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
     to_bf16_rows(wf, K, C, K, NULL, wb, K);
     for (int64_t n = 0; n < C * K; n++)
         wb[n] ^= 0x8000u;
-    for (int64_t d = 0; d < K; d++)                                 /* k_end^T: k decayed to the chunk's end */
-        for (int64_t i = 0; i < C; i++)
-            kendt[d * C + i] = float_to_bf16(kn[i * K + d] * kend[i]);
+    to_bf16_t(kn, K, C, K, kend, kendt, C);                          /* k_end^T: k decayed to the chunk's end */
     /* the recurrence: v_new = u - w S; out = diag(exp(gamma) scale) q S + intra v_new; S = decay S + k_end^T v_new */
     pack_pairs(S, V, K, V, sp);
     mm_bf16(engine, wb, K, sp, C, V, K, u, V, 1, 0);
