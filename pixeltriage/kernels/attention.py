@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pixeltriage.kernels import registry
+from pixeltriage.kernels import native, registry
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool) -> torch.Tensor:
@@ -23,6 +23,10 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     """
     if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
         raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
+    if not causal and registry.choose("attention", q.device, q.dtype) is AMX:
+        out = segment_attention_bf16(q, k, v, lengths)
+        if out is not None:
+            return out
     gqa = q.shape[1] != k.shape[1]
     outs, start, i = [], 0, 0
     while i < len(lengths):
@@ -41,4 +45,47 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+# Segment lengths the C kernel takes: an image's L x L float32 scores (4 MB at 1024) stay in a core's L2
+MAX_SEGMENT = 1024
+
+
+def _round32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                           engine: str | None = None) -> torch.Tensor | None:
+    """`segment_attention`'s non-causal contract in bf16 on the CPU's matrix units (C `pt_segment_attention_bf16`):
+    per segment and head, S = Q K^T as bf16 products with float32 sums, a float32 softmax, e rounded to bf16 for
+    e V (torch's flash kernel's rounding in bf16) and float32 sums divided out. The vision tower's images are short
+    (hundreds of patches) and their heads narrow (64): SDPA's flash kernel reached ~35% of the GEMM rate there.
+
+    engine: one of `native.BF16_ENGINES` (None: "amx"; "fma" runs on any machine, for the tests). Returns None for
+    what it does not take (not bf16 on the CPU, key/value heads unlike the query's, head dims not a multiple of 32
+    up to 256, a segment over MAX_SEGMENT, no library or no such engine): the caller takes SDPA."""
+    name = "amx" if engine is None else engine
+    if (q.dtype != torch.bfloat16 or q.device.type != "cpu" or not (q.shape == k.shape and k.shape[:2] == v.shape[:2])
+            or q.shape[-1] != v.shape[-1] or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (k, v))
+            or q.stride(-1) != 1 or q.shape[-1] % 32 or q.shape[-1] > 256 or max(lengths, default=0) > MAX_SEGMENT
+            or name not in native.bf16_engines()):
+        return None
+    tokens, heads, dim = q.shape
+    out = q.new_empty(tokens, heads, dim)
+    if tokens == 0:
+        return out
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
+    lens = torch.tensor(lengths, dtype=torch.long)
+    per_thread = 2 * _round32(max(lengths)) ** 2 + 3 * _round32(max(lengths)) * dim + 2 * _round32(max(lengths)) + 384
+    scratch = torch.empty(torch.get_num_threads(), per_thread)
+    rc = native.library().pt_segment_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), heads, dim, starts.data_ptr(), lens.data_ptr(), len(lengths), dim ** -0.5,
+        native.BF16_ENGINES[name], out.data_ptr(), scratch.data_ptr(), per_thread, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
 registry.register("attention", "torch SDPA", segment_attention, devices=("cpu", "cuda"))
+# bf16 on a CPU with AMX tiles: non-causal segments (the vision tower) on the tiles, causal ones through SDPA
+AMX = registry.register("attention", "native C pt_segment_attention_bf16 (non-causal; SDPA causal)",
+                        segment_attention, devices=("cpu",), dtypes=(torch.bfloat16,),
+                        available=lambda: "amx" in native.bf16_engines(), priority=10)

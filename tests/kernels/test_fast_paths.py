@@ -410,6 +410,57 @@ def test_segment_attention_matches_masked_attention(lengths, causal, dtype):
     assert rel(out, _segment_attention_reference(q, k, v, lengths, causal)) < tol
 
 
+def _bf16_engines():
+    from pixeltriage.kernels import native
+
+    return [pytest.param(name, marks=pytest.mark.skipif(name not in native.bf16_engines(),
+                                                        reason=f"no {name} on this CPU"))
+            for name in ("fma", "amx")]
+
+
+@pytest.mark.parametrize("engine", _bf16_engines())
+@pytest.mark.parametrize("lengths", [[37], [0, 5, 33, 0, 64], [417, 1], [1]], ids=["37", "mixed", "417+1", "1"])
+@pytest.mark.parametrize("dim", [32, 64])
+def test_segment_attention_bf16_matches_masked_attention_and_sdpa(engine, lengths, dim):
+    """`pt_segment_attention_bf16` (non-causal, the vision tower's) on each engine ("fma": the same bf16 operands
+    through float32 multiply-adds, any machine; "amx": the tiles) against float64 attention and against SDPA in
+    bf16, on strided views of one token-major buffer, segments of 0, 1 and 417 tokens (not multiples of 32: padded
+    keys masked). Tolerance 2^-8 relative to the largest output, as SDPA's bf16 above (measured 0 to 3.2e-3, within
+    1.3e-4 of SDPA's own error in each case): the output's rounding and e's rounding to bf16 before the second
+    product, which SDPA's flash kernel does too."""
+    from pixeltriage.kernels.attention import segment_attention_bf16
+
+    torch.manual_seed(len(lengths) * 7 + dim)
+    t = sum(lengths)
+    qkv = (torch.randn(t, 9, dim) * 1.5).bfloat16()
+    q, k, v = qkv[:, :3], qkv[:, 3:6], qkv[:, 6:]
+    out = segment_attention_bf16(q, k, v, lengths, engine=engine)
+    assert out is not None and out.shape == (t, 3, dim) and out.dtype == torch.bfloat16
+    want = _segment_attention_reference(q, k, v, lengths, causal=False)
+    assert rel(out, want) < 2 ** -8
+    sdpa = torch.cat([F.scaled_dot_product_attention(*(x[s:s + n].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
+                      for s, n in zip([0, *torch.tensor(lengths).cumsum(0).tolist()], lengths)])
+    assert rel(out, sdpa) < 2 ** -7               # two bf16 results, each within 2^-8 of float64's
+
+
+def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
+    """A NaN key poisons its own segment's outputs only (exp of a NaN score stays NaN); float32, key heads unlike
+    the query's, head dims not a multiple of 32 and segments over MAX_SEGMENT are declined (None: SDPA runs)."""
+    from pixeltriage.kernels import attention
+
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(70, 2, 32).bfloat16() for _ in range(3))
+    k[40, 1, 5] = float("nan")
+    out = attention.segment_attention_bf16(q, k, v, [30, 40], engine="fma")
+    assert out[:30].isfinite().all() and out[30:, 1].isnan().all() and out[30:, 0].isfinite().all()
+    assert attention.segment_attention_bf16(q.float(), k.float(), v.float(), [30, 40], engine="fma") is None
+    assert attention.segment_attention_bf16(q, k[:, :1], v[:, :1], [30, 40], engine="fma") is None
+    assert attention.segment_attention_bf16(q[..., :16], k[..., :16], v[..., :16], [30, 40], engine="fma") is None
+    long = attention.MAX_SEGMENT + 1
+    x = torch.zeros(long, 1, 32, dtype=torch.bfloat16)
+    assert attention.segment_attention_bf16(x, x, x, [long], engine="fma") is None
+
+
 def test_segment_attention_rejects_lengths_that_miss_tokens():
     from pixeltriage.kernels.attention import segment_attention
 

@@ -242,3 +242,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_delta_chunked_bf16.restype = _i32
     lib.pt_bf16_pack.argtypes = [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr]
     lib.pt_bf16_pack.restype = _i32
+    lib.pt_segment_attention_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
+                                              _ptr, _ptr, _i64, ctypes.c_float, _i32, _ptr, _ptr, _i64, _i32]
+    lib.pt_segment_attention_bf16.restype = _i32

@@ -1195,6 +1195,164 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
     return 0;
 }
 
+/* K^T in the pair layout, kt[p, 2n + e] = K[n, 2p + e] for n < L, zero up to Lp: K's rows copied contiguous (into
+ * rows, [Lp, D]) then transposed as 32-bit pairs */
+static void segment_kt(const uint16_t *k, int64_t k_t, int64_t off, int64_t t0, int64_t L, int64_t Lp, int64_t D,
+                       uint16_t *kt, uint16_t *rows) {
+    for (int64_t n = 0; n < Lp; n++) {
+        if (n < L)
+            memcpy(rows + n * D, k + (t0 + n) * k_t + off, (size_t)D * sizeof(uint16_t));
+        else
+            memset(rows + n * D, 0, (size_t)D * sizeof(uint16_t));
+    }
+    const uint32_t *pairs = (const uint32_t *)rows;
+    uint32_t *dst = (uint32_t *)kt;
+#ifdef __AVX512F__
+    __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_epi32((int)(D / 2)));
+    for (int64_t n0 = 0; n0 < Lp; n0 += 16)
+        for (int64_t p = 0; p < D / 2; p++)
+            _mm512_storeu_si512(dst + p * Lp + n0, _mm512_i32gather_epi32(stride, pairs + n0 * (D / 2) + p, 4));
+#else
+    for (int64_t n = 0; n < Lp; n++)
+        for (int64_t p = 0; p < D / 2; p++)
+            dst[p * Lp + n] = pairs[n * (D / 2) + p];
+#endif
+}
+
+/* V in the pair layout, vv[p, 2n + e] = V[2p + e, n] for rows < L, zero rows up to Lp */
+static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, int64_t L, int64_t Lp, int64_t D,
+                       uint16_t *vv) {
+    static const uint16_t zeros[256] = {0};
+#ifdef __AVX512BW__
+    uint16_t lo_idx[32], hi_idx[32];
+    for (int i = 0; i < 32; i++) {
+        lo_idx[i] = (uint16_t)((i % 2 ? 32 : 0) + i / 2);
+        hi_idx[i] = (uint16_t)((i % 2 ? 32 : 0) + 16 + i / 2);
+    }
+    __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_loadu_si512(hi_idx);
+#endif
+    for (int64_t pr = 0; pr < Lp / 2; pr++) {
+        const uint16_t *r0 = 2 * pr < L ? v + (t0 + 2 * pr) * v_t + off : zeros;
+        const uint16_t *r1 = 2 * pr + 1 < L ? v + (t0 + 2 * pr + 1) * v_t + off : zeros;
+        uint16_t *o = vv + pr * 2 * D;
+#ifdef __AVX512BW__
+        for (int64_t n = 0; n < D; n += 32) {
+            __m512i a = _mm512_loadu_si512(r0 + n), b = _mm512_loadu_si512(r1 + n);
+            _mm512_storeu_si512(o + 2 * n, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(o + 2 * n + 32, _mm512_permutex2var_epi16(a, hi, b));
+        }
+#else
+        for (int64_t n = 0; n < D; n++) {
+            o[2 * n] = r0[n];
+            o[2 * n + 1] = r1[n];
+        }
+#endif
+    }
+}
+
+/* One row of scores (row[0, L) live, Lp a multiple of 32): e = exp(scale (row - max)), written to pb as bf16 with
+ * zeros past L; returns the float32 sum of e. */
+static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb) {
+    float m = row[0], sum = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 1; j < L; j++)
+        m = row[j] > m ? row[j] : m;
+#if defined(PT_CONV_AVX512) && defined(__AVX512BF16__)
+    __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale), acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Lp; j += 32) {
+        __mmask16 m0 = j >= L ? 0 : (L - j >= 16 ? 0xffff : (__mmask16)((1u << (L - j)) - 1u));
+        __mmask16 m1 = j + 16 >= L ? 0 : (L - j - 16 >= 16 ? 0xffff : (__mmask16)((1u << (L - j - 16)) - 1u));
+        __m512 x0 = _mm512_mul_ps(vs, _mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
+        __m512 x1 = _mm512_mul_ps(vs, _mm512_sub_ps(_mm512_loadu_ps(row + j + 16), vm));
+        /* exp16 maps NaN to a finite value: NaN scores stay NaN */
+        __m512 e0 = _mm512_mask_mov_ps(exp16(x0), _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q), x0);
+        __m512 e1 = _mm512_mask_mov_ps(exp16(x1), _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q), x1);
+        e0 = _mm512_maskz_mov_ps(m0, e0);
+        e1 = _mm512_maskz_mov_ps(m1, e1);
+        acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#else
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < L; j++) {
+        row[j] = exp_f32(scale * (row[j] - m));
+        sum += row[j];
+    }
+    for (int64_t j = L; j < Lp; j++)
+        row[j] = 0.0f;
+    to_bf16_rows(row, Lp, 1, Lp, NULL, pb, Lp);
+#endif
+    return sum;
+}
+
+/* ---- Attention within segments (the vision tower's images) in bf16 on the matrix units -------------------------
+ * For each segment s (tokens seg_start[s] .. + seg_len[s]) and head h, non-causal softmax attention with the
+ * segment's scores materialised (an image's L x L floats stay in L2 up to L = MAX_SEGMENT):
+ *   S = Q K^T (bf16 products, float32 sums), e = exp(scale (S - rowmax)), O = bf16(e) V / rowsum(e),
+ * the rounding of e to bf16 before the second product being torch's flash kernel's for bf16. q, k, v: bf16 with
+ * strides (t, h, 1) in elements; out: [T, H, D] bf16 contiguous. Rows and columns past L up to Lp = L rounded up to
+ * 32 are zeros (padded keys masked out of the softmax). Segments and heads are split over threads; scratch holds
+ * SEGMENT_SCRATCH(Lp, D) floats per thread for the longest segment. D a multiple of 32 up to 256, the engine as
+ * in pt_delta_chunked_bf16. Returns 1 for what it does not take, 2 for an engine this build lacks. */
+#define MAX_SEGMENT 1024
+#define SEGMENT_SCRATCH(L, D) (2 * (L) * (L) + 3 * (L) * (D) + 2 * (L) + 6 * 64)
+
+int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const uint16_t *k, int64_t k_t,
+                              int64_t k_h, const uint16_t *v, int64_t v_t, int64_t v_h, int64_t H, int64_t D,
+                              const int64_t *seg_start, const int64_t *seg_len, int64_t nseg, float scale, int engine,
+                              uint16_t *out, float *scratch, int64_t scratch_floats, int nthreads) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        if (seg_len[s] < 0 || seg_start[s] < 0)
+            return 1;
+        longest = seg_len[s] > longest ? seg_len[s] : longest;
+    }
+    if (H < 0 || D < 32 || D % 32 || D > 256 || longest > MAX_SEGMENT
+        || scratch_floats < SEGMENT_SCRATCH(round32(longest), D))
+        return 1;
+    if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
+        return 2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *at = scratch + (int64_t)THREAD_NUM() * scratch_floats;
+#ifdef PT_HAVE_AMX
+        if (engine == ENGINE_AMX)
+            amx_configure();
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < nseg * H; task++) {
+            int64_t s = task / H, h = task % H, t0 = seg_start[s], L = seg_len[s], Lp = round32(L);
+            if (L == 0)
+                continue;
+            float *sf = at, *of = sf + Lp * Lp, *inv = of + Lp * D;                 /* scores, output, 1 / sums */
+            uint16_t *pb = (uint16_t *)(inv + Lp + 64);                              /* bf16(e) [Lp, Lp] */
+            uint16_t *qb = pb + Lp * Lp + 128, *kt = qb + Lp * D + 128, *vv = kt + Lp * D + 128;
+            /* Q rows, K^T and V in the matrix units' pair layout, zero past L */
+            for (int64_t i = 0; i < Lp; i++) {
+                uint16_t *row = qb + i * D;
+                if (i < L)
+                    memcpy(row, q + (t0 + i) * q_t + h * q_h, (size_t)D * sizeof(uint16_t));
+                else
+                    memset(row, 0, (size_t)D * sizeof(uint16_t));
+            }
+            segment_kt(k, k_t, h * k_h, t0, L, Lp, D, kt, vv);      /* vv: K's rows, scratch until V's turn */
+            segment_vv(v, v_t, h * v_h, t0, L, Lp, D, vv);
+            mm_bf16(engine, qb, D, kt, Lp, Lp, D, sf, Lp, 0, 0);
+            for (int64_t i = 0; i < Lp; i++)
+                inv[i] = 1.0f / segment_softmax_row(sf + i * Lp, L, Lp, scale, pb + i * Lp);
+            mm_bf16(engine, pb, Lp, vv, Lp, D, Lp, of, D, 0, 0);
+            to_bf16_rows(of, D, L, D, inv, out + t0 * H * D + h * D, H * D);
+        }
+#ifdef PT_HAVE_AMX
+        if (engine == ENGINE_AMX)
+            _tile_release();
+#endif
+    }
+    return 0;
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
