@@ -444,7 +444,8 @@ def test_segment_attention_bf16_matches_masked_attention_and_sdpa(engine, length
 
 
 def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
-    """A NaN key poisons its own segment's outputs only (exp of a NaN score stays NaN); float32, key heads unlike
+    """A NaN key poisons its own segment's outputs only (exp of a NaN score stays NaN); scores all far below zero
+    stay finite (the softmax shifts by the row's max, its last partial vector included); float32, key heads unlike
     the query's, head dims not a multiple of 32 and segments over MAX_SEGMENT are declined (None: SDPA runs)."""
     from pixeltriage.kernels import attention
 
@@ -456,6 +457,11 @@ def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     assert attention.segment_attention_bf16(q.float(), k.float(), v.float(), [30, 40], engine="fma") is None
     assert attention.segment_attention_bf16(q, k[:, :1], v[:, :1], [30, 40], engine="fma") is None
     assert attention.segment_attention_bf16(q[..., :16], k[..., :16], v[..., :16], [30, 40], engine="fma") is None
+    u = torch.randn(1, 1, 32).expand(33, 1, 32)   # every score far below zero (-360 +- 20), differing between keys
+    fq, fk = (-8 * u).bfloat16(), (8 * u + 2 * torch.randn(33, 1, 32)).bfloat16()
+    far = attention.segment_attention_bf16(fq, fk, v[:33, :1], [33], engine="fma")
+    want = _segment_attention_reference(fq, fk, v[:33, :1], [33], causal=False)
+    assert far.isfinite().all() and rel(far, want) < 2 ** -8
     long = attention.MAX_SEGMENT + 1
     x = torch.zeros(long, 1, 32, dtype=torch.bfloat16)
     assert attention.segment_attention_bf16(x, x, x, [long], engine="fma") is None

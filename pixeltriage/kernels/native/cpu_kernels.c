@@ -1255,9 +1255,26 @@ static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, 
  * zeros past L; returns the float32 sum of e. */
 static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb) {
     float m = row[0], sum = 0.0f;
+#if defined(PT_CONV_AVX512) && defined(__AVX512BF16__)
+    {                                              /* the row's max in four chains (one waits on its own latency) */
+        __m512 a0 = _mm512_set1_ps(m), a1 = a0, a2 = a0, a3 = a0;
+        int64_t j = 0;
+        for (; j + 64 <= L; j += 64) {
+            a0 = _mm512_max_ps(a0, _mm512_loadu_ps(row + j));
+            a1 = _mm512_max_ps(a1, _mm512_loadu_ps(row + j + 16));
+            a2 = _mm512_max_ps(a2, _mm512_loadu_ps(row + j + 32));
+            a3 = _mm512_max_ps(a3, _mm512_loadu_ps(row + j + 48));
+        }
+        for (; j < L; j += 16)
+            a0 = _mm512_max_ps(a0, _mm512_mask_loadu_ps(a0, L - j >= 16 ? 0xffff : (__mmask16)((1u << (L - j)) - 1u),
+                                                        row + j));
+        m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
+    }
+#else
 #pragma omp simd reduction(max : m)
     for (int64_t j = 1; j < L; j++)
         m = row[j] > m ? row[j] : m;
+#endif
 #if defined(PT_CONV_AVX512) && defined(__AVX512BF16__)
     __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale), acc = _mm512_setzero_ps();
     for (int64_t j = 0; j < Lp; j += 32) {
@@ -1340,7 +1357,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
             segment_kt(k, k_t, h * k_h, t0, L, Lp, D, kt, vv);      /* vv: K's rows, scratch until V's turn */
             segment_vv(v, v_t, h * v_h, t0, L, Lp, D, vv);
             mm_bf16(engine, qb, D, kt, Lp, Lp, D, sf, Lp, 0, 0);
-            for (int64_t i = 0; i < Lp; i++)
+            for (int64_t i = 0; i < L; i++)              /* rows past L: products whose outputs are not kept */
                 inv[i] = 1.0f / segment_softmax_row(sf + i * Lp, L, Lp, scale, pb + i * Lp);
             mm_bf16(engine, pb, Lp, vv, Lp, D, Lp, of, D, 0, 0);
             to_bf16_rows(of, D, L, D, inv, out + t0 * H * D + h * D, H * D);
