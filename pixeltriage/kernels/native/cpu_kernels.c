@@ -98,35 +98,23 @@ static void conv_silu_span(const void *x, int x_bf16, int64_t x_t, const float *
      * order above and the SiLU as `silu16` (rcp14 and a Newton step for the division: within 2 ulp of
      * y / (1 + e^-y)): 0.64 against 1.2-1.6 ns per channel for the scalar loops, in cache */
     if (W == 4 && first == 0 && n % 32 == 0) {
-        if (x_bf16) {
-            const uint16_t *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
-            for (int64_t c = 0; c < n; c += 32) {
-                __m512 y0 = _mm512_mul_ps(load_bf16x16(r3 + c), _mm512_loadu_ps(w[3] + c));
-                __m512 y1 = _mm512_mul_ps(load_bf16x16(r3 + c + 16), _mm512_loadu_ps(w[3] + c + 16));
-                y0 = _mm512_fmadd_ps(load_bf16x16(r0 + c), _mm512_loadu_ps(w[0] + c), y0);
-                y1 = _mm512_fmadd_ps(load_bf16x16(r0 + c + 16), _mm512_loadu_ps(w[0] + c + 16), y1);
-                y0 = _mm512_fmadd_ps(load_bf16x16(r1 + c), _mm512_loadu_ps(w[1] + c), y0);
-                y1 = _mm512_fmadd_ps(load_bf16x16(r1 + c + 16), _mm512_loadu_ps(w[1] + c + 16), y1);
-                y0 = _mm512_fmadd_ps(load_bf16x16(r2 + c), _mm512_loadu_ps(w[2] + c), y0);
-                y1 = _mm512_fmadd_ps(load_bf16x16(r2 + c + 16), _mm512_loadu_ps(w[2] + c + 16), y1);
-                _mm512_storeu_ps(out + c, silu16(y0));
-                _mm512_storeu_ps(out + c + 16, silu16(y1));
-            }
-        } else {
-            const float *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
-            for (int64_t c = 0; c < n; c += 32) {
-                __m512 y0 = _mm512_mul_ps(_mm512_loadu_ps(r3 + c), _mm512_loadu_ps(w[3] + c));
-                __m512 y1 = _mm512_mul_ps(_mm512_loadu_ps(r3 + c + 16), _mm512_loadu_ps(w[3] + c + 16));
-                y0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + c), _mm512_loadu_ps(w[0] + c), y0);
-                y1 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + c + 16), _mm512_loadu_ps(w[0] + c + 16), y1);
-                y0 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + c), _mm512_loadu_ps(w[1] + c), y0);
-                y1 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + c + 16), _mm512_loadu_ps(w[1] + c + 16), y1);
-                y0 = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + c), _mm512_loadu_ps(w[2] + c), y0);
-                y1 = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + c + 16), _mm512_loadu_ps(w[2] + c + 16), y1);
-                _mm512_storeu_ps(out + c, silu16(y0));
-                _mm512_storeu_ps(out + c + 16, silu16(y1));
-            }
+#define CONV_SPAN4_AVX512(LOAD)                                                                                  \
+        for (int64_t c = 0; c < n; c += 32) {                                                                   \
+            __m512 y0 = _mm512_mul_ps(LOAD(rows[3], c), _mm512_loadu_ps(w[3] + c));                             \
+            __m512 y1 = _mm512_mul_ps(LOAD(rows[3], c + 16), _mm512_loadu_ps(w[3] + c + 16));                   \
+            for (int j = 0; j < 3; j++) {                                                                       \
+                y0 = _mm512_fmadd_ps(LOAD(rows[j], c), _mm512_loadu_ps(w[j] + c), y0);                          \
+                y1 = _mm512_fmadd_ps(LOAD(rows[j], c + 16), _mm512_loadu_ps(w[j] + c + 16), y1);                \
+            }                                                                                                   \
+            _mm512_storeu_ps(out + c, silu16(y0));                                                              \
+            _mm512_storeu_ps(out + c + 16, silu16(y1));                                                         \
         }
+#define LOAD_BF16x16(p, c) load_bf16x16((const uint16_t *)(p) + (c))
+#define LOAD_F32x16(p, c) _mm512_loadu_ps((const float *)(p) + (c))
+        if (x_bf16) { CONV_SPAN4_AVX512(LOAD_BF16x16) } else { CONV_SPAN4_AVX512(LOAD_F32x16) }
+#undef LOAD_BF16x16
+#undef LOAD_F32x16
+#undef CONV_SPAN4_AVX512
         return;
     }
 #endif
