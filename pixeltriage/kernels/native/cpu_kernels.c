@@ -192,6 +192,19 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* dst[0, n) = bf16(src[0, n)), float_to_bf16's rounding, 32 at a time where the build has AVX512-BF16 (there
+ * denormal floats become zero) */
+static inline void bf16_row(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512BF16__
+    for (; i + 32 <= n; i += 32)
+        _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
+                                                                  _mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++)
+        dst[i] = float_to_bf16(src[i]);
+}
+
 /* The Gated DeltaNet's output norm: out[r, h, :] = x[r, h, :] / sqrt(mean(x[r, h, :]^2) + eps) * w * silu(z[r, h, :]).
  * x: float32 [R, H, D] with strides (x_r, x_h, 1); z: [R, H, D] (bf16 if z_bf16) with strides (z_r, z_h, 1);
  * w: float32 [D]; out: [R, H * D] contiguous, in z's dtype (rounded once, from float32). */
@@ -317,7 +330,7 @@ int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w,
     int64_t half = R / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        float y[4096];
+        float y[4096], r[4096];
         const float *restrict c = cos + n * R, *restrict s = sin + n * R;
         for (int64_t g = 0; g < G; g++) {
             int64_t xo = n * x_n + g * x_g, oo = (n * G + g) * D;
@@ -335,14 +348,14 @@ int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w,
                 for (int64_t d = 0; d < D; d++)
                     y[d] = y[d] * inv * w[d];
             }
-            if (bf16) {
-                uint16_t *restrict o = (uint16_t *)out + oo;
+            if (bf16) {                     /* in float32 first (vectorised), then rounded 32 at a time */
                 for (int64_t d = 0; d < half; d++) {
-                    o[d] = float_to_bf16(y[d] * c[d] - y[d + half] * s[d]);
-                    o[d + half] = float_to_bf16(y[d + half] * c[d + half] + y[d] * s[d + half]);
+                    r[d] = y[d] * c[d] - y[d + half] * s[d];
+                    r[d + half] = y[d + half] * c[d + half] + y[d] * s[d + half];
                 }
                 for (int64_t d = R; d < D; d++)
-                    o[d] = float_to_bf16(y[d]);
+                    r[d] = y[d];
+                bf16_row(r, (uint16_t *)out + oo, D);
             } else {
                 float *restrict o = (float *)out + oo;
                 for (int64_t d = 0; d < half; d++) {
