@@ -274,18 +274,23 @@ int pt_add_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, co
         for (int64_t d = 0; d < D; d++)
             sq += (hv[d] - mean) * (hv[d] - mean);
         float inv = 1.0f / __builtin_sqrtf(sq / (float)D + eps);
-        if (layer_norm && out_bf16) {
+        if (out_bf16) {                     /* in float32 a block at a time (vectorised), then rounded 32 at a time */
             uint16_t *restrict o = (uint16_t *)out + t * D;
-            for (int64_t d = 0; d < D; d++)
-                o[d] = float_to_bf16((hv[d] - mean) * inv * w[d] + b[d]);
+            float r[256];
+            for (int64_t d0 = 0; d0 < D; d0 += 256) {
+                int64_t n = D - d0 < 256 ? D - d0 : 256;
+                if (layer_norm)
+                    for (int64_t d = 0; d < n; d++)
+                        r[d] = (hv[d0 + d] - mean) * inv * w[d0 + d] + b[d0 + d];
+                else
+                    for (int64_t d = 0; d < n; d++)
+                        r[d] = hv[d0 + d] * inv * w[d0 + d];
+                bf16_row(r, o + d0, n);
+            }
         } else if (layer_norm) {
             float *restrict o = (float *)out + t * D;
             for (int64_t d = 0; d < D; d++)
                 o[d] = (hv[d] - mean) * inv * w[d] + b[d];
-        } else if (out_bf16) {
-            uint16_t *restrict o = (uint16_t *)out + t * D;
-            for (int64_t d = 0; d < D; d++)
-                o[d] = float_to_bf16(hv[d] * inv * w[d]);
         } else {
             float *restrict o = (float *)out + t * D;
             for (int64_t d = 0; d < D; d++)
