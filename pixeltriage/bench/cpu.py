@@ -183,6 +183,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     achieved = flop_rate(flops.total, engine_s, rate)
     # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach
     gemm_bound_s = flops.total / (rate * 1e12)
+    from pixeltriage.kernels import registry
+
     return {
         "preset": preset, "dtype": dtype, "threads": torch.get_num_threads(), "tokens": state.num_tokens,
         "memories": state.num_memories, "engine_s": engine_s, "transformers_s": hf_s, "speedup": hf_s / engine_s,
@@ -193,6 +195,9 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "achieved_tflops": achieved["tflops"], "fraction_of_gemm": achieved["of_gemm"], "stages_s": stages,
         "stages": rows,
         "gemm_bound_s": gemm_bound_s, "ceiling_speedup": hf_s / gemm_bound_s,
+        # which implementation ran each op (the bf16 delta pass and the ViT's attention on AMX depend on the CPU
+        # and on PIXELTRIAGE_DELTA_BF16): a stage's figure means little without it
+        "kernels": registry.choices("cpu", torch_dtype),
     }
 
 
@@ -233,6 +238,10 @@ def print_table(r: dict, out=None) -> None:
     if max(before, after) > DRIFT_WARNING * min(before, after):
         print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
+    kernels = r.get("kernels") or {}
+    for op in ("gated_delta", "attention"):            # the ops whose kernel depends on the CPU and a switch
+        if op in kernels:
+            print(f"  {op + ' kernel':<18} {kernels[op]}", file=out)
     print(f"  engine stages (medians; FLOPs from the FLOP model; of GEMM: the stage's rate over the "
           f"{r['gemm_tflops']:.3f} TFLOP/s):", file=out)
     print(f"    {'stage':<32}{'GFLOP':>10}{'ms':>10}{'TFLOP/s':>10}{'of GEMM':>9}", file=out)

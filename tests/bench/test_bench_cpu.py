@@ -48,8 +48,12 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
             assert row["tflops"] == pytest.approx(row["flops"] / row["seconds"] / 1e12)
             assert row["of_gemm"] == pytest.approx(row["tflops"] / r["gemm_tflops"])
     assert len(r["paired_speedups"]) == 2
+    from pixeltriage.kernels import registry
+
+    assert r["kernels"] == registry.choices("cpu", torch.float32) and "gated_delta" in r["kernels"]
     buf = io.StringIO()
     cpu.print_table(r, buf)
+    assert f"gated_delta kernel {r['kernels']['gated_delta']}" in buf.getvalue()
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
