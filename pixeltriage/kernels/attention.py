@@ -62,9 +62,13 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 
     engine: one of `native.BF16_ENGINES` (None: "amx"; "fma" runs on any machine, for the tests). Returns None for
     what it does not take (not bf16 on the CPU, key/value heads unlike the query's, head dims not a multiple of 32
-    up to 256, a segment over MAX_SEGMENT, no library or no such engine): the caller takes SDPA."""
+    up to 256, a segment over MAX_SEGMENT, no library or no such engine): the caller takes SDPA. ValueError for
+    lengths that do not cover q's tokens."""
+    if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
+        raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
     name = "amx" if engine is None else engine
-    if (q.dtype != torch.bfloat16 or q.device.type != "cpu" or not (q.shape == k.shape and k.shape[:2] == v.shape[:2])
+    if (q.dim() != 3 or q.dtype != torch.bfloat16 or q.device.type != "cpu"
+            or not (q.shape == k.shape and k.shape[:2] == v.shape[:2])
             or q.shape[-1] != v.shape[-1] or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (k, v))
             or q.stride(-1) != 1 or q.shape[-1] % 32 or q.shape[-1] > 256 or max(lengths, default=0) > MAX_SEGMENT
             or name not in native.bf16_engines()):
@@ -75,7 +79,8 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
         return out
     starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
     lens = torch.tensor(lengths, dtype=torch.long)
-    per_thread = 2 * _round32(max(lengths)) ** 2 + 3 * _round32(max(lengths)) * dim + 2 * _round32(max(lengths)) + 384
+    longest = _round32(max(lengths))
+    per_thread = 2 * longest ** 2 + 3 * longest * dim + 2 * longest + 384      # the C side's SEGMENT_SCRATCH (checked)
     scratch = torch.empty(torch.get_num_threads(), per_thread)
     rc = native.library().pt_segment_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),

@@ -446,7 +446,8 @@ def test_segment_attention_bf16_matches_masked_attention_and_sdpa(engine, length
 def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     """A NaN key poisons its own segment's outputs only (exp of a NaN score stays NaN); scores all far below zero
     stay finite (the softmax shifts by the row's max, its last partial vector included); float32, key heads unlike
-    the query's, head dims not a multiple of 32 and segments over MAX_SEGMENT are declined (None: SDPA runs)."""
+    the query's, head dims not a multiple of 32 and segments over MAX_SEGMENT are declined (None: SDPA runs);
+    lengths that do not cover the tokens are an error, not a read past them."""
     from pixeltriage.kernels import attention
 
     torch.manual_seed(3)
@@ -462,6 +463,8 @@ def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     far = attention.segment_attention_bf16(fq, fk, v[:33, :1], [33], engine="fma")
     want = _segment_attention_reference(fq, fk, v[:33, :1], [33], causal=False)
     assert far.isfinite().all() and rel(far, want) < 2 ** -8
+    with pytest.raises(ValueError, match="do not cover"):
+        attention.segment_attention_bf16(q, k, v, [30, 41], engine="fma")
     long = attention.MAX_SEGMENT + 1
     x = torch.zeros(long, 1, 32, dtype=torch.bfloat16)
     assert attention.segment_attention_bf16(x, x, x, [long], engine="fma") is None
