@@ -194,12 +194,16 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* dst[0, n) = bf16(src[0, n)), float_to_bf16's rounding, 32 at a time where the build has AVX512-BF16 (there
  * denormal floats become zero) */
+#ifdef __AVX512BF16__
+/* 32 floats, lo then hi, as 32 bf16 in order */
+static inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+#endif
+
 static inline void bf16_row(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
 #ifdef __AVX512BF16__
     for (; i + 32 <= n; i += 32)
-        _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
-                                                                  _mm512_loadu_ps(src + i)));
+        _mm512_storeu_si512(dst + i, bf16x32(_mm512_loadu_ps(src + i), _mm512_loadu_ps(src + i + 16)));
 #endif
     for (; i < n; i++)
         dst[i] = float_to_bf16(src[i]);
@@ -967,9 +971,6 @@ static void to_bf16_t_ref(const float *src, int64_t lds, int64_t N, int64_t R, c
 }
 
 #ifdef __AVX512BF16__
-/* 32 floats, lo then hi, as 32 bf16 in order */
-static inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
-
 static void to_bf16_rows_fast(const float *src, int64_t lds, int64_t R, int64_t N, const float *rowscale,
                               uint16_t *dst, int64_t ldd) {
     if (N % 32) {
@@ -1257,23 +1258,6 @@ static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, 
     }
 }
 
-#if defined(PT_CONV_AVX512) && defined(__AVX512BF16__)
-/* e^x for x <= 0 to the accuracy a bf16 result needs: exp16's range reduction with a degree-4 Taylor polynomial on
- * [-ln2/2, ln2/2] (relative error under 5e-5, against bf16's 2e-3 rounding step); under -87, e^-87 */
-static inline __m512 exp16_bf16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 24.0f), _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
-
 /* One row of scores (row[0, L) live, Lp a multiple of 32): e = exp(scale (row - max)), written to pb as bf16 with
  * zeros past L; returns the float32 sum of e. */
 static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb) {
@@ -1289,8 +1273,7 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
             a3 = _mm512_max_ps(a3, _mm512_loadu_ps(row + j + 48));
         }
         for (; j < L; j += 16)
-            a0 = _mm512_max_ps(a0, _mm512_mask_loadu_ps(a0, L - j >= 16 ? 0xffff : (__mmask16)((1u << (L - j)) - 1u),
-                                                        row + j));
+            a0 = _mm512_max_ps(a0, _mm512_mask_loadu_ps(a0, lanes16(L - j), row + j));
         m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
     }
 #else
@@ -1304,14 +1287,14 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
     __m512 vms = _mm512_set1_ps(scale * m), vs = _mm512_set1_ps(scale), acc = _mm512_setzero_ps();
     __mmask16 nan = 0;
     for (int64_t j = 0; j < Lp; j += 32) {
-        __mmask16 m0 = j >= L ? 0 : (L - j >= 16 ? 0xffff : (__mmask16)((1u << (L - j)) - 1u));
-        __mmask16 m1 = j + 16 >= L ? 0 : (L - j - 16 >= 16 ? 0xffff : (__mmask16)((1u << (L - j - 16)) - 1u));
+        __mmask16 m0 = j >= L ? 0 : lanes16(L - j);
+        __mmask16 m1 = j + 16 >= L ? 0 : lanes16(L - j - 16);
         __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(row + j), vs, vms);
         __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), vs, vms);
         nan |= _mm512_mask_cmp_ps_mask(m0, x0, x0, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m1, x1, x1, _CMP_UNORD_Q);
         __m512 e0 = _mm512_maskz_mov_ps(m0, exp16_bf16(x0)), e1 = _mm512_maskz_mov_ps(m1, exp16_bf16(x1));
         acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
-        _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        _mm512_storeu_si512(pb + j, bf16x32(e0, e1));
     }
     sum = nan ? __builtin_nanf("") : _mm512_reduce_add_ps(acc);
 #else
@@ -1322,7 +1305,7 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
     }
     for (int64_t j = L; j < Lp; j++)
         row[j] = 0.0f;
-    to_bf16_rows(row, Lp, 1, Lp, NULL, pb, Lp);
+    bf16_row(row, pb, Lp);
 #endif
     return sum;
 }

@@ -15,8 +15,6 @@ static inline void store16(uint16_t *p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
-
 int pt_simd_available(void) { return 1; }
 
 /* out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu: bf16 rows of stride gu_t, out: bf16 [T, I] contiguous */
@@ -28,7 +26,7 @@ int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *o
         const uint16_t *g = (const uint16_t *)gu + t * gu_t, *u = g + I;
         uint16_t *o = (uint16_t *)out + t * I;
         for (int64_t i = 0; i < I; i += 16) {
-            __mmask16 m = lanes(I - i);
+            __mmask16 m = lanes16(I - i);
             __m512 y = load16(g + i, m);
             store16(o + i, m, _mm512_mul_ps(silu16(y), load16(u + i, m)));
         }
@@ -52,12 +50,12 @@ int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void 
             uint16_t *o = (uint16_t *)out + (r * H + h) * D;
             __m512 sq = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 16) {
-                __m512 v = _mm512_maskz_loadu_ps(lanes(D - d), xv + d);
+                __m512 v = _mm512_maskz_loadu_ps(lanes16(D - d), xv + d);
                 sq = _mm512_fmadd_ps(v, v, sq);
             }
             __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(sq) / (float)D + eps));
             for (int64_t d = 0; d < D; d += 16) {
-                __mmask16 m = lanes(D - d);
+                __mmask16 m = lanes16(D - d);
                 __m512 normed = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xv + d), inv),
                                               _mm512_maskz_loadu_ps(m, w + d));
                 store16(o + d, m, _mm512_mul_ps(normed, silu16(load16(zv + d, m))));
@@ -85,7 +83,7 @@ int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64
             uint16_t *ov = (uint16_t *)o + r * o_r + h * o_h;
             const uint16_t *gv = (const uint16_t *)g + r * g_r + h * g_h;
             for (int64_t d = 0; d < D; d += 16) {
-                __mmask16 m = lanes(D - d);
+                __mmask16 m = lanes16(D - d);
                 store16(ov + d, m, _mm512_mul_ps(load16(ov + d, m), round16(sigmoid16(load16(gv + d, m)))));
             }
         }
