@@ -482,8 +482,6 @@ typedef struct {
     const float *taps;
 } delta_args;
 
-#define MAX_DELTA_HEAD 512
-
 /* Conv mode: rows i < len of the chunk starting at token t0, channels [c0, c0 + n), into out (row i at out + i * ldo):
  * `conv_silu_span`'s values, in its order of multiply-adds. Where built with AVX-512 and W = 4: 32 channels at a
  * time down the chunk's rows, the last three rows' inputs kept in registers (each input line read once, where row by
@@ -718,11 +716,11 @@ static void delta_loop_chunk(float *vn, const float *wm, const float *qm, const 
         mm4_cols(ktm + r0 * C, C, vn, V, C, S + r0 * V, V, V, 1.0f, cd, 1);   /* 0 * inf stays NaN */
 }
 
-/* The checks pt_delta_chunked and pt_delta_chunked_bf16 share. Conv mode (taps): a width of 1..MAX_CONV_WIDTH,
- * heads up to MAX_DELTA_HEAD (the per-token buffers) and a projection of 2 (H / group) K + H V columns. */
+/* The checks pt_delta_chunked and pt_delta_chunked_bf16 share. Conv mode (taps): a width of 1..MAX_CONV_WIDTH
+ * and a projection of 2 (H / group) K + H V columns. */
 static int delta_conv_ok(const float *taps, int W, int64_t group, int64_t H, int64_t K, int64_t V, int64_t conv_dim) {
-    return !taps || (W >= 1 && W <= MAX_CONV_WIDTH && group >= 1 && H % group == 0 && K <= MAX_DELTA_HEAD
-                     && V <= MAX_DELTA_HEAD && conv_dim == 2 * (H / group) * K + H * V);
+    return !taps || (W >= 1 && W <= MAX_CONV_WIDTH && group >= 1 && H % group == 0
+                     && conv_dim == 2 * (H / group) * K + H * V);
 }
 
 /* Every chunk's length in 0..C and, in conv mode, its segment starting at or before it. */
@@ -1081,6 +1079,7 @@ int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_t N, co
  * kb k^T (then T), q k^T (3 C^2); bf16 (half a float each): q, kb, k^T and kb paired, w, k_end^T (6 C K), intra,
  * T, T diag(exp(gamma)) (3 C^2), vb and v_new paired (2 C V), the state paired (K V); each of the 22 arrays
  * rounded up to 64 floats (256 bytes). */
+#define MAX_DELTA_HEAD 512              /* the bf16 pass's widest head (its per-thread scratch grows with K V) */
 #define DELTA_BF16_SCRATCH(C, K, V) \
     (4 * (C) * (K) + 3 * (C) * (V) + 3 * (C) * (C) + (6 * (C) * (K) + 3 * (C) * (C) + 2 * (C) * (V) + (K) * (V)) / 2 \
      + 24 * 64)
