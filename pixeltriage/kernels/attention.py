@@ -49,10 +49,6 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
 MAX_SEGMENT = 1024
 
 
-def _round32(n: int) -> int:
-    return -(-n // 32) * 32
-
-
 def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
                            engine: str | None = None) -> torch.Tensor | None:
     """`segment_attention`'s non-causal contract in bf16 on the CPU's matrix units (C `pt_segment_attention_bf16`):
@@ -79,8 +75,7 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
         return out
     starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
     lens = torch.tensor(lengths, dtype=torch.long)
-    longest = _round32(max(lengths))
-    per_thread = 2 * longest ** 2 + 3 * longest * dim + 2 * longest + 384      # the C side's SEGMENT_SCRATCH (checked)
+    per_thread = native.library().pt_segment_attention_scratch(max(lengths), dim)
     scratch = torch.empty(torch.get_num_threads(), per_thread)
     rc = native.library().pt_segment_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),

@@ -62,11 +62,9 @@ def _round32(n: int) -> int:
 
 
 def scratch_floats(c: int, k_dim: int, v_dim: int) -> int:
-    """Per-thread scratch of `pt_delta_chunked_bf16`, in floats (its DELTA_BF16_SCRATCH at the padded head dims,
-    which it checks)."""
-    k_dim, v_dim = _round32(k_dim), _round32(v_dim)
-    return (4 * c * k_dim + 3 * c * v_dim + 3 * c * c
-            + (6 * c * k_dim + 3 * c * c + 2 * c * v_dim + k_dim * v_dim) // 2 + 24 * 64)
+    """Per-thread scratch of `pt_delta_chunked_bf16`, in floats, as the library computes it (its DELTA_BF16_SCRATCH
+    at the padded head dims, which it checks). The library must be built (`takes`)."""
+    return native.library().pt_delta_chunked_bf16_scratch(c, k_dim, v_dim)
 
 
 # The pass's operand layouts (`pt_bf16_pack`'s `which`): what each packer makes of a float32 matrix

@@ -1084,6 +1084,11 @@ int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_t N, co
     (4 * (C) * (K) + 3 * (C) * (V) + 3 * (C) * (C) + (6 * (C) * (K) + 3 * (C) * (C) + 2 * (C) * (V) + (K) * (V)) / 2 \
      + 24 * 64)
 
+/* DELTA_BF16_SCRATCH for head dims K and V (padded here): what the caller allocates per thread */
+int64_t pt_delta_chunked_bf16_scratch(int64_t C, int64_t K, int64_t V) {
+    return DELTA_BF16_SCRATCH(C, round32(K), round32(V));
+}
+
 /* One chunk of one head in bf16 (see pt_delta_chunked_bf16): S is the head's float32 state, updated; o the chunk's
  * first output row for this head, rows ldo apart. */
 static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_t len, int64_t seg0, int64_t h,
@@ -1320,6 +1325,9 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
  * in pt_delta_chunked_bf16. Returns 1 for what it does not take, 2 for an engine this build lacks. */
 #define MAX_SEGMENT 1024
 #define SEGMENT_SCRATCH(L, D) (2 * (L) * (L) + 3 * (L) * (D) + 2 * (L) + 6 * 64)
+
+/* SEGMENT_SCRATCH for the longest segment (padded here): what the caller allocates per thread */
+int64_t pt_segment_attention_scratch(int64_t longest, int64_t D) { return SEGMENT_SCRATCH(round32(longest), D); }
 
 int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const uint16_t *k, int64_t k_t,
                               int64_t k_h, const uint16_t *v, int64_t v_t, int64_t v_h, int64_t H, int64_t D,
