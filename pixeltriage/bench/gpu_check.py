@@ -43,6 +43,7 @@ import torch
 
 from pixeltriage.bench import roofline as rl
 from pixeltriage.bench.timing import percentiles, timed_within
+from pixeltriage.config import default_dtype
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 GRAPH_TOLERANCE = 1e-3     # a replayed decoder against the eager one: same dtype and kernels, padded length
@@ -137,7 +138,7 @@ def timing(preset: str, device: torch.device, scorers: Scorers, memories: int, t
     from pixeltriage.bench.cpu import bench_episode
     from pixeltriage.engine.cache import Cache
 
-    dtype = timing_dtype(device)
+    dtype = default_dtype(device)
     progress(f"timing {preset} {dtype} on {device}: loading")
     scorer = scorers.get(preset, device, dtype)
     episode = bench_episode(scorer.packer, memories, tokens)
@@ -183,12 +184,6 @@ def timing(preset: str, device: torch.device, scorers: Scorers, memories: int, t
     return out
 
 
-def timing_dtype(device: torch.device) -> str:
-    """bfloat16 on a GPU; float32 on the CPU, where the dry run only checks this script's logic (a CPU without bf16
-    matmul units emulates them, 35-75x slower: docs/performance.md)."""
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
 def enable_graphs(scorer, cached, state, bucket: int, progress) -> dict:
     """Capture the decoder for one bucket (on the CPU: the same padded static path, eagerly) and check a replay
     against the eager scores of the same state. A failure is reported, not fatal; the scorers are left eager."""
@@ -225,7 +220,7 @@ def serve(preset: str, device: torch.device, memories: int, seconds: float, budg
     from pixeltriage.serve.process import ServerProcess
     from pixeltriage.weights.demo import demo_checkpoint
 
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = default_dtype(device)
     eps = episodes(SERVE_CLIENTS, memories)
     bodies = [request_body(q, m, "") for q, m in eps]
     progress(f"serve {preset} on {device}: starting the server")
@@ -554,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             return {"skipped": "no timing to compare"}
         from pixeltriage.bench.cpu import bench_episode
 
-        scorer = scorers.get(args.timing_preset, device, timing_dtype(device))
+        scorer = scorers.get(args.timing_preset, device, default_dtype(device))
         state = bench_episode(scorer.packer, args.memories, args.tokens).state
         return roofline_comparison(scorer, state, spec_key, env["spec_matches_device"],
                                    result["timing"], device, progress)
