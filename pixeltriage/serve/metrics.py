@@ -2,6 +2,8 @@
 in one process, or a host's own metrics, do not collide)."""
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -53,18 +55,20 @@ class Metrics(Observer):
                            "shutting down", registry=r)
         self.build = Info("pixeltriage_build", "version, checkpoint, device and dtype", registry=r)
         self._vision_seen = {"cached": 0, "computed": 0}
+        self._vision_lock = threading.Lock()        # two scrapes at once would count one gain twice
 
     def expose(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def vision_counts(self, counts: dict[str, int]) -> None:
-        """Add what a scorer's `vision_counts` gained since the last call."""
-        for source in ("cached", "computed"):
-            gained = counts.get(source, 0) - self._vision_seen[source]
-            if gained > 0:
-                self.vision_images.labels(source).inc(gained)
-                self._vision_seen[source] += gained
+        """Add what a scorer's `vision_counts` gained since the last call (safe from several threads at once)."""
+        with self._vision_lock:
+            for source in ("cached", "computed"):
+                gained = counts.get(source, 0) - self._vision_seen[source]
+                if gained > 0:
+                    self.vision_images.labels(source).inc(gained)
+                    self._vision_seen[source] += gained
 
     # -- Observer ------------------------------------------------------------------------------------------------
     def batch(self, questions: int, tokens: int, seconds: float) -> None:

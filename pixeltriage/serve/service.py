@@ -286,7 +286,6 @@ class Service:
         self._trim: IdleTrim | None = None
         self.pending_writes = 0
         self._lock = threading.Lock()
-        self._vision_lock = threading.Lock()
 
     @property
     def cache(self) -> "Cache | None":
@@ -685,10 +684,9 @@ class Service:
 
     def update_vision_counts(self) -> None:
         """Bring the vision tower's counters up to date (`Metrics.vision_counts` adds what they gained since its
-        last call: one caller at a time, or a gain is counted twice)."""
-        with self._vision_lock:
-            if self.scorer is not None:
-                self.metrics.vision_counts(self.scorer.vision_counts)
+        last call)."""
+        if self.scorer is not None:
+            self.metrics.vision_counts(self.scorer.vision_counts)
 
     def build_info(self) -> dict:
         from pixeltriage import __version__
