@@ -585,8 +585,8 @@ class Service:
             if max_tokens is not None and max_tokens < packer.text_budget(packer.cut_date(m.date)):
                 note = m.note or ""      # a cached note (null) is the server's own: not cut
                 kept_note = packer.encoder.truncate_counted(note, max_tokens)
-                kept_dialogue = packer.encoder.truncate(m.dialogue, max_tokens - kept_note.tokens)
-                if (kept_note.text, kept_dialogue) != (note, m.dialogue):
+                kept_dialogue, dialogue_cut = packer.encoder.cut(m.dialogue, max_tokens - kept_note.tokens)
+                if kept_note.cut or dialogue_cut:
                     cut = True
                     m = m.model_copy(update={"note": kept_note.text if m.note is not None else None,
                                              "dialogue": kept_dialogue})
