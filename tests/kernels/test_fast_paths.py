@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference
 from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from poison import NanPoisonedEmpty
 from reference import rel
 
 
@@ -316,7 +317,7 @@ def _vector_kernel():
 
 @pytest.mark.parametrize("rows,inner,stride", [(1, 1, 2), (7, 15, 30), (33, 16, 37), (5, 17, 40), (64, 40, 90),
                                                (3, 3072, 6144)])
-def test_vector_silu_mul_matches_float64_and_the_c_kernel(rows, inner, stride, monkeypatch):
+def test_vector_silu_mul_matches_float64_and_the_c_kernel(rows, inner, stride):
     """The AVX-512 bf16 kernel (`kernels.simd`) on lane counts that are not multiples of 16 (masked tails), one
     row, and row strides wider than 2I, into a NaN-poisoned output: every element within one bf16 rounding of the
     float64 value (|got - exact| <= 2^-8 |exact|, plus 1e-30 for the values that underflow), and equal to the C
@@ -327,10 +328,8 @@ def test_vector_silu_mul_matches_float64_and_the_c_kernel(rows, inner, stride, m
     g = torch.Generator().manual_seed(rows * 1000 + inner)
     gate_up = (torch.randn(rows, stride, generator=g) * 4).bfloat16()[:, stride - 2 * inner:]
     gate_up[0, :inner] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-30, -9.0, 88.5, -88.5] * 384)[:inner].bfloat16()
-    empty = torch.empty
-    monkeypatch.setattr(simd.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-    got = simd.silu_mul(gate_up)
-    monkeypatch.undo()
+    with NanPoisonedEmpty():
+        got = simd.silu_mul(gate_up)
     gate, up = gate_up.double().chunk(2, dim=-1)
     exact = F.silu(gate) * up
     assert got.dtype == torch.bfloat16 and got.shape == (rows, inner) and not got.isnan().any()
@@ -523,7 +522,7 @@ def test_norm_partial_rotary_matches_float64(dtype, rotary_dim, native):
 
 @pytest.mark.parametrize("rows,heads,dim,gate_stride", [(1, 1, 1, 1), (7, 3, 24, 100), (33, 2, 17, 40),
                                                         (5, 16, 128, 8192), (2, 1, 130, 130)])
-def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(rows, heads, dim, gate_stride, monkeypatch):
+def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(rows, heads, dim, gate_stride):
     """The AVX-512 output norm (`kernels.simd`) on head dims that are not multiples of 16 (masked tails), one row,
     the layer's strided gate (a column slice of the projection) and a strided x, into a NaN-poisoned output:
     within one bf16 rounding of the float32 reference (2^-8 relative), and equal to the C kernel's or one bf16 ulp
@@ -537,10 +536,8 @@ def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(rows, heads, d
     gate = (torch.randn(rows, width, generator=g) * 3).bfloat16()[:, width - heads * dim:].view(rows, heads, dim)
     w = torch.rand(dim, generator=g)
     x0, gate0 = x.clone(), gate.clone()
-    empty = torch.empty
-    monkeypatch.setattr(simd.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-    got = simd.rms_norm_gated(x, gate, w, 1e-6)
-    monkeypatch.undo()
+    with NanPoisonedEmpty():
+        got = simd.rms_norm_gated(x, gate, w, 1e-6)
     want = rms_norm_gated_reference(x, gate, w, 1e-6)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, heads, dim) and not got.isnan().any()
     assert rel(got.float(), want.float()) <= 2 ** -8
