@@ -10,6 +10,7 @@ from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL, answering_mod
 from pixeltriage.engine.image import display_size
 from pixeltriage.delivery.policy import RateGate, by_gain, token_budget, top_k
 from pixeltriage.engine.types import Memory, Scores
+from pixeltriage.errors import CacheMissError
 
 
 def image_size(memory: Memory, index: int, cache=None) -> tuple[int, int] | None:
@@ -18,8 +19,6 @@ def image_size(memory: Memory, index: int, cache=None) -> tuple[int, int] | None
     if memory.image is None:
         if cache is None:
             return None
-        from pixeltriage.engine.cache import CacheMissError
-
         try:
             return cache.size(memory.key)
         except CacheMissError:
@@ -34,8 +33,6 @@ def shown_note(memory: Memory, cache=None) -> str:
         return memory.note
     if memory.key is None or cache is None:
         return ""
-    from pixeltriage.engine.cache import CacheMissError
-
     try:
         return cache.note(memory.key)
     except CacheMissError:

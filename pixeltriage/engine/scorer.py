@@ -17,7 +17,8 @@ from pixeltriage.engine.profiling import stage
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS, HeadRows, State, StatePacker, TextEncoder
 from pixeltriage.engine.types import Memory, Scores, memory_list
 from pixeltriage.engine.vision import vision_forward
-from pixeltriage.errors import CheckpointError, InvalidMemoryError, NonFiniteScoreError
+from pixeltriage.errors import (CacheMissError, CheckpointError, CorruptEntryError, InvalidMemoryError,
+                                NonFiniteScoreError)
 from pixeltriage.kernels import registry
 from pixeltriage.kernels.head import TORCH as HEAD_TORCH
 from pixeltriage.kernels.head import TRITON as HEAD_TRITON
@@ -207,8 +208,6 @@ class Scorer:
 
     def _cached_entry(self, memory: Memory, index: int):
         """(key, (thumbnail, note)) of one memory from the cache, putting an image given by value first."""
-        from pixeltriage.engine.cache import CacheMissError, CorruptEntryError
-
         cache = self.cache
         if memory.key is None:
             return cache.entry_of(memory.image, index)      # usually one read, one checksum, one decode
