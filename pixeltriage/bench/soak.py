@@ -49,6 +49,7 @@ from urllib.parse import urlsplit
 from pixeltriage.bench.serve import Driver, Local, Phase, _matches, episodes, request_body
 from pixeltriage.bench.timing import percentiles
 from pixeltriage.config import default_dtype
+from pixeltriage.serve.config import ServeConfig
 from pixeltriage.serve.process import ServerProcess
 
 RSS_GROWTH_LIMIT = 0.10            # end RSS within 10% of after warm-up
@@ -58,7 +59,8 @@ BURST_EVERY_S = 15.0
 OVERSIZED_EVERY_S = 0.25
 MALFORMED_EVERY_S = 0.1
 DISCONNECT_EVERY_S = 0.5
-SETTLE_S = 3.0                     # idle before each RSS figure: past the server's idle trim (1 s) and its poll
+# idle before each RSS figure: past the server's idle trim (its default ServeConfig.trim_idle_s) and its poll
+SETTLE_S = ServeConfig.trim_idle_s + 2.0
 WARMUP_MIX_S = BURST_EVERY_S       # the warm-up's share of the mix: one burst among the other kinds
 # a 429 is a right answer to any request while a burst holds the queue (the guard admits before it parses)
 EXPECTED = {"oversized": {"422", "429"}, "malformed": {"400", "415", "422", "429"}, "normal": {"200", "429"},
