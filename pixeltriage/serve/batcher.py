@@ -128,7 +128,6 @@ class Batcher:
         self._admitted = 0
         self._running = 0
         self._preparing = 0
-        self._taken = 0
         self._idle_preparers = 0
         self._seq = itertools.count()
         self._seconds_per_question = 0.0  # moving average of forward time per question, for Retry-After
@@ -257,8 +256,6 @@ class Batcher:
                 self._running -= 1
             elif where == "preparing":
                 self._preparing -= 1
-            elif where == "taken":
-                self._taken -= 1
             if where in ("pending", "ready"):
                 self._dead += 1
                 if self._dead > self.max_queued:
@@ -276,12 +273,13 @@ class Batcher:
         self._dead = 0
 
     def _queue_state(self) -> QueueState:
-        """Lock held."""
-        return QueueState(admitted=self._admitted,
-                          pending=sum(1 for entry in self._pending if entry[-1].where == "pending"),
-                          preparing=self._preparing,
-                          ready=sum(1 for entry in self._ready if entry[-1].where == "ready"),
-                          ready_tokens=self._ready_tokens, taken=self._taken, running=self._running,
+        """Lock held. Every admitted job is in exactly one of pending, preparing, ready, taken and running, so the
+        taken ones (out of the ready heap, not yet running) are what the others leave."""
+        pending = sum(1 for entry in self._pending if entry[-1].where == "pending")
+        ready = sum(1 for entry in self._ready if entry[-1].where == "ready")
+        taken = self._admitted - pending - self._preparing - ready - self._running
+        return QueueState(admitted=self._admitted, pending=pending, preparing=self._preparing, ready=ready,
+                          ready_tokens=self._ready_tokens, taken=taken, running=self._running,
                           idle_preparers=self._idle_preparers, worker_idle=self._worker_idle)
 
     def _changed(self) -> None:
@@ -413,7 +411,6 @@ class Batcher:
         for job in group:
             # a job cancelled meanwhile is left to its done callback (_finished), which frees its slot
             if job.where == "taken" and job.future.set_running_or_notify_cancel():
-                self._taken -= 1
                 job.where = "running"
                 running.append(job)
         self._running += len(running)
@@ -435,7 +432,6 @@ class Batcher:
             heapq.heappop(self._ready)
             self._ready_tokens -= job.tokens
             job.where = "taken"
-            self._taken += 1
             if self._expired(job, now):
                 continue
             group.append(job)
