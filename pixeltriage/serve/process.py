@@ -44,8 +44,9 @@ class ServerProcess:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
-        """Until /ready answers 200; ServerProcessError (with the output) when it exits first or `timeout` passes."""
+    def wait_ready(self, timeout: float = 600.0, path: str = "/ready") -> "ServerProcess":
+        """Until `path` answers 200 (/ready: the model loaded; /health: listening, maybe still loading);
+        ServerProcessError (with the output) when it exits first or `timeout` passes."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -53,11 +54,12 @@ class ServerProcess:
             if self.url is None:
                 found = LISTENING.search(self.output())
                 self.url = found.group(1) if found else None
-            elif status_code(self.url + "/ready") == 200:
+            elif status_code(self.url + path) == 200:
                 return self
             time.sleep(0.05)
         self.stop()
-        raise ServerProcessError(f"the server was not ready within {timeout:.0f} s:\n{self.output()[-4000:]}")
+        raise ServerProcessError(f"the server's {path} did not answer 200 within {timeout:.0f} s:\n"
+                                 f"{self.output()[-4000:]}")
 
     def memory_mib(self) -> dict:
         """Resident and peak resident memory of the server process (Linux /proc), MiB."""

@@ -30,9 +30,9 @@ class ServerProcess(process.ServerProcess):
                  command: list[str] | None = None):
         super().__init__(["--checkpoint", str(checkpoint), *flags], log=log, env=env or ENV, command=command)
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> "ServerProcess":
+    def wait_ready(self, timeout: float = READY_TIMEOUT, path: str = "/ready") -> "ServerProcess":
         try:
-            return super().wait_ready(timeout)
+            return super().wait_ready(timeout, path)
         except process.ServerProcessError as e:
             pytest.fail(str(e))
 
@@ -87,15 +87,7 @@ class GatedServer(ServerProcess):
 
     def wait_listening(self, timeout: float = READY_TIMEOUT) -> "GatedServer":
         """Until the server printed its URL and /health answers 200 (the model may still be loading)."""
-        def listening() -> bool:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            found = process.LISTENING.search(self.output())
-            self.url = found.group(1) if found else None
-            return self.url is not None and process.status_code(self.url + "/health") == 200
-
-        wait_for("the server to listen", listening, timeout)
-        return self
+        return self.wait_ready(timeout, path="/health")
 
     def close_control(self) -> None:
         if self._control is not None:
