@@ -249,10 +249,9 @@ def _settled(enc, length: int, max_tokens: int) -> bool:
 def _unchanged(shorter, shorter_length: int, enc, max_tokens: int, margin: int) -> bool:
     """Whether the first `max_tokens` + 1 tokens of a prefix and of the one twice as long are the same tokens at the
     same places, ending `margin` characters before the shorter one's end."""
-    if len(shorter.ids) <= max_tokens or len(enc.ids) <= max_tokens:
+    if not _covers(shorter, shorter_length, max_tokens, margin) or len(enc.ids) <= max_tokens:
         return False
-    return (shorter.offsets[max_tokens][1] <= shorter_length - margin
-            and shorter.ids[: max_tokens + 1] == enc.ids[: max_tokens + 1]
+    return (shorter.ids[: max_tokens + 1] == enc.ids[: max_tokens + 1]
             and shorter.offsets[: max_tokens + 1] == enc.offsets[: max_tokens + 1])
 
 
