@@ -141,10 +141,10 @@ def test_real_ops_cpu(monkeypatch, no_switch):
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(monkeypatch, no_switch):
-    """With PIXELTRIAGE_DELTA_BF16=1 a bf16 forward on the CPU takes the bf16 pass where the CPU has AMX tiles (the
-    build's engines come from this CPU's flags); without the switch, for float32 forwards and on CPUs with
+    """A bf16 forward on the CPU takes the bf16 pass where the CPU has AMX tiles (the build's engines come from
+    this CPU's flags), unless PIXELTRIAGE_DELTA_BF16 says 0 / false / off / no; float32 forwards, and CPUs with
     AVX512-BF16 alone (that engine ran the pass slower than the float32 pass) or neither ("fma" runs anywhere, for
-    tests) the float32 pass runs."""
+    tests), take the float32 pass."""
     from pixeltriage.kernels.gated_delta import bf16
 
     flags = native._cpu_flags().split()
@@ -152,11 +152,14 @@ def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(mon
     assert "fma" in have
     assert "amx" not in have or "amx_bf16" in flags
     assert "avx512_bf16" not in have or "avx512_bf16" in flags
-    monkeypatch.delenv(bf16.SWITCH, raising=False)
-    assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == "native C pt_delta_chunked"
-    monkeypatch.setenv(bf16.SWITCH, "1")
     fast = "native C pt_delta_chunked_bf16" if "amx" in have else "native C pt_delta_chunked"
-    assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == fast
+    for unset_or_on in (None, "", "1", "on"):
+        if unset_or_on is None:
+            monkeypatch.delenv(bf16.SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(bf16.SWITCH, unset_or_on)
+        assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == fast
+    monkeypatch.delenv(bf16.SWITCH, raising=False)
     for engines, name in (({"fma", "amx"}, "native C pt_delta_chunked_bf16"),
                           ({"fma", "avx512_bf16"}, "native C pt_delta_chunked"),
                           ({"fma"}, "native C pt_delta_chunked")):
@@ -164,7 +167,7 @@ def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(mon
         assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == name
         assert registry.choose("gated_delta", "cpu", torch.float32).name == "native C pt_delta_chunked"
     monkeypatch.setattr(native, "bf16_engines", lambda: frozenset({"fma", "amx"}))
-    for off in ("0", ""):
+    for off in ("0", "false", "Off", " no "):
         monkeypatch.setenv(bf16.SWITCH, off)
         assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == "native C pt_delta_chunked"
 
