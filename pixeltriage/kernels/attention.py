@@ -1,6 +1,7 @@
 """Attention over several independent segments of one token axis (images of the ViT, questions of a batch).
 
-Registers the "attention" op (`kernels.registry`): torch's SDPA on every device (flash / memory-efficient on CUDA).
+Registers the "attention" op (`kernels.registry`): torch's SDPA on every device (flash / memory-efficient on CUDA);
+in bf16 on a CPU with AMX, the C kernels on the tiles (`segment_attention_bf16`, `causal_attention_bf16`).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     """
     if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
         raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
-    if not causal and registry.choose("attention", q.device, q.dtype) is AMX:
-        out = segment_attention_bf16(q, k, v, lengths)
+    if registry.choose("attention", q.device, q.dtype) is AMX:
+        out = causal_attention_bf16(q, k, v, lengths) if causal else segment_attention_bf16(q, k, v, lengths)
         if out is not None:
             return out
     gqa = q.shape[1] != k.shape[1]
@@ -84,8 +85,54 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     return out if rc == 0 else None
 
 
+# Segment lengths the causal kernel takes: a query block's 64 rows of float32 scores up to its last key (8 MB at
+# the longest) stay in reach of a core's caches
+MAX_CAUSAL = 32768
+
+
+def causal_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                          engine: str | None = None) -> torch.Tensor | None:
+    """`segment_attention`'s causal contract in bf16 on the CPU's matrix units (C `pt_causal_attention_bf16`): per
+    segment, query head and block of 64 queries, S = Q K^T up to the block's last key as bf16 products with float32
+    sums, a float32 softmax over the keys each query sees, e rounded to bf16 for e V, float32 sums divided out;
+    `segment_attention_bf16`'s numerics. Grouped-query heads share their key/value head's K^T and V, packed once
+    per segment. The decoder's full-attention layers: 8 heads of 256 over 2 key/value heads at every preset.
+
+    engine: as `segment_attention_bf16`. Returns None for what it does not take (not bf16 on the CPU, query heads
+    not a multiple of the key/value heads, head dims not a multiple of 32 up to 256, a segment over MAX_CAUSAL, no
+    library or no such engine): the caller takes SDPA. ValueError for lengths that do not cover q's tokens."""
+    if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
+        raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
+    name = "amx" if engine is None else engine
+    if (q.dim() != 3 or k.dim() != 3 or q.dtype != torch.bfloat16 or q.device.type != "cpu"
+            or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[-1] != k.shape[-1]
+            or q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0
+            or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (q, k, v))
+            or q.shape[-1] % 32 or q.shape[-1] > 256 or max(lengths, default=0) > MAX_CAUSAL
+            or name not in native.bf16_engines()):
+        return None
+    tokens, heads, dim = q.shape
+    out = q.new_empty(tokens, heads, dim)
+    if tokens == 0:
+        return out
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
+    lens = torch.tensor(lengths, dtype=torch.long)
+    lib = native.library()
+    per_thread = lib.pt_causal_attention_scratch(max(lengths), dim)
+    per_head = lib.pt_causal_attention_kv(max(lengths), dim)
+    scratch = torch.empty(torch.get_num_threads(), per_thread)
+    kv = torch.empty(k.shape[1], per_head, dtype=torch.bfloat16)
+    rc = lib.pt_causal_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), heads, k.shape[1], dim, starts.data_ptr(), lens.data_ptr(), len(lengths), dim ** -0.5,
+        native.BF16_ENGINES[name], out.data_ptr(), kv.data_ptr(), per_head, scratch.data_ptr(), per_thread,
+        torch.get_num_threads())
+    return out if rc == 0 else None
+
+
 registry.register("attention", "torch SDPA", segment_attention, devices=("cpu", "cuda"))
-# bf16 on a CPU with AMX tiles: non-causal segments (the vision tower) on the tiles, causal ones through SDPA
-AMX = registry.register("attention", "native C pt_segment_attention_bf16 (non-causal; SDPA causal)",
+# bf16 on a CPU with AMX tiles: the vision tower's images and the decoder's causal segments on the tiles (SDPA for
+# what the kernels decline)
+AMX = registry.register("attention", "native C pt_segment_attention_bf16 / pt_causal_attention_bf16",
                         segment_attention, devices=("cpu",), dtypes=(torch.bfloat16,),
                         available=lambda: "amx" in native.bf16_engines(), priority=10)

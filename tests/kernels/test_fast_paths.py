@@ -469,6 +469,66 @@ def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     assert attention.segment_attention_bf16(x, x, x, [long], engine="fma") is None
 
 
+CAUSAL_CASES = {                # lengths, query heads, key/value heads, head dim
+    "short": ([1, 5, 31, 33, 64, 65, 130], 4, 2, 32),       # around the 32-key blocks and the 64-query blocks
+    "gqa4": ([300, 0, 97], 8, 2, 64),                       # several query blocks, an empty segment
+    "wide": ([250], 3, 3, 256),                             # the decoder's head dim, no grouping
+}
+
+
+@pytest.mark.parametrize("engine", _bf16_engines())
+@pytest.mark.parametrize("case", sorted(CAUSAL_CASES))
+def test_causal_attention_bf16_matches_masked_attention_and_sdpa(engine, case):
+    """`pt_causal_attention_bf16` (the decoder's) on each engine against float64 causal attention within segments
+    and against SDPA in bf16, on strided views of one token-major buffer (q | k | v heads). Tolerances as the
+    vision kernel's: 2^-8 of the largest output against float64 (measured 2.8e-3 to 3.0e-3 on both engines, SDPA's
+    own error to three digits in each case), 2^-7 against SDPA. A diagonal left out of the mask fails every case, a
+    query head given the wrong key/value head fails the grouped ones."""
+    from pixeltriage.kernels.attention import causal_attention_bf16
+
+    lengths, hq, hkv, dim = CAUSAL_CASES[case]
+    torch.manual_seed(hq * 10 + dim)
+    t = sum(lengths)
+    qkv = (torch.randn(t, hq + 2 * hkv, dim) * 1.5).bfloat16()
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    out = causal_attention_bf16(q, k, v, lengths, engine=engine)
+    assert out is not None and out.shape == (t, hq, dim) and out.dtype == torch.bfloat16
+    assert rel(out, _segment_attention_reference(q, k, v, lengths, causal=True)) < 2 ** -8
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    sdpa = torch.cat([F.scaled_dot_product_attention(*(x[s:s + n].transpose(0, 1)[None] for x in (q, k, v)),
+                                                     is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+                      for s, n in zip(starts, lengths)])
+    assert rel(out, sdpa) < 2 ** -7
+
+
+def test_causal_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
+    """A NaN key poisons only the queries that see it: its own key/value head's query heads, from its position to
+    its segment's end; scores all far below zero stay finite; float32, query heads not a multiple of the key/value
+    heads, head dims not a multiple of 32 and segments over MAX_CAUSAL are declined (None: SDPA runs); lengths that
+    do not cover the tokens are an error."""
+    from pixeltriage.kernels import attention
+
+    torch.manual_seed(5)
+    q = torch.randn(170, 4, 32).bfloat16()
+    k, v = (torch.randn(170, 2, 32).bfloat16() for _ in range(2))
+    k[100, 1, 3] = float("nan")                      # segment 2 (tokens 70-169), position 30, key head 1
+    out = attention.causal_attention_bf16(q, k, v, [70, 100], engine="fma")
+    assert out[:100].isfinite().all() and out[100:, :2].isfinite().all() and out[100:, 2:].isnan().all()
+    assert attention.causal_attention_bf16(q.float(), k.float(), v.float(), [70, 100], engine="fma") is None
+    assert attention.causal_attention_bf16(q[:, :3], k, v, [70, 100], engine="fma") is None
+    assert attention.causal_attention_bf16(q[..., :16], k[..., :16], v[..., :16], [70, 100], engine="fma") is None
+    u = torch.randn(1, 1, 32).expand(65, 1, 32)      # every score far below zero (-360 +- 20), differing between keys
+    fq, fk = (-8 * u).bfloat16(), (8 * u + 2 * torch.randn(65, 1, 32)).bfloat16()
+    far = attention.causal_attention_bf16(fq, fk, v[:65, :1], [65], engine="fma")
+    want = _segment_attention_reference(fq, fk, v[:65, :1], [65], causal=True)
+    assert far.isfinite().all() and rel(far, want) < 2 ** -8
+    with pytest.raises(ValueError, match="do not cover"):
+        attention.causal_attention_bf16(q, k, v, [70, 101], engine="fma")
+    long = attention.MAX_CAUSAL + 1
+    x = torch.zeros(long, 1, 32, dtype=torch.bfloat16)
+    assert attention.causal_attention_bf16(x, x, x, [long], engine="fma") is None
+
+
 def test_segment_attention_rejects_lengths_that_miss_tokens():
     from pixeltriage.kernels.attention import segment_attention
 

@@ -249,3 +249,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_delta_chunked_bf16_scratch.restype = _i64
     lib.pt_segment_attention_scratch.argtypes = [_i64, _i64]
     lib.pt_segment_attention_scratch.restype = _i64
+    lib.pt_causal_attention_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                             _ptr, _ptr, _i64, ctypes.c_float, _i32, _ptr, _ptr, _i64, _ptr, _i64, _i32]
+    lib.pt_causal_attention_bf16.restype = _i32
+    for name in ("pt_causal_attention_scratch", "pt_causal_attention_kv"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [_i64, _i64], _i64

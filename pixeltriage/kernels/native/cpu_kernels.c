@@ -1383,6 +1383,98 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
     return 0;
 }
 
+/* ---- Causal attention within segments (the decoder's packed questions) in bf16 on the matrix units ------------
+ * For each segment s (tokens seg_start[s] .. + seg_len[s]) and query head h, whose key/value head is h / (H / Hkv):
+ * causal softmax attention, CAUSAL_BQ query rows at a time, each block's scores materialised up to its last key (64
+ * rows of a 2304-token segment are 590 KB of floats, in L2): S = Q K^T on the tiles with float32 sums, e = exp(scale
+ * (S - rowmax)) over the keys each row sees (zeros past them), O = bf16(e) V / rowsum(e), pt_segment_attention_bf16's
+ * numerics. Each key/value head's K^T (32-key blocks, each [D/2, 64] in the pair layout) and V (the pair layout) are
+ * packed once per segment into kv, shared by the threads: kv_per_head = CAUSAL_KV(Lp, D) bf16 per key/value head for
+ * the longest segment (Lp its length rounded up to 32); scratch holds CAUSAL_SCRATCH(Lp, D) floats per thread. The
+ * query blocks of a segment go to threads last (longest) first. q, k, v: bf16 with strides (t, h, 1) in elements;
+ * out: [T, H, D] bf16 contiguous. D a multiple of 32 up to 256, H a multiple of Hkv, the engine as in
+ * pt_delta_chunked_bf16. Returns 1 for what it does not take, 2 for an engine this build lacks. */
+#define CAUSAL_BQ 64
+#define MAX_CAUSAL 32768
+#define CAUSAL_KV(L, D) (2 * (L) * (D))
+#define CAUSAL_SCRATCH(L, D) \
+    (CAUSAL_BQ * (L) + CAUSAL_BQ * (L) / 2 + CAUSAL_BQ * (D) / 2 + CAUSAL_BQ * (D) + CAUSAL_BQ + 16 * (D) + 6 * 64)
+
+/* CAUSAL_SCRATCH and CAUSAL_KV for the longest segment (padded here): what the caller allocates */
+int64_t pt_causal_attention_scratch(int64_t longest, int64_t D) { return CAUSAL_SCRATCH(round32(longest), D); }
+int64_t pt_causal_attention_kv(int64_t longest, int64_t D) { return CAUSAL_KV(round32(longest), D); }
+
+int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const uint16_t *k, int64_t k_t,
+                             int64_t k_h, const uint16_t *v, int64_t v_t, int64_t v_h, int64_t H, int64_t Hkv,
+                             int64_t D, const int64_t *seg_start, const int64_t *seg_len, int64_t nseg, float scale,
+                             int engine, uint16_t *out, uint16_t *kv, int64_t kv_per_head, float *scratch,
+                             int64_t scratch_floats, int nthreads) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        if (seg_len[s] < 0 || seg_start[s] < 0)
+            return 1;
+        longest = seg_len[s] > longest ? seg_len[s] : longest;
+    }
+    int64_t Lmax = round32(longest);
+    if (H < 1 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > 256 || longest > MAX_CAUSAL
+        || scratch_floats < CAUSAL_SCRATCH(Lmax, D) || kv_per_head < CAUSAL_KV(Lmax, D))
+        return 1;
+    if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
+        return 2;
+    int64_t group = H / Hkv;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *at = scratch + (int64_t)THREAD_NUM() * scratch_floats;
+#define TAKE_F32(n) (at += ((n) + 63) / 64 * 64, at - ((n) + 63) / 64 * 64)
+#define TAKE_BF16(n) ((uint16_t *)TAKE_F32(((n) + 1) / 2))
+        float *sf = TAKE_F32(CAUSAL_BQ * Lmax), *of = TAKE_F32(CAUSAL_BQ * D), *inv = TAKE_F32(CAUSAL_BQ);
+        uint16_t *pb = TAKE_BF16(CAUSAL_BQ * Lmax), *qb = TAKE_BF16(CAUSAL_BQ * D), *rows = TAKE_BF16(32 * D);
+#undef TAKE_BF16
+#undef TAKE_F32
+#ifdef PT_HAVE_AMX
+        if (engine == ENGINE_AMX)
+            amx_configure();
+#endif
+        for (int64_t s = 0; s < nseg; s++) {
+            int64_t t0 = seg_start[s], L = seg_len[s], Lp = round32(L), nb = Lp / 32, nq = (L + CAUSAL_BQ - 1) / CAUSAL_BQ;
+            /* K^T and V of every key/value head, 32 keys a task (the loop's end is a barrier) */
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < Hkv * nb; task++) {
+                int64_t hk = task / nb, j = task % nb, n = L - 32 * j < 32 ? L - 32 * j : 32;
+                uint16_t *kt = kv + hk * kv_per_head, *vv = kt + Lmax * D;
+                segment_kt(k, k_t, hk * k_h, t0 + 32 * j, n, 32, D, kt + j * 32 * D, rows);
+                segment_vv(v, v_t, hk * v_h, t0 + 32 * j, n, 32, D, vv + j * 32 * D);
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < H * nq; task++) {
+                int64_t h = task % H, i0 = (nq - 1 - task / H) * CAUSAL_BQ;
+                int64_t m = L - i0 < CAUSAL_BQ ? L - i0 : CAUSAL_BQ, kend = round32(i0 + m);
+                const uint16_t *kt = kv + (h / group) * kv_per_head, *vv = kt + Lmax * D;
+                for (int64_t i = 0; i < CAUSAL_BQ; i++) {
+                    uint16_t *row = qb + i * D;
+                    if (i < m)
+                        memcpy(row, q + (t0 + i0 + i) * q_t + h * q_h, (size_t)D * sizeof(uint16_t));
+                    else
+                        memset(row, 0, (size_t)D * sizeof(uint16_t));
+                }
+                for (int64_t j = 0; j < kend / 32; j++)
+                    mm_bf16(engine, qb, D, kt + j * 32 * D, CAUSAL_BQ, 32, D, sf + 32 * j, kend, 0, 0);
+                for (int64_t i = 0; i < m; i++)          /* row i sees keys 0 .. i0 + i; rows past m are not kept */
+                    inv[i] = 1.0f / segment_softmax_row(sf + i * kend, i0 + i + 1, kend, scale, pb + i * kend);
+                for (int64_t i = m; i < CAUSAL_BQ; i++)
+                    memset(pb + i * kend, 0, (size_t)kend * sizeof(uint16_t));
+                mm_bf16(engine, pb, kend, vv, CAUSAL_BQ, D, kend, of, D, 0, 0);
+                to_bf16_rows(of, D, m, D, inv, out + (t0 + i0) * H * D + h * D, H * D);
+            }
+        }
+#ifdef PT_HAVE_AMX
+        if (engine == ENGINE_AMX)
+            _tile_release();
+#endif
+    }
+    return 0;
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
