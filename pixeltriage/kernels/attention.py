@@ -46,6 +46,27 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], engine: str | None,
+                  longest: int, grouped: bool) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """What a C attention kernel needs for these inputs: its engine, the output to fill (q's shape, bf16) and each
+    segment's first token and length; None where it declines them: not bf16 on the CPU, a last stride other than
+    1, key/value heads unlike the query's (grouped: not dividing them), head dims not a multiple of 32 up to 256,
+    a segment over `longest`, no library or no such engine. ValueError for lengths that do not cover q's tokens."""
+    if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
+        raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
+    name = "amx" if engine is None else engine
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0:
+        return None
+    heads_ok = q.shape[1] % k.shape[1] == 0 if grouped else q.shape[1] == k.shape[1]
+    if (not heads_ok or q.shape[-1] != k.shape[-1] or q.dtype != torch.bfloat16 or q.device.type != "cpu"
+            or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (q, k, v))
+            or q.shape[-1] % 32 or q.shape[-1] > 256 or max(lengths, default=0) > longest
+            or name not in native.bf16_engines()):
+        return None
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
+    return name, q.new_empty(q.shape), starts, torch.tensor(lengths, dtype=torch.long)
+
+
 # Segment lengths the C kernel takes: an image's L x L float32 scores (4 MB at 1024) stay in a core's L2
 MAX_SEGMENT = 1024
 
@@ -61,22 +82,12 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     what it does not take (not bf16 on the CPU, key/value heads unlike the query's, head dims not a multiple of 32
     up to 256, a segment over MAX_SEGMENT, no library or no such engine): the caller takes SDPA. ValueError for
     lengths that do not cover q's tokens."""
-    if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
-        raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
-    name = "amx" if engine is None else engine
-    if (q.dim() != 3 or q.dtype != torch.bfloat16 or q.device.type != "cpu"
-            or not (q.shape == k.shape and k.shape[:2] == v.shape[:2])
-            or q.shape[-1] != v.shape[-1] or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (k, v))
-            or q.stride(-1) != 1 or q.shape[-1] % 32 or q.shape[-1] > 256 or max(lengths, default=0) > MAX_SEGMENT
-            or name not in native.bf16_engines()):
+    taken = _kernel_takes(q, k, v, lengths, engine, MAX_SEGMENT, grouped=False)
+    if taken is None:
         return None
-    tokens, heads, dim = q.shape
-    out = q.new_empty(tokens, heads, dim)
-    if tokens == 0:
-        return out
-    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
-    lens = torch.tensor(lengths, dtype=torch.long)
-    per_thread = native.library().pt_segment_attention_scratch(max(lengths), dim)
+    name, out, starts, lens = taken
+    heads, dim = q.shape[1:]
+    per_thread = native.library().pt_segment_attention_scratch(max(lengths, default=0), dim)
     scratch = torch.empty(torch.get_num_threads(), per_thread)
     rc = native.library().pt_segment_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
@@ -101,25 +112,14 @@ def causal_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
     engine: as `segment_attention_bf16`. Returns None for what it does not take (not bf16 on the CPU, query heads
     not a multiple of the key/value heads, head dims not a multiple of 32 up to 256, a segment over MAX_CAUSAL, no
     library or no such engine): the caller takes SDPA. ValueError for lengths that do not cover q's tokens."""
-    if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
-        raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
-    name = "amx" if engine is None else engine
-    if (q.dim() != 3 or k.dim() != 3 or q.dtype != torch.bfloat16 or q.device.type != "cpu"
-            or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[-1] != k.shape[-1]
-            or q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0
-            or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (q, k, v))
-            or q.shape[-1] % 32 or q.shape[-1] > 256 or max(lengths, default=0) > MAX_CAUSAL
-            or name not in native.bf16_engines()):
+    taken = _kernel_takes(q, k, v, lengths, engine, MAX_CAUSAL, grouped=True)
+    if taken is None:
         return None
-    tokens, heads, dim = q.shape
-    out = q.new_empty(tokens, heads, dim)
-    if tokens == 0:
-        return out
-    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
-    lens = torch.tensor(lengths, dtype=torch.long)
+    name, out, starts, lens = taken
+    heads, dim = q.shape[1:]
     lib = native.library()
-    per_thread = lib.pt_causal_attention_scratch(max(lengths), dim)
-    per_head = lib.pt_causal_attention_kv(max(lengths), dim)
+    per_thread = lib.pt_causal_attention_scratch(max(lengths, default=0), dim)
+    per_head = lib.pt_causal_attention_kv(max(lengths, default=0), dim)
     scratch = torch.empty(torch.get_num_threads(), per_thread)
     kv = torch.empty(k.shape[1], per_head, dtype=torch.bfloat16)
     rc = lib.pt_causal_attention_bf16(

@@ -442,6 +442,25 @@ def test_segment_attention_bf16_matches_masked_attention_and_sdpa(engine, length
     assert rel(out, sdpa) < 2 ** -7               # two bf16 results, each within 2^-8 of float64's
 
 
+def _far_scores_bad_lengths_long_segments(kernel, causal, length, limit):
+    """What both C attention kernels owe, on the "fma" engine: scores all far below zero (-360 +- 20, differing
+    between keys) stay finite and right (the softmax shifts by the row's max, its last partial vector included);
+    lengths that do not cover the tokens are an error, not a read past them; a segment over `limit` is declined;
+    no tokens at all (no segments, or empty ones) give an empty output."""
+    u = torch.randn(1, 1, 32).expand(length, 1, 32)
+    q, k = (-8 * u).bfloat16(), (8 * u + 2 * torch.randn(length, 1, 32)).bfloat16()
+    v = torch.randn(length, 1, 32).bfloat16()
+    far = kernel(q, k, v, [length], engine="fma")
+    assert far.isfinite().all() and rel(far, _segment_attention_reference(q, k, v, [length], causal)) < 2 ** -8
+    with pytest.raises(ValueError, match="do not cover"):
+        kernel(q, k, v, [length + 1], engine="fma")
+    x = torch.zeros(limit + 1, 1, 32, dtype=torch.bfloat16)
+    assert kernel(x, x, x, [limit + 1], engine="fma") is None
+    for lengths in ([], [0], [0, 0]):                 # no tokens: an empty output, nothing read
+        empty = kernel(x[:0], x[:0], x[:0], lengths, engine="fma")
+        assert empty.shape == (0, 1, 32) and empty.dtype == torch.bfloat16
+
+
 def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     """A NaN key poisons its own segment's outputs only (exp of a NaN score stays NaN); scores all far below zero
     stay finite (the softmax shifts by the row's max, its last partial vector included); float32, key heads unlike
@@ -457,16 +476,7 @@ def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     assert attention.segment_attention_bf16(q.float(), k.float(), v.float(), [30, 40], engine="fma") is None
     assert attention.segment_attention_bf16(q, k[:, :1], v[:, :1], [30, 40], engine="fma") is None
     assert attention.segment_attention_bf16(q[..., :16], k[..., :16], v[..., :16], [30, 40], engine="fma") is None
-    u = torch.randn(1, 1, 32).expand(33, 1, 32)   # every score far below zero (-360 +- 20), differing between keys
-    fq, fk = (-8 * u).bfloat16(), (8 * u + 2 * torch.randn(33, 1, 32)).bfloat16()
-    far = attention.segment_attention_bf16(fq, fk, v[:33, :1], [33], engine="fma")
-    want = _segment_attention_reference(fq, fk, v[:33, :1], [33], causal=False)
-    assert far.isfinite().all() and rel(far, want) < 2 ** -8
-    with pytest.raises(ValueError, match="do not cover"):
-        attention.segment_attention_bf16(q, k, v, [30, 41], engine="fma")
-    long = attention.MAX_SEGMENT + 1
-    x = torch.zeros(long, 1, 32, dtype=torch.bfloat16)
-    assert attention.segment_attention_bf16(x, x, x, [long], engine="fma") is None
+    _far_scores_bad_lengths_long_segments(attention.segment_attention_bf16, False, 33, attention.MAX_SEGMENT)
 
 
 CAUSAL_CASES = {                # lengths, query heads, key/value heads, head dim
@@ -517,16 +527,7 @@ def test_causal_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     assert attention.causal_attention_bf16(q.float(), k.float(), v.float(), [70, 100], engine="fma") is None
     assert attention.causal_attention_bf16(q[:, :3], k, v, [70, 100], engine="fma") is None
     assert attention.causal_attention_bf16(q[..., :16], k[..., :16], v[..., :16], [70, 100], engine="fma") is None
-    u = torch.randn(1, 1, 32).expand(65, 1, 32)      # every score far below zero (-360 +- 20), differing between keys
-    fq, fk = (-8 * u).bfloat16(), (8 * u + 2 * torch.randn(65, 1, 32)).bfloat16()
-    far = attention.causal_attention_bf16(fq, fk, v[:65, :1], [65], engine="fma")
-    want = _segment_attention_reference(fq, fk, v[:65, :1], [65], causal=True)
-    assert far.isfinite().all() and rel(far, want) < 2 ** -8
-    with pytest.raises(ValueError, match="do not cover"):
-        attention.causal_attention_bf16(q, k, v, [70, 101], engine="fma")
-    long = attention.MAX_CAUSAL + 1
-    x = torch.zeros(long, 1, 32, dtype=torch.bfloat16)
-    assert attention.causal_attention_bf16(x, x, x, [long], engine="fma") is None
+    _far_scores_bad_lengths_long_segments(attention.causal_attention_bf16, True, 65, attention.MAX_CAUSAL)
 
 
 def test_segment_attention_rejects_lengths_that_miss_tokens():

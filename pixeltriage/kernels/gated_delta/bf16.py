@@ -35,11 +35,12 @@ def engine() -> str | None:
 
 
 # On by default in a bf16 forward on a CPU with AMX; PIXELTRIAGE_DELTA_BF16=0 gives it the float32 pass instead.
-# Its error, as root-mean-square error against the float64 recurrence (tests/kernels/test_gated_delta.py measures it on
-# ten inputs): 0.72-0.84x that of flash-linear-attention's own bf16 numerics (what a bf16 model runs on a GPU, which
-# also rounds the conv's and the L2 norms' outputs, u and the decayed v_new) and 0.87-1.16x that of transformers' bf16 torch path on the CPU
-# (q, k, v rounded to bf16 by its bf16 conv and norms, the recurrence in float32). On a bench-small layer the pass
-# takes 0.70x the float32 pass's time. The float32 pass stays the reference (float32 forwards never come here).
+# Its error, as root-mean-square error against the float64 recurrence (tests/kernels/test_gated_delta.py measures
+# it on ten inputs): 0.72-0.84x that of flash-linear-attention's own bf16 numerics (what a bf16 model runs on a
+# GPU, which also rounds the conv's and the L2 norms' outputs, u and the decayed v_new) and 0.87-1.16x that of
+# transformers' bf16 torch path on the CPU (q, k, v rounded to bf16 by its bf16 conv and norms, the recurrence in
+# float32). On a bench-small layer the pass takes 0.70x the float32 pass's time. The float32 pass stays the
+# reference (float32 forwards never come here).
 SWITCH = "PIXELTRIAGE_DELTA_BF16"
 
 

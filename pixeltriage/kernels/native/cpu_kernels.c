@@ -1436,7 +1436,8 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
             amx_configure();
 #endif
         for (int64_t s = 0; s < nseg; s++) {
-            int64_t t0 = seg_start[s], L = seg_len[s], Lp = round32(L), nb = Lp / 32, nq = (L + CAUSAL_BQ - 1) / CAUSAL_BQ;
+            int64_t t0 = seg_start[s], L = seg_len[s], nb = round32(L) / 32;
+            int64_t nq = (L + CAUSAL_BQ - 1) / CAUSAL_BQ;
             /* K^T and V of every key/value head, 32 keys a task (the loop's end is a barrier) */
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < Hkv * nb; task++) {
