@@ -33,43 +33,55 @@ if TYPE_CHECKING:
     from pixeltriage.engine.state import State
 
 # The profiler's stages of one forward, in order, and what each holds. The vision tower is two: its attention
-# (SDPA per image, "vision_attention") timed apart from its linear layers, norms and rotary ("vision"). The Gated
-# DeltaNet layer's kernel call ("delta_rule") is timed apart from the norms, projections and gates around it
-# ("gated_delta"); the C kernel does the conv and the recurrence in one pass per head, so they are one stage; so is
-# the torch path's, whose two calls sit inside the registry's one kernel function (kernels/gated_delta/chunk.py).
+# (per image, "vision_attention") timed apart from its linear layers, norms and rotary ("vision"). The Gated
+# DeltaNet layer's kernel call is timed apart from the norms, projections and gates around it ("gated_delta"); the
+# C kernels do the conv + SiLU and the recurrence in one pass per head and report the conv's share of it
+# ("delta_conv", the profiler's part), the rest being "delta_rule". Where no conv part is reported (the torch path,
+# PIXELTRIAGE_NATIVE=0, whose conv and recurrence calls sit inside the registry's one kernel function) "delta_rule"
+# holds both, and its row says so (`UNSPLIT`).
 STAGES = {
     "vision": "vision matmuls (+ norms)",
     "vision_attention": "vision attention",
     "gated_delta": "gated_delta projections",
-    "delta_rule": "delta_rule (conv + recurrence)",
+    "delta_conv": "delta conv + SiLU",
+    "delta_rule": "delta_rule (recurrence)",
     "attention": "attention",
     "mlp": "mlp",
     "head": "head",
 }
+UNSPLIT = {"delta_rule": "delta_rule (conv + recurrence)"}
 # Each part of the FLOP model (flops.scorer_flops(..., split=True)) in exactly one stage
 STAGE_OF_PART = {"vision_matmuls": "vision", "vision_attention": "vision_attention",
-                 "linear_projections": "gated_delta", "linear_conv": "delta_rule", "linear_recurrence": "delta_rule",
+                 "linear_projections": "gated_delta", "linear_conv": "delta_conv", "linear_recurrence": "delta_rule",
                  "full_attention": "attention", "ffn": "mlp", "head": "head"}
 OTHER = "other"
 
 
-def stage_flops(parts: dict) -> dict[str, int]:
-    """FLOPs per stage of `STAGES` from the FLOP model's parts (`Flops`); a part no stage holds is a KeyError."""
+def stage_flops(parts: dict, conv_apart: bool = True) -> dict[str, int]:
+    """FLOPs per stage of `STAGES` from the FLOP model's parts (`Flops`); a part no stage holds is a KeyError.
+    conv_apart False (the run's kernels reported no "delta_conv"): the conv's FLOPs in "delta_rule", no
+    "delta_conv" stage."""
     out = dict.fromkeys(STAGES, 0)
     for name, f in parts.items():
-        out[STAGE_OF_PART[name]] += f.total
+        stage = STAGE_OF_PART[name]
+        out["delta_rule" if stage == "delta_conv" and not conv_apart else stage] += f.total
+    if not conv_apart:
+        del out["delta_conv"]
     return out
 
 
 def stage_rows(flops: dict[str, int], seconds: dict[str, float], gemm_rate: float) -> list[dict]:
-    """The per-stage table: for each of `STAGES`, then any other stage recorded, then "other" (seconds only),
-    {stage, name, flops, seconds, tflops, of_gemm}; tflops and of_gemm None where a stage took no time."""
-    names = [*STAGES, *(k for k in seconds if k not in STAGES and k != OTHER), OTHER]
+    """The per-stage table: for each of `STAGES` ("delta_conv" only where `flops` holds it), then any other stage
+    recorded, then "other" (seconds only), {stage, name, flops, seconds, tflops, of_gemm}; tflops and of_gemm None
+    where a stage took no time. Without "delta_conv", "delta_rule" is named as holding the conv too (`UNSPLIT`)."""
+    known = [k for k in STAGES if k != "delta_conv" or k in flops]
+    names = [*known, *(k for k in seconds if k not in STAGES and k != OTHER), OTHER]
+    labels = STAGES if "delta_conv" in flops else {**STAGES, **UNSPLIT}
     rows = []
     for key in names:
         f, s = flops.get(key, 0), seconds.get(key, 0.0)
         tflops = f / s / 1e12 if s > 0 else None
-        rows.append({"stage": key, "name": STAGES.get(key, key), "flops": f, "seconds": s, "tflops": tflops,
+        rows.append({"stage": key, "name": labels.get(key, key), "flops": f, "seconds": s, "tflops": tflops,
                      "of_gemm": None if tflops is None else tflops / gemm_rate})
     return rows
 
@@ -178,7 +190,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     # shared machine it moved 0.485 -> 0.215 TFLOP/s between before and after within one run; the samples taken
     # beside the runs weigh the rate the engine runs actually met.
     rate = statistics.median([*rates, *beside])
-    rows = stage_rows(stage_flops(parts), stages, rate)
+    rows = stage_rows(stage_flops(parts, conv_apart=stages.get("delta_conv", 0.0) > 0), stages, rate)
     engine_s, hf_s = statistics.median(engine_times), statistics.median(hf_times)
     achieved = flop_rate(flops.total, engine_s, rate)
     # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach

@@ -322,7 +322,7 @@ def roofline_comparison(scorer, state, spec_key: str, spec_matches: bool, timing
         by_profiler[p["stage"]] += p["roofline_ms"]
     whole_s, stages = sorted(runs, key=lambda run: run[0])[len(runs) // 2]      # the median run: parts add up
     # the stages timed inside others (exclusive of them) back into the ones the roofline predicts
-    for inner, outer in (("delta_rule", "gated_delta"), ("vision_attention", "vision")):
+    for inner, outer in (("delta_conv", "gated_delta"), ("delta_rule", "gated_delta"), ("vision_attention", "vision")):
         stages[outer] = stages.get(outer, 0.0) + stages.pop(inner, 0.0)
     whole = whole_s * 1e3
     rows = {}

@@ -16,9 +16,10 @@ processor: every image opened (open-all), or only the k highest-gain ones with a
 (ours@k), timed as one forward each.
 
 `--profile DIR`: a torch profiler trace (DIR/trace.json, chrome://tracing) of a few System One questions and a
-per-stage table (preprocess, pack, vision, vision_attention, gated_delta, delta_rule, attention, mlp, head) with
-each stage's analytic FLOPs, achieved TFLOP/s, and its fraction of the GEMM rate measured in the run and of the
-device's peak (A100 312, H100/H200 989 dense bf16 TFLOP/s) when the device is one of those.
+per-stage table (preprocess, pack, vision, vision_attention, gated_delta, delta_conv where the C delta pass ran,
+delta_rule, attention, mlp, head) with each stage's analytic FLOPs, achieved TFLOP/s, and its fraction of the GEMM
+rate measured in the run and of the device's peak (A100 312, H100/H200 989 dense bf16 TFLOP/s) when the device is
+one of those.
 """
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
             scorer.score_states(states[-1:])
     flops: dict[str, float] = {}                       # counted after the profiled block, not inside it
     for state in states:                               # each FLOP of the model in the one stage that times it
-        for stage, f in stage_flops(scorer_flops(scorer, state, split=True)).items():
+        for stage, f in stage_flops(scorer_flops(scorer, state, split=True), "delta_conv" in stages).items():
             flops[stage] = flops.get(stage, 0.0) + f
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))

@@ -7,6 +7,8 @@
 Stages cost one global check when nothing records. A stage inside another is exclusive: its time counts to itself
 and not to the one around it (the Gated DeltaNet layer's "gated_delta" holds its norms, projections and gates,
 the "delta_rule" inside it the kernel's conv + recurrence), so the stages of a run add up to the time they cover.
+A kernel may report a part of its call it measured inside it (the C delta passes: their conv + SiLU, "delta_conv",
+as its share of the threads' time in the pass): a stage of its own, out of the stage around the call.
 Timings are wall clock on the CPU; on CUDA a stage would need a synchronize, which `record(sync=...)` applies.
 
 `kernel(chosen)` names a registry kernel's call in torch.profiler's trace ("gated_delta: fla
@@ -22,6 +24,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
 import torch
+
+from pixeltriage.kernels import native
 
 if TYPE_CHECKING:
     from pixeltriage.kernels.registry import Kernel
@@ -51,13 +55,24 @@ def stage(name: str) -> Iterator[None]:
         _local.nested = around + elapsed
 
 
+def _part(name: str, seconds: float) -> None:
+    """A part of a kernel's call that the kernel measured inside it (`native.part_recorder`): its own stage, and
+    out of the stage around the call, as a nested stage would be."""
+    sink = getattr(_local, "sink", None)
+    if sink is not None:
+        sink[name] += seconds
+        _local.nested += seconds
+
+
 @contextmanager
 def _recording(sink: dict[str, float] | None, sync: Callable[[], None] | None) -> Iterator[None]:
-    """This thread's stages go to `sink` (None: nowhere) inside the block; the previous recording after it."""
+    """This thread's stages (and its kernels' parts) go to `sink` (None: nowhere) inside the block; the previous
+    recording after it."""
     previous = getattr(_local, "sink", None), getattr(_local, "sync", None), getattr(_local, "nested", 0.0)
     _local.sink, _local.sync, _local.nested = sink, sync, 0.0
     try:
-        yield
+        with native.recording_parts(None if sink is None else _part):
+            yield
     finally:
         _local.sink, _local.sync, _local.nested = previous
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pixeltriage.bench import cpu
+from pixeltriage.kernels import native
 from pixeltriage.cli import main
 
 
@@ -33,12 +34,16 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     # the run's GEMM rate: the median of the samples before, beside each engine run and after
     assert len(r["gemm_tflops_beside_runs"]) == 2
     assert r["gemm_tflops"] == statistics.median(r["gemm_tflops_before_after"] + r["gemm_tflops_beside_runs"])
-    assert set(cpu.STAGES) | {"other"} <= set(r["stages_s"])
+    # the C delta pass reports its conv + SiLU apart ("delta_conv") whenever it runs; the torch path cannot
+    split = native.available()
+    expected = [k for k in cpu.STAGES if split or k != "delta_conv"]
+    assert set(expected) | {"other"} <= set(r["stages_s"]) and ("delta_conv" in r["stages_s"]) == split
     # the per-stage table: every stage in order, then "other"; their FLOPs are the forward's
     stages = r["stages"]
-    assert [row["stage"] for row in stages] == [*cpu.STAGES, "other"]
-    assert [row["name"] for row in stages][:4] == ["vision matmuls (+ norms)", "vision attention",
-                                                   "gated_delta projections", "delta_rule (conv + recurrence)"]
+    assert [row["stage"] for row in stages] == [*expected, "other"]
+    delta = ["delta conv + SiLU", "delta_rule (recurrence)"] if split else ["delta_rule (conv + recurrence)"]
+    assert [row["name"] for row in stages][:3 + len(delta)] == ["vision matmuls (+ norms)", "vision attention",
+                                                                "gated_delta projections", *delta]
     assert all(set(row) == {"stage", "name", "flops", "seconds", "tflops", "of_gemm"} for row in stages)
     assert sum(row["flops"] for row in stages) == pytest.approx(r["tflop"] * 1e12, rel=1e-12)
     assert all(row["flops"] > 0 for row in stages[:-1]) and stages[-1]["flops"] == 0
@@ -57,7 +62,7 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
-    assert "delta_rule (conv + recurrence)" in buf.getvalue() and "of GEMM" in buf.getvalue()
+    assert all(name in buf.getvalue() for name in delta) and "of GEMM" in buf.getvalue()
     drifted = dict(r, gemm_tflops_before_after=[0.7, 2.1])
     buf = io.StringIO()
     cpu.print_table(drifted, buf)
@@ -112,6 +117,11 @@ def test_every_flop_of_the_forward_lands_in_exactly_one_stage(tiny_checkpoint, c
     vision = ("vision", "vision_attention")
     assert all((by_stage[k] == 0) == cached_vision for k in vision)
     assert all(by_stage[k] > 0 for k in cpu.STAGES if k not in vision)
+    # a run whose kernels reported no conv part: the conv's FLOPs in "delta_rule", no "delta_conv"
+    joined = cpu.stage_flops(parts, conv_apart=False)
+    assert list(joined) == [k for k in cpu.STAGES if k != "delta_conv"]
+    assert joined["delta_rule"] == by_stage["delta_rule"] + by_stage["delta_conv"]
+    assert sum(joined.values()) == sum(by_stage.values())
     with pytest.raises(KeyError):
         cpu.stage_flops({**parts, "embed": parts["head"]})        # a part no stage holds is loud
 
@@ -119,12 +129,61 @@ def test_every_flop_of_the_forward_lands_in_exactly_one_stage(tiny_checkpoint, c
 def test_stage_rows_put_unknown_stages_before_other_and_skip_rates_without_time():
     rows = cpu.stage_rows({"mlp": 4e12, "vision": 1e12}, {"mlp": 2.0, "vision": 0.0, "pack": 0.5, "other": 0.25},
                           gemm_rate=4.0)
-    assert [r["stage"] for r in rows] == [*cpu.STAGES, "pack", "other"]
-    mlp = rows[list(cpu.STAGES).index("mlp")]
+    assert [r["stage"] for r in rows] == [*(k for k in cpu.STAGES if k != "delta_conv"), "pack", "other"]
+    by_stage = {r["stage"]: r for r in rows}
+    assert by_stage["delta_rule"]["name"] == "delta_rule (conv + recurrence)"      # no conv part: both in it
+    mlp = by_stage["mlp"]
     assert mlp["tflops"] == 2.0 and mlp["of_gemm"] == 0.5
     assert rows[0]["tflops"] is None and rows[0]["of_gemm"] is None          # vision: no time recorded
     assert rows[-1] == {"stage": "other", "name": "other", "flops": 0, "seconds": 0.25, "tflops": 0.0,
                         "of_gemm": 0.0}
+
+
+def test_a_part_a_kernel_reports_is_its_own_stage(monkeypatch):
+    """A part of a kernel's call that the kernel measured inside it (`native.part_recorder`) counts to itself and
+    out of the stage around the call; nobody records it when no profiler records (the kernel then measures
+    nothing), nor while a profiler is paused."""
+    from pixeltriage.engine import profiling
+
+    clock = iter(range(100))
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: float(next(clock)))
+    assert native.part_recorder() is None
+    with profiling.record() as stages:
+        with profiling.stage("gated_delta"):           # reads 0 ...
+            with profiling.stage("delta_rule"):        # 1 ...
+                native.part_recorder()("delta_conv", 0.25)
+                with profiling.paused():
+                    assert native.part_recorder() is None
+                                                       # ... 2: 1 s, of which 0.25 s the part
+                                                       # ... 3: 3 s, of which 1 s nested
+    assert dict(stages) == {"gated_delta": 2.0, "delta_rule": 0.75, "delta_conv": 0.25}
+    assert native.part_recorder() is None
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+@pytest.mark.parametrize("bf16_pass", [False, True])
+def test_the_c_delta_passes_report_their_conv_without_changing_their_output(bf16_pass):
+    """While a profiler records, the C delta passes (float32 pass, bf16 pass on the "fma" engine) report the conv +
+    SiLU's share of their time as "delta_conv" (a positive part of the call, not all of it); their output is the
+    same bit for bit as without a profiler."""
+    from pixeltriage.engine import profiling
+    from pixeltriage.kernels.gated_delta import bf16, conv_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 2 * 2 * 32 + 2 * 64, generator=gen).bfloat16()
+    weight, g, beta = torch.randn(x.shape[1], 4, generator=gen), -torch.rand(200, 2) * 2, torch.rand(200, 2)
+
+    def run():
+        if bf16_pass:
+            return bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 32, 64, engine_name="fma")
+        return conv_chunk_gated_delta_rule(x, weight, g, beta, 2, 32, 64)
+
+    plain = run()
+    with profiling.record() as stages:
+        with profiling.stage("delta_rule"):
+            profiled = run()
+    assert torch.equal(plain, profiled)
+    assert set(stages) == {"delta_rule", "delta_conv"} and stages["delta_conv"] > 0 and stages["delta_rule"] > 0
 
 
 def test_a_nested_stage_is_exclusive(monkeypatch):

@@ -16,6 +16,7 @@ Every native kernel has a torch implementation beside it, used when there is no 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,7 +26,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +189,35 @@ def call(kernel: str, *args) -> bool:
     return lib is not None and getattr(lib, kernel)(*args, torch.get_num_threads()) == 0
 
 
+# ---- parts of a kernel's call measured inside it (the delta passes' conv + SiLU), for a profiler ----------------
+_parts = threading.local()
+
+
+def part_recorder() -> Callable[[str, float], None] | None:
+    """Where this thread's kernels report the seconds of a named part of a call (while the engine's
+    `profiling.record` records), or None: then they measure nothing."""
+    return getattr(_parts, "record", None)
+
+
+@contextlib.contextmanager
+def recording_parts(record: Callable[[str, float], None] | None) -> Iterator[None]:
+    """This thread's kernels report their parts to `record` inside the block (None: nowhere)."""
+    previous = part_recorder()
+    _parts.record = record
+    try:
+        yield
+    finally:
+        _parts.record = previous
+
+
+def report_share(record: Callable[[str, float], None], name: str, prof, wall: float) -> None:
+    """Report part `name` of a parallel pass as its share of the threads' time times the call's wall time.
+    prof: [threads, 2] float64, per thread the seconds in the part and in the whole pass (the C kernel's)."""
+    part, whole = prof.sum(0).tolist()
+    if part > 0 and whole > 0:
+        record(name, wall * part / whole)
+
+
 def available() -> bool:
     return library() is not None
 
@@ -234,11 +266,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_delta_chunked.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                                      _i64, _i64, _i64, _i64, _i64, _i32, ctypes.c_float, _ptr, ctypes.c_float,
                                      ctypes.c_float, ctypes.c_float, _ptr, _i32, _i64, _ptr, _i32, _i64, _i64, _ptr,
-                                     _ptr, _ptr, _ptr, _i32]
+                                     _ptr, _ptr, _ptr, _ptr, _i32]
     lib.pt_delta_chunked.restype = _i32
     lib.pt_bf16_engines.argtypes = []
     lib.pt_bf16_engines.restype = _i32
-    lib.pt_delta_chunked_bf16.argtypes = [*lib.pt_delta_chunked.argtypes[:-4], _i32, _ptr, _ptr, _ptr, _i64, _i32]
+    lib.pt_delta_chunked_bf16.argtypes = [*lib.pt_delta_chunked.argtypes[:-5], _i32, _ptr, _ptr, _ptr, _i64, _ptr,
+                                          _i32]
     lib.pt_delta_chunked_bf16.restype = _i32
     lib.pt_bf16_pack.argtypes = [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr]
     lib.pt_bf16_pack.restype = _i32

@@ -7,6 +7,7 @@
 #define _DEFAULT_SOURCE              /* syscall(), for the AMX permission */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #if defined(__x86_64__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -466,7 +467,9 @@ static inline int64_t round16(int64_t n) { return (n + VL - 1) / VL * VL; }
  * Conv mode (taps != NULL; q, k, v unused): each token's q, k and v come from the Gated DeltaNet's projection x
  * [T, conv_dim] = [q heads | k heads | v heads] through the causal conv1d + SiLU (`conv_silu_span`), with
  * seg_start[n] the first token of chunk n's packed sequence (earlier rows read as zeros) and value head h reading
- * key head h / group: the conv's float32 output is never materialised. */
+ * key head h / group: the conv's float32 output is never materialised. prof: NULL, or [nthreads, 2] doubles to
+ * which each thread adds the seconds it spent in the conv + SiLU and in the whole pass (a profiler's split of the
+ * pass; two clock reads per chunk and head when given). */
 #define DELTA_SCRATCH(C, K, V) (3 * (C) * (C) + 4 * (C) * (K) + (C) * (V))
 
 typedef struct {
@@ -480,7 +483,15 @@ typedef struct {
     int x_bf16, W;
     int64_t x_t, conv_dim, group;
     const float *taps;
+    /* NULL, or per thread [conv + SiLU seconds, the thread's whole pass seconds] added to (`delta_seconds`) */
+    double *prof;
 } delta_args;
+
+static inline double delta_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 /* Conv mode: rows i < len of the chunk starting at token t0, channels [c0, c0 + n), into out (row i at out + i * ldo):
  * `conv_silu_span`'s values, in its order of multiply-adds. Where built with AVX-512 and W = 4: 32 channels at a
@@ -562,9 +573,12 @@ static void delta_gather_rows(const delta_args *a, int64_t t0, int64_t len, int6
     float eps = a->eps;
     int64_t hk = a->taps ? h / a->group : h, nk = H / (a->taps ? a->group : 1);
     if (a->taps) {                         /* conv mode: the chunk's q, k and v into qm, kn and vbm, then in place */
+        double start = a->prof ? delta_seconds() : 0.0;
         conv_silu_chunk(a, t0, len, seg0, hk * K, K, qm, ldk);
         conv_silu_chunk(a, t0, len, seg0, (nk + hk) * K, K, kn, ldk);
         conv_silu_chunk(a, t0, len, seg0, 2 * nk * K + h * V, V, vbm, ldv);
+        if (a->prof)
+            a->prof[2 * THREAD_NUM()] += delta_seconds() - start;
     }
     for (int64_t i = 0; i < C; i++) {
         float *qo = qm + i * ldk, *kbo = kbm + i * ldk, *vbo = vbm + i * ldv, *kno = kn + i * ldk;
@@ -738,15 +752,16 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
                      int64_t V, int l2norm, float eps, const float *gamma, float scale, float cutoff, float tiny,
                      const void *x, int x_bf16, int64_t x_t, const float *taps, int W, int64_t conv_dim,
                      int64_t group, const int64_t *seg_start, float *out, float *state, float *scratch,
-                     int nthreads) {
+                     double *prof, int nthreads) {
     if (N < 0 || H < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL
         || !delta_conv_ok(taps, W, group, H, K, V, conv_dim)
         || !delta_chunks_ok(N, C, chunk_start, chunk_len, taps, seg_start))
         return 1;
     delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
-                    x, x_bf16, W, x_t, conv_dim, group, taps};
+                    x, x_bf16, W, x_t, conv_dim, group, taps, prof};
 #pragma omp parallel num_threads(nthreads)
     {
+        double start = prof ? delta_seconds() : 0.0;
         /* a contiguous block of heads per thread, chunk by chunk across them, so that a chunk's input rows (one
          * page each: their stride is 12-24 KB) are read by all of the thread's heads while their translations are
          * cached, instead of each head walking every page of the sequence on its own (conv + chunk rule at
@@ -767,6 +782,8 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
                                             gamma + (n * H + h) * C, qm, wm, um, im, kt, dec, kn);
                 delta_loop_chunk(um, wm, qm, im, kt, cd, S, out + (n * C * H + h) * V, H * V, C, K, V);
             }
+        if (prof)
+            prof[2 * tid + 1] += delta_seconds() - start;
     }
     return 0;
 }
@@ -1169,7 +1186,7 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
                           int64_t V, int l2norm, float eps, const float *gamma, float scale, float cutoff, float tiny,
                           const void *x, int x_bf16, int64_t x_t, const float *taps, int W, int64_t conv_dim,
                           int64_t group, const int64_t *seg_start, int engine, float *out, float *state,
-                          float *scratch, int64_t scratch_floats, int nthreads) {
+                          float *scratch, int64_t scratch_floats, double *prof, int nthreads) {
     if (N < 0 || H < 0 || C < 32 || C % 32 || C > MAX_DELTA_CHUNK || K < 1 || V < 1 || K > MAX_DELTA_HEAD
         || V > MAX_DELTA_HEAD || scratch_floats < DELTA_BF16_SCRATCH(C, round32(K), round32(V)))
         return 1;
@@ -1180,9 +1197,10 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
     if (!delta_chunks_ok(N, C, chunk_start, chunk_len, taps, seg_start))
         return 1;
     delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
-                    x, x_bf16, W, x_t, conv_dim, group, taps};
+                    x, x_bf16, W, x_t, conv_dim, group, taps, prof};
 #pragma omp parallel num_threads(nthreads)
     {
+        double start = prof ? delta_seconds() : 0.0;
         int tid = THREAD_NUM(), nth = NUM_THREADS();
         int64_t h0 = H * tid / nth, h1 = H * (tid + 1) / nth;      /* as pt_delta_chunked: a block of heads */
         float *mine = scratch + (int64_t)tid * scratch_floats;
@@ -1202,6 +1220,8 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
         if (engine == ENGINE_AMX)
             _tile_release();
 #endif
+        if (prof)
+            prof[2 * tid + 1] += delta_seconds() - start;
     }
     return 0;
 }
