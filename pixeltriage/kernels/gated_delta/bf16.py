@@ -13,7 +13,6 @@ same bf16 operands, on any machine: what the tests run where the CPU has neither
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -143,18 +142,14 @@ def conv_chunk_rule_bf16(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Te
     state = gamma.new_empty(num_v_heads, _round32(k_dim), _round32(v_dim))
     per_thread = scratch_floats(c, k_dim, v_dim)
     scratch = gamma.new_zeros(torch.get_num_threads(), per_thread)    # the head dims' padding stays zero
-    record = native.part_recorder()                                   # a profiler's split of the conv
-    prof = torch.zeros(torch.get_num_threads(), 2, dtype=torch.float64) if record else None
-    start = time.perf_counter()
-    rc = native.library().pt_delta_chunked_bf16(
-        None, 0, 0, None, 0, 0, None, 0, 0, beta.data_ptr(), plan.chunk_start.data_ptr(), plan.chunk_len.data_ptr(),
-        plan.restart.data_ptr(), plan.num_chunks, num_v_heads, c, k_dim, v_dim, 1, chunk.L2NORM_EPS,
-        gamma.data_ptr(), k_dim ** -0.5, chunk.LOG_DECAY_CUTOFF, chunk._TINY, x.data_ptr(), 1, x.stride(0),
-        taps.data_ptr(), taps.shape[0], x.shape[1], num_v_heads // num_k_heads, plan.seg_start.data_ptr(),
-        native.BF16_ENGINES[name], out.data_ptr(), state.data_ptr(), scratch.data_ptr(), per_thread,
-        None if prof is None else prof.data_ptr(), torch.get_num_threads())
-    if rc == 0 and record:
-        native.report_share(record, chunk.CONV_PART, prof, time.perf_counter() - start)
+    with native.part_of_pass(chunk.CONV_PART) as prof:                # a profiler's split of the conv
+        rc = native.library().pt_delta_chunked_bf16(
+            None, 0, 0, None, 0, 0, None, 0, 0, beta.data_ptr(), plan.chunk_start.data_ptr(),
+            plan.chunk_len.data_ptr(), plan.restart.data_ptr(), plan.num_chunks, num_v_heads, c, k_dim, v_dim, 1,
+            chunk.L2NORM_EPS, gamma.data_ptr(), k_dim ** -0.5, chunk.LOG_DECAY_CUTOFF, chunk._TINY, x.data_ptr(), 1,
+            x.stride(0), taps.data_ptr(), taps.shape[0], x.shape[1], num_v_heads // num_k_heads,
+            plan.seg_start.data_ptr(), native.BF16_ENGINES[name], out.data_ptr(), state.data_ptr(),
+            scratch.data_ptr(), per_thread, prof, torch.get_num_threads())
     if rc != 0:
         raise BackendUnavailableError(f"pt_delta_chunked_bf16 refused its inputs (code {rc}): conv width "
                                       f"{taps.shape[0]}, {num_v_heads} value heads over {num_k_heads} key heads")

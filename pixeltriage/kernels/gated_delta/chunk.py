@@ -7,7 +7,6 @@ state [K, V] per head is carried across chunks. Intra-chunk work is batched over
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
@@ -380,14 +379,11 @@ def _native_chunked(plan, inputs, beta, gamma, qk_l2norm, scale):
     # per thread: the decay matrix and T (2 C^2), q_start, w, normalised k (C K each), u (C V), intra (C^2),
     # k_end^T (K C)
     scratch = gamma.new_empty(torch.get_num_threads(), 3 * c * c + 4 * c * k_dim + c * v_dim)
-    record = native.part_recorder() if len(inputs) == 5 else None       # a profiler's split of the conv
-    prof = torch.zeros(torch.get_num_threads(), 2, dtype=torch.float64) if record else None
-    start = time.perf_counter()
-    ok = native.call("pt_delta_chunked", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                     k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(), plan.chunk_start.data_ptr(),
-                     plan.chunk_len.data_ptr(), plan.restart.data_ptr(), num_chunks, num_heads, c, k_dim, v_dim,
-                     int(qk_l2norm), L2NORM_EPS, gamma.data_ptr(), scale, LOG_DECAY_CUTOFF, _TINY, *conv_args,
-                     out.data_ptr(), state.data_ptr(), scratch.data_ptr(), None if prof is None else prof.data_ptr())
-    if ok and record:
-        native.report_share(record, CONV_PART, prof, time.perf_counter() - start)
+    with native.part_of_pass(CONV_PART if len(inputs) == 5 else None) as prof:    # a profiler's split of the conv
+        ok = native.call("pt_delta_chunked", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+                         k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(),
+                         plan.chunk_start.data_ptr(), plan.chunk_len.data_ptr(), plan.restart.data_ptr(), num_chunks,
+                         num_heads, c, k_dim, v_dim, int(qk_l2norm), L2NORM_EPS, gamma.data_ptr(), scale,
+                         LOG_DECAY_CUTOFF, _TINY, *conv_args, out.data_ptr(), state.data_ptr(), scratch.data_ptr(),
+                         prof)
     return out if ok else None

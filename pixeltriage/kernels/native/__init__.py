@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -210,9 +211,21 @@ def recording_parts(record: Callable[[str, float], None] | None) -> Iterator[Non
         _parts.record = previous
 
 
-def report_share(record: Callable[[str, float], None], name: str, prof, wall: float) -> None:
-    """Report part `name` of a parallel pass as its share of the threads' time times the call's wall time.
-    prof: [threads, 2] float64, per thread the seconds in the part and in the whole pass (the C kernel's)."""
+@contextlib.contextmanager
+def part_of_pass(name: str | None) -> Iterator[int | None]:
+    """Around a C pass that takes a `prof` array ([threads, 2] float64: per thread the seconds in a part and in the
+    whole pass): yields the array's address to pass, or None (pass NULL) when nobody records or `name` is None;
+    after the call, reports part `name` as its share of the threads' time times the call's wall time."""
+    record = part_recorder()
+    if record is None or name is None:
+        yield None
+        return
+    import torch
+
+    prof = torch.zeros(torch.get_num_threads(), 2, dtype=torch.float64)
+    start = time.perf_counter()
+    yield prof.data_ptr()
+    wall = time.perf_counter() - start
     part, whole = prof.sum(0).tolist()
     if part > 0 and whole > 0:
         record(name, wall * part / whole)
