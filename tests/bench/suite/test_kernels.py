@@ -21,8 +21,12 @@ pytestmark = [pytest.mark.bench,
 ROUNDS = 15
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+def _check_and_time(benchmark, group: str, kernel: str, fns: dict, tol: float) -> None:
+    """The pair's outputs agree (max error over the largest output under `tol`), then fns[kernel] is timed."""
+    want, got = (fn().float() for fn in fns.values())
+    assert ((got - want).abs().max() / want.abs().max()).item() < tol
+    benchmark.group = group
+    benchmark.pedantic(fns[kernel], rounds=ROUNDS, warmup_rounds=2)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +49,7 @@ def test_decoder_causal_attention(benchmark, decoder_qkv, kernel):
     def amx():
         return causal_attention_bf16(q, k, v, [q.shape[0]])
 
-    assert _rel(amx(), sdpa()) < 2 ** -7
-    benchmark.group = "attention-decoder"
-    benchmark.pedantic(sdpa if kernel == "sdpa" else amx, rounds=ROUNDS, warmup_rounds=2)
+    _check_and_time(benchmark, "attention-decoder", kernel, {"sdpa": sdpa, "amx": amx}, 2 ** -7)
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "amx"])
@@ -65,9 +67,7 @@ def test_vit_attention(benchmark, kernel):
     def amx():
         return segment_attention_bf16(q, k, v, [patches] * images)
 
-    assert _rel(amx(), sdpa()) < 2 ** -7
-    benchmark.group = "attention-vit"
-    benchmark.pedantic(sdpa if kernel == "sdpa" else amx, rounds=ROUNDS, warmup_rounds=2)
+    _check_and_time(benchmark, "attention-vit", kernel, {"sdpa": sdpa, "amx": amx}, 2 ** -7)
 
 
 @pytest.mark.parametrize("kernel", ["float32 pass", "bf16 pass"])
@@ -80,7 +80,6 @@ def test_delta_rule(benchmark, kernel):
     weight = torch.randn(x.shape[1], 4, generator=gen) * 0.3
     g, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads, generator=gen)
     args = (x, weight, g, beta, heads, dim, dim)
-    assert _rel(bf16.conv_chunk_rule_bf16(*args), conv_chunk_gated_delta_rule(*args)) < 2 ** -6
-    benchmark.group = "delta-rule"
-    fn = conv_chunk_gated_delta_rule if kernel == "float32 pass" else bf16.conv_chunk_rule_bf16
-    benchmark.pedantic(fn, args=args, rounds=ROUNDS, warmup_rounds=2)
+    fns = {"float32 pass": lambda: conv_chunk_gated_delta_rule(*args),
+           "bf16 pass": lambda: bf16.conv_chunk_rule_bf16(*args)}
+    _check_and_time(benchmark, "delta-rule", kernel, fns, 2 ** -6)
