@@ -21,7 +21,10 @@ from pixeltriage.kernels import native
 from pixeltriage.kernels.gated_delta import chunk
 from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value_heads
 
-BF16_CHUNK = 64
+# The chunk: 32 tokens, the tiles' block (bench-small layer, 2 threads, 20 interleaved runs each, two runs: 0.948x and
+# 0.962x the time at 64, 1.09x at 96, 1.23x at 128, the same error): the state's packing and scaling per chunk cost
+# less than the UT inverse and the intra-chunk products save.
+BF16_CHUNK = 32
 # The engines a bf16 forward takes, best first. AVX512-BF16's dot products (32 multiply-adds per instruction, 4 rows
 # by 16 columns in registers) ran the pass 2.3x slower than the float32 pass itself (bench-small layer, 1 thread,
 # CPU time 142 vs 61 ms, AMX 55): it stays a test engine, like "fma".
