@@ -42,8 +42,8 @@ def engine() -> str | None:
 # it on ten inputs): 0.72-0.84x that of flash-linear-attention's own bf16 numerics (what a bf16 model runs on a
 # GPU, which also rounds the conv's and the L2 norms' outputs, u and the decayed v_new) and 0.87-1.16x that of
 # transformers' bf16 torch path on the CPU (q, k, v rounded to bf16 by its bf16 conv and norms, the recurrence in
-# float32). On a bench-small layer the pass takes 0.70x the float32 pass's time. The float32 pass stays the
-# reference (float32 forwards never come here).
+# float32). On a bench-small layer it takes 0.73-0.84x the float32 pass's time (`make bench`, group delta-rule, two
+# runs). The float32 pass stays the reference (float32 forwards never come here).
 SWITCH = "PIXELTRIAGE_DELTA_BF16"
 
 
