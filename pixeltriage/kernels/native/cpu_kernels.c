@@ -1226,16 +1226,34 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
     return 0;
 }
 
+/* rows t0 .. t0 + n of one head of a token-major bf16 tensor (row stride x_t, the head at offset off) into dst
+ * [count, D] contiguous, rows from n on zeros */
+static void segment_rows(const uint16_t *x, int64_t x_t, int64_t off, int64_t t0, int64_t n, int64_t count,
+                         int64_t D, uint16_t *dst) {
+    for (int64_t i = 0; i < count; i++) {
+        if (i < n)
+            memcpy(dst + i * D, x + (t0 + i) * x_t + off, (size_t)D * sizeof(uint16_t));
+        else
+            memset(dst + i * D, 0, (size_t)D * sizeof(uint16_t));
+    }
+}
+
+/* The longest of nseg segments, or -1 where a start or a length is negative (the attention kernels' check) */
+static int64_t longest_segment(const int64_t *seg_start, const int64_t *seg_len, int64_t nseg) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        if (seg_len[s] < 0 || seg_start[s] < 0)
+            return -1;
+        longest = seg_len[s] > longest ? seg_len[s] : longest;
+    }
+    return longest;
+}
+
 /* K^T in the pair layout, kt[p, 2n + e] = K[n, 2p + e] for n < L, zero up to Lp: K's rows copied contiguous (into
  * rows, [Lp, D]) then transposed as 32-bit pairs */
 static void segment_kt(const uint16_t *k, int64_t k_t, int64_t off, int64_t t0, int64_t L, int64_t Lp, int64_t D,
                        uint16_t *kt, uint16_t *rows) {
-    for (int64_t n = 0; n < Lp; n++) {
-        if (n < L)
-            memcpy(rows + n * D, k + (t0 + n) * k_t + off, (size_t)D * sizeof(uint16_t));
-        else
-            memset(rows + n * D, 0, (size_t)D * sizeof(uint16_t));
-    }
+    segment_rows(k, k_t, off, t0, L, Lp, D, rows);
     const uint32_t *pairs = (const uint32_t *)rows;
     uint32_t *dst = (uint32_t *)kt;
 #ifdef __AVX512F__
@@ -1353,13 +1371,8 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
                               int64_t k_h, const uint16_t *v, int64_t v_t, int64_t v_h, int64_t H, int64_t D,
                               const int64_t *seg_start, const int64_t *seg_len, int64_t nseg, float scale, int engine,
                               uint16_t *out, float *scratch, int64_t scratch_floats, int nthreads) {
-    int64_t longest = 0;
-    for (int64_t s = 0; s < nseg; s++) {
-        if (seg_len[s] < 0 || seg_start[s] < 0)
-            return 1;
-        longest = seg_len[s] > longest ? seg_len[s] : longest;
-    }
-    if (H < 0 || D < 32 || D % 32 || D > 256 || longest > MAX_SEGMENT
+    int64_t longest = longest_segment(seg_start, seg_len, nseg);
+    if (longest < 0 || H < 0 || D < 32 || D % 32 || D > 256 || longest > MAX_SEGMENT
         || scratch_floats < SEGMENT_SCRATCH(round32(longest), D))
         return 1;
     if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
@@ -1380,13 +1393,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
             uint16_t *pb = (uint16_t *)(inv + Lp + 64);                              /* bf16(e) [Lp, Lp] */
             uint16_t *qb = pb + Lp * Lp + 128, *kt = qb + Lp * D + 128, *vv = kt + Lp * D + 128;
             /* Q rows, K^T and V in the matrix units' pair layout, zero past L */
-            for (int64_t i = 0; i < Lp; i++) {
-                uint16_t *row = qb + i * D;
-                if (i < L)
-                    memcpy(row, q + (t0 + i) * q_t + h * q_h, (size_t)D * sizeof(uint16_t));
-                else
-                    memset(row, 0, (size_t)D * sizeof(uint16_t));
-            }
+            segment_rows(q, q_t, h * q_h, t0, L, Lp, D, qb);
             segment_kt(k, k_t, h * k_h, t0, L, Lp, D, kt, vv);      /* vv: K's rows, scratch until V's turn */
             segment_vv(v, v_t, h * v_h, t0, L, Lp, D, vv);
             mm_bf16(engine, qb, D, kt, Lp, Lp, D, sf, Lp, 0, 0);
@@ -1429,14 +1436,8 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
                              int64_t D, const int64_t *seg_start, const int64_t *seg_len, int64_t nseg, float scale,
                              int engine, uint16_t *out, uint16_t *kv, int64_t kv_per_head, float *scratch,
                              int64_t scratch_floats, int nthreads) {
-    int64_t longest = 0;
-    for (int64_t s = 0; s < nseg; s++) {
-        if (seg_len[s] < 0 || seg_start[s] < 0)
-            return 1;
-        longest = seg_len[s] > longest ? seg_len[s] : longest;
-    }
-    int64_t Lmax = round32(longest);
-    if (H < 1 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > 256 || longest > MAX_CAUSAL
+    int64_t longest = longest_segment(seg_start, seg_len, nseg), Lmax = round32(longest);
+    if (longest < 0 || H < 1 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > 256 || longest > MAX_CAUSAL
         || scratch_floats < CAUSAL_SCRATCH(Lmax, D) || kv_per_head < CAUSAL_KV(Lmax, D))
         return 1;
     if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
@@ -1471,13 +1472,7 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
                 int64_t h = task % H, i0 = (nq - 1 - task / H) * CAUSAL_BQ;
                 int64_t m = L - i0 < CAUSAL_BQ ? L - i0 : CAUSAL_BQ, kend = round32(i0 + m);
                 const uint16_t *kt = kv + (h / group) * kv_per_head, *vv = kt + Lmax * D;
-                for (int64_t i = 0; i < CAUSAL_BQ; i++) {
-                    uint16_t *row = qb + i * D;
-                    if (i < m)
-                        memcpy(row, q + (t0 + i0 + i) * q_t + h * q_h, (size_t)D * sizeof(uint16_t));
-                    else
-                        memset(row, 0, (size_t)D * sizeof(uint16_t));
-                }
+                segment_rows(q, q_t, h * q_h, t0 + i0, m, CAUSAL_BQ, D, qb);
                 for (int64_t j = 0; j < kend / 32; j++)
                     mm_bf16(engine, qb, D, kt + j * 32 * D, CAUSAL_BQ, 32, D, sf + 32 * j, kend, 0, 0);
                 for (int64_t i = 0; i < m; i++)          /* row i sees keys 0 .. i0 + i; rows past m are not kept */
