@@ -94,31 +94,6 @@ static void conv_silu_span(const void *x, int x_bf16, int64_t x_t, const float *
         rows[j] = (const char *)x + (size_t)(r * x_t + c0) * elem;
         w[j] = taps + (int64_t)j * ldt + c0;
     }
-#ifdef PT_CONV_AVX512
-    /* 32 channels a step (two independent chains for the SiLU's long dependency), the taps' multiply-adds in the
-     * order above and the SiLU as `silu16` (rcp14 and a Newton step for the division: within 2 ulp of
-     * y / (1 + e^-y)): 0.64 against 1.2-1.6 ns per channel for the scalar loops, in cache */
-    if (W == 4 && first == 0 && n % 32 == 0) {
-#define CONV_SPAN4_AVX512(LOAD)                                                                                  \
-        for (int64_t c = 0; c < n; c += 32) {                                                                   \
-            __m512 y0 = _mm512_mul_ps(LOAD(rows[3], c), _mm512_loadu_ps(w[3] + c));                             \
-            __m512 y1 = _mm512_mul_ps(LOAD(rows[3], c + 16), _mm512_loadu_ps(w[3] + c + 16));                   \
-            for (int j = 0; j < 3; j++) {                                                                       \
-                y0 = _mm512_fmadd_ps(LOAD(rows[j], c), _mm512_loadu_ps(w[j] + c), y0);                          \
-                y1 = _mm512_fmadd_ps(LOAD(rows[j], c + 16), _mm512_loadu_ps(w[j] + c + 16), y1);                \
-            }                                                                                                   \
-            _mm512_storeu_ps(out + c, silu16(y0));                                                              \
-            _mm512_storeu_ps(out + c + 16, silu16(y1));                                                         \
-        }
-#define LOAD_BF16x16(p, c) load_bf16x16((const uint16_t *)(p) + (c))
-#define LOAD_F32x16(p, c) _mm512_loadu_ps((const float *)(p) + (c))
-        if (x_bf16) { CONV_SPAN4_AVX512(LOAD_BF16x16) } else { CONV_SPAN4_AVX512(LOAD_F32x16) }
-#undef LOAD_BF16x16
-#undef LOAD_F32x16
-#undef CONV_SPAN4_AVX512
-        return;
-    }
-#endif
     if (W == 4 && first == 0) {
         if (x_bf16) { CONV_SPAN4(LOAD_BF16) } else { CONV_SPAN4(LOAD_F32) }
     } else {
@@ -128,19 +103,6 @@ static void conv_silu_span(const void *x, int x_bf16, int64_t x_t, const float *
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
-
-/* Depthwise causal conv1d + SiLU over tokens-major rows, `conv_silu_span` over all C channels of every row, rows
- * before seg_start[t] read as zeros. x: [T, C] (bf16 if x_bf16) with row stride x_stride; taps: [W, C] float32;
- * out: [T, C] float32, contiguous. Rows are independent: split over threads. */
-int pt_causal_conv1d_silu(const void *x, int x_bf16, int64_t x_stride, const float *taps, int W, float *out,
-                          int64_t T, int64_t C, const int64_t *seg_start, int nthreads) {
-    if (W < 1 || W > MAX_CONV_WIDTH || T < 0 || C < 0)
-        return 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < T; t++)
-        conv_silu_span(x, x_bf16, x_stride, taps, W, C, t, seg_start[t], 0, C, out + t * C);
-    return 0;
-}
 
 /* Gather token-major rows into the delta rule's chunk-major layout, scaling each (token, head) vector (the torch
  * path's layout where `pt_delta_chunked` declines the shapes):
@@ -498,8 +460,10 @@ static inline double delta_seconds(void) {
  * time down the chunk's rows, the last three rows' inputs kept in registers (each input line read once, where row by
  * row it was read four times), each row's line asked for 8 rows ahead (rows are 12-24 KB apart, each on its own
  * page, where the hardware prefetchers do not follow), the next 32 channels' first rows at the end of a column.
- * Bench-small layer (2296 tokens, 16 heads of 128), paired against the row-by-row AVX-512 conv: 0.88x the float32
- * pass, 0.83x the bf16 pass; down the rows without the prefetches it was 1.09-1.13x slower. */
+ * The SiLU is `silu16` (rcp14 and a Newton step for the division: within 2 ulp of y / (1 + e^-y)); in cache this
+ * does 0.64 ns per channel against 1.2-1.6 for the scalar loops. Bench-small layer (2296 tokens, 16 heads of 128),
+ * paired against a row-by-row AVX-512 conv: 0.88x the float32 pass, 0.83x the bf16 pass; down the rows without the
+ * prefetches it was 1.09-1.13x slower. */
 #define CONV_COLUMN_STEP(LOAD)                                                                                  \
     for (int64_t c = 0; c < n; c += 32) {                                                                     \
         const float *tp = a->taps + c0 + c;                                                                   \
@@ -560,6 +524,31 @@ static void conv_silu_chunk(const delta_args *a, int64_t t0, int64_t len, int64_
         conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, a->W, a->conv_dim, t0 + i, seg0, c0, n, out + i * ldo);
 }
 #undef CONV_COLUMN_STEP
+
+/* Depthwise causal conv1d + SiLU over tokens-major rows: `conv_silu_chunk` (so `conv_silu_span`'s values) over all
+ * C channels, in blocks of CONV_ROWS rows split at packed sequences' starts, rows before seg_start[t] read as zeros.
+ * x: [T, C] (bf16 if x_bf16) with row stride x_stride; taps: [W, C] float32; out: [T, C] float32, contiguous.
+ * Blocks are independent: split over threads. */
+#define CONV_ROWS 64
+int pt_causal_conv1d_silu(const void *x, int x_bf16, int64_t x_stride, const float *taps, int W, float *out,
+                          int64_t T, int64_t C, const int64_t *seg_start, int nthreads) {
+    if (W < 1 || W > MAX_CONV_WIDTH || T < 0 || C < 0)
+        return 1;
+    delta_args a = {.x = x, .x_bf16 = x_bf16, .W = W, .x_t = x_stride, .conv_dim = C, .taps = taps};  /* the conv's */
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < (T + CONV_ROWS - 1) / CONV_ROWS; b++) {
+        int64_t t = b * CONV_ROWS, end = t + CONV_ROWS < T ? t + CONV_ROWS : T;
+        while (t < end) {                                /* a run of rows of one packed sequence */
+            int64_t r = t + 1;
+            while (r < end && seg_start[r] == seg_start[t])
+                r++;
+            conv_silu_chunk(&a, t, r - t, seg_start[t], 0, C, out + t * C, C);
+            t = r;
+        }
+    }
+    return 0;
+}
+
 
 /* One chunk's rows for head h, gathered (or, in conv mode, made from the projection) into C-row blocks: q and k
  * L2-normalised if asked (qm, kn), kb = k * beta (kbm), vb = v * beta (vbm); rows from len on zeroed. Rows are ldk
