@@ -15,9 +15,7 @@
 #define PT_CONV_AVX512 1
 
 /* 16 bf16 at p as float32 (exact: the top halves) */
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+static inline __m512 load_bf16x16(const uint16_t *p) { return widen_bf16x16(_mm256_loadu_si256((const __m256i *)p)); }
 #endif
 
 #define MAX_CONV_WIDTH 16

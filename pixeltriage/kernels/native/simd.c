@@ -7,9 +7,7 @@
 
 #include "vec_math.h"
 
-static inline __m512 load16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+static inline __m512 load16(const uint16_t *p, __mmask16 m) { return widen_bf16x16(_mm256_maskz_loadu_epi16(m, p)); }
 
 static inline void store16(uint16_t *p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));

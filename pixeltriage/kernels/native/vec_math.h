@@ -1,12 +1,17 @@
-/* AVX-512F vector math shared by the native sources (simd.c, cpu_kernels.c): e^x, sigmoid and SiLU on 16
- * floats, and lane masks. Included inside each source's AVX-512 section, after <immintrin.h>; kernels/native hashes it into
- * every build's cache key with the source. */
+/* AVX-512F vector math shared by the native sources (simd.c, cpu_kernels.c): e^x, sigmoid and SiLU on 16 floats,
+ * bf16 widening and lane masks. Included inside each source's AVX-512 section, after <immintrin.h>; kernels/native
+ * hashes it into every build's cache key with the source. */
 #ifndef PT_VEC_MATH_H
 #define PT_VEC_MATH_H
 
 /* The first `left` of 16 lanes (all 16 from 16 on) */
 static inline __mmask16 lanes16(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+/* 16 bf16 (in a 256-bit register) as float32, exactly: each the top half of its float */
+static inline __m512 widen_bf16x16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* e^x's range reduction: x = n ln2 + r with n = round(x / ln2) (into *n) and r in [-ln2/2, ln2/2] (returned), ln2
