@@ -1464,8 +1464,6 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
                     mm_bf16(engine, qb, D, kt + j * 32 * D, CAUSAL_BQ, 32, D, sf + 32 * j, kend, 0, 0);
                 for (int64_t i = 0; i < m; i++)          /* row i sees keys 0 .. i0 + i; rows past m are not kept */
                     inv[i] = 1.0f / segment_softmax_row(sf + i * kend, i0 + i + 1, kend, scale, pb + i * kend);
-                for (int64_t i = m; i < CAUSAL_BQ; i++)
-                    memset(pb + i * kend, 0, (size_t)kend * sizeof(uint16_t));
                 mm_bf16(engine, pb, kend, vv, CAUSAL_BQ, D, kend, of, D, 0, 0);
                 to_bf16_rows(of, D, m, D, inv, out + (t0 + i0) * H * D + h * D, H * D);
             }
