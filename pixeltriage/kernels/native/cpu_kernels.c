@@ -1311,21 +1311,28 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
         m = row[j] > m ? row[j] : m;
 #endif
 #if defined(PT_CONV_AVX512) && defined(__AVX512BF16__)
-    /* x = scale s - scale m in one multiply-add; a NaN score is noted (exp16 maps NaN to a finite value) and makes
-     * the row's sum, so its output, NaN */
-    __m512 vms = _mm512_set1_ps(scale * m), vs = _mm512_set1_ps(scale), acc = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int64_t j = 0; j < Lp; j += 32) {
-        __mmask16 m0 = j >= L ? 0 : lanes16(L - j);
-        __mmask16 m1 = j + 16 >= L ? 0 : lanes16(L - j - 16);
-        __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(row + j), vs, vms);
-        __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), vs, vms);
-        nan |= _mm512_mask_cmp_ps_mask(m0, x0, x0, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m1, x1, x1, _CMP_UNORD_Q);
-        __m512 e0 = _mm512_maskz_mov_ps(m0, exp16_bf16(x0)), e1 = _mm512_maskz_mov_ps(m1, exp16_bf16(x1));
-        acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
+    /* e = 2^(c s - c m) with c = scale log2(e), the exponent in one multiply-add; a NaN score (or an infinite one,
+     * through inf - inf) stays NaN through exp2_16_bf16 and makes the row's sum, so its output, NaN. Whole blocks of
+     * 32 keys unmasked, then the masked tail up to Lp with zeros past L. */
+    float c = scale * 1.44269504088896341f;
+    __m512 vcm = _mm512_set1_ps(c * m), vc = _mm512_set1_ps(c), acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    int64_t j = 0;
+    for (; j + 32 <= L; j += 32) {
+        __m512 e0 = exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), vc, vcm));
+        __m512 e1 = exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), vc, vcm));
+        acc0 = _mm512_add_ps(acc0, e0);
+        acc1 = _mm512_add_ps(acc1, e1);
         _mm512_storeu_si512(pb + j, bf16x32(e0, e1));
     }
-    sum = nan ? __builtin_nanf("") : _mm512_reduce_add_ps(acc);
+    for (; j < Lp; j += 32) {
+        __mmask16 m0 = j >= L ? 0 : lanes16(L - j), m1 = j + 16 >= L ? 0 : lanes16(L - j - 16);
+        __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), vc, vcm)));
+        __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), vc, vcm)));
+        acc0 = _mm512_add_ps(acc0, e0);
+        acc1 = _mm512_add_ps(acc1, e1);
+        _mm512_storeu_si512(pb + j, bf16x32(e0, e1));
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 #else
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < L; j++) {
