@@ -418,13 +418,14 @@ def _bf16_engines():
 
 
 @pytest.mark.parametrize("engine", _bf16_engines())
-@pytest.mark.parametrize("lengths", [[37], [0, 5, 33, 0, 64], [417, 1], [1]], ids=["37", "mixed", "417+1", "1"])
+@pytest.mark.parametrize("lengths", [[37], [0, 5, 33, 0, 64], [417, 1], [1], [1100, 70]],
+                         ids=["37", "mixed", "417+1", "1", "1100+70"])
 @pytest.mark.parametrize("dim", [32, 64])
 def test_segment_attention_bf16_matches_masked_attention_and_sdpa(engine, lengths, dim):
     """`pt_segment_attention_bf16` (non-causal, the vision tower's) on each engine ("fma": the same bf16 operands
     through float32 multiply-adds, any machine; "amx": the tiles) against float64 attention and against SDPA in
-    bf16, on strided views of one token-major buffer, segments of 0, 1 and 417 tokens (not multiples of 32: padded
-    keys masked). Tolerance 2^-8 relative to the largest output, as SDPA's bf16 above (measured 0 to 3.2e-3, within
+    bf16, on strided views of one token-major buffer, segments of 0, 1, 417 and 1100 tokens (not multiples of 32:
+    padded keys masked; several 64-query blocks, the last one partial). Tolerance 2^-8 relative to the largest output, as SDPA's bf16 above (measured 0 to 3.2e-3, within
     1.3e-4 of SDPA's own error in each case): the output's rounding and e's rounding to bf16 before the second
     product, which SDPA's flash kernel does too."""
     from pixeltriage.kernels.attention import segment_attention_bf16

@@ -1093,6 +1093,10 @@ int64_t pt_delta_chunked_bf16_scratch(int64_t C, int64_t K, int64_t V) {
     return DELTA_BF16_SCRATCH(C, round32(K), round32(V));
 }
 
+/* scratch taken in 64-float (256-byte) pieces from a thread's block, in floats and in bf16 */
+#define TAKE_F32(at, n) ((at) += ((n) + 63) / 64 * 64, (at) - ((n) + 63) / 64 * 64)
+#define TAKE_BF16(at, n) ((uint16_t *)TAKE_F32(at, ((n) + 1) / 2))
+
 /* One chunk of one head in bf16 (see pt_delta_chunked_bf16): S is the head's float32 state, updated; o the chunk's
  * first output row for this head, rows ldo apart. */
 static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_t len, int64_t seg0, int64_t h,
@@ -1100,16 +1104,14 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
     int64_t C = a->C, K = round32(a->K), V = round32(a->V);          /* the padded head dims */
     float scale = a->scale, cutoff = a->cutoff, tiny = a->tiny;
     float *at = scratch;
-#define TAKE_F32(n) (at += ((n) + 63) / 64 * 64, at - ((n) + 63) / 64 * 64)
-#define TAKE_BF16(n) ((uint16_t *)TAKE_F32(((n) + 1) / 2))
-    float *qm = TAKE_F32(C * K), *kbm = TAKE_F32(C * K), *vbm = TAKE_F32(C * V), *kn = TAKE_F32(C * K);
-    float *dec = TAKE_F32(C * C), *t = TAKE_F32(C * C), *qk = TAKE_F32(C * C), *u = TAKE_F32(C * V);
-    float *wf = TAKE_F32(C * K), *o = V == a->V ? out : TAKE_F32(C * V);
-    uint16_t *qb = TAKE_BF16(C * K), *kbb = TAKE_BF16(C * K), *ktp = TAKE_BF16(C * K), *kbp = TAKE_BF16(C * K);
-    uint16_t *wb = TAKE_BF16(C * K), *kendt = TAKE_BF16(C * K), *intra = TAKE_BF16(C * C), *tb = TAKE_BF16(C * C);
-    uint16_t *twb = TAKE_BF16(C * C), *vbp = TAKE_BF16(C * V), *vnp = TAKE_BF16(C * V), *sp = TAKE_BF16(K * V);
-#undef TAKE_BF16
-#undef TAKE_F32
+    float *qm = TAKE_F32(at, C * K), *kbm = TAKE_F32(at, C * K), *vbm = TAKE_F32(at, C * V);
+    float *kn = TAKE_F32(at, C * K), *dec = TAKE_F32(at, C * C), *t = TAKE_F32(at, C * C);
+    float *qk = TAKE_F32(at, C * C), *u = TAKE_F32(at, C * V), *wf = TAKE_F32(at, C * K);
+    float *o = V == a->V ? out : TAKE_F32(at, C * V);
+    uint16_t *qb = TAKE_BF16(at, C * K), *kbb = TAKE_BF16(at, C * K), *ktp = TAKE_BF16(at, C * K);
+    uint16_t *kbp = TAKE_BF16(at, C * K), *wb = TAKE_BF16(at, C * K), *kendt = TAKE_BF16(at, C * K);
+    uint16_t *intra = TAKE_BF16(at, C * C), *tb = TAKE_BF16(at, C * C), *twb = TAKE_BF16(at, C * C);
+    uint16_t *vbp = TAKE_BF16(at, C * V), *vnp = TAKE_BF16(at, C * V), *sp = TAKE_BF16(at, K * V);
     delta_gather_rows(a, t0, len, seg0, h, qm, kbm, vbm, kn, K, V);
     float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK], qscale[MAX_DELTA_CHUNK];
     chunk_decays(g, C, cutoff, gexp, kend, dec);
@@ -1347,16 +1349,20 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
 }
 
 /* ---- Attention within segments (the vision tower's images) in bf16 on the matrix units -------------------------
- * For each segment s (tokens seg_start[s] .. + seg_len[s]) and head h, non-causal softmax attention with the
- * segment's scores materialised (an image's L x L floats stay in L2 up to L = MAX_SEGMENT):
+ * For each segment s (tokens seg_start[s] .. + seg_len[s]) and head h, non-causal softmax attention, QUERY_BLOCK
+ * query rows at a time, each block's scores over the segment's keys materialised (64 rows of a 1024-patch image are
+ * 256 KB of floats, in L2):
  *   S = Q K^T (bf16 products, float32 sums), e = exp(scale (S - rowmax)), O = bf16(e) V / rowsum(e),
- * the rounding of e to bf16 before the second product being torch's flash kernel's for bf16. q, k, v: bf16 with
- * strides (t, h, 1) in elements; out: [T, H, D] bf16 contiguous. Rows and columns past L up to Lp = L rounded up to
- * 32 are zeros (padded keys masked out of the softmax). Segments and heads are split over threads; scratch holds
- * SEGMENT_SCRATCH(Lp, D) floats per thread for the longest segment. D a multiple of 32 up to 256, the engine as
- * in pt_delta_chunked_bf16. Returns 1 for what it does not take, 2 for an engine this build lacks. */
-#define MAX_SEGMENT 1024
-#define SEGMENT_SCRATCH(L, D) (2 * (L) * (L) + 3 * (L) * (D) + 2 * (L) + 6 * 64)
+ * the rounding of e to bf16 before the second product being torch's flash kernel's for bf16. The head's Q rows, K^T
+ * and V are packed once per (segment, head) task. q, k, v: bf16 with strides (t, h, 1) in elements; out: [T, H, D]
+ * bf16 contiguous. Rows and columns past L up to Lp = L rounded up to 32 are zeros (padded keys masked out of the
+ * softmax). Segments and heads are split over threads; scratch holds SEGMENT_SCRATCH(Lp, D) floats per thread for
+ * the longest segment. D a multiple of 32 up to 256, the engine as in pt_delta_chunked_bf16. Returns 1 for what it
+ * does not take, 2 for an engine this build lacks. */
+#define QUERY_BLOCK 64
+#define MAX_SEGMENT 4096
+#define SEGMENT_SCRATCH(L, D) \
+    (QUERY_BLOCK * (L) + QUERY_BLOCK * (L) / 2 + QUERY_BLOCK * (D) + QUERY_BLOCK + 3 * (L) * (D) / 2 + 7 * 64)
 
 /* SEGMENT_SCRATCH for the longest segment (padded here): what the caller allocates per thread */
 int64_t pt_segment_attention_scratch(int64_t longest, int64_t D) { return SEGMENT_SCRATCH(round32(longest), D); }
@@ -1365,15 +1371,19 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
                               int64_t k_h, const uint16_t *v, int64_t v_t, int64_t v_h, int64_t H, int64_t D,
                               const int64_t *seg_start, const int64_t *seg_len, int64_t nseg, float scale, int engine,
                               uint16_t *out, float *scratch, int64_t scratch_floats, int nthreads) {
-    int64_t longest = longest_segment(seg_start, seg_len, nseg);
+    int64_t longest = longest_segment(seg_start, seg_len, nseg), Lmax = round32(longest);
     if (longest < 0 || H < 0 || D < 32 || D % 32 || D > 256 || longest > MAX_SEGMENT
-        || scratch_floats < SEGMENT_SCRATCH(round32(longest), D))
+        || scratch_floats < SEGMENT_SCRATCH(Lmax, D))
         return 1;
     if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
         return 2;
 #pragma omp parallel num_threads(nthreads)
     {
         float *at = scratch + (int64_t)THREAD_NUM() * scratch_floats;
+        float *sf = TAKE_F32(at, QUERY_BLOCK * Lmax), *of = TAKE_F32(at, QUERY_BLOCK * D);  /* scores, output */
+        float *inv = TAKE_F32(at, QUERY_BLOCK);                                             /* 1 / sums */
+        uint16_t *pb = TAKE_BF16(at, QUERY_BLOCK * Lmax);                                   /* bf16(e) */
+        uint16_t *qb = TAKE_BF16(at, Lmax * D), *kt = TAKE_BF16(at, Lmax * D), *vv = TAKE_BF16(at, Lmax * D);
 #ifdef PT_HAVE_AMX
         if (engine == ENGINE_AMX)
             amx_configure();
@@ -1383,18 +1393,18 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
             int64_t s = task / H, h = task % H, t0 = seg_start[s], L = seg_len[s], Lp = round32(L);
             if (L == 0)
                 continue;
-            float *sf = at, *of = sf + Lp * Lp, *inv = of + Lp * D;                 /* scores, output, 1 / sums */
-            uint16_t *pb = (uint16_t *)(inv + Lp + 64);                              /* bf16(e) [Lp, Lp] */
-            uint16_t *qb = pb + Lp * Lp + 128, *kt = qb + Lp * D + 128, *vv = kt + Lp * D + 128;
             /* Q rows, K^T and V in the matrix units' pair layout, zero past L */
             segment_rows(q, q_t, h * q_h, t0, L, Lp, D, qb);
             segment_kt(k, k_t, h * k_h, t0, L, Lp, D, kt, vv);      /* vv: K's rows, scratch until V's turn */
             segment_vv(v, v_t, h * v_h, t0, L, Lp, D, vv);
-            mm_bf16(engine, qb, D, kt, Lp, Lp, D, sf, Lp, 0, 0);
-            for (int64_t i = 0; i < L; i++)              /* rows past L: products whose outputs are not kept */
-                inv[i] = 1.0f / segment_softmax_row(sf + i * Lp, L, Lp, scale, pb + i * Lp);
-            mm_bf16(engine, pb, Lp, vv, Lp, D, Lp, of, D, 0, 0);
-            to_bf16_rows(of, D, L, D, inv, out + t0 * H * D + h * D, H * D);
+            for (int64_t i0 = 0; i0 < L; i0 += QUERY_BLOCK) {
+                int64_t m = L - i0 < QUERY_BLOCK ? L - i0 : QUERY_BLOCK, mr = round32(m);
+                mm_bf16(engine, qb + i0 * D, D, kt, mr, Lp, D, sf, Lp, 0, 0);
+                for (int64_t i = 0; i < m; i++)          /* rows past m: products whose outputs are not kept */
+                    inv[i] = 1.0f / segment_softmax_row(sf + i * Lp, L, Lp, scale, pb + i * Lp);
+                mm_bf16(engine, pb, Lp, vv, mr, D, Lp, of, D, 0, 0);
+                to_bf16_rows(of, D, m, D, inv, out + (t0 + i0) * H * D + h * D, H * D);
+            }
         }
 #ifdef PT_HAVE_AMX
         if (engine == ENGINE_AMX)
@@ -1406,7 +1416,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
 
 /* ---- Causal attention within segments (the decoder's packed questions) in bf16 on the matrix units ------------
  * For each segment s (tokens seg_start[s] .. + seg_len[s]) and query head h, whose key/value head is h / (H / Hkv):
- * causal softmax attention, CAUSAL_BQ query rows at a time, each block's scores materialised up to its last key (64
+ * causal softmax attention, QUERY_BLOCK query rows at a time, each block's scores materialised up to its last key (64
  * rows of a 2304-token segment are 590 KB of floats, in L2): S = Q K^T on the tiles with float32 sums, e = exp(scale
  * (S - rowmax)) over the keys each row sees (zeros past them), O = bf16(e) V / rowsum(e), pt_segment_attention_bf16's
  * numerics. Each key/value head's K^T (32-key blocks, each [D/2, 64] in the pair layout) and V (the pair layout) are
@@ -1415,11 +1425,11 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
  * query blocks of a segment go to threads last (longest) first. q, k, v: bf16 with strides (t, h, 1) in elements;
  * out: [T, H, D] bf16 contiguous. D a multiple of 32 up to 256, H a multiple of Hkv, the engine as in
  * pt_delta_chunked_bf16. Returns 1 for what it does not take, 2 for an engine this build lacks. */
-#define CAUSAL_BQ 64
 #define MAX_CAUSAL 32768
 #define CAUSAL_KV(L, D) (2 * (L) * (D))
 #define CAUSAL_SCRATCH(L, D) \
-    (CAUSAL_BQ * (L) + CAUSAL_BQ * (L) / 2 + CAUSAL_BQ * (D) / 2 + CAUSAL_BQ * (D) + CAUSAL_BQ + 16 * (D) + 6 * 64)
+    (QUERY_BLOCK * (L) + QUERY_BLOCK * (L) / 2 + QUERY_BLOCK * (D) / 2 + QUERY_BLOCK * (D) + QUERY_BLOCK + 16 * (D) \
+     + 6 * 64)
 
 /* CAUSAL_SCRATCH and CAUSAL_KV for the longest segment (padded here): what the caller allocates */
 int64_t pt_causal_attention_scratch(int64_t longest, int64_t D) { return CAUSAL_SCRATCH(round32(longest), D); }
@@ -1440,19 +1450,17 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
 #pragma omp parallel num_threads(nthreads)
     {
         float *at = scratch + (int64_t)THREAD_NUM() * scratch_floats;
-#define TAKE_F32(n) (at += ((n) + 63) / 64 * 64, at - ((n) + 63) / 64 * 64)
-#define TAKE_BF16(n) ((uint16_t *)TAKE_F32(((n) + 1) / 2))
-        float *sf = TAKE_F32(CAUSAL_BQ * Lmax), *of = TAKE_F32(CAUSAL_BQ * D), *inv = TAKE_F32(CAUSAL_BQ);
-        uint16_t *pb = TAKE_BF16(CAUSAL_BQ * Lmax), *qb = TAKE_BF16(CAUSAL_BQ * D), *rows = TAKE_BF16(32 * D);
-#undef TAKE_BF16
-#undef TAKE_F32
+        float *sf = TAKE_F32(at, QUERY_BLOCK * Lmax), *of = TAKE_F32(at, QUERY_BLOCK * D);
+        float *inv = TAKE_F32(at, QUERY_BLOCK);
+        uint16_t *pb = TAKE_BF16(at, QUERY_BLOCK * Lmax), *qb = TAKE_BF16(at, QUERY_BLOCK * D);
+        uint16_t *rows = TAKE_BF16(at, 32 * D);
 #ifdef PT_HAVE_AMX
         if (engine == ENGINE_AMX)
             amx_configure();
 #endif
         for (int64_t s = 0; s < nseg; s++) {
             int64_t t0 = seg_start[s], L = seg_len[s], nb = round32(L) / 32;
-            int64_t nq = (L + CAUSAL_BQ - 1) / CAUSAL_BQ;
+            int64_t nq = (L + QUERY_BLOCK - 1) / QUERY_BLOCK;
             /* K^T and V of every key/value head, 32 keys a task (the loop's end is a barrier) */
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < Hkv * nb; task++) {
@@ -1463,15 +1471,15 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < H * nq; task++) {
-                int64_t h = task % H, i0 = (nq - 1 - task / H) * CAUSAL_BQ;
-                int64_t m = L - i0 < CAUSAL_BQ ? L - i0 : CAUSAL_BQ, kend = round32(i0 + m);
+                int64_t h = task % H, i0 = (nq - 1 - task / H) * QUERY_BLOCK;
+                int64_t m = L - i0 < QUERY_BLOCK ? L - i0 : QUERY_BLOCK, kend = round32(i0 + m);
                 const uint16_t *kt = kv + (h / group) * kv_per_head, *vv = kt + Lmax * D;
-                segment_rows(q, q_t, h * q_h, t0 + i0, m, CAUSAL_BQ, D, qb);
+                segment_rows(q, q_t, h * q_h, t0 + i0, m, QUERY_BLOCK, D, qb);
                 for (int64_t j = 0; j < kend / 32; j++)
-                    mm_bf16(engine, qb, D, kt + j * 32 * D, CAUSAL_BQ, 32, D, sf + 32 * j, kend, 0, 0);
+                    mm_bf16(engine, qb, D, kt + j * 32 * D, QUERY_BLOCK, 32, D, sf + 32 * j, kend, 0, 0);
                 for (int64_t i = 0; i < m; i++)          /* row i sees keys 0 .. i0 + i; rows past m are not kept */
                     inv[i] = 1.0f / segment_softmax_row(sf + i * kend, i0 + i + 1, kend, scale, pb + i * kend);
-                mm_bf16(engine, pb, kend, vv, CAUSAL_BQ, D, kend, of, D, 0, 0);
+                mm_bf16(engine, pb, kend, vv, QUERY_BLOCK, D, kend, of, D, 0, 0);
                 to_bf16_rows(of, D, m, D, inv, out + (t0 + i0) * H * D + h * D, H * D);
             }
         }
