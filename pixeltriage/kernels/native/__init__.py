@@ -251,6 +251,28 @@ def bf16_engines() -> frozenset[str]:
     return frozenset(name for name, number in BF16_ENGINES.items() if bits >> number & 1)
 
 
+# vec_math.h's functions that `vec_math` evaluates (`pt_vec_math`'s `which`)
+VEC_MATH = {"exp": 0, "exp2_bf16": 1, "silu": 2, "silu_bf16": 3}
+
+
+def vec_math(name: str, x: "torch.Tensor") -> "torch.Tensor | None":
+    """One of the kernels' AVX-512 vector functions (`VEC_MATH`) on a float32 CPU tensor, elementwise, for their
+    tests: "exp" (e^x), "exp2_bf16" (2^x for x <= 0, the attention softmax's), "silu" and "silu_bf16" (the bf16 delta
+    pass's conv). None without the library or on a build without AVX-512."""
+    import torch  # here, as in build: this module loads without it
+
+    if name not in VEC_MATH:
+        raise ValueError(f"{name!r} is not one of {sorted(VEC_MATH)}")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"a float32 CPU tensor expected, got {x.dtype} on {x.device}")
+    lib = library()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    return out if lib.pt_vec_math(VEC_MATH[name], x.data_ptr(), x.numel(), out.data_ptr()) == 0 else None
+
+
 def status() -> str:
     library()
     return build_status(SOURCE)
@@ -288,6 +310,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_delta_chunked_bf16.restype = _i32
     lib.pt_bf16_pack.argtypes = [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr]
     lib.pt_bf16_pack.restype = _i32
+    lib.pt_vec_math.argtypes, lib.pt_vec_math.restype = [_i32, _ptr, _i64, _ptr], _i32
     lib.pt_segment_attention_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
                                               _ptr, _ptr, _i64, ctypes.c_float, _i32, _ptr, _ptr, _i64, _i32]
     lib.pt_segment_attention_bf16.restype = _i32
