@@ -1164,16 +1164,14 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
     to_bf16_rows(t, C, C, C, NULL, tb, C);
     for (int64_t i = 0; i < C; i++)                                  /* t is not read after its two copies */
         for (int64_t j = 0; j < C; j++)
-            t[i * C + j] *= gexp[j];
+            t[i * C + j] *= -gexp[j];
     to_bf16_rows(t, C, C, C, NULL, twb, C);
-    /* u = T vb; w = T diag(exp(gamma)) kb, kept as -w in bf16 (exact) for v_new = u + (-w) S */
+    /* u = T vb; -w = T diag(-exp(gamma)) kb (the sign exact in every rounding) for v_new = u + (-w) S */
     pack_pairs(vbm, V, C, V, vbp);
     pack_pairs(kbm, K, C, K, kbp);
     mm_bf16(engine, tb, C, vbp, C, V, C, u, V, 0, 1);
     mm_bf16(engine, twb, C, kbp, C, K, C, wf, K, 0, 1);
     to_bf16_rows(wf, K, C, K, NULL, wb, K);
-    for (int64_t n = 0; n < C * K; n++)
-        wb[n] ^= 0x8000u;
     to_bf16_t(kn, K, C, K, kend, kendt, C);                          /* k_end^T: k decayed to the chunk's end */
     /* the recurrence: v_new = u - w S; out = diag(exp(gamma) scale) q S + intra v_new; S = decay S + k_end^T v_new */
     pack_pairs(S, V, K, V, sp);
