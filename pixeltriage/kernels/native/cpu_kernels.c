@@ -774,7 +774,7 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
         || !delta_chunks_ok(N, C, chunk_start, chunk_len, taps, seg_start))
         return 1;
     delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
-                    x, x_bf16, W, x_t, conv_dim, group, taps, prof};
+                    x, x_bf16, W, x_t, conv_dim, group, taps, prof, 0};
 #pragma omp parallel num_threads(nthreads)
     {
         double start = prof ? delta_seconds() : 0.0;
