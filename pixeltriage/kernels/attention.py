@@ -76,8 +76,9 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
                            engine: str | None = None) -> torch.Tensor | None:
     """`segment_attention`'s non-causal contract in bf16 on the CPU's matrix units (C `pt_segment_attention_bf16`):
     per segment, head and block of 64 queries, S = Q K^T as bf16 products with float32 sums, a float32 softmax, e
-    rounded to bf16 for e V (torch's flash kernel's rounding in bf16) and float32 sums divided out. The vision tower's images are short
-    (hundreds of patches) and their heads narrow (64): SDPA's flash kernel reached ~35% of the GEMM rate there.
+    rounded to bf16 for e V (torch's flash kernel's rounding in bf16) and float32 sums divided out. The vision
+    tower's images are short (hundreds of patches) and their heads narrow (64): SDPA's flash kernel reached ~35% of
+    the GEMM rate there.
 
     engine: one of `native.BF16_ENGINES` (None: "amx"; "fma" runs on any machine, for the tests). Returns None for
     what it does not take (not bf16 on the CPU, key/value heads unlike the query's, head dims not a multiple of 32

@@ -29,7 +29,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +258,7 @@ def bf16_engines() -> frozenset[str]:
 VEC_MATH = {"exp": 0, "exp2_bf16": 1, "silu": 2, "silu_bf16": 3}
 
 
-def vec_math(name: str, x: "torch.Tensor") -> "torch.Tensor | None":
+def vec_math(name: str, x: torch.Tensor) -> torch.Tensor | None:
     """One of the kernels' AVX-512 vector functions (`VEC_MATH`) on a float32 CPU tensor, elementwise, for their
     tests: "exp" (e^x), "exp2_bf16" (2^x for x <= 0, the attention softmax's), "silu" and "silu_bf16" (the bf16 delta
     pass's conv). None without the library or on a build without AVX-512."""
