@@ -13,7 +13,7 @@ each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up to ~2
     achieved speed-up over it is the fraction above); per stage of the engine (`STAGES`, the profiler's,
     pixeltriage.engine.profiling), its FLOPs (the FLOP model's parts, `STAGE_OF_PART`), median time, TFLOP/s and
     fraction of the GEMM rate, and "other": the engine's median minus the stages' (embedding, rotary tables, packing
-    the rows, Python).
+    the rows, Python); and the machine (`timing.cpu_machine`: CPU model, logical CPUs, bf16 units, torch).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.timing import flop_rate, gemm_tflops, set_threads, threads_label
+from pixeltriage.bench.timing import cpu_machine, flop_rate, gemm_tflops, set_threads, threads_label
 
 if TYPE_CHECKING:
     from pixeltriage.engine.state import State
@@ -210,6 +210,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         # which implementation ran each op (the bf16 delta pass and the ViT's attention on AMX depend on the CPU
         # and on PIXELTRIAGE_DELTA_BF16): a stage's figure means little without it
         "kernels": registry.choices("cpu", torch_dtype),
+        # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
+        "machine": cpu_machine(),
     }
 
 
@@ -233,6 +235,11 @@ def print_table(r: dict, out=None) -> None:
     out = sys.stdout if out is None else out
     print(f"bench cpu: preset {r['preset']}, {r['dtype']}, {threads_label(r['threads'])}; state {r['tokens']} tokens, "
           f"{r['memories']} memories; {r['tflop']:.3f} TFLOP per forward", file=out)
+    m = r.get("machine")
+    if m:
+        units = ", ".join(m["bf16_units"]) or "none (bf16 matmuls emulated)"
+        print(f"  machine       {m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: {units}; torch {m['torch']}",
+              file=out)
     print(f"  engine        median {r['engine_s'] * 1e3:9.1f} ms", file=out)
     print(f"  transformers  median {r['transformers_s'] * 1e3:9.1f} ms   (torch path, same state)", file=out)
     pairs = ", ".join(f"{x:.2f}x" for x in r["paired_speedups"])

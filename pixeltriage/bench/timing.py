@@ -1,6 +1,8 @@
-"""Timing shared by the benchmarks: wall or CUDA-event timings with warm-up, percentiles, the GEMM rate."""
+"""Timing shared by the benchmarks: wall or CUDA-event timings with warm-up, percentiles, the GEMM rate, the machine."""
 from __future__ import annotations
 
+import os
+import platform
 import random
 import statistics
 import time
@@ -95,6 +97,35 @@ def flop_rate(flop: float, seconds: float, gemm_tflops: float | None, peak_tflop
     tflops = flop / seconds / 1e12 if seconds and flop else 0.0
     return {"tflops": tflops, "of_gemm": tflops / gemm_tflops if gemm_tflops else None,
             "mfu": tflops / peak_tflops if peak_tflops else None}
+
+
+# the CPU flags that say a machine multiplies bf16 on its own units (without them bf16 matmuls are emulated, slower
+# than float32, and a bf16 GEMM rate means little), as /proc/cpuinfo lists them: x86's AMX and AVX-512 BF16 (lscpu's
+# names), aarch64's BF16 instructions
+BF16_UNITS = ("amx_bf16", "avx512_bf16", "bf16")
+
+
+def cpu_machine(cpuinfo: str | None = None) -> dict:
+    """Which machine a CPU figure comes from: the CPU's model name, the logical CPUs this process may use, the bf16
+    units its flags show (`BF16_UNITS`), torch's version and the threads torch runs. cpuinfo: /proc/cpuinfo's text
+    (read here when None; where it cannot be read, the platform's processor name and no units)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    flags = set(fields.get("flags", fields.get("Features", "")).split())
+    affinity = getattr(os, "sched_getaffinity", None)
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
+            "logical_cpus": len(affinity(0)) if affinity else os.cpu_count(),
+            "bf16_units": [unit for unit in BF16_UNITS if unit in flags],
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
 def set_threads(threads: int | None) -> None:

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from pixeltriage.bench import cpu
+from pixeltriage.bench.timing import cpu_machine
 from pixeltriage.kernels import native
 from pixeltriage.cli import main
+
+# a report as `cpu.bench` returns it, for print_table (figures made up)
+_TABLE = {"preset": "tiny", "dtype": "float32", "threads": 1, "tokens": 600, "memories": 3, "tflop": 0.01,
+          "engine_s": 0.1, "transformers_s": 0.3, "speedup": 3.0, "paired_speedups": [3.0], "gemm_tflops": 0.5,
+          "gemm_tflops_before_after": [0.5, 0.5], "gemm_tflops_beside_runs": [0.5], "achieved_tflops": 0.1,
+          "fraction_of_gemm": 0.2, "ceiling_speedup": 15.0, "gemm_bound_s": 0.02, "kernels": {}, "stages": []}
 
 
 @pytest.fixture
@@ -56,8 +63,10 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     from pixeltriage.kernels import registry
 
     assert r["kernels"] == registry.choices("cpu", torch.float32) and "gated_delta" in r["kernels"]
+    assert r["machine"] == dict(cpu_machine(), torch_threads=1) and r["machine"]["torch_threads"] == r["threads"]
     buf = io.StringIO()
     cpu.print_table(r, buf)
+    assert f"machine       {r['machine']['cpu']}, {r['machine']['logical_cpus']} logical CPUs" in buf.getvalue()
     assert f"gated_delta kernel {r['kernels']['gated_delta']}" in buf.getvalue()
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
@@ -67,6 +76,22 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     buf = io.StringIO()
     cpu.print_table(drifted, buf)
     assert "moved 3.0x" in buf.getvalue()
+
+
+def test_the_machine_a_figure_comes_from():
+    """/proc/cpuinfo's first model name and the bf16 units among its flags (x86's lscpu names, aarch64's Features);
+    none listed where the text has none, the platform's name where it has no model name."""
+    x86 = ("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n\n"
+           "processor\t: 1\nmodel name\t: Some Xeon\nflags\t\t: fpu\n")
+    m = cpu_machine(x86)
+    assert m["cpu"] == "Some Xeon" and m["bf16_units"] == ["amx_bf16", "avx512_bf16"]
+    assert m["torch"] == torch.__version__ and m["logical_cpus"] >= 1 and m["torch_threads"] == torch.get_num_threads()
+    assert cpu_machine("model name\t: Zen\nflags\t\t: fpu avx2 fma\n")["bf16_units"] == []
+    arm = cpu_machine("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU part\t: 0xd4f\n")
+    assert arm["bf16_units"] == ["bf16"] and arm["cpu"]
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "machine": cpu_machine("model name : Zen\nflags : fpu avx2\n")}, buf)
+    assert "machine       Zen," in buf.getvalue() and "bf16 units: none (bf16 matmuls emulated)" in buf.getvalue()
 
 
 def test_paired_speedups_cancel_a_steady_drift():
