@@ -34,8 +34,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from pixeltriage.bench.flops import ANSWERING_MODELS
-from pixeltriage.bench.timing import (device_peak_tflops, flop_rate, gemm_tflops, percentiles, set_threads,
-                                      threads_label, timed)
+from pixeltriage.bench.timing import (cpu_machine, device_peak_tflops, flop_rate, gemm_tflops, percentiles,
+                                      set_threads, threads_label, timed)
 from pixeltriage.config import default_dtype
 from pixeltriage.delivery.profiles import DEFAULT_CHECKPOINT
 
@@ -207,8 +207,10 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
     episodes = stream(questions + WARMUP_QUESTIONS, seed)
     progress(f"System One ({preset}, {dtype}, {dev}): {questions} questions after {WARMUP_QUESTIONS} warm-up, "
              f"batch 1 and {batch}")
+    # the machine the figures come from (the CPU's, and the GPU's name when the run is on one)
+    machine = {**cpu_machine(), **({"gpu": torch.cuda.get_device_name(dev)} if dev.type == "cuda" else {})}
     report = {"preset": preset, "device": str(dev), "dtype": dtype, "threads": torch.get_num_threads(),
-              "system_one": system_one_latency(scorer, episodes, batch)}
+              "machine": machine, "system_one": system_one_latency(scorer, episodes, batch)}
     # the answering model on one 10-image episode drawn like the stream's
     rng = random.Random(seed + 1)
     images = [_image(rng, rng.choice(SIZES)) for _ in range(10)]
@@ -239,6 +241,11 @@ def print_report(r: dict, out=None) -> None:
     out = sys.stdout if out is None else out
     print(f"bench latency: System One {r['preset']} ({r['dtype']}, {r['device']}, {threads_label(r['threads'])})",
           file=out)
+    m = r.get("machine")
+    if m:
+        gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
+        print(f"  machine  {m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: "
+              f"{', '.join(m['bf16_units']) or 'none'}; torch {m['torch']}{gpu}", file=out)
     for name, row in r["system_one"].items():
         print(f"  {name:<8} p50 {row['p50'] * 1e3:8.1f} ms  p90 {row['p90'] * 1e3:8.1f} ms  p99 "
               f"{row['p99'] * 1e3:8.1f} ms  {row['questions_per_s']:.2f} questions/s", file=out)

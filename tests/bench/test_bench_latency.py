@@ -1,9 +1,11 @@
 """`pixeltriage bench latency`: the stream, the percentiles and one small end-to-end report (never a timing)."""
+import io
 import json
 
 import pytest
 
 from pixeltriage.bench import latency
+from pixeltriage.bench.timing import cpu_machine
 from pixeltriage.cli import main
 
 
@@ -27,6 +29,10 @@ def test_report_end_to_end(tiny_checkpoint, tmp_path, monkeypatch, capsys):
             "--json"]
     assert main(args) == 0
     r = json.loads(capsys.readouterr().out)
+    assert r["machine"] == dict(cpu_machine(), torch_threads=r["threads"]) and "gpu" not in r["machine"]
+    buf = io.StringIO()
+    latency.print_report(r, buf)
+    assert f"machine  {r['machine']['cpu']}, {r['machine']['logical_cpus']} logical CPUs" in buf.getvalue()
     s1 = r["system_one"]
     assert s1["batch_1"]["questions"] == 3 and s1["batch_2"]["batches"] == 1
     assert s1["batch_1"]["p50"] <= s1["batch_1"]["p99"]
