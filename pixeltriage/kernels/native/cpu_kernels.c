@@ -1376,6 +1376,20 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
     return sum;
 }
 
+/* The rest of a block of m query rows once its scores are in sf (rows ld floats apart): row i's softmax over its
+ * first seen + (causal ? i : 0) keys (zeros up to ld), e V over `rows` rows (m or more, a multiple of 32: the rows
+ * past m are products whose outputs are not kept), each kept row divided by its sum into out (bf16, rows ldo
+ * apart). The two attention kernels' common tail, inlined into each (their products' shapes stay what each was
+ * compiled for). */
+static inline __attribute__((always_inline)) void query_block_out(
+    int engine, float *sf, uint16_t *pb, int64_t ld, const uint16_t *vv, int64_t m, int64_t rows, int64_t D,
+    int64_t seen, int causal, float scale, float *inv, float *of, uint16_t *out, int64_t ldo) {
+    for (int64_t i = 0; i < m; i++)
+        inv[i] = 1.0f / segment_softmax_row(sf + i * ld, seen + (causal ? i : 0), ld, scale, pb + i * ld);
+    mm_bf16(engine, pb, ld, vv, rows, D, ld, of, D, 0, 0);
+    to_bf16_rows(of, D, m, D, inv, out, ldo);
+}
+
 /* ---- Attention within segments (the vision tower's images) in bf16 on the matrix units -------------------------
  * For each segment s (tokens seg_start[s] .. + seg_len[s]) and head h, non-causal softmax attention, QUERY_BLOCK
  * query rows at a time, each block's scores over the segment's keys materialised (64 rows of a 1024-patch image are
@@ -1428,10 +1442,8 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
             for (int64_t i0 = 0; i0 < L; i0 += QUERY_BLOCK) {
                 int64_t m = L - i0 < QUERY_BLOCK ? L - i0 : QUERY_BLOCK, mr = round32(m);
                 mm_bf16(engine, qb + i0 * D, D, kt, mr, Lp, D, sf, Lp, 0, 0);
-                for (int64_t i = 0; i < m; i++)          /* rows past m: products whose outputs are not kept */
-                    inv[i] = 1.0f / segment_softmax_row(sf + i * Lp, L, Lp, scale, pb + i * Lp);
-                mm_bf16(engine, pb, Lp, vv, mr, D, Lp, of, D, 0, 0);
-                to_bf16_rows(of, D, m, D, inv, out + (t0 + i0) * H * D + h * D, H * D);
+                query_block_out(engine, sf, pb, Lp, vv, m, mr, D, L, 0, scale, inv, of,
+                                out + (t0 + i0) * H * D + h * D, H * D);
             }
         }
 #ifdef PT_HAVE_AMX
@@ -1505,10 +1517,9 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
                 segment_rows(q, q_t, h * q_h, t0 + i0, m, QUERY_BLOCK, D, qb);
                 for (int64_t j = 0; j < kend / 32; j++)
                     mm_bf16(engine, qb, D, kt + j * 32 * D, QUERY_BLOCK, 32, D, sf + 32 * j, kend, 0, 0);
-                for (int64_t i = 0; i < m; i++)          /* row i sees keys 0 .. i0 + i; rows past m are not kept */
-                    inv[i] = 1.0f / segment_softmax_row(sf + i * kend, i0 + i + 1, kend, scale, pb + i * kend);
-                mm_bf16(engine, pb, kend, vv, QUERY_BLOCK, D, kend, of, D, 0, 0);
-                to_bf16_rows(of, D, m, D, inv, out + (t0 + i0) * H * D + h * D, H * D);
+                /* row i sees keys 0 .. i0 + i; whole blocks of rows (a constant the products are compiled for) */
+                query_block_out(engine, sf, pb, kend, vv, m, QUERY_BLOCK, D, i0 + 1, 1, scale, inv, of,
+                                out + (t0 + i0) * H * D + h * D, H * D);
             }
         }
 #ifdef PT_HAVE_AMX
