@@ -1,6 +1,6 @@
-/* AVX-512F vector math shared by the native sources (simd.c, cpu_kernels.c): e^x, sigmoid and SiLU on 16 floats,
- * bf16 widening and lane masks. Included inside each source's AVX-512 section, after <immintrin.h>; kernels/native
- * hashes it into every build's cache key with the source. */
+/* AVX-512F vector math shared by the native sources (simd.c, cpu_kernels.c): e^x, 2^x, sigmoid and SiLU on 16
+ * floats, bf16 widening and lane masks. Included inside each source's AVX-512 section, after <immintrin.h>;
+ * kernels/native hashes it into every build's cache key with the source. */
 #ifndef PT_VEC_MATH_H
 #define PT_VEC_MATH_H
 
@@ -52,12 +52,14 @@ static inline __m512 exp2_16_bf16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* 1 / (1 + e^-y): rcp14 and one Newton step (relative error ~2^-28) in place of a division; finite for NaN y */
-static inline __m512 inv1pexp16(__m512 y) {
-    __m512 d = _mm512_add_ps(exp16(_mm512_sub_ps(_mm512_setzero_ps(), y)), _mm512_set1_ps(1.0f));
-    __m512 rc = _mm512_rcp14_ps(d);
+/* 1 / (1 + e): rcp14 and one Newton step (relative error ~2^-28) in place of a division */
+static inline __m512 inv1p16(__m512 e) {
+    __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.0f)), rc = _mm512_rcp14_ps(d);
     return _mm512_mul_ps(rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.0f)));
 }
+
+/* 1 / (1 + e^-y) (`inv1p16`); finite for NaN y */
+static inline __m512 inv1pexp16(__m512 y) { return inv1p16(exp16(_mm512_sub_ps(_mm512_setzero_ps(), y))); }
 
 /* sigmoid(y) = 1 / (1 + e^-y); NaN in, NaN out */
 static inline __m512 sigmoid16(__m512 y) {
@@ -74,9 +76,7 @@ static inline __m512 silu16(__m512 y) {
 /* silu16 to the accuracy a bf16 consumer needs (relative error under 1e-5: exp2_16_bf16, then rcp14 and a Newton
  * step): 15 vector operations against silu16's 21; the bf16 delta pass's conv, whose q, k and v are rounded to bf16 */
 static inline __m512 silu16_bf16(__m512 y) {
-    __m512 e = exp2_16_bf16(_mm512_mul_ps(y, _mm512_set1_ps(-1.44269504088896341f)));
-    __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.0f)), rc = _mm512_rcp14_ps(d);
-    rc = _mm512_mul_ps(rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.0f)));
+    __m512 rc = inv1p16(exp2_16_bf16(_mm512_mul_ps(y, _mm512_set1_ps(-1.44269504088896341f))));
     return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), y, rc);
 }
 
