@@ -425,9 +425,9 @@ def test_segment_attention_bf16_matches_masked_attention_and_sdpa(engine, length
     """`pt_segment_attention_bf16` (non-causal, the vision tower's) on each engine ("fma": the same bf16 operands
     through float32 multiply-adds, any machine; "amx": the tiles) against float64 attention and against SDPA in
     bf16, on strided views of one token-major buffer, segments of 0, 1, 417 and 1100 tokens (not multiples of 32:
-    padded keys masked; several 64-query blocks, the last one partial). Tolerance 2^-8 relative to the largest output, as SDPA's bf16 above (measured 0 to 3.2e-3, within
-    1.3e-4 of SDPA's own error in each case): the output's rounding and e's rounding to bf16 before the second
-    product, which SDPA's flash kernel does too."""
+    padded keys masked; several 64-query blocks, the last one partial). Tolerance 2^-8 relative to the largest
+    output, as SDPA's bf16 above (measured 0 to 3.2e-3, within 1.3e-4 of SDPA's own error in each case): the
+    output's rounding and e's rounding to bf16 before the second product, which SDPA's flash kernel does too."""
     from pixeltriage.kernels.attention import segment_attention_bf16
 
     torch.manual_seed(len(lengths) * 7 + dim)
