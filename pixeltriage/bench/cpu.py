@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.timing import cpu_machine, flop_rate, gemm_tflops, set_threads, threads_label
+from pixeltriage.bench.timing import cpu_machine, flop_rate, gemm_tflops, machine_line, set_threads, threads_label
 
 if TYPE_CHECKING:
     from pixeltriage.engine.state import State
@@ -235,11 +235,8 @@ def print_table(r: dict, out=None) -> None:
     out = sys.stdout if out is None else out
     print(f"bench cpu: preset {r['preset']}, {r['dtype']}, {threads_label(r['threads'])}; state {r['tokens']} tokens, "
           f"{r['memories']} memories; {r['tflop']:.3f} TFLOP per forward", file=out)
-    m = r.get("machine")
-    if m:
-        units = ", ".join(m["bf16_units"]) or "none (bf16 matmuls emulated)"
-        print(f"  machine       {m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: {units}; torch {m['torch']}",
-              file=out)
+    if r.get("machine"):
+        print(f"  machine       {machine_line(r['machine'])}", file=out)
     print(f"  engine        median {r['engine_s'] * 1e3:9.1f} ms", file=out)
     print(f"  transformers  median {r['transformers_s'] * 1e3:9.1f} ms   (torch path, same state)", file=out)
     pairs = ", ".join(f"{x:.2f}x" for x in r["paired_speedups"])

@@ -34,8 +34,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from pixeltriage.bench.flops import ANSWERING_MODELS
-from pixeltriage.bench.timing import (cpu_machine, device_peak_tflops, flop_rate, gemm_tflops, percentiles,
-                                      set_threads, threads_label, timed)
+from pixeltriage.bench.timing import (cpu_machine, device_peak_tflops, flop_rate, gemm_tflops, machine_line,
+                                      percentiles, set_threads, threads_label, timed)
 from pixeltriage.config import default_dtype
 from pixeltriage.delivery.profiles import DEFAULT_CHECKPOINT
 
@@ -241,11 +241,8 @@ def print_report(r: dict, out=None) -> None:
     out = sys.stdout if out is None else out
     print(f"bench latency: System One {r['preset']} ({r['dtype']}, {r['device']}, {threads_label(r['threads'])})",
           file=out)
-    m = r.get("machine")
-    if m:
-        gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
-        print(f"  machine  {m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: "
-              f"{', '.join(m['bf16_units']) or 'none'}; torch {m['torch']}{gpu}", file=out)
+    if r.get("machine"):
+        print(f"  machine  {machine_line(r['machine'])}", file=out)
     for name, row in r["system_one"].items():
         print(f"  {name:<8} p50 {row['p50'] * 1e3:8.1f} ms  p90 {row['p90'] * 1e3:8.1f} ms  p99 "
               f"{row['p99'] * 1e3:8.1f} ms  {row['questions_per_s']:.2f} questions/s", file=out)

@@ -128,6 +128,13 @@ def cpu_machine(cpuinfo: str | None = None) -> dict:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
+def machine_line(m: dict) -> str:
+    """`cpu_machine`'s record (with "gpu" where a run added the GPU's name) as one line of a report."""
+    units = ", ".join(m["bf16_units"]) or "none (bf16 matmuls emulated)"
+    gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
+    return f"{m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: {units}; torch {m['torch']}{gpu}"
+
+
 def set_threads(threads: int | None) -> None:
     """torch's intra-op threads (which the native kernels use too) for a benchmark run; None leaves them."""
     if threads is not None:
