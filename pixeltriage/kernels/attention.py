@@ -22,8 +22,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     that fused (flash) kernel: 3-D inputs fall back to the math path that materialises the [H, T, T] scores (10x
     slower at T = 2.3k in bf16).
     """
-    if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
-        raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
+    _check_lengths(lengths, q.shape[0])
     if registry.choose("attention", q.device, q.dtype) is AMX:
         out = causal_attention_bf16(q, k, v, lengths) if causal else segment_attention_bf16(q, k, v, lengths)
         if out is not None:
@@ -46,14 +45,19 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _check_lengths(lengths: list[int], tokens: int) -> None:
+    """ValueError unless `lengths` (none negative) add up to the `tokens` the segments share."""
+    if sum(lengths) != tokens or any(n < 0 for n in lengths):
+        raise ValueError(f"segment lengths {lengths} do not cover the {tokens} tokens")
+
+
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], engine: str | None,
                   longest: int, grouped: bool) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """What a C attention kernel needs for these inputs: its engine, the output to fill (q's shape, bf16) and each
     segment's first token and length; None where it declines them: not bf16 on the CPU, a last stride other than
     1, key/value heads unlike the query's (grouped: not dividing them), head dims not a multiple of 32 up to 256,
     a segment over `longest`, no library or no such engine. ValueError for lengths that do not cover q's tokens."""
-    if sum(lengths) != q.shape[0] or any(n < 0 for n in lengths):
-        raise ValueError(f"segment lengths {lengths} do not cover the {q.shape[0]} tokens")
+    _check_lengths(lengths, q.shape[0])
     name = "amx" if engine is None else engine
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0:
         return None
