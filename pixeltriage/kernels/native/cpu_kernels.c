@@ -954,6 +954,24 @@ static void mm_bf16(int engine, const uint16_t *a, int64_t lda, const uint16_t *
     mm_bf16_vec(engine, a, lda, b, M, N, Kd, c, ldc, acc, lower);
 }
 
+/* A thread's tile state around its products on `engine` (each thread of a parallel region configures its own
+ * tiles, and releases them at its end); nothing for the other engines */
+static inline void tiles_on(int engine) {
+#ifdef PT_HAVE_AMX
+    if (engine == ENGINE_AMX)
+        amx_configure();
+#endif
+    (void)engine;
+}
+
+static inline void tiles_off(int engine) {
+#ifdef PT_HAVE_AMX
+    if (engine == ENGINE_AMX)
+        _tile_release();
+#endif
+    (void)engine;
+}
+
 /* The bf16 pass's operand packers. The scalar ones (`_ref`) are the reference, and the path of builds without
  * AVX512-BF16; the vector ones convert 32 floats per instruction with the same rounding (nearest even, NaN quieted),
  * except that denormal floats become zero, as the AMX tiles read bf16 denormals anyway. `pt_bf16_pack` runs either
@@ -1221,10 +1239,7 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
         int tid = THREAD_NUM(), nth = NUM_THREADS();
         int64_t h0 = H * tid / nth, h1 = H * (tid + 1) / nth;      /* as pt_delta_chunked: a block of heads */
         float *mine = scratch + (int64_t)tid * scratch_floats;
-#ifdef PT_HAVE_AMX
-        if (engine == ENGINE_AMX)
-            amx_configure();
-#endif
+        tiles_on(engine);
         for (int64_t n = 0; n < N; n++)
             for (int64_t h = h0; h < h1; h++) {
                 float *S = state + h * round32(K) * round32(V);
@@ -1233,10 +1248,7 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
                 delta_chunk_bf16(&a, engine, chunk_start[n], chunk_len[n], taps ? seg_start[n] : 0, h,
                                  gamma + (n * H + h) * C, S, out + (n * C * H + h) * V, H * V, mine);
             }
-#ifdef PT_HAVE_AMX
-        if (engine == ENGINE_AMX)
-            _tile_release();
-#endif
+        tiles_off(engine);
         if (prof)
             prof[2 * tid + 1] += delta_seconds() - start;
     }
@@ -1426,10 +1438,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
         float *inv = TAKE_F32(at, QUERY_BLOCK);                                             /* 1 / sums */
         uint16_t *pb = TAKE_BF16(at, QUERY_BLOCK * Lmax);                                   /* bf16(e) */
         uint16_t *qb = TAKE_BF16(at, Lmax * D), *kt = TAKE_BF16(at, Lmax * D), *vv = TAKE_BF16(at, Lmax * D);
-#ifdef PT_HAVE_AMX
-        if (engine == ENGINE_AMX)
-            amx_configure();
-#endif
+        tiles_on(engine);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < nseg * H; task++) {
             int64_t s = task / H, h = task % H, t0 = seg_start[s], L = seg_len[s], Lp = round32(L);
@@ -1446,10 +1455,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
                                 out + (t0 + i0) * H * D + h * D, H * D);
             }
         }
-#ifdef PT_HAVE_AMX
-        if (engine == ENGINE_AMX)
-            _tile_release();
-#endif
+        tiles_off(engine);
     }
     return 0;
 }
@@ -1494,10 +1500,7 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
         float *inv = TAKE_F32(at, QUERY_BLOCK);
         uint16_t *pb = TAKE_BF16(at, QUERY_BLOCK * Lmax), *qb = TAKE_BF16(at, QUERY_BLOCK * D);
         uint16_t *rows = TAKE_BF16(at, 32 * D);
-#ifdef PT_HAVE_AMX
-        if (engine == ENGINE_AMX)
-            amx_configure();
-#endif
+        tiles_on(engine);
         for (int64_t s = 0; s < nseg; s++) {
             int64_t t0 = seg_start[s], L = seg_len[s], nb = round32(L) / 32;
             int64_t nq = (L + QUERY_BLOCK - 1) / QUERY_BLOCK;
@@ -1522,10 +1525,7 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
                                 out + (t0 + i0) * H * D + h * D, H * D);
             }
         }
-#ifdef PT_HAVE_AMX
-        if (engine == ENGINE_AMX)
-            _tile_release();
-#endif
+        tiles_off(engine);
     }
     return 0;
 }
