@@ -57,6 +57,21 @@ def native(request, monkeypatch):
     assert called, "native=None, but no C kernel ran"
 
 
+@pytest.fixture(autouse=True)
+def _isa_emulation(request):
+    """A test marked `isa_emulated` (tests/isa.py's parameters for units this CPU lacks) runs on the emulated build
+    of the native kernels; skipped where that build is not available (no compiler, PIXELTRIAGE_NATIVE=0)."""
+    if request.node.get_closest_marker("isa_emulated") is None:
+        yield
+        return
+    from pixeltriage.kernels import native as native_kernels
+
+    with native_kernels.emulated_isa():
+        if native_kernels.library() is None:
+            pytest.skip(f"no emulated build of the native kernels: {native_kernels.status()}")
+        yield
+
+
 @pytest.fixture
 def native_calls(monkeypatch):
     """Every C kernel call of the test, as (kernel name, its arguments), the calls still made."""

@@ -28,10 +28,16 @@ from pixeltriage.kernels import native
 SOURCE = native.SOURCE.with_name("simd.c")
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded library, or None (disabled, no compiler, not Linux, or the build failed)."""
-    lib = native.build(SOURCE, "pixeltriage_simd", "AVX-512 activation kernels", "the C or torch kernels")
+    """The loaded library, or None (disabled, no compiler, not Linux, or the build failed); the emulated build where
+    `native.isa_emulated()`."""
+    return _library(native.isa_emulated())
+
+
+@functools.cache
+def _library(emulated: bool) -> ctypes.CDLL | None:
+    lib = native.build(SOURCE, "pixeltriage_simd", "AVX-512 activation kernels", "the C or torch kernels",
+                       emulated=emulated)
     if lib is None:
         return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -44,10 +50,15 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
 def available() -> bool:
-    """Built, and built for a CPU with AVX512-F/BW/VL/BF16 (otherwise its functions decline everything)."""
-    lib = library()
+    """Built, and built for a CPU with AVX512-F/BW/VL/BF16 or emulating them (otherwise its functions decline
+    everything)."""
+    return _available(native.isa_emulated())
+
+
+@functools.cache
+def _available(emulated: bool) -> bool:
+    lib = _library(emulated)
     return lib is not None and lib.pt_simd_available() == 1
 
 

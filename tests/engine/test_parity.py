@@ -17,6 +17,7 @@ used to reach 0.021 on "mixed" while the Gated DeltaNet's beta/decay projections
 from __future__ import annotations
 
 
+import isa
 import pytest
 import torch
 
@@ -113,7 +114,13 @@ def test_scores_match_float64_head(checkpoint):
     assert len(scores.gains) == len(memories)
 
 
-def test_bfloat16_scores_close_to_float32(checkpoint):
+# the bf16 forward as this CPU runs it, and where it has no AMX, once more with the AMX and AVX-512 BF16 paths (the
+# delta pass and attention on the tiles, the SiLU passes) emulated: the bf16 kernels a forward takes on an AMX CPU
+BF16_PATHS = isa.with_emulated("amx")
+
+
+@pytest.mark.parametrize("cpu", BF16_PATHS)
+def test_bfloat16_scores_close_to_float32(checkpoint, cpu):
     path, _ = checkpoint
     question, memories = episode()
     s32 = Scorer.load(path, dtype=torch.float32).score(question, memories)
@@ -124,7 +131,16 @@ def test_bfloat16_scores_close_to_float32(checkpoint):
     assert abs(s32.relevance_none - s16.relevance_none) <= 2e-2
 
 
-def test_bfloat16_no_further_from_float32_than_transformers_bfloat16(checkpoint):
+@pytest.mark.parametrize("cpu", BF16_PATHS)
+def test_bfloat16_no_further_from_float32_than_transformers_bfloat16(request, checkpoint, cpu):
+    """Where the forward takes the causal attention kernel (`pt_causal_attention_bf16`: on AMX, or emulated), "mixed"
+    misses this bar: 0.0161 from the float64 head (0.0186 with the bf16 delta pass) against transformers' 0.0085,
+    where SDPA in its place gives 0.0054. The kernel is within its own tests' bounds, but less exact than SDPA on
+    this checkpoint's attention (relative RMS error 1.78e-3 against SDPA's 1.64e-3, which equals the rounding of the
+    exact output to bf16: the kernel rounds e to bf16 before e V) and "mixed" amplifies it. Kept as a strict xfail
+    until the kernel's e V is as exact: it fails the run the day it passes."""
+    if cpu == "amx-emulated" and "mixed" in request.node.name:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the causal kernel's e V in bf16 (docstring)"))
     from transformers import Qwen3_5ForConditionalGeneration
 
     path, _ = checkpoint

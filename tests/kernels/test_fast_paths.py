@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference
 from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+import isa
 from poison import NanPoisonedEmpty
 from reference import rel
 
@@ -315,9 +316,13 @@ def _vector_kernel():
     return simd
 
 
+SIMD = isa.params("simd")       # the AVX-512 BF16 passes: on this CPU, or emulated where it lacks them
+
+
 @pytest.mark.parametrize("rows,inner,stride", [(1, 1, 2), (7, 15, 30), (33, 16, 37), (5, 17, 40), (64, 40, 90),
                                                (3, 3072, 6144)])
-def test_vector_silu_mul_matches_float64_and_the_c_kernel(rows, inner, stride):
+@pytest.mark.parametrize("unit", SIMD)
+def test_vector_silu_mul_matches_float64_and_the_c_kernel(unit, rows, inner, stride):
     """The AVX-512 bf16 kernel (`kernels.simd`) on lane counts that are not multiples of 16 (masked tails), one
     row, and row strides wider than 2I, into a NaN-poisoned output: every element within one bf16 rounding of the
     float64 value (|got - exact| <= 2^-8 |exact|, plus 1e-30 for the values that underflow), and equal to the C
@@ -340,7 +345,8 @@ def test_vector_silu_mul_matches_float64_and_the_c_kernel(rows, inner, stride):
     assert silu_mul(gate_up).equal(got)                    # the op's bf16 choice on this machine is this kernel
 
 
-def test_vector_silu_mul_nan_inf_and_what_it_declines():
+@pytest.mark.parametrize("unit", SIMD)
+def test_vector_silu_mul_nan_inf_and_what_it_declines(unit):
     """NaN in the gate or the up half stays NaN; silu(+inf) * 1 = inf; float32 and a last dim that is not unit
     stride are declined (None), and the op then runs its other kernels on them."""
     simd = _vector_kernel()
@@ -409,15 +415,10 @@ def test_segment_attention_matches_masked_attention(lengths, causal, dtype):
     assert rel(out, _segment_attention_reference(q, k, v, lengths, causal)) < tol
 
 
-def _bf16_engines():
-    from pixeltriage.kernels import native
-
-    return [pytest.param(name, marks=pytest.mark.skipif(name not in native.bf16_engines(),
-                                                        reason=f"no {name} on this CPU"))
-            for name in ("fma", "amx")]
+ATTENTION_ENGINES = isa.params("fma", "amx")   # AMX on this CPU, or emulated where it has none
 
 
-@pytest.mark.parametrize("engine", _bf16_engines())
+@pytest.mark.parametrize("engine", ATTENTION_ENGINES)
 @pytest.mark.parametrize("lengths", [[37], [0, 5, 33, 0, 64], [417, 1], [1], [1100, 70]],
                          ids=["37", "mixed", "417+1", "1", "1100+70"])
 @pytest.mark.parametrize("dim", [32, 64])
@@ -487,7 +488,7 @@ CAUSAL_CASES = {                # lengths, query heads, key/value heads, head di
 }
 
 
-@pytest.mark.parametrize("engine", _bf16_engines())
+@pytest.mark.parametrize("engine", ATTENTION_ENGINES)
 @pytest.mark.parametrize("case", sorted(CAUSAL_CASES))
 def test_causal_attention_bf16_matches_masked_attention_and_sdpa(engine, case):
     """`pt_causal_attention_bf16` (the decoder's) on each engine against float64 causal attention within segments
@@ -584,7 +585,8 @@ def test_norm_partial_rotary_matches_float64(dtype, rotary_dim, native):
 
 @pytest.mark.parametrize("rows,heads,dim,gate_stride", [(1, 1, 1, 1), (7, 3, 24, 100), (33, 2, 17, 40),
                                                         (5, 16, 128, 8192), (2, 1, 130, 130)])
-def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(rows, heads, dim, gate_stride):
+@pytest.mark.parametrize("unit", SIMD)
+def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(unit, rows, heads, dim, gate_stride):
     """The AVX-512 output norm (`kernels.simd`) on head dims that are not multiples of 16 (masked tails), one row,
     the layer's strided gate (a column slice of the projection) and a strided x, into a NaN-poisoned output:
     within one bf16 rounding of the float32 reference (2^-8 relative), and equal to the C kernel's or one bf16 ulp
@@ -614,7 +616,8 @@ def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(rows, heads, d
 
 @pytest.mark.parametrize("rows,heads,dim", [(1, 1, 1), (7, 3, 17), (33, 8, 256), (5, 2, 130)])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_vector_sigmoid_gate_matches_float64_and_torch(rows, heads, dim, transposed):
+@pytest.mark.parametrize("unit", SIMD)
+def test_vector_sigmoid_gate_matches_float64_and_torch(unit, rows, heads, dim, transposed):
     """o *= sigmoid(gate) by the AVX-512 pass (`kernels.simd`), the gate a strided half of the projection and o
     contiguous or head-major (the last layer's rows): each element within two bf16 roundings of float64 (2^-7
     relative: the sigmoid's and the product's, as torch rounds them), and equal to torch's or one bf16 ulp from it

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import isa
 from poison import NanPoisonedEmpty
 
 from pixeltriage.kernels.gated_delta import (chunk_gated_delta_rule, conv_chunk_gated_delta_rule,
@@ -206,15 +207,7 @@ def test_layers_share_one_chunk_plan_and_leave_it_as_it_was():
 
 # ---- the bf16 pass on the matrix units (`gated_delta/bf16.py`, C `pt_delta_chunked_bf16`) ----------------------
 
-def _bf16_engines():
-    from pixeltriage.kernels import native
-
-    return [pytest.param(name, marks=pytest.mark.skipif(name not in native.bf16_engines(),
-                                                        reason=f"no {name} here: {native.status()}"))
-            for name in ("fma", "avx512_bf16", "amx")]
-
-
-BF16_ENGINES = _bf16_engines()
+BF16_ENGINES = isa.params("fma", "avx512_bf16", "amx")      # on this CPU, or emulated where it lacks them
 # The bf16 pass against the float32 pass, max-abs error relative to the output's largest entry: each output is a sum
 # of products of operands rounded to bf16 once each (q, k, kb, vb, T, w, the state, intra, v_new: 2^-9 relative
 # apiece), flash-linear-attention's numerics. Measured 1.8e-3 to 8.8e-3 on the cases below (all engines alike); the
@@ -239,9 +232,10 @@ def _as_torch_layout(layout, src, scale):
     return b.view(b.shape[0], b.shape[1] // 2, 2).transpose(0, 1).reshape(b.shape[1] // 2, -1)      # pairs_t
 
 
+@pytest.mark.parametrize("unit", isa.params("avx512_bf16"))
 @pytest.mark.parametrize("layout", ["rows", "pairs", "pairs_t", "rows_t"])
 @pytest.mark.parametrize("shape", [(64, 96), (32, 32), (6, 10)], ids=["64x96", "32x32", "6x10"])
-def test_bf16_packers_match_their_reference_and_torch(layout, shape):
+def test_bf16_packers_match_their_reference_and_torch(unit, layout, shape):
     """The bf16 pass's vector packers (AVX512-BF16, where built) against their scalar references, bit for bit, and
     both against torch's own conversion in the same layout: ties to even, signed zeros, infinities, the largest
     floats and NaN (kept NaN) included; denormal floats become zero on the vector packers (the tiles read bf16

@@ -12,6 +12,7 @@ import torch
 
 from pixeltriage.kernels import native
 from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference
+import isa
 from reference import rel
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
@@ -63,7 +64,8 @@ def test_native_silu_extremes_match_torch():
 
 
 @needs_native
-def test_vector_math_against_float64():
+@pytest.mark.parametrize("unit", isa.params("avx512"))
+def test_vector_math_against_float64(unit):
     """vec_math.h's functions against float64 over their ranges, with their stated bounds (measured: exp 1.2e-7,
     exp2_bf16 2.7e-6, silu 2.4e-7, silu_bf16 6.4e-6 relative): the bf16-accuracy two under 1e-5, far under the
     2e-3 step of the bf16 their results are rounded to. Their edges: 2^x is 2^-126 (give or take its polynomial's
@@ -133,7 +135,7 @@ def test_scores_with_and_without_native_kernels(tiny_checkpoint, monkeypatch):
 def _library_in_subprocess(env_extra: dict, tmp_path) -> str:
     code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
             "from pixeltriage.kernels import native; print(native.available()); print(native.status())")
-    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path), **env_extra}
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path), native.ISA_SWITCH: "native", **env_extra}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout + r.stderr
@@ -207,3 +209,32 @@ def test_a_new_build_prunes_all_but_the_newest_builds(tmp_path):
     assert len(left) == native.KEEP_BUILDS
     newest_old = [f"pixeltriage_cpu_old{i:02d}.so" for i in range(4, native.KEEP_BUILDS + 3)]
     assert set(newest_old) <= set(left) and unrelated.exists() and other_library.exists()
+
+
+@needs_native
+def test_emulated_isa_build_runs_every_path_and_a_bad_switch_is_an_error(tmp_path):
+    """PIXELTRIAGE_NATIVE_ISA=emulated builds the sources with isa_emulation.h into a library of its own (outside
+    the native build's prune glob) that has all three bf16 engines and the AVX-512 passes on any CPU; a value other
+    than native / emulated is an error that names both."""
+    code = ("from pixeltriage.kernels import native, simd; print(native.available(), sorted(native.bf16_engines()),"
+            " simd.available()); print(native.status())")
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path), native.ISA_SWITCH: "emulated"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "True ['amx', 'avx512_bf16', 'fma'] True"
+    assert "emulated" in r.stdout.splitlines()[1]
+    assert {p.name.split("_")[0] for p in (tmp_path / "native").glob("*.so")} == {"emulated"}
+    env[native.ISA_SWITCH] = "avx512"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "expected 'native'" in r.stderr and "'emulated'" in r.stderr
+
+
+def test_emulated_isa_block_switches_and_restores():
+    """`emulated_isa()` switches the libraries in use inside the block and back after it, nested or not."""
+    before = native.isa_emulated()          # the environment's (PIXELTRIAGE_NATIVE_ISA)
+    with native.emulated_isa():
+        assert native.isa_emulated()
+        with native.emulated_isa(False):
+            assert not native.isa_emulated()
+        assert native.isa_emulated()
+    assert native.isa_emulated() == before

@@ -13,6 +13,11 @@ libomp instead, a second thread pool beside torch's. `CC` names one compiler exe
 
 Every native kernel has a torch implementation beside it, used when there is no compiler, the build fails, or
 `PIXELTRIAGE_NATIVE=0` is set; `available()` says which is in use and `status()` why. The tests compare the two.
+
+The AVX-512 and AMX paths (the bf16 kernels, the vector conv and math) are built where `-march=native` finds those
+units. `PIXELTRIAGE_NATIVE_ISA=emulated` (or `emulated_isa()`, for a block of code) builds and loads the same sources
+with `isa_emulation.h` in place of the CPU's intrinsics instead: every such path then runs on any CPU, slowly, so
+that their tests check them on machines without the units (`isa.h` says what the sources test).
 """
 from __future__ import annotations
 
@@ -42,11 +47,39 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # (its bench-small delta pass 0.61x with the flag; outputs bit-identical)
 FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
          "-fopenmp-simd"]
-_state: dict[str, str] = {}        # each C source's build status, by its file name
+# the emulated build's (isa.h); its 64-byte vectors between inline functions draw GCC's ABI note, which means nothing
+EMULATION_FLAGS = ["-DPT_ISA_EMULATION", "-Wno-psabi"]
+ISA_SWITCH = "PIXELTRIAGE_NATIVE_ISA"       # "native" (the default) or "emulated"
+_state: dict[str, str] = {}        # each C source's build status, by its file name (+ " emulated")
+_isa_override: list[bool] = []     # emulated_isa()'s, innermost last: before the environment
 
 
 def _disabled() -> bool:
     return os.environ.get("PIXELTRIAGE_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def isa_emulated() -> bool:
+    """Whether the kernels in use are the emulated build (`emulated_isa()`, else PIXELTRIAGE_NATIVE_ISA=emulated):
+    AVX-512 and AMX in portable C, for tests on any CPU."""
+    if _isa_override:
+        return _isa_override[-1]
+    value = os.environ.get(ISA_SWITCH, "native").strip().lower() or "native"
+    if value not in ("native", "emulated"):
+        raise ValueError(f"{ISA_SWITCH}={value!r}: expected 'native' (the CPU's own instructions) or 'emulated' "
+                         "(AVX-512 and AMX in portable C, for tests)")
+    return value == "emulated"
+
+
+@contextlib.contextmanager
+def emulated_isa(on: bool = True) -> Iterator[None]:
+    """Inside the block, every kernel library (this one's and `kernels.simd`'s) is the emulated build (on=True) or
+    the CPU's own (False), whatever PIXELTRIAGE_NATIVE_ISA says; both stay loaded. Process-wide, not per thread: for
+    tests and tools, not for a server with requests in flight."""
+    _isa_override.append(on)
+    try:
+        yield
+    finally:
+        _isa_override.pop()
 
 
 def _compiler() -> str | None:
@@ -72,7 +105,7 @@ def _build_dir() -> Path:
     return cache_dir() / "native"
 
 
-def _compile(cc: str, source: Path, out: Path) -> None:
+def _compile(cc: str, source: Path, out: Path, flags: list[str]) -> None:
     """Build `source` into the library at `out` (atomically: concurrent builders each rename a complete file into
     place)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +114,7 @@ def _compile(cc: str, source: Path, out: Path) -> None:
     try:
         errors = []
         for openmp in (["-fopenmp"], []):              # without OpenMP the pragmas are ignored: one thread
-            cmd = [cc, *FLAGS, *openmp, str(source), "-o", tmp, "-lm"]
+            cmd = [cc, *flags, *openmp, str(source), "-o", tmp, "-lm"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 if not openmp:
@@ -98,14 +131,19 @@ def _compile(cc: str, source: Path, out: Path) -> None:
             os.unlink(tmp)
 
 
-def build(source: Path, prefix: str, what: str, instead: str = "the torch implementations") -> ctypes.CDLL | None:
+def build(source: Path, prefix: str, what: str, instead: str = "the torch implementations",
+          emulated: bool = False) -> ctypes.CDLL | None:
     """Build (once per source, compiler binary, flags and CPU) and load the C library of `source`, named
-    `{prefix}_{key}.so` in the build directory; None when disabled, not on Linux, without a compiler, or when the
-    build fails (`build_status(source)` says which; the warning names `instead`, what runs in its place). Every C
-    source of the package goes through here."""
+    `{prefix}_{key}.so` in the build directory (`emulated_{prefix}_{key}.so` for the emulated build, `isa.h`); None
+    when disabled, not on Linux, without a compiler, or when the build fails (`build_status(source, emulated)` says
+    which; the warning names `instead`, what runs in its place). Every C source of the package goes through here."""
     def done(status: str, lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
-        _state[source.name] = status
+        _state[_state_key(source, emulated)] = status
         return lib
+
+    flags = FLAGS + EMULATION_FLAGS if emulated else FLAGS
+    if emulated:
+        prefix, what = f"emulated_{prefix}", f"{what} (AVX-512 and AMX emulated)"   # not in the native build's glob
 
     if _disabled():
         return done("disabled by PIXELTRIAGE_NATIVE=0")
@@ -123,13 +161,13 @@ def build(source: Path, prefix: str, what: str, instead: str = "the torch implem
         compiler = cc
     # the headers beside the source (`#include "..."`) are part of what is built: a changed header is a new build
     headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(flags).encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
     path = _build_dir() / f"{prefix}_{key}.so"
     try:
         if not path.is_file():
             log.info("building %s with %s -> %s", what, cc, path)
-            _compile(cc, source, path)
+            _compile(cc, source, path, flags)
             _prune(path, prefix)
         import torch  # noqa: F401  (torch's OpenMP runtime is loaded first, so the library binds to it)
 
@@ -141,15 +179,25 @@ def build(source: Path, prefix: str, what: str, instead: str = "the torch implem
     return done(f"loaded {path}", lib)
 
 
-def build_status(source: Path) -> str:
-    """What `build` did with `source` in this process ("not loaded" before it was asked)."""
-    return _state.get(source.name, "not loaded")
+def _state_key(source: Path, emulated: bool) -> str:
+    return source.name + (" emulated" if emulated else "")
+
+
+def build_status(source: Path, emulated: bool | None = None) -> str:
+    """What `build` did with `source` (its emulated build if emulated; None: the one `isa_emulated()` says) in this
+    process ("not loaded" before it was asked)."""
+    return _state.get(_state_key(source, isa_emulated() if emulated is None else emulated), "not loaded")
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (then callers take their torch path); built once per machine (and once
+    more for the emulated build, `isa_emulated()`)."""
+    return _library(isa_emulated())
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (then callers take their torch path); built once per machine."""
-    lib = build(SOURCE, "pixeltriage_cpu", "native CPU kernels")
+def _library(emulated: bool) -> ctypes.CDLL | None:
+    lib = build(SOURCE, "pixeltriage_cpu", "native CPU kernels", emulated=emulated)
     if lib is not None:
         _declare(lib)
     return lib
@@ -247,11 +295,16 @@ def available() -> bool:
 BF16_ENGINES = {"fma": 0, "avx512_bf16": 1, "amx": 2}
 
 
-@functools.cache
 def bf16_engines() -> frozenset[str]:
     """The bf16 engines this machine's build runs (empty without the library): the build has what `-march=native`
-    found on this CPU, and AMX only once Linux has granted the process its tile state (asked here, once)."""
-    lib = library()
+    found on this CPU, and AMX only once Linux has granted the process its tile state (asked here, once); the
+    emulated build has all three."""
+    return _bf16_engines(isa_emulated())
+
+
+@functools.cache
+def _bf16_engines(emulated: bool) -> frozenset[str]:
+    lib = _library(emulated)
     if lib is None:
         return frozenset()
     bits = lib.pt_bf16_engines()
@@ -282,7 +335,8 @@ def vec_math(name: str, x: torch.Tensor) -> torch.Tensor | None:
 
 def status() -> str:
     library()
-    return build_status(SOURCE)
+    emulated = isa_emulated()
+    return build_status(SOURCE, emulated) + (" (AVX-512 and AMX emulated in portable C)" if emulated else "")
 
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p

@@ -8,9 +8,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
-#if defined(__x86_64__) && defined(__AVX512F__)
-#include <immintrin.h>
 
+#include "isa.h"
+#ifdef PT_AVX512F
 #include "vec_math.h"
 #define PT_CONV_AVX512 1
 
@@ -175,14 +175,14 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* dst[0, n) = bf16(src[0, n)), float_to_bf16's rounding, 32 at a time where the build has AVX512-BF16 (there
  * denormal floats become zero) */
-#ifdef __AVX512BF16__
+#ifdef PT_AVX512BF16
 /* 32 floats, lo then hi, as 32 bf16 in order */
 static inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 #endif
 
 static inline void bf16_row(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
-#ifdef __AVX512BF16__
+#ifdef PT_AVX512BF16
     for (; i + 32 <= n; i += 32)
         _mm512_storeu_si512(dst + i, bf16x32(_mm512_loadu_ps(src + i), _mm512_loadu_ps(src + i + 16)));
 #endif
@@ -831,11 +831,7 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
  * B[2p, n], B[2p + 1, n] for each n, 2N bf16), and run on one of three engines: AMX tiles, AVX512-BF16 dot
  * products, or plain float32 multiply-adds of the same bf16 operands (any machine; the tests' reference for the
  * other two, equal up to the order of float32 sums). M, N and Kd are multiples of 32. */
-#if defined(__x86_64__) && (defined(__AVX512BF16__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__)))
-#include <immintrin.h>
-#endif
-#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define PT_HAVE_AMX 1
+#if defined(PT_AMX) && !defined(PT_ISA_EMULATION)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -846,10 +842,12 @@ enum { ENGINE_FMA = 0, ENGINE_AVX512_BF16 = 1, ENGINE_AMX = 2 };
  * state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA: asked at each call, a no-op after the first grant). */
 int pt_bf16_engines(void) {
     int engines = 1 << ENGINE_FMA;
-#ifdef __AVX512BF16__
+#ifdef PT_AVX512BF16
     engines |= 1 << ENGINE_AVX512_BF16;
 #endif
-#ifdef PT_HAVE_AMX
+#if defined(PT_AMX) && defined(PT_ISA_EMULATION)
+    engines |= 1 << ENGINE_AMX;                       /* isa_emulation.h's tiles: no kernel state to ask for */
+#elif defined(PT_AMX)
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0)
         engines |= 1 << ENGINE_AMX;
 #endif
@@ -881,7 +879,7 @@ static void mm_bf16_vec(int engine, const uint16_t *a, int64_t lda, const uint16
                 s[r] = acc ? *(const vf16 *)(c + (i0 + r) * ldc + j0) : (vf16){0};
             for (int64_t p = 0; p < kd / 2; p++) {
                 vu16 bb = *(const vu16 *)(b + p * 2 * N + 2 * j0);
-#ifdef __AVX512BF16__
+#ifdef PT_AVX512BF16
                 if (engine == ENGINE_AVX512_BF16) {
                     for (int r = 0; r < 4; r++) {
                         __m512i ap = _mm512_set1_epi32((int)bf16_pair(a + (i0 + r) * lda + 2 * p));
@@ -904,7 +902,7 @@ static void mm_bf16_vec(int engine, const uint16_t *a, int64_t lda, const uint16
     (void)engine;
 }
 
-#ifdef PT_HAVE_AMX
+#ifdef PT_AMX
 /* Tile configuration: eight 16-row x 64-byte tiles; 0-3 hold a 32 x 32 block of c (float32), 4-5 two 16-row
  * blocks of a (32 bf16 of the reduction each), 6-7 two 16-column blocks of b (16 pairs of rows each). */
 static void amx_configure(void) {
@@ -962,7 +960,7 @@ static void mm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *b, int64
 
 static void mm_bf16(int engine, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N, int64_t Kd,
                     float *c, int64_t ldc, int acc, int lower) {
-#ifdef PT_HAVE_AMX
+#ifdef PT_AMX
     if (engine == ENGINE_AMX) {
         mm_bf16_amx(a, lda, b, M, N, Kd, c, ldc, acc, lower);
         return;
@@ -974,7 +972,7 @@ static void mm_bf16(int engine, const uint16_t *a, int64_t lda, const uint16_t *
 /* A thread's tile state around its products on `engine` (each thread of a parallel region configures its own
  * tiles, and releases them at its end); nothing for the other engines */
 static inline void tiles_on(int engine) {
-#ifdef PT_HAVE_AMX
+#ifdef PT_AMX
     if (engine == ENGINE_AMX)
         amx_configure();
 #endif
@@ -982,7 +980,7 @@ static inline void tiles_on(int engine) {
 }
 
 static inline void tiles_off(int engine) {
-#ifdef PT_HAVE_AMX
+#ifdef PT_AMX
     if (engine == ENGINE_AMX)
         _tile_release();
 #endif
@@ -1036,7 +1034,7 @@ static void to_bf16_t_ref(const float *src, int64_t lds, int64_t N, int64_t R, c
             dst[r * ldd + n] = float_to_bf16(src[n * lds + r] * rowscale[n]);
 }
 
-#ifdef __AVX512BF16__
+#ifdef PT_AVX512BF16
 static void to_bf16_rows_fast(const float *src, int64_t lds, int64_t R, int64_t N, const float *rowscale,
                               uint16_t *dst, int64_t ldd) {
     if (N % 32) {
@@ -1302,7 +1300,7 @@ static void segment_kt(const uint16_t *k, int64_t k_t, int64_t off, int64_t t0, 
     segment_rows(k, k_t, off, t0, L, Lp, D, rows);
     const uint32_t *pairs = (const uint32_t *)rows;
     uint32_t *dst = (uint32_t *)kt;
-#ifdef __AVX512F__
+#ifdef PT_AVX512F
     __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                         _mm512_set1_epi32((int)(D / 2)));
     for (int64_t n0 = 0; n0 < Lp; n0 += 16)
@@ -1319,7 +1317,7 @@ static void segment_kt(const uint16_t *k, int64_t k_t, int64_t off, int64_t t0, 
 static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, int64_t L, int64_t Lp, int64_t D,
                        uint16_t *vv) {
     static const uint16_t zeros[256] = {0};
-#ifdef __AVX512BW__
+#ifdef PT_AVX512BW
     uint16_t lo_idx[32], hi_idx[32];
     for (int i = 0; i < 32; i++) {
         lo_idx[i] = (uint16_t)((i % 2 ? 32 : 0) + i / 2);
@@ -1331,7 +1329,7 @@ static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, 
         const uint16_t *r0 = 2 * pr < L ? v + (t0 + 2 * pr) * v_t + off : zeros;
         const uint16_t *r1 = 2 * pr + 1 < L ? v + (t0 + 2 * pr + 1) * v_t + off : zeros;
         uint16_t *o = vv + pr * 2 * D;
-#ifdef __AVX512BW__
+#ifdef PT_AVX512BW
         for (int64_t n = 0; n < D; n += 32) {
             __m512i a = _mm512_loadu_si512(r0 + n), b = _mm512_loadu_si512(r1 + n);
             _mm512_storeu_si512(o + 2 * n, _mm512_permutex2var_epi16(a, lo, b));
@@ -1350,7 +1348,7 @@ static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, 
  * zeros past L; returns the float32 sum of e. */
 static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb) {
     float m = row[0], sum = 0.0f;
-#if defined(PT_CONV_AVX512) && defined(__AVX512BF16__)
+#if defined(PT_CONV_AVX512) && defined(PT_AVX512BF16)
     {                                              /* the row's max in four chains (one waits on its own latency) */
         __m512 a0 = _mm512_set1_ps(m), a1 = a0, a2 = a0, a3 = a0;
         int64_t j = 0;
@@ -1369,7 +1367,7 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
     for (int64_t j = 1; j < L; j++)
         m = row[j] > m ? row[j] : m;
 #endif
-#if defined(PT_CONV_AVX512) && defined(__AVX512BF16__)
+#if defined(PT_CONV_AVX512) && defined(PT_AVX512BF16)
     /* e = 2^(c s - c m) with c = scale log2(e), the exponent in one multiply-add; a NaN score (or an infinite one,
      * through inf - inf) stays NaN through exp2_16_bf16 and makes the row's sum, so its output, NaN. Whole blocks of
      * 32 keys unmasked, then the masked tail up to Lp with zeros past L. */

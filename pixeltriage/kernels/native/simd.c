@@ -2,8 +2,9 @@
  * silu(gate) * up, the Gated DeltaNet's output norm, the attention output gate. Built by kernels/native like
  * cpu_kernels.c; without AVX512-F/BW/VL/BF16 every function declines (returns 1) and pt_simd_available is 0. */
 #include <stdint.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+
+#include "isa.h"
+#if defined(PT_AVX512F) && defined(PT_AVX512BW) && defined(PT_AVX512VL) && defined(PT_AVX512BF16)
 
 #include "vec_math.h"
 
