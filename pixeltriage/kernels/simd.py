@@ -11,7 +11,8 @@ kernels (paired medians of 40 interleaved runs at one thread, 60 at two, load 7-
 The source (`kernels/native/simd.c`) is built on first use by `kernels.native.build`, like `cpu_kernels.c`, with the
 same compiler, flags and switch (`PIXELTRIAGE_NATIVE=0` turns it off too), into its own library beside theirs. Where the compiler does not target
 AVX512-F/BW/VL/BF16 (`-march=native` on another CPU) the library builds without them and the kernel declines:
-`available()` is False and the op keeps its other kernels. The result is float32 arithmetic rounded once to bf16,
+`available()` is False and the op keeps its other kernels (its emulated build, `native.emulated_isa()`, has them on
+any CPU, for the tests). The result is float32 arithmetic rounded once to bf16,
 within a few float32 ulps of the exact value before that rounding, so it differs from a correctly rounded result
 only where the exact value sits next to a rounding boundary (against the C kernels, by one bf16 ulp in 6.8e-6 of
 SwiGLU's elements and 9.1e-6 of the norm's).

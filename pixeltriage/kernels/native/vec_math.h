@@ -1,6 +1,6 @@
 /* AVX-512F vector math shared by the native sources (simd.c, cpu_kernels.c): e^x, 2^x, sigmoid and SiLU on 16
- * floats, bf16 widening and lane masks. Included inside each source's AVX-512 section, after <immintrin.h>;
- * kernels/native hashes it into every build's cache key with the source. */
+ * floats, bf16 widening and lane masks. Included inside each source's AVX-512 section, after isa.h (the CPU's
+ * intrinsics, or isa_emulation.h's); kernels/native hashes it into every build's cache key with the source. */
 #ifndef PT_VEC_MATH_H
 #define PT_VEC_MATH_H
 
