@@ -20,7 +20,6 @@ SwiGLU's elements and 9.1e-6 of the norm's).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -29,14 +28,10 @@ from pixeltriage.kernels import native
 SOURCE = native.SOURCE.with_name("simd.c")
 
 
-def library() -> ctypes.CDLL | None:
+@native.per_isa
+def library(emulated: bool) -> ctypes.CDLL | None:
     """The loaded library, or None (disabled, no compiler, not Linux, or the build failed); the emulated build where
     `native.isa_emulated()`."""
-    return _library(native.isa_emulated())
-
-
-@functools.cache
-def _library(emulated: bool) -> ctypes.CDLL | None:
     lib = native.build(SOURCE, "pixeltriage_simd", "AVX-512 activation kernels", "the C or torch kernels",
                        emulated=emulated)
     if lib is None:
@@ -51,15 +46,11 @@ def _library(emulated: bool) -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
+@native.per_isa
+def available(emulated: bool) -> bool:
     """Built, and built for a CPU with AVX512-F/BW/VL/BF16 or emulating them (otherwise its functions decline
     everything)."""
-    return _available(native.isa_emulated())
-
-
-@functools.cache
-def _available(emulated: bool) -> bool:
-    lib = _library(emulated)
+    lib = library.of(emulated)
     return lib is not None and lib.pt_simd_available() == 1
 
 

@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -58,16 +58,36 @@ def _disabled() -> bool:
     return os.environ.get("PIXELTRIAGE_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
 
 
-def isa_emulated() -> bool:
-    """Whether the kernels in use are the emulated build (`emulated_isa()`, else PIXELTRIAGE_NATIVE_ISA=emulated):
-    AVX-512 and AMX in portable C, for tests on any CPU."""
-    if _isa_override:
-        return _isa_override[-1]
+@functools.cache
+def _isa_switch() -> bool:
+    """PIXELTRIAGE_NATIVE_ISA, read once per process (like the libraries it picks): True for "emulated"."""
     value = os.environ.get(ISA_SWITCH, "native").strip().lower() or "native"
     if value not in ("native", "emulated"):
         raise ValueError(f"{ISA_SWITCH}={value!r}: expected 'native' (the CPU's own instructions) or 'emulated' "
                          "(AVX-512 and AMX in portable C, for tests)")
     return value == "emulated"
+
+
+def isa_emulated() -> bool:
+    """Whether the kernels in use are the emulated build (`emulated_isa()`, else PIXELTRIAGE_NATIVE_ISA=emulated):
+    AVX-512 and AMX in portable C, for tests on any CPU."""
+    return _isa_override[-1] if _isa_override else _isa_switch()
+
+
+T = TypeVar("T")
+
+
+def per_isa(fn: Callable[[bool], T]) -> Callable[[], T]:
+    """`fn(emulated)` computed once per build (the CPU's own, the emulated one); calling the result picks the one
+    `isa_emulated()` says, and `.of(emulated)` a given one."""
+    of = functools.cache(fn)
+
+    @functools.wraps(fn)
+    def current() -> T:
+        return of(isa_emulated())
+
+    current.of = of
+    return current
 
 
 @contextlib.contextmanager
@@ -189,14 +209,10 @@ def build_status(source: Path, emulated: bool | None = None) -> str:
     return _state.get(_state_key(source, isa_emulated() if emulated is None else emulated), "not loaded")
 
 
-def library() -> ctypes.CDLL | None:
+@per_isa
+def library(emulated: bool) -> ctypes.CDLL | None:
     """The loaded kernel library, or None (then callers take their torch path); built once per machine (and once
     more for the emulated build, `isa_emulated()`)."""
-    return _library(isa_emulated())
-
-
-@functools.cache
-def _library(emulated: bool) -> ctypes.CDLL | None:
     lib = build(SOURCE, "pixeltriage_cpu", "native CPU kernels", emulated=emulated)
     if lib is not None:
         _declare(lib)
@@ -295,16 +311,12 @@ def available() -> bool:
 BF16_ENGINES = {"fma": 0, "avx512_bf16": 1, "amx": 2}
 
 
-def bf16_engines() -> frozenset[str]:
+@per_isa
+def bf16_engines(emulated: bool) -> frozenset[str]:
     """The bf16 engines this machine's build runs (empty without the library): the build has what `-march=native`
     found on this CPU, and AMX only once Linux has granted the process its tile state (asked here, once); the
     emulated build has all three."""
-    return _bf16_engines(isa_emulated())
-
-
-@functools.cache
-def _bf16_engines(emulated: bool) -> frozenset[str]:
-    lib = _library(emulated)
+    lib = library.of(emulated)
     if lib is None:
         return frozenset()
     bits = lib.pt_bf16_engines()
