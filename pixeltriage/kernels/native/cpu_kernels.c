@@ -12,7 +12,6 @@
 #include "isa.h"
 #ifdef PT_AVX512F
 #include "vec_math.h"
-#define PT_CONV_AVX512 1
 
 /* 16 bf16 at p as float32 (exact: the top halves) */
 static inline __m512 load_bf16x16(const uint16_t *p) { return widen_bf16x16(_mm256_loadu_si256((const __m256i *)p)); }
@@ -53,7 +52,7 @@ static inline float exp_f32(float x) {
 int pt_vec_math(int which, const float *x, int64_t n, float *out) {
     if (which < 0 || which >= VEC_MATH_FUNCTIONS || n < 0)
         return 1;
-#ifdef PT_CONV_AVX512
+#ifdef PT_AVX512F
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = lanes16(n - i);
         __m512 v = _mm512_maskz_loadu_ps(m, x + i);
@@ -534,7 +533,7 @@ static inline double delta_seconds(void) {
 static void conv_silu_chunk(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t c0, int64_t n,
                             float *out, int64_t ldo) {
     int64_t i = 0;
-#ifdef PT_CONV_AVX512
+#ifdef PT_AVX512F
     if (a->W == 4 && n % 32 == 0) {
         for (; i < len && t0 + i - 3 < seg0; i++)       /* rows whose taps reach before the sequence: one by one */
             conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, 4, a->conv_dim, t0 + i, seg0, c0, n, out + i * ldo);
@@ -1348,7 +1347,7 @@ static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, 
  * zeros past L; returns the float32 sum of e. */
 static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb) {
     float m = row[0], sum = 0.0f;
-#if defined(PT_CONV_AVX512) && defined(PT_AVX512BF16)
+#if defined(PT_AVX512F) && defined(PT_AVX512BF16)
     {                                              /* the row's max in four chains (one waits on its own latency) */
         __m512 a0 = _mm512_set1_ps(m), a1 = a0, a2 = a0, a3 = a0;
         int64_t j = 0;
@@ -1367,7 +1366,7 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
     for (int64_t j = 1; j < L; j++)
         m = row[j] > m ? row[j] : m;
 #endif
-#if defined(PT_CONV_AVX512) && defined(PT_AVX512BF16)
+#if defined(PT_AVX512F) && defined(PT_AVX512BF16)
     /* e = 2^(c s - c m) with c = scale log2(e), the exponent in one multiply-add; a NaN score (or an infinite one,
      * through inf - inf) stays NaN through exp2_16_bf16 and makes the row's sum, so its output, NaN. Whole blocks of
      * 32 keys unmasked, then the masked tail up to Lp with zeros past L. */
