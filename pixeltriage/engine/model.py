@@ -17,6 +17,7 @@ from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels import registry
 from pixeltriage.kernels.activation import sigmoid_gate_, silu_mul
 from pixeltriage.kernels.attention import segment_attention
+from pixeltriage.kernels.linear import linear
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
 from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
 from pixeltriage.weights.layout import FullAttentionWeights, LayerWeights, LinearAttentionWeights, TextWeights
@@ -64,7 +65,7 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     n_main = cfg.linear_conv_dim + cfg.linear_value_dim
-    qkv, z = (x @ w.in_proj[:n_main].t()).split([cfg.linear_conv_dim, cfg.linear_value_dim], dim=-1)
+    qkv, z = linear(x, w.in_proj[:n_main]).split([cfg.linear_conv_dim, cfg.linear_value_dim], dim=-1)
     # b and a become beta and the log decay, whose errors compound through the decay's cumulative sums: they
     # leave their (2 * Hv-column) projection in float32, never rounded to bf16. On the parity checkpoints this
     # alone took the bf16-vs-float32 score gap from 0.021 to 0.004 where it was largest.
@@ -86,7 +87,7 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     if rows is not None:
         o, z = o.index_select(0, rows), z.index_select(0, rows)
     o = rms_norm_gated(o, z, w.norm, cfg.rms_norm_eps)
-    return o.reshape(o.shape[0], -1) @ w.out_proj.t()
+    return linear(o.reshape(o.shape[0], -1), w.out_proj)
 
 
 def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, cos: torch.Tensor,
@@ -100,11 +101,11 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q_width = nh * 2 * hd
     if rows is None:
-        qg, k, v = (x @ w.qkv.t()).split([q_width, nkv * hd, nkv * hd], dim=-1)
+        qg, k, v = linear(x, w.qkv).split([q_width, nkv * hd, nkv * hd], dim=-1)
         q_cos, q_sin = cos, sin
     else:
-        k, v = (x @ w.qkv[q_width:].t()).split([nkv * hd, nkv * hd], dim=-1)
-        qg = x.index_select(0, rows) @ w.qkv[:q_width].t()
+        k, v = linear(x, w.qkv[q_width:]).split([nkv * hd, nkv * hd], dim=-1)
+        qg = linear(x.index_select(0, rows), w.qkv[:q_width])
         q_cos, q_sin = cos.index_select(0, rows), sin.index_select(0, rows)
     num_q = qg.shape[0]
     q, gate = qg.view(num_q, nh, 2 * hd).chunk(2, dim=-1)
@@ -120,7 +121,7 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
     # the gate straight from its strided half of the projection, into the attention output in place: no copies of
     # either
     o = sigmoid_gate_(o, gate).reshape(num_q, nh * hd)
-    return o @ w.o_proj.t()
+    return linear(o, w.o_proj)
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
@@ -138,7 +139,7 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
 
 
 def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    return silu_mul(x @ layer.gate_up.t()) @ layer.down.t()
+    return linear(silu_mul(linear(x, layer.gate_up)), layer.down)
 
 
 def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: TextWeights,

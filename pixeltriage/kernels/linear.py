@@ -12,10 +12,16 @@ everywhere.
 `linear` (no activation) takes the same primitive for a layer with a bias: `F.linear` runs addmm, which first
 copies the bias into every output row and then accumulates onto it, where oneDNN adds the bias in the epilogue.
 Bit-identical outputs; measured on the bench-small ViT (bf16, [4000, 512] x [512, 1536]): 10.1 -> 7.6 ms.
+
+In float32 it takes the primitive without a bias too (the decoder's projections): torch's float32 matmul is MKL's
+sgemm, which on the AVX2 machine measured ran the decoder's shapes ([2296, 1024] x [1024, 8192] and the like) at
+77-100% of oneDNN's rate (most 80-90%) and its 2048^3 GEMM at 88%; the bench-small float32 forward took 0.90x its
+time. A bf16 matmul is oneDNN's already. `PIXELTRIAGE_ONEDNN=0` turns the primitive off: F.linear everywhere.
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +35,7 @@ _POST_OPS = {"gelu_pytorch_tanh": ("gelu", "tanh"), "gelu": ("gelu", "none"), "s
 _ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
                 "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "silu": F.silu}
 _STATE: dict[str, bool] = {}
+ONEDNN_SWITCH = "PIXELTRIAGE_ONEDNN"
 
 
 def activation(name: str):
@@ -39,6 +46,13 @@ def activation(name: str):
 
 def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
     if "ok" not in _STATE:
+        switch = os.environ.get(ONEDNN_SWITCH, "1").strip().lower()
+        if switch not in ("0", "1"):
+            raise ValueError(f"{ONEDNN_SWITCH}={os.environ[ONEDNN_SWITCH]!r}: expected 1 (oneDNN's linear primitive "
+                             f"where it applies, the default) or 0 (F.linear everywhere)")
+        if switch == "0":
+            _STATE["ok"] = _STATE["bf16"] = False
+            return False
         try:
             _STATE["ok"] = bool(torch.backends.mkldnn.is_available()) and \
                 hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -65,15 +79,21 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return None
 
 
+def onednn_plain(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether `linear` without a bias runs oneDNN's primitive for `dtype` tensors on `device` (else F.linear)."""
+    return dtype == torch.float32 and registry.choose("linear", device, dtype) in ONEDNN
+
+
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
     out = _onednn_linear(x, weight, bias, *_POST_OPS[act]) if act in _POST_OPS else None
     return out if out is not None else linear_act_reference(x, weight, bias, act)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T + bias, as `F.linear`; with a bias on the CPU, oneDNN's linear primitive (see the module)."""
-    out = _onednn_linear(x, weight, bias, "none", "") if bias is not None else None
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias, as `F.linear`; on the CPU in float32, or with a bias, oneDNN's linear primitive (see the
+    module)."""
+    out = _onednn_linear(x, weight, bias, "none", "") if bias is not None or x.dtype == torch.float32 else None
     return out if out is not None else F.linear(x, weight, bias)
 
 

@@ -543,9 +543,10 @@ def test_segment_attention_rejects_lengths_that_miss_tokens():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_matches_f_linear(dtype, bias, monkeypatch):
-    """`linear` (oneDNN's primitive for a layer with a bias, on the CPU) against F.linear: the bias is added in
-    the epilogue instead of being copied into the output first, the same sums; within one rounding of the output
-    (bit-identical on the machines measured). Its fallback when oneDNN refuses is F.linear itself."""
+    """`linear` (oneDNN's primitive on the CPU for a layer with a bias, and in float32 for every layer) against
+    F.linear: the same sums in another order, the bias added in the epilogue instead of copied into the output
+    first; float32 within 1e-6 relative (bit-identical on the AVX2 machine measured), bf16 within one rounding of
+    the output. Its fallback when oneDNN refuses is F.linear itself."""
     from pixeltriage.kernels import linear
 
     g = torch.Generator().manual_seed(3)
@@ -555,10 +556,59 @@ def test_linear_matches_f_linear(dtype, bias, monkeypatch):
     got = linear.linear(x, w, b)
     assert got.dtype == dtype and got.shape == (300, 200)
     assert rel(got.double(), want.double()) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
+    asks = bias or dtype == torch.float32                # the calls that take oneDNN's primitive
+    assert linear.onednn_plain("cpu", dtype) is (dtype == torch.float32 and linear._fused_available(dtype))
 
     _onednn_refuses(monkeypatch)
     assert torch.equal(linear.linear(x, w, b), want)
-    assert linear._STATE["ok"] is (not bias)            # only a layer with a bias asked oneDNN
+    assert linear._STATE["ok"] is (not asks)
+    assert not linear.onednn_plain("cpu", dtype)
+
+
+@pytest.mark.parametrize("case", ["one row", "odd sizes", "weight row slice", "strided x", "3-d x", "empty"])
+def test_float32_projection_matches_float64_on_awkward_shapes(case):
+    """The decoder's float32 projections (`linear` without a bias: oneDNN's primitive where torch has it) on the
+    shapes a forward meets: one decision row, sizes no block divides, a row slice of a fused weight (in_proj,
+    qkv), a strided activation, a batch axis, no rows. Against float64, within 1e-6 relative of the output, as
+    F.linear (both measured <= 3.9e-7). Where torch has the primitive, its bits are what ran."""
+    from pixeltriage.kernels.linear import linear, onednn_plain
+
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(37, 129, generator=g), torch.randn(77, 129, generator=g) * 0.1
+    if case == "one row":
+        x = x[:1]
+    elif case == "weight row slice":
+        w = torch.randn(300, 129, generator=g)[40:117]
+    elif case == "strided x":
+        x = torch.randn(37, 300, generator=g)[:, 3:132]
+    elif case == "3-d x":
+        x = x[:36].view(4, 9, 129)
+    elif case == "empty":
+        x = x[:0]
+    exact = F.linear(x.double(), w.double())
+    got = linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    if onednn_plain("cpu", torch.float32):
+        assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    if exact.numel():
+        assert rel(got.double(), exact) <= 1e-6 and rel(F.linear(x, w).double(), exact) <= 1e-6
+
+
+def test_onednn_switch_off_runs_f_linear(monkeypatch):
+    """PIXELTRIAGE_ONEDNN=0: no oneDNN primitive (F.linear's bits, the fused activations' reference); another
+    value is an error that names the variable."""
+    from pixeltriage.kernels import linear
+
+    x, w, b = torch.randn(9, 16), torch.randn(5, 16), torch.randn(5)
+    monkeypatch.setattr(linear, "_STATE", {})
+    monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "0")
+    assert torch.equal(linear.linear(x, w, b), F.linear(x, w, b)) and torch.equal(linear.linear(x, w), F.linear(x, w))
+    assert torch.equal(linear.linear_act(x, w, b, "gelu"), linear.linear_act_reference(x, w, b, "gelu"))
+    assert not linear.onednn_plain("cpu", torch.float32)
+    monkeypatch.setattr(linear, "_STATE", {})
+    monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "yes")
+    with pytest.raises(ValueError, match="PIXELTRIAGE_ONEDNN"):
+        linear.linear(x, w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
