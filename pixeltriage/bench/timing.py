@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from pixeltriage.kernels.linear import linear, onednn_plain
+from pixeltriage.kernels.linear import linear, plain_onednn
 
 CPU = torch.device("cpu")
 
@@ -81,7 +81,7 @@ def gemm_tflops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16,
     n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device, dtype=dtype)
     gemms = [lambda: a @ a]
-    if device.type == "cpu" and onednn_plain(device, dtype):
+    if device.type == "cpu" and plain_onednn(device, dtype):
         gemms.append(lambda: linear(a, a))
     repeats = 10 if device.type == "cuda" else 5
     for gemm in gemms:

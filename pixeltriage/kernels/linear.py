@@ -7,16 +7,20 @@ reads it back and writes it again (for bf16, a second rounding). Measured on the
 post-op for, a torch build without oneDNN) it is the reference.
 
 Registers the "linear" op (`kernels.registry`): oneDNN where the CPU's build has its primitive for the dtype, torch
-everywhere.
+everywhere; and the "projection" op (a layer without a bias or an activation): oneDNN in float32 where
+`plain_onednn` says (below), torch everywhere.
 
 `linear` (no activation) takes the same primitive for a layer with a bias: `F.linear` runs addmm, which first
 copies the bias into every output row and then accumulates onto it, where oneDNN adds the bias in the epilogue.
 Bit-identical outputs; measured on the bench-small ViT (bf16, [4000, 512] x [512, 1536]): 10.1 -> 7.6 ms.
 
-In float32 it takes the primitive without a bias too (the decoder's projections): torch's float32 matmul is MKL's
-sgemm, which on the AVX2 machine measured ran the decoder's shapes ([2296, 1024] x [1024, 8192] and the like) at
-77-100% of oneDNN's rate (most 80-90%) and its 2048^3 GEMM at 88%; the bench-small float32 forward took 0.90x its
-time. A bf16 matmul is oneDNN's already. `PIXELTRIAGE_ONEDNN=0` turns the primitive off: F.linear everywhere.
+In float32, on an AMD CPU, it takes the primitive without a bias too (the decoder's projections): torch's float32
+matmul is MKL's sgemm, which on the AVX2 AMD EPYC measured ran the decoder's shapes ([2296, 1024] x [1024, 8192]
+and the like) at 77-100% of oneDNN's rate (most 80-90%) and its 2048^3 GEMM at 88%; the bench-small float32
+forward took 0.91x its time. MKL keeps its best code paths for Intel's CPUs, where (unmeasured) it stays: the
+choice is by vendor, and only where measured. A bf16 matmul is oneDNN's already.
+`PIXELTRIAGE_ONEDNN`: 0 turns the primitive off (F.linear everywhere), 1 takes it for every float32 layer whatever
+the CPU, auto (the default) as above.
 """
 from __future__ import annotations
 
@@ -44,12 +48,35 @@ def activation(name: str):
     return _ACTIVATIONS[name]
 
 
+def _switch() -> str:
+    value = os.environ.get(ONEDNN_SWITCH, "auto").strip().lower() or "auto"
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"{ONEDNN_SWITCH}={os.environ[ONEDNN_SWITCH]!r}: expected auto (the default: oneDNN's linear "
+                         f"primitive for layers with a bias or an activation, and for every float32 layer on an AMD "
+                         f"CPU), 1 (for every float32 layer on any CPU too) or 0 (F.linear everywhere)")
+    return value
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The x86 CPU's vendor_id from /proc/cpuinfo (or `cpuinfo`'s text): "GenuineIntel", "AuthenticAMD", ...; ""
+    where there is none (another architecture, no /proc)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
     if "ok" not in _STATE:
-        switch = os.environ.get(ONEDNN_SWITCH, "1").strip().lower()
-        if switch not in ("0", "1"):
-            raise ValueError(f"{ONEDNN_SWITCH}={os.environ[ONEDNN_SWITCH]!r}: expected 1 (oneDNN's linear primitive "
-                             f"where it applies, the default) or 0 (F.linear everywhere)")
+        switch = _switch()
+        _STATE["plain"] = switch == "1" or (switch == "auto" and cpu_vendor() == "AuthenticAMD")
         if switch == "0":
             _STATE["ok"] = _STATE["bf16"] = False
             return False
@@ -79,9 +106,19 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return None
 
 
-def onednn_plain(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether `linear` without a bias runs oneDNN's primitive for `dtype` tensors on `device` (else F.linear)."""
-    return dtype == torch.float32 and registry.choose("linear", device, dtype) in ONEDNN
+def _projection_onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out = _onednn_linear(x, weight, None, "none", "")
+    return out if out is not None else F.linear(x, weight)
+
+
+def _projection_available() -> bool:
+    return _fused_available(torch.float32) and _STATE.get("plain", False)
+
+
+def plain_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether `linear` without a bias runs oneDNN's primitive for `dtype` tensors on `device` (else F.linear): in
+    float32 where the primitive is available and the CPU's vendor (or PIXELTRIAGE_ONEDNN=1) says so."""
+    return registry.choose("projection", device, dtype) is ONEDNN_PROJECTION
 
 
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
@@ -91,9 +128,11 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T + bias, as `F.linear`; on the CPU in float32, or with a bias, oneDNN's linear primitive (see the
-    module)."""
-    out = _onednn_linear(x, weight, bias, "none", "") if bias is not None or x.dtype == torch.float32 else None
+    """x @ weight^T + bias, as `F.linear`; on the CPU with a bias, or in float32 where `plain_onednn` says, oneDNN's
+    linear primitive (see the module)."""
+    if bias is None:
+        return registry.choose("projection", x.device, x.dtype).fn(x, weight)
+    out = _onednn_linear(x, weight, bias, "none", "")
     return out if out is not None else F.linear(x, weight, bias)
 
 
@@ -106,3 +145,6 @@ ONEDNN = tuple(registry.register("linear", "oneDNN linear with fused post-ops", 
                                  dtypes=(dtype,), available=lambda dtype=dtype: _fused_available(dtype), priority=10)
                for dtype in (torch.float32, torch.bfloat16))
 registry.register("linear", "torch linear", linear_act_reference, devices=("cpu", "cuda"))
+ONEDNN_PROJECTION = registry.register("projection", "oneDNN linear", _projection_onednn, devices=("cpu",),
+                                      dtypes=(torch.float32,), available=_projection_available, priority=10)
+registry.register("projection", "torch linear", F.linear, devices=("cpu", "cuda"))

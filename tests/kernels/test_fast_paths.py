@@ -252,7 +252,7 @@ def _onednn_refuses(monkeypatch):
     class Ops:
         _linear_pointwise = staticmethod(refuse)
 
-    monkeypatch.setattr(linear, "_STATE", {"ok": True, "bf16": True})
+    monkeypatch.setattr(linear, "_STATE", {"ok": True, "bf16": True, "plain": True})
     monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
 
 
@@ -543,10 +543,10 @@ def test_segment_attention_rejects_lengths_that_miss_tokens():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_matches_f_linear(dtype, bias, monkeypatch):
-    """`linear` (oneDNN's primitive on the CPU for a layer with a bias, and in float32 for every layer) against
-    F.linear: the same sums in another order, the bias added in the epilogue instead of copied into the output
-    first; float32 within 1e-6 relative (bit-identical on the AVX2 machine measured), bf16 within one rounding of
-    the output. Its fallback when oneDNN refuses is F.linear itself."""
+    """`linear` (oneDNN's primitive on the CPU for a layer with a bias, and in float32 where `plain_onednn` says)
+    against F.linear: the same sums in another order, the bias added in the epilogue instead of copied into the
+    output first; float32 within 1e-6 relative (bit-identical on the AVX2 machine measured), bf16 within one
+    rounding of the output. Its fallback when oneDNN refuses is F.linear itself."""
     from pixeltriage.kernels import linear
 
     g = torch.Generator().manual_seed(3)
@@ -556,22 +556,26 @@ def test_linear_matches_f_linear(dtype, bias, monkeypatch):
     got = linear.linear(x, w, b)
     assert got.dtype == dtype and got.shape == (300, 200)
     assert rel(got.double(), want.double()) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
-    asks = bias or dtype == torch.float32                # the calls that take oneDNN's primitive
-    assert linear.onednn_plain("cpu", dtype) is (dtype == torch.float32 and linear._fused_available(dtype))
 
-    _onednn_refuses(monkeypatch)
+    _onednn_refuses(monkeypatch)            # float32 layers without a bias take the primitive too in this state
+    asks = bias or dtype == torch.float32
     assert torch.equal(linear.linear(x, w, b), want)
     assert linear._STATE["ok"] is (not asks)
-    assert not linear.onednn_plain("cpu", dtype)
+    assert not linear.plain_onednn("cpu", dtype)
 
 
 @pytest.mark.parametrize("case", ["one row", "odd sizes", "weight row slice", "strided x", "3-d x", "empty"])
-def test_float32_projection_matches_float64_on_awkward_shapes(case):
-    """The decoder's float32 projections (`linear` without a bias: oneDNN's primitive where torch has it) on the
-    shapes a forward meets: one decision row, sizes no block divides, a row slice of a fused weight (in_proj,
-    qkv), a strided activation, a batch axis, no rows. Against float64, within 1e-6 relative of the output, as
-    F.linear (both measured <= 3.9e-7). Where torch has the primitive, its bits are what ran."""
-    from pixeltriage.kernels.linear import linear, onednn_plain
+def test_float32_projection_matches_float64_on_awkward_shapes(case, monkeypatch):
+    """The decoder's float32 projections (`linear` without a bias, on oneDNN's primitive whatever the CPU's vendor:
+    PIXELTRIAGE_ONEDNN=1) on the shapes a forward meets: one decision row, sizes no block divides, a row slice of
+    a fused weight (in_proj, qkv), a strided activation, a batch axis, no rows. Against float64, within 1e-6
+    relative of the output, as F.linear (both measured <= 3.9e-7). Where torch has the primitive, its bits are what
+    ran."""
+    from pixeltriage.kernels import linear as module
+    from pixeltriage.kernels.linear import linear, plain_onednn
+
+    monkeypatch.setattr(module, "_STATE", {})
+    monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "1")
 
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(37, 129, generator=g), torch.randn(77, 129, generator=g) * 0.1
@@ -588,10 +592,45 @@ def test_float32_projection_matches_float64_on_awkward_shapes(case):
     exact = F.linear(x.double(), w.double())
     got = linear(x, w)
     assert got.dtype == torch.float32 and got.shape == exact.shape
-    if onednn_plain("cpu", torch.float32):
+    assert plain_onednn("cpu", torch.float32) is module._fused_available(torch.float32)
+    if plain_onednn("cpu", torch.float32):
         assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     if exact.numel():
         assert rel(got.double(), exact) <= 1e-6 and rel(F.linear(x, w).double(), exact) <= 1e-6
+
+
+@pytest.mark.parametrize("vendor, switch, plain", [("AuthenticAMD", None, True), ("GenuineIntel", None, False),
+                                                   ("", "auto", False), ("GenuineIntel", "1", True),
+                                                   ("AuthenticAMD", "0", False)])
+def test_float32_projections_take_onednn_by_vendor_and_switch(vendor, switch, plain, monkeypatch):
+    """Without a bias, float32 takes oneDNN's primitive on AMD CPUs (MKL measured slower there), F.linear elsewhere
+    (Intel: MKL's own CPUs, unmeasured; no vendor: aarch64 and the like), unless PIXELTRIAGE_ONEDNN says otherwise;
+    the bits are those of the path named. bf16 without a bias is F.linear's everywhere."""
+    from pixeltriage.kernels import linear
+
+    monkeypatch.setattr(linear, "_STATE", {})
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
+    if switch is None:
+        monkeypatch.delenv("PIXELTRIAGE_ONEDNN", raising=False)
+    else:
+        monkeypatch.setenv("PIXELTRIAGE_ONEDNN", switch)
+    available = switch != "0" and linear._fused_available(torch.float32)
+    assert linear.plain_onednn("cpu", torch.float32) is (plain and available)
+    assert not linear.plain_onednn("cpu", torch.bfloat16)
+    x, w = torch.randn(40, 70), torch.randn(30, 70)
+    want = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") if plain and available else F.linear(x, w)
+    assert torch.equal(linear.linear(x, w), want)
+    assert torch.equal(linear.linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+
+
+def test_cpu_vendor_from_cpuinfo():
+    from pixeltriage.kernels.linear import cpu_vendor
+
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n"
+    assert cpu_vendor(intel) == "GenuineIntel"
+    assert cpu_vendor("processor : 0\nvendor_id : AuthenticAMD\n") == "AuthenticAMD"
+    assert cpu_vendor("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == ""    # aarch64
+    assert cpu_vendor("") == ""
 
 
 def test_onednn_switch_off_runs_f_linear(monkeypatch):
@@ -604,7 +643,7 @@ def test_onednn_switch_off_runs_f_linear(monkeypatch):
     monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "0")
     assert torch.equal(linear.linear(x, w, b), F.linear(x, w, b)) and torch.equal(linear.linear(x, w), F.linear(x, w))
     assert torch.equal(linear.linear_act(x, w, b, "gelu"), linear.linear_act_reference(x, w, b, "gelu"))
-    assert not linear.onednn_plain("cpu", torch.float32)
+    assert not linear.plain_onednn("cpu", torch.float32)
     monkeypatch.setattr(linear, "_STATE", {})
     monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "yes")
     with pytest.raises(ValueError, match="PIXELTRIAGE_ONEDNN"):

@@ -127,7 +127,7 @@ def test_check_fast_names_the_missing_package(fresh, no_switch):
 def test_real_ops_cpu(monkeypatch, no_switch):
     names = registry.choices("cpu", torch.float32)
     assert set(names) >= {"gated_delta", "conv1d", "add_norm", "rms_norm_gated", "norm_rotary", "rotary",
-                          "silu_mul", "linear", "attention", "head"}
+                          "silu_mul", "linear", "projection", "attention", "head"}
     c = native.available()
     assert names["gated_delta"] == ("native C pt_delta_chunked" if c else "torch chunked")
     assert names["conv1d"] == ("native C pt_causal_conv1d_silu" if c else "torch shifted multiply-adds")
