@@ -19,8 +19,14 @@ matmul is MKL's sgemm, which on the AVX2 AMD EPYC measured ran the decoder's sha
 and the like) at 77-100% of oneDNN's rate (most 80-90%) and its 2048^3 GEMM at 88%; the bench-small float32
 forward took 0.91x its time. MKL keeps its best code paths for Intel's CPUs, where (unmeasured) it stays: the
 choice is by vendor, and only where measured. A bf16 matmul is oneDNN's already.
+
+There too, in float32, the activation runs after the primitive instead of in its epilogue: oneDNN's GELU
+epilogues cost more than the pass that replaces them (fc1 + tanh-GELU [4000, 512] x [512, 2048]: 115 -> 85-88 ms;
+2b's [4000, 1024] x [1024, 4096]: 405-408 -> 368-389 ms; the merger's erf-GELU [1000, 4096] x [4096, 4096]:
+322 -> 273-275 ms; the same values to 4.8e-7, erf's bit-identical).
+
 `PIXELTRIAGE_ONEDNN`: 0 turns the primitive off (F.linear everywhere), 1 takes it for every float32 layer whatever
-the CPU, auto (the default) as above.
+the CPU (as on AMD), auto (the default) as above.
 """
 from __future__ import annotations
 
@@ -121,8 +127,14 @@ def plain_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
     return registry.choose("projection", device, dtype) is ONEDNN_PROJECTION
 
 
+def _epilogue_available(dtype: torch.dtype) -> bool:
+    return _fused_available(dtype) and not (dtype == torch.float32 and _STATE.get("plain", False))
+
+
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
+    if registry.choose("linear", x.device, x.dtype) is ONEDNN_THEN_ACTIVATION:
+        return activation(act)(linear(x, weight, bias))
     out = _onednn_linear(x, weight, bias, *_POST_OPS[act]) if act in _POST_OPS else None
     return out if out is not None else linear_act_reference(x, weight, bias, act)
 
@@ -140,10 +152,14 @@ def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return activation(act)(F.linear(x, weight, bias))
 
 
-# oneDNN builds bf16 primitives only on some CPUs: one registration per dtype, each asking for its own
-ONEDNN = tuple(registry.register("linear", "oneDNN linear with fused post-ops", linear_act, devices=("cpu",),
-                                 dtypes=(dtype,), available=lambda dtype=dtype: _fused_available(dtype), priority=10)
-               for dtype in (torch.float32, torch.bfloat16))
+# oneDNN builds bf16 primitives only on some CPUs: one registration per dtype, each asking for its own; in float32
+# where the projections take oneDNN (AMD), the activation after the primitive instead of in its epilogue
+ONEDNN_THEN_ACTIVATION = registry.register(
+    "linear", "oneDNN linear, then the activation", linear_act, devices=("cpu",), dtypes=(torch.float32,),
+    available=_projection_available, priority=10)
+ONEDNN = (*(registry.register("linear", "oneDNN linear with fused post-ops", linear_act, devices=("cpu",),
+                              dtypes=(dtype,), available=lambda dtype=dtype: _epilogue_available(dtype), priority=10)
+            for dtype in (torch.float32, torch.bfloat16)), ONEDNN_THEN_ACTIVATION)
 registry.register("linear", "torch linear", linear_act_reference, devices=("cpu", "cuda"))
 ONEDNN_PROJECTION = registry.register("projection", "oneDNN linear", _projection_onednn, devices=("cpu",),
                                       dtypes=(torch.float32,), available=_projection_available, priority=10)

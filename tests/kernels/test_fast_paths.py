@@ -190,10 +190,13 @@ _ACTIVATIONS_F64 = {"gelu_pytorch_tanh": lambda y: F.gelu(y, approximate="tanh")
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "silu", "quick_gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_linear_activation_matches_reference(act, dtype, bias, monkeypatch):
-    """The oneDNN epilogue against F.linear + activation, both against float64: the fused one is never further
-    from float64 than the reference plus one rounding of the output (it rounds once, the reference twice).
-    quick_gelu has no oneDNN post-op: there the reference runs, and only the float64 bound tests it."""
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_fused_linear_activation_matches_reference(act, dtype, bias, vendor, monkeypatch):
+    """The oneDNN epilogue (and in float32 on an AMD CPU the primitive, then the activation) against F.linear +
+    activation, both against float64: the fused one is never further from float64 than the reference plus one
+    rounding of the output (it rounds once, the reference twice). quick_gelu has no oneDNN post-op: there the
+    reference runs, and only the float64 bound tests it."""
+    from pixeltriage.kernels import registry
     from pixeltriage.kernels.linear import linear_act, linear_act_reference
 
     g = torch.Generator().manual_seed(7)
@@ -205,11 +208,19 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias, monkeypatch
     want = linear_act_reference(cast(x), cast(w), cast(b), act)
     from pixeltriage.kernels import linear
 
+    monkeypatch.setattr(linear, "_STATE", {})
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
+    monkeypatch.delenv("PIXELTRIAGE_ONEDNN", raising=False)
     calls = []
     monkeypatch.setattr(linear, "linear_act_reference", lambda *a: calls.append(a) or linear_act_reference(*a))
     got = linear_act(cast(x), cast(w), cast(b), act)
-    fused = act in linear._POST_OPS and linear._fused_available(dtype)
-    assert len(calls) == (0 if fused else 1)             # the path under test is the one that ran
+    after = registry.choose("linear", "cpu", dtype) is linear.ONEDNN_THEN_ACTIVATION
+    assert after is (dtype == torch.float32 and vendor == "AuthenticAMD" and linear._fused_available(dtype))
+    fused = act in linear._POST_OPS and linear._fused_available(dtype) and not after
+    assert len(calls) == (0 if fused or after else 1)    # the path under test is the one that ran
+    if after:                                            # the primitive's output, then torch's activation
+        assert torch.equal(got, linear.activation(act)(torch.ops.mkldnn._linear_pointwise(
+            cast(x), cast(w), cast(b), "none", [], "")))
     assert got.dtype == dtype and got.shape == (300, 200)
     if not fused:                                         # the reference ran: the comparison below is its own
         assert torch.equal(got, want)
