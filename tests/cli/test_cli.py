@@ -245,8 +245,11 @@ def test_input_and_file_problems_are_one_line(tiny_checkpoint, tmp_path):
 
 
 def test_interrupt_exits_130_without_a_traceback(tmp_path):
+    # a terminal's Ctrl-C: SIGINT at its default disposition in the child, whatever pytest inherited (a background
+    # job of a non-interactive shell, as some CI runners start it, ignores SIGINT, and exec keeps that)
     proc = subprocess.Popen([sys.executable, "-m", "pixeltriage", "demo"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**ENV, "PIXELTRIAGE_CACHE": str(tmp_path)})
+                            stderr=subprocess.PIPE, text=True, env={**ENV, "PIXELTRIAGE_CACHE": str(tmp_path)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     maps = Path(f"/proc/{proc.pid}/maps")
     while "libtorch" not in (maps.read_text() if maps.exists() else "") and time.monotonic() < deadline:
