@@ -101,8 +101,15 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """oneDNN's linear primitive with post-op `attr` where it applies (CPU, float32/bf16, one dtype throughout),
     else None. A oneDNN build without the primitive for this CPU/dtype raises once: logged, and the callers take
     their torch path from then on (which differs by at most one rounding of the output)."""
-    if (weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)
-            or registry.choose("linear", x.device, x.dtype) not in ONEDNN):
+    if registry.choose("linear", x.device, x.dtype) not in ONEDNN:
+        return None
+    return _call_onednn(x, weight, bias, attr, algorithm)
+
+
+def _call_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str,
+                 algorithm: str) -> torch.Tensor | None:
+    """`_onednn_linear` once the registry has chosen oneDNN."""
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return None
     try:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
@@ -113,7 +120,7 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _projection_onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    out = _onednn_linear(x, weight, None, "none", "")
+    out = _call_onednn(x, weight, None, "none", "")             # the registry chose this kernel: no second lookup
     return out if out is not None else F.linear(x, weight)
 
 
@@ -133,9 +140,10 @@ def _epilogue_available(dtype: torch.dtype) -> bool:
 
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
-    if registry.choose("linear", x.device, x.dtype) is ONEDNN_THEN_ACTIVATION:
+    kernel = registry.choose("linear", x.device, x.dtype)
+    if kernel is ONEDNN_THEN_ACTIVATION:
         return activation(act)(linear(x, weight, bias))
-    out = _onednn_linear(x, weight, bias, *_POST_OPS[act]) if act in _POST_OPS else None
+    out = _call_onednn(x, weight, bias, *_POST_OPS[act]) if kernel in ONEDNN and act in _POST_OPS else None
     return out if out is not None else linear_act_reference(x, weight, bias, act)
 
 
