@@ -543,6 +543,103 @@ def test_causal_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     _far_scores_bad_lengths_long_segments(attention.causal_attention_bf16, True, 65, attention.MAX_CAUSAL)
 
 
+F32_CASES = {                   # lengths, query heads, key/value heads, head dim
+    "vit": ([400, 400, 17], 3, 3, 64),                      # the ViT's images (and a short one), no grouping
+    "edges": ([1, 15, 16, 17, 23, 24, 25, 63, 64, 65], 2, 1, 32),   # around the 16-key, 24-column, 64-query blocks
+    "gqa4": ([300, 0, 97], 8, 2, 48),                       # several query blocks, an empty segment, 3 panels of 16
+    "wide": ([250], 4, 2, 256),                             # the decoder's head dim
+    "widest": ([70], 1, 1, 512),
+}
+
+
+@pytest.mark.parametrize("case", sorted(F32_CASES))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_f32_matches_float64_and_sdpa(case, causal):
+    """`pt_attention_f32` (float32 attention within segments: the ViT's images and the decoder's questions) against
+    float64 attention and against SDPA, on strided views of one token-major buffer (q | k | v heads), segments of
+    0 to 400 tokens across the kernel's block edges. Tolerance 1e-5 of the largest output, as SDPA's float32 above
+    (measured 4.6e-7 to 1.6e-6; SDPA's own 4.2e-7 to 1.3e-6). A diagonal left out of the causal mask, a
+    query head given the wrong key/value head or a key past a segment's end fails every case it touches."""
+    from pixeltriage.kernels.attention import attention_f32
+
+    lengths, hq, hkv, dim = F32_CASES[case]
+    torch.manual_seed(hq * 10 + dim + causal)
+    t = sum(lengths)
+    qkv = torch.randn(t, hq + 2 * hkv, dim) * 1.5
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    out = attention_f32(q, k, v, lengths, causal)
+    assert out is not None and out.shape == (t, hq, dim) and out.dtype == torch.float32
+    assert rel(out, _segment_attention_reference(q, k, v, lengths, causal)) < 1e-5
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    sdpa = torch.cat([F.scaled_dot_product_attention(*(x[s:s + n].transpose(0, 1)[None] for x in (q, k, v)),
+                                                     is_causal=causal, enable_gqa=True)[0].transpose(0, 1)
+                      for s, n in zip(starts, lengths)])
+    assert rel(out, sdpa) < 1e-5
+
+
+def test_attention_f32_is_what_segment_attention_runs_and_is_the_same_on_any_thread_count():
+    """float32 on the CPU: `segment_attention` takes the C kernel (the registry's choice where the library is built),
+    and the output does not depend on the thread count (each query block is one thread's, the packed K^T and V are
+    complete before any is read)."""
+    from pixeltriage.kernels import attention, native, registry
+
+    if not native.available():
+        pytest.skip(f"no C kernels: {native.status()}")
+    assert registry.choose("attention", "cpu", torch.float32) is attention.FLOAT32
+    torch.manual_seed(4)
+    q, k, v = torch.randn(3, 500, 4, 64).unbind(0)
+    lengths = [200, 0, 300]
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(attention.attention_f32(q, k, v, lengths, causal=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=True), outs[0])
+
+
+def test_attention_f32_keeps_nans_and_declines_what_it_does_not_take():
+    """A NaN key poisons only the queries that see it (causal: from its position to its segment's end, in its own
+    key/value head's query heads); scores all far below zero stay finite and right (the softmax shifts by the row's
+    max); bf16, query heads not a multiple of the key/value heads, head dims not a multiple of 16 or over 512, a
+    last stride other than 1 and segments over MAX_ATTENTION_F32 are declined (None: SDPA runs); lengths that do not
+    cover the tokens are an error, not a read past them; no tokens give an empty output."""
+    from pixeltriage.kernels import attention, native
+
+    if not native.available():
+        pytest.skip(f"no C kernels: {native.status()}")
+    f32 = attention.attention_f32
+    torch.manual_seed(5)
+    q = torch.randn(170, 4, 32)
+    k, v = torch.randn(170, 2, 32), torch.randn(170, 2, 32)
+    k[100, 1, 3] = float("nan")                      # segment 2 (tokens 70-169), position 30, key head 1
+    out = f32(q, k, v, [70, 100], causal=True)
+    assert out[:100].isfinite().all() and out[100:, :2].isfinite().all() and out[100:, 2:].isnan().all()
+    full = f32(q, k, v, [70, 100], causal=False)
+    assert full[:70].isfinite().all() and full[70:, :2].isfinite().all() and full[70:, 2:].isnan().all()
+    u = torch.randn(1, 1, 32).expand(65, 1, 32)
+    qf, kf, vf = -8 * u, 8 * u + 2 * torch.randn(65, 1, 32), torch.randn(65, 1, 32)
+    for causal in (False, True):
+        far = f32(qf, kf, vf, [65], causal)
+        assert far.isfinite().all() and rel(far, _segment_attention_reference(qf, kf, vf, [65], causal)) < 1e-5
+    assert f32(q.bfloat16(), k.bfloat16(), v.bfloat16(), [70, 100], True) is None
+    assert f32(q[:, :3], k, v, [70, 100], True) is None
+    assert f32(q[..., :24], k[..., :24], v[..., :24], [70, 100], True) is None
+    wide = torch.zeros(4, 1, 528)
+    assert f32(wide, wide, wide, [4], False) is None
+    assert f32(q[..., ::2], k[..., ::2], v[..., ::2], [70, 100], True) is None
+    with pytest.raises(ValueError, match="do not cover"):
+        f32(q, k, v, [70, 101], True)
+    x = torch.zeros(attention.MAX_ATTENTION_F32 + 1, 1, 16)
+    assert f32(x, x, x, [x.shape[0]], True) is None
+    for lengths in ([], [0], [0, 0]):
+        empty = f32(x[:0], x[:0], x[:0], lengths, False)
+        assert empty.shape == (0, 1, 16) and empty.dtype == torch.float32
+
+
 def test_segment_attention_rejects_lengths_that_miss_tokens():
     from pixeltriage.kernels.attention import segment_attention
 

@@ -396,3 +396,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_causal_attention_bf16.restype = _i32
     for name in ("pt_causal_attention_scratch", "pt_causal_attention_kv"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [_i64, _i64], _i64
+    lib.pt_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr,
+                                     _ptr, _i64, _i32, ctypes.c_float, _ptr, _ptr, _i64, _ptr, _i64, _i32]
+    lib.pt_attention_f32.restype = _i32
+    lib.pt_attention_f32_scratch.argtypes, lib.pt_attention_f32_scratch.restype = [_i64, _i64], _i64
