@@ -23,7 +23,8 @@ choice is by vendor, and only where measured. A bf16 matmul is oneDNN's already.
 There too, in float32, the activation runs after the primitive instead of in its epilogue: oneDNN's GELU
 epilogues cost more than the pass that replaces them (fc1 + tanh-GELU [4000, 512] x [512, 2048]: 115 -> 85-88 ms;
 2b's [4000, 1024] x [1024, 4096]: 405-408 -> 368-389 ms; the merger's erf-GELU [1000, 4096] x [4096, 4096]:
-322 -> 273-275 ms; the same values to 4.8e-7, erf's bit-identical).
+322 -> 273-275 ms; the same values to 4.8e-7, erf's bit-identical). The tanh GELU is then the C kernel's, in place
+on the primitive's output (`activation.gelu_tanh_`).
 
 `PIXELTRIAGE_ONEDNN`: 0 turns the primitive off (F.linear everywhere), 1 takes it for every float32 layer whatever
 the CPU (as on AMD), auto (the default) as above.
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from pixeltriage.kernels import registry
+from pixeltriage.kernels.activation import gelu_tanh_
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,8 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
     kernel = registry.choose("linear", x.device, x.dtype)
     if kernel is ONEDNN_THEN_ACTIVATION:
-        return activation(act)(linear(x, weight, bias))
+        out = linear(x, weight, bias)
+        return gelu_tanh_(out) if act == "gelu_pytorch_tanh" else activation(act)(out)   # out is ours: in place
     out = _call_onednn(x, weight, bias, *_POST_OPS[act]) if kernel in ONEDNN and act in _POST_OPS else None
     return out if out is not None else linear_act_reference(x, weight, bias, act)
 

@@ -368,6 +368,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pt_add_norm.restype = _i32
     lib.pt_silu_mul.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i32]
     lib.pt_silu_mul.restype = _i32
+    lib.pt_gelu_tanh.argtypes, lib.pt_gelu_tanh.restype = [_ptr, _i64, _i32], _i32
     lib.pt_rotary.argtypes = [_ptr, _i32, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
                               _i32]
     lib.pt_rotary.restype = _i32

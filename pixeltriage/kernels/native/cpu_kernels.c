@@ -306,6 +306,26 @@ int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I,
     return 0;
 }
 
+/* tanh-approximated GELU in place, float32: x <- 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed
+ * as x / (1 + e^(-2u)) (the same function: 1 + tanh(u) = 2 / (1 + e^(-2u))), one exponential and one division a
+ * value, where tanh's 1 + tanh(u) cancels for negative x. torch's float32 gelu(approximate="tanh") on the ViT's
+ * [4000, 2048] took 22 ms at 2 threads on the AVX2 EPYC, its erf GELU 9.5 ms. x: n floats, contiguous. */
+int pt_gelu_tanh(float *x, int64_t n, int nthreads) {
+    if (n < 0)
+        return 1;
+    const int64_t block = 4096;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < n; b += block) {
+        float *restrict p = x + b;
+        int64_t m = n - b < block ? n - b : block;
+        for (int64_t i = 0; i < m; i++) {
+            float v = p[i], u2 = -1.5957691216057308f * (v + 0.044715f * v * v * v);     /* -2u */
+            p[i] = v / (1.0f + exp_f32(u2));
+        }
+    }
+    return 0;
+}
+
 /* Rotary on the first R features, in float32 and rounded once, optionally after a zero-centred RMSNorm (the
  * decoder attention's q and k; w NULL: none, the ViT's full-width rotary with R = D):
  *   y = x / sqrt(mean(x^2) + eps) * w (w: the norm's 1 + weight, float32 [D]), or y = x;
