@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from pixeltriage.kernels import native
 from pixeltriage.kernels.linear import linear, plain_onednn
 
 CPU = torch.device("cpu")
@@ -122,17 +123,7 @@ def cpu_machine(cpuinfo: str | None = None) -> dict:
     """Which machine a CPU figure comes from: the CPU's model name, the logical CPUs this process may use, the bf16
     units its flags show (`BF16_UNITS`), torch's version and the threads torch runs. cpuinfo: /proc/cpuinfo's text
     (read here when None; where it cannot be read, the platform's processor name and no units)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
-    fields = {}
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() not in fields:
-            fields[key.strip()] = value.strip()
+    fields = native.cpuinfo_fields(cpuinfo)
     flags = set(fields.get("flags", fields.get("Features", "")).split())
     affinity = getattr(os, "sched_getaffinity", None)
     return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),

@@ -37,7 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pixeltriage.kernels import registry
+from pixeltriage.kernels import native, registry
 from pixeltriage.kernels.activation import gelu_tanh_
 
 log = logging.getLogger(__name__)
@@ -68,17 +68,7 @@ def _switch() -> str:
 def cpu_vendor(cpuinfo: str | None = None) -> str:
     """The x86 CPU's vendor_id from /proc/cpuinfo (or `cpuinfo`'s text): "GenuineIntel", "AuthenticAMD", ...; ""
     where there is none (another architecture, no /proc)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    return native.cpuinfo_fields(cpuinfo).get("vendor_id", "")
 
 
 def _fused_available(dtype: torch.dtype = torch.float32) -> bool:

@@ -763,13 +763,22 @@ def test_float32_projections_take_onednn_by_vendor_and_switch(vendor, switch, pl
 
 
 def test_cpu_vendor_from_cpuinfo():
+    """One reader of /proc/cpuinfo (`native.cpuinfo_fields`: each key's first value, the first CPU's) behind the
+    vendor rule, the native build's key and the bench's machine record."""
+    from pixeltriage.kernels import native
     from pixeltriage.kernels.linear import cpu_vendor
 
-    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n"
+    intel = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\nflags\t\t: fpu avx2\n\n"
+             "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n")
+    assert native.cpuinfo_fields(intel) == {"processor": "0", "vendor_id": "GenuineIntel",
+                                            "model name": "Intel(R) Xeon(R)", "flags": "fpu avx2"}
     assert cpu_vendor(intel) == "GenuineIntel"
     assert cpu_vendor("processor : 0\nvendor_id : AuthenticAMD\n") == "AuthenticAMD"
     assert cpu_vendor("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == ""    # aarch64
-    assert cpu_vendor("") == ""
+    assert cpu_vendor("") == "" and native.cpuinfo_fields("") == {}
+    here = native.cpuinfo_fields()
+    assert cpu_vendor() == here.get("vendor_id", "")
+    assert native._cpu_flags() == (here.get("flags") or here.get("Features") or native._cpu_flags())
 
 
 def test_onednn_switch_off_runs_f_linear(monkeypatch):

@@ -109,14 +109,26 @@ def _compiler() -> str | None:
     return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
 
 
+def cpuinfo_fields(text: str | None = None) -> dict[str, str]:
+    """/proc/cpuinfo's fields (or `text`'s), each key's first value: "vendor_id", "model name" and "flags" on x86,
+    "Features" and "CPU implementer" on aarch64; {} where there is no such file. The one reader of the file for the
+    build's key, `kernels.linear.cpu_vendor` and `bench.timing.cpu_machine`."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    fields = cpuinfo_fields()
+    return fields.get("flags") or fields.get("Features") or platform.processor()
 
 
 def _build_dir() -> Path:
