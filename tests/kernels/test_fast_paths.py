@@ -608,6 +608,54 @@ def test_attention_f32_matches_float64_and_sdpa(case, causal):
     assert rel(out, sdpa) < 1e-5
 
 
+@pytest.fixture(scope="module", params=[16, 32, 64], ids=["sse", "avx2", "avx512"])
+def register_width_library(request, tmp_path_factory):
+    """The C library built with its products' vector registers (`vr`) as wide as another machine's: 16, 32 or 64
+    bytes, whatever this CPU has (a 64-byte vector on an AVX2 machine is two registers: slow, but the same code).
+    The block shapes, panel widths and tails of the float32 attention and the delta rule's products differ by
+    width, and each CPU runs only its own."""
+    import ctypes
+    import subprocess
+
+    from pixeltriage.kernels import native
+
+    cc = native._compiler()
+    if cc is None or not native.available():
+        pytest.skip("no C compiler or no native build here")
+    path = tmp_path_factory.mktemp("width") / f"pt_{request.param}.so"
+    cmd = [cc, *native.FLAGS, "-fopenmp", f"-DPT_VR_BYTES={request.param}", str(native.SOURCE), "-o", str(path),
+           "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    lib = ctypes.CDLL(str(path))
+    native._declare(lib)
+    return lib
+
+
+@pytest.mark.parametrize("case", ["edges", "gqa4", "wide"])
+def test_float32_products_at_every_register_width(register_width_library, case, monkeypatch):
+    """At each register width: the float32 attention (both masks) within 1e-5 of float64, and the conv + delta
+    pass within 1e-5 of the torch path, as at this CPU's own width above."""
+    from pixeltriage.kernels import attention, native
+    from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
+
+    monkeypatch.setattr(native, "library", lambda: register_width_library)
+    lengths, hq, hkv, dim = F32_CASES[case]
+    torch.manual_seed(dim)
+    qkv = torch.randn(sum(lengths), hq + 2 * hkv, dim) * 1.5
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    for causal in (False, True):
+        out = attention.attention_f32(q, k, v, lengths, causal)
+        assert out is not None and rel(out, _segment_attention_reference(q, k, v, lengths, causal)) < 1e-5
+    gen = torch.Generator().manual_seed(1)
+    t, hk, hv, dk, dv = 150, 2, 4, 32, 48
+    x = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen)
+    weight = torch.randn(x.shape[1], 4, generator=gen) * 0.5
+    g, beta = -F.softplus(torch.randn(t, hv, generator=gen)) * 2.0, torch.rand(t, hv, generator=gen)
+    got = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=[0, 70, 150])
+    want = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=[0, 70, 150], native=False)
+    assert rel(got, want) <= 1e-5
+
+
 def test_attention_f32_is_what_segment_attention_runs_and_is_the_same_on_any_thread_count():
     """float32 on the CPU: `segment_attention` takes the C kernel (the registry's choice where the library is built),
     and the output does not depend on the thread count (each query block is one thread's, the packed K^T and V are

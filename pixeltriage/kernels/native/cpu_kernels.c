@@ -406,7 +406,9 @@ typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));   /*
 
 /* The machine's own vector register, for loops whose values must stay in registers: a vf16 is two AVX2 registers
  * or four SSE ones, and GCC keeps arrays of them on the stack when they outnumber the registers. */
-#if defined(__AVX512F__)
+#if defined(PT_VR_BYTES)               /* a test's build of another machine's width (tests/kernels: register_widths) */
+#define VR_BYTES PT_VR_BYTES
+#elif defined(__AVX512F__)
 #define VR_BYTES 64
 #elif defined(__AVX__)
 #define VR_BYTES 32
@@ -422,7 +424,7 @@ typedef float vr __attribute__((vector_size(VR_BYTES), aligned(4), may_alias));
 /* GCC folds the row of b into each multiply-add as a memory operand, loading it again for every row of a (8 loads
  * and 4 broadcasts per 8 AVX2 multiply-adds); an empty asm that claims to change the vector keeps it in a register,
  * loaded once. The float32 delta pass of a bench-small layer: 0.91x (AMD EPYC, AVX2, 2 threads; bit-identical). */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(PT_VR_BYTES)
 #define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
 #else
 #define KEEP_IN_REGISTER(x) ((void)0)
