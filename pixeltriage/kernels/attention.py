@@ -60,24 +60,37 @@ def _check_lengths(lengths: list[int], tokens: int) -> None:
         raise ValueError(f"segment lengths {lengths} do not cover the {tokens} tokens")
 
 
-def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], engine: str | None,
-                  longest: int, grouped: bool) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """What a C attention kernel needs for these inputs: its engine, the output to fill (q's shape, bf16) and each
-    segment's first token and length; None where it declines them: not bf16 on the CPU, a last stride other than
-    1, key/value heads unlike the query's (grouped: not dividing them), head dims not a multiple of 32 up to 256,
-    a segment over `longest`, no library or no such engine. ValueError for lengths that do not cover q's tokens."""
+def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], *, dtype: torch.dtype,
+                  multiple: int, widest: int, longest: int, grouped: bool = True):
+    """What a C attention kernel needs for these inputs: the output to fill (q's shape and dtype) and each segment's
+    first token and length as host int64 arrays (no tensor op for a graph-shaped forward to see: tests/engine);
+    None where it declines them: not `dtype` on the CPU, a last stride other than 1, key/value heads unlike the
+    query's (grouped: not dividing them), head dims not a multiple of `multiple` up to `widest`, a segment over
+    `longest`, no library. ValueError for lengths that do not cover q's tokens."""
     _check_lengths(lengths, q.shape[0])
-    name = "amx" if engine is None else engine
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0:
         return None
     heads_ok = q.shape[1] % k.shape[1] == 0 if grouped else q.shape[1] == k.shape[1]
-    if (not heads_ok or q.shape[-1] != k.shape[-1] or q.dtype != torch.bfloat16 or q.device.type != "cpu"
-            or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (q, k, v))
-            or q.shape[-1] % 32 or q.shape[-1] > 256 or max(lengths, default=0) > longest
-            or name not in native.bf16_engines()):
+    if (not heads_ok or q.shape[-1] != k.shape[-1] or q.device.type != "cpu"
+            or any(t.dtype != dtype or t.stride(-1) != 1 for t in (q, k, v))
+            or q.shape[-1] % multiple or q.shape[-1] > widest or max(lengths, default=0) > longest
+            or native.library() is None):
         return None
-    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
-    return name, q.new_empty(q.shape), starts, torch.tensor(lengths, dtype=torch.long)
+    starts = (ctypes.c_int64 * len(lengths))(*itertools.accumulate(lengths[:-1], initial=0) if lengths else ())
+    lens = (ctypes.c_int64 * len(lengths))(*lengths)
+    return q.new_empty(q.shape), starts, lens
+
+
+def _bf16_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], engine: str | None,
+                longest: int, grouped: bool):
+    """`_kernel_takes` for the bf16 kernels (head dims a multiple of 32 up to 256), with the engine's name (None:
+    "amx"); None also where the library has no such engine."""
+    taken = _kernel_takes(q, k, v, lengths, dtype=torch.bfloat16, multiple=32, widest=256, longest=longest,
+                          grouped=grouped)
+    name = "amx" if engine is None else engine
+    if taken is None or name not in native.bf16_engines():
+        return None
+    return (name, *taken)
 
 
 # Segment lengths the C kernel takes: a query block's 64 rows of float32 scores (1 MB at 4096) stay in reach of a
@@ -97,7 +110,7 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     what it does not take (not bf16 on the CPU, key/value heads unlike the query's, head dims not a multiple of 32
     up to 256, a segment over MAX_SEGMENT, no library or no such engine): the caller takes SDPA. ValueError for
     lengths that do not cover q's tokens."""
-    taken = _kernel_takes(q, k, v, lengths, engine, MAX_SEGMENT, grouped=False)
+    taken = _bf16_takes(q, k, v, lengths, engine, MAX_SEGMENT, grouped=False)
     if taken is None:
         return None
     name, out, starts, lens = taken
@@ -106,7 +119,7 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     scratch = torch.empty(torch.get_num_threads(), per_thread)
     rc = native.library().pt_segment_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), heads, dim, starts.data_ptr(), lens.data_ptr(), len(lengths), dim ** -0.5,
+        v.stride(1), heads, dim, ctypes.addressof(starts), ctypes.addressof(lens), len(lengths), dim ** -0.5,
         native.BF16_ENGINES[name], out.data_ptr(), scratch.data_ptr(), per_thread, torch.get_num_threads())
     return out if rc == 0 else None
 
@@ -127,7 +140,7 @@ def causal_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
     engine: as `segment_attention_bf16`. Returns None for what it does not take (not bf16 on the CPU, query heads
     not a multiple of the key/value heads, head dims not a multiple of 32 up to 256, a segment over MAX_CAUSAL, no
     library or no such engine): the caller takes SDPA. ValueError for lengths that do not cover q's tokens."""
-    taken = _kernel_takes(q, k, v, lengths, engine, MAX_CAUSAL, grouped=True)
+    taken = _bf16_takes(q, k, v, lengths, engine, MAX_CAUSAL, grouped=True)
     if taken is None:
         return None
     name, out, starts, lens = taken
@@ -139,7 +152,7 @@ def causal_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
     kv = torch.empty(k.shape[1], per_head, dtype=torch.bfloat16)
     rc = lib.pt_causal_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), heads, k.shape[1], dim, starts.data_ptr(), lens.data_ptr(), len(lengths), dim ** -0.5,
+        v.stride(1), heads, k.shape[1], dim, ctypes.addressof(starts), ctypes.addressof(lens), len(lengths), dim ** -0.5,
         native.BF16_ENGINES[name], out.data_ptr(), kv.data_ptr(), per_head, scratch.data_ptr(), per_thread,
         torch.get_num_threads())
     return out if rc == 0 else None
@@ -163,26 +176,18 @@ def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: li
     Returns None for what it does not take (not float32 on the CPU, a last stride other than 1, query heads not a
     multiple of the key/value heads, head dims not a multiple of 16 up to 512, a segment over MAX_ATTENTION_F32, no
     library): the caller takes SDPA. ValueError for lengths that do not cover q's tokens."""
-    _check_lengths(lengths, q.shape[0])
-    if (q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0
-            or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1] or q.device.type != "cpu"
-            or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (q, k, v))
-            or q.shape[-1] % 16 or q.shape[-1] > 512 or max(lengths, default=0) > MAX_ATTENTION_F32):
+    taken = _kernel_takes(q, k, v, lengths, dtype=torch.float32, multiple=16, widest=512, longest=MAX_ATTENTION_F32)
+    if taken is None:
         return None
-    lib = native.library()
-    if lib is None:
-        return None
-    heads, dim = q.shape[1:]
-    out = q.new_empty(q.shape)
+    out, starts, lens = taken
     if not q.shape[0]:
         return out
+    lib = native.library()
+    heads, dim = q.shape[1:]
     padded = sum(-(-n // 16) * 16 for n in lengths)
     kv = torch.empty(2 * k.shape[1] * dim * padded)
     per_thread = lib.pt_attention_f32_scratch(max(lengths), dim)
     scratch = torch.empty(torch.get_num_threads(), per_thread)
-    # the segments as host arrays, not tensors: no tensor op for a graph-shaped forward to see (tests/engine)
-    starts = (ctypes.c_int64 * len(lengths))(*itertools.accumulate(lengths[:-1], initial=0))
-    lens = (ctypes.c_int64 * len(lengths))(*lengths)
     rc = lib.pt_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
         v.stride(1), heads, k.shape[1], dim, ctypes.addressof(starts), ctypes.addressof(lens), len(lengths),
