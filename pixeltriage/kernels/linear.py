@@ -46,14 +46,18 @@ log = logging.getLogger(__name__)
 _POST_OPS = {"gelu_pytorch_tanh": ("gelu", "tanh"), "gelu": ("gelu", "none"), "silu": ("swish", "")}
 _ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
                 "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "silu": F.silu}
+# activations that overwrite their input (a C kernel's pass), for outputs no one else holds
+_IN_PLACE = {"gelu_pytorch_tanh": gelu_tanh_}
 _STATE: dict[str, bool] = {}
 ONEDNN_SWITCH = "PIXELTRIAGE_ONEDNN"
 
 
-def activation(name: str):
+def activation(name: str, in_place: bool = False):
+    """The activation transformers calls `name`; in_place: one that may overwrite its input where there is one
+    (`_IN_PLACE`), for a tensor no one else holds. ValueError for a name not known."""
     if name not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; known: {sorted(_ACTIVATIONS)}")
-    return _ACTIVATIONS[name]
+    return _IN_PLACE.get(name, _ACTIVATIONS[name]) if in_place else _ACTIVATIONS[name]
 
 
 def _switch() -> str:
@@ -134,8 +138,7 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
     kernel = registry.choose("linear", x.device, x.dtype)
     if kernel is ONEDNN_THEN_ACTIVATION:
-        out = linear(x, weight, bias)
-        return gelu_tanh_(out) if act == "gelu_pytorch_tanh" else activation(act)(out)   # out is ours: in place
+        return activation(act, in_place=True)(linear(x, weight, bias))   # the primitive's output is ours
     out = _call_onednn(x, weight, bias, *_POST_OPS[act]) if kernel in ONEDNN and act in _POST_OPS else None
     return out if out is not None else linear_act_reference(x, weight, bias, act)
 
