@@ -53,14 +53,39 @@ def test_native_silu_extremes_match_torch():
     and -3e38, where a clamped exp alone would have given y / e^88, up to -1.8."""
     x = torch.tensor([[-80.0], [-30.0], [-1e-30], [0.0], [1e-30], [1.0], [30.0], [90.0], [3e38]])
     far = torch.tensor([[-90.0], [-200.0], [-1e30], [-3e38]])
-    for channels in (1, 32):                          # the scalar loop, and the AVX-512 one where it is built
-        w = torch.ones(channels, 1)
+    # the scalar loop (1 channel, or width 1), and the vector one down the rows (32 channels of width 4, the taps
+    # reading only the current row): AVX-512's where it is built, else the machine vector's
+    for channels, width in ((1, 1), (32, 1), (32, 4)):
+        w = torch.zeros(channels, width)
+        w[:, -1] = 1.0
         out, want = causal_conv1d_silu(x.expand(-1, channels), w), torch.nn.functional.silu(x.expand(-1, channels))
         assert torch.isfinite(out).all()
         assert torch.allclose(out, want, rtol=1e-6, atol=0.0)
-        tail = causal_conv1d_silu(far.expand(-1, channels), w)
+        tail = causal_conv1d_silu(far.repeat(2, channels), w)
         assert torch.isfinite(tail).all() and (tail <= 0).all() and (tail.abs() < 1e-34).all()
     assert (torch.nn.functional.silu(far).abs() < 1e-34).all()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_conv_vector_rows_equal_the_row_loop(dtype):
+    """Width 4 over a whole number of vector pairs of channels runs down the rows a column of vectors at a time
+    (`conv_silu_chunk`); other channel counts run the row loop (`conv_silu_span`). Without AVX-512 the two are the
+    same operations in the same order: equal bit for bit, NaN included, across packed sequences (each one's first
+    three rows are the row loop's in both). With AVX-512 the vector SiLU divides by rcp14 and a Newton step: within
+    2 ulp of the row loop's."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(150, 104, generator=g).mul_(4).to(dtype)
+    x[77, 5] = float("nan")
+    w = torch.randn(104, 4, generator=g)
+    bounds = [0, 2, 70, 150]
+    vector = causal_conv1d_silu(x[:, :96], w[:96], bounds)          # 96: pairs of 8, 16 or 32 lanes
+    rows = causal_conv1d_silu(x, w, bounds)[:, :96]                 # 104: none of them
+    assert vector.isnan().sum() == rows.isnan().sum() == 4          # the NaN row and the three after it
+    if native.vec_math("exp", torch.zeros(1)) is None:
+        assert torch.equal(vector.nan_to_num(7.0), rows.nan_to_num(7.0))
+    else:
+        assert rel(vector.nan_to_num(7.0), rows.nan_to_num(7.0)) <= 3e-7
 
 
 @needs_native

@@ -563,6 +563,80 @@ static inline double delta_seconds(void) {
             p30 = p20, p31 = p21, p20 = p10, p21 = p11, p10 = x0, p11 = x1;                                   \
         }                                                                                                     \
     }
+#ifndef PT_AVX512F
+/* exp_f32 and silu_f32 on a machine vector, operation for operation (so the same values) */
+typedef int32_t vri __attribute__((vector_size(VR_BYTES), aligned(4), may_alias));
+typedef uint16_t vrh __attribute__((vector_size(VR_BYTES / 2), aligned(2), may_alias));
+typedef uint32_t vru __attribute__((vector_size(VR_BYTES), aligned(4), may_alias));
+static inline vr vr_select(vri m, vr yes, vr no) { return (vr)((m & (vri)yes) | (~m & (vri)no)); }
+static inline vr exp_vr(vr x) {
+    x = vr_select(x < -87.0f, (vr){0} - 87.0f, vr_select(x > 88.0f, (vr){0} + 88.0f, x));
+    vr n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vr r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vr p = (vr){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vri bits = ((__builtin_convertvector(n, vri) & (n == n)) + 127) << 23;
+    return p * (vr)bits;
+}
+static inline vr silu_vr(vr y) { return vr_select(y < -87.0f, (vr){0}, y / (1.0f + exp_vr(-y))); }
+
+/* Conv mode without AVX-512, W = 4: two machine vectors of channels at a time (a cache line on AVX2) down rows
+ * [i, len) of the chunk, the last three rows' inputs kept in registers (each input line read once, where row by row
+ * it was read four times), each row's line asked for 8 rows ahead (rows are 12-24 KB apart, each on its own page),
+ * the next column's first rows at the end of one; `conv_silu_span`'s values, bit for bit (the same operations in
+ * the same order, the division included). AVX2 EPYC, 2 threads, bench-small's [2296, 6144] of a [2296, 8192]
+ * projection against the row-by-row loop: the conv alone 0.85x, a layer's float32 delta pass 0.89-0.90x (one
+ * vector at a time: 1.0x and 0.92x). */
+#define CONV_COLUMN_VR(NAME, LOAD, ADDR)                                                                            \
+static void NAME(const delta_args *a, int64_t t0, int64_t i, int64_t len, int64_t c0, int64_t n, float *out,       \
+                 int64_t ldo) {                                                                                     \
+    int64_t ldt = a->conv_dim, x_t = a->x_t;                                                                    \
+    for (int64_t c = 0; c < n; c += 2 * VRL) {                                                                  \
+        const float *tp = a->taps + c0 + c;                                                                     \
+        vr w0 = *(const vr *)tp, w1 = *(const vr *)(tp + ldt), w2 = *(const vr *)(tp + 2 * ldt);                \
+        vr w3 = *(const vr *)(tp + 3 * ldt), u0 = *(const vr *)(tp + VRL), u1 = *(const vr *)(tp + ldt + VRL);  \
+        vr u2 = *(const vr *)(tp + 2 * ldt + VRL), u3 = *(const vr *)(tp + 3 * ldt + VRL);                      \
+        int64_t t = t0 + i;                                                                                     \
+        vr p3 = LOAD(t - 3, c), p2 = LOAD(t - 2, c), p1 = LOAD(t - 1, c);                                       \
+        vr q3 = LOAD(t - 3, c + VRL), q2 = LOAD(t - 2, c + VRL), q1 = LOAD(t - 1, c + VRL);                     \
+        for (int64_t r = i; r < len; r++, t++) {                                                                \
+            if (r + 8 < len)                                                                                    \
+                __builtin_prefetch(ADDR(t + 8, c), 0, 3);                                                       \
+            else if (c + 2 * VRL < n && i + r + 8 < 2 * len)                                                    \
+                __builtin_prefetch(ADDR(t0 + i + r + 8 - len, c + 2 * VRL), 0, 3);                              \
+            vr x = LOAD(t, c), xx = LOAD(t, c + VRL);                                                           \
+            vr y = x * w3, yy = xx * u3;                                                                        \
+            y += p3 * w0;                                                                                       \
+            yy += q3 * u0;                                                                                      \
+            y += p2 * w1;                                                                                       \
+            yy += q2 * u1;                                                                                      \
+            y += p1 * w2;                                                                                       \
+            yy += q1 * u2;                                                                                      \
+            *(vr *)(out + r * ldo + c) = silu_vr(y);                                                            \
+            *(vr *)(out + r * ldo + c + VRL) = silu_vr(yy);                                                     \
+            p3 = p2, p2 = p1, p1 = x;                                                                           \
+            q3 = q2, q2 = q1, q1 = xx;                                                                          \
+        }                                                                                                       \
+    }                                                                                                           \
+}
+#define LOAD_VR_F32(t, c) (*(const vr *)((const float *)a->x + c0 + (t) * x_t + (c)))
+#define ADDR_F32(t, c) ((const float *)a->x + c0 + (t) * x_t + (c))
+#define LOAD_VR_BF16(t, c) ((vr)(__builtin_convertvector(*(const vrh *)((const uint16_t *)a->x + c0 + (t) * x_t + (c)), vru) << 16))
+#define ADDR_BF16(t, c) ((const uint16_t *)a->x + c0 + (t) * x_t + (c))
+CONV_COLUMN_VR(conv_column_vr_f32, LOAD_VR_F32, ADDR_F32)
+CONV_COLUMN_VR(conv_column_vr_bf16, LOAD_VR_BF16, ADDR_BF16)
+#undef CONV_COLUMN_VR
+#undef LOAD_VR_F32
+#undef ADDR_F32
+#undef LOAD_VR_BF16
+#undef ADDR_BF16
+#endif
+
 static void conv_silu_chunk(const delta_args *a, int64_t t0, int64_t len, int64_t seg0, int64_t c0, int64_t n,
                             float *out, int64_t ldo) {
     int64_t i = 0;
@@ -592,6 +666,18 @@ static void conv_silu_chunk(const delta_args *a, int64_t t0, int64_t len, int64_
 #undef LOAD_ROW
 #undef LOAD_ADDR
             }
+        }
+        return;
+    }
+#else
+    if (a->W == 4 && n % (2 * VRL) == 0) {
+        for (; i < len && t0 + i - 3 < seg0; i++)       /* rows whose taps reach before the sequence: one by one */
+            conv_silu_span(a->x, a->x_bf16, a->x_t, a->taps, 4, a->conv_dim, t0 + i, seg0, c0, n, out + i * ldo);
+        if (i < len) {
+            if (a->x_bf16)
+                conv_column_vr_bf16(a, t0, i, len, c0, n, out, ldo);
+            else
+                conv_column_vr_f32(a, t0, i, len, c0, n, out, ldo);
         }
         return;
     }
