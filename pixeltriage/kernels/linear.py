@@ -1,43 +1,36 @@
-"""A linear layer with its activation fused into the GEMM's epilogue (the ViT's fc1 + GELU), and its reference.
+"""Linear layers on the CPU's fastest GEMM: oneDNN's linear primitive or torch's (MKL's sgemm in float32), with
+the activation fused into the primitive's epilogue where that measured faster (bf16), after it where not.
 
-On the CPU, oneDNN's linear primitive applies the activation to each output tile while it is still in cache,
-in float32 before the output's rounding: `F.gelu(F.linear(...))` instead writes the [N, 4 x hidden] output,
-reads it back and writes it again (for bf16, a second rounding). Measured on the bench-small ViT's fc1
-([4000, 512] x [512, 2048], bf16): 27 -> 15.5 ms. Elsewhere (CUDA, other dtypes, activations oneDNN has no
-post-op for, a torch build without oneDNN) it is the reference.
+bf16: oneDNN's primitive applies the activation to each output tile while it is still in cache, in float32 before
+the output's rounding: `F.gelu(F.linear(...))` instead writes the [N, 4 x hidden] output, reads it back and writes
+it again (a second rounding). The bench-small ViT's fc1 ([4000, 512] x [512, 2048]): 27 -> 15.5 ms. A layer with a
+bias takes the primitive too: `F.linear` runs addmm, which copies the bias into every output row and accumulates
+onto it, where oneDNN adds it in the epilogue (bit-identical; [4000, 512] x [512, 1536]: 10.1 -> 7.6 ms). Without a
+bias torch's bf16 matmul is oneDNN's already.
 
-Registers the "linear" op (`kernels.registry`): oneDNN where the CPU's build has its primitive for the dtype, torch
-everywhere; and the "projection" op (a layer without a bias or an activation): oneDNN in float32 where
-`plain_onednn` says (below), torch everywhere.
+float32: every layer (with a bias or not) runs one library, the faster on this machine, measured once and kept
+(`tuning`: "float32 GEMM", a [2048, 1024] x [1024, 4096] product timed both ways in interleaved pairs); then the
+activation, in place (the tanh GELU in C, `activation.gelu_tanh_`). Which library wins is not the CPU's vendor's
+to say: on AVX2 AMD EPYCs of one model, oneDNN ran the decoder's shapes at 1.1-1.3x MKL's rate on one host
+(the bench-small forward 0.91x with it) and MKL at 1.1-1.3x oneDNN's on another (0.89x without it). oneDNN's GELU
+epilogues in float32 cost more than the pass after the product ([4000, 512] x [512, 2048] + tanh GELU: 115 against
+85-88 ms), so no float32 layer uses them.
 
-`linear` (no activation) takes the same primitive for a layer with a bias: `F.linear` runs addmm, which first
-copies the bias into every output row and then accumulates onto it, where oneDNN adds the bias in the epilogue.
-Bit-identical outputs; measured on the bench-small ViT (bf16, [4000, 512] x [512, 1536]): 10.1 -> 7.6 ms.
+Registers the "linear" op (`kernels.registry`; with an activation) and the "projection" op (without one).
 
-In float32, on an AMD CPU, it takes the primitive without a bias too (the decoder's projections): torch's float32
-matmul is MKL's sgemm, which on the AVX2 AMD EPYC measured ran the decoder's shapes ([2296, 1024] x [1024, 8192]
-and the like) at 77-100% of oneDNN's rate (most 80-90%) and its 2048^3 GEMM at 88%; the bench-small float32
-forward took 0.91x its time. MKL keeps its best code paths for Intel's CPUs, where (unmeasured) it stays: the
-choice is by vendor, and only where measured. A bf16 matmul is oneDNN's already.
-
-There too, in float32, the activation runs after the primitive instead of in its epilogue: oneDNN's GELU
-epilogues cost more than the pass that replaces them (fc1 + tanh-GELU [4000, 512] x [512, 2048]: 115 -> 85-88 ms;
-2b's [4000, 1024] x [1024, 4096]: 405-408 -> 368-389 ms; the merger's erf-GELU [1000, 4096] x [4096, 4096]:
-322 -> 273-275 ms; the same values to 4.8e-7, erf's bit-identical). The tanh GELU is then the C kernel's, in place
-on the primitive's output (`activation.gelu_tanh_`).
-
-`PIXELTRIAGE_ONEDNN`: 0 turns the primitive off (F.linear everywhere), 1 takes it for every float32 layer whatever
-the CPU (as on AMD), auto (the default) as above.
+`PIXELTRIAGE_ONEDNN`: auto (the default) as above, 1 the primitive for every float32 layer, 0 F.linear everywhere
+(bf16 too: no primitive at all).
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 
-from pixeltriage.kernels import native, registry
+from pixeltriage.kernels import registry, tuning
 from pixeltriage.kernels.activation import gelu_tanh_
 
 log = logging.getLogger(__name__)
@@ -64,22 +57,17 @@ def _switch() -> str:
     value = os.environ.get(ONEDNN_SWITCH, "auto").strip().lower() or "auto"
     if value not in ("0", "1", "auto"):
         raise ValueError(f"{ONEDNN_SWITCH}={os.environ[ONEDNN_SWITCH]!r}: expected auto (the default: oneDNN's linear "
-                         f"primitive for layers with a bias or an activation, and for every float32 layer on an AMD "
-                         f"CPU), 1 (for every float32 layer on any CPU too) or 0 (F.linear everywhere)")
+                         f"primitive in bf16 for layers with a bias or an activation, and in float32 where measured "
+                         f"faster than F.linear on this machine), 1 (for every float32 layer) or 0 (F.linear "
+                         f"everywhere)")
     return value
 
 
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The x86 CPU's vendor_id from /proc/cpuinfo (or `cpuinfo`'s text): "GenuineIntel", "AuthenticAMD", ...; ""
-    where there is none (another architecture, no /proc)."""
-    return native.cpuinfo_fields(cpuinfo).get("vendor_id", "")
-
-
 def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's linear primitive may run `dtype` here (torch has it, PIXELTRIAGE_ONEDNN is not 0, and for
+    bf16 the CPU has bf16 units oneDNN builds for)."""
     if "ok" not in _STATE:
-        switch = _switch()
-        _STATE["plain"] = switch == "1" or (switch == "auto" and cpu_vendor() == "AuthenticAMD")
-        if switch == "0":
+        if _switch() == "0":
             _STATE["ok"] = _STATE["bf16"] = False
             return False
         try:
@@ -92,19 +80,11 @@ def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
     return _STATE["ok"] and (dtype != torch.bfloat16 or _STATE.get("bf16", False))
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str,
-                   algorithm: str) -> torch.Tensor | None:
-    """oneDNN's linear primitive with post-op `attr` where it applies (CPU, float32/bf16, one dtype throughout),
-    else None. A oneDNN build without the primitive for this CPU/dtype raises once: logged, and the callers take
-    their torch path from then on (which differs by at most one rounding of the output)."""
-    if registry.choose("linear", x.device, x.dtype) not in ONEDNN:
-        return None
-    return _call_onednn(x, weight, bias, attr, algorithm)
-
-
 def _call_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str,
                  algorithm: str) -> torch.Tensor | None:
-    """`_onednn_linear` once the registry has chosen oneDNN."""
+    """oneDNN's linear primitive with post-op `attr` (the registry has chosen oneDNN), else None where the dtypes
+    differ. A oneDNN build without the primitive for this CPU/dtype raises once: logged, and the callers take
+    their torch path from then on (which differs by at most one rounding of the output)."""
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return None
     try:
@@ -115,56 +95,85 @@ def _call_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return None
 
 
-def _projection_onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    out = _call_onednn(x, weight, None, "none", "")             # the registry chose this kernel: no second lookup
-    return out if out is not None else F.linear(x, weight)
+def _primitive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = _call_onednn(x, weight, bias, "none", "")
+    return out if out is not None else F.linear(x, weight, bias)
+
+
+def _bias_primitive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight) if bias is None else _primitive(x, weight, bias)
+
+
+# The product the float32 choice is timed on: a decoder projection's order of size (2048 rows, 16 MB of weight)
+MEASURE_SHAPE = (2048, 1024, 4096)
+# oneDNN is taken only where it measured at least this much faster (F.linear's sums are transformers' own)
+MARGIN = 0.97
+
+
+def measure_float32_gemm(shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int = 7) -> dict:
+    """oneDNN's primitive against F.linear on one float32 product here, interleaved: the record `tuning` keeps
+    ({"library": "oneDNN" or "F.linear", "onednn_over_f_linear": the median of the pairs' time ratios, "quartiles",
+    "shape", "pairs"})."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * k ** -0.5
+    ratios = tuning.interleaved_ratio(lambda: F.linear(x, w),
+                                      lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                                      pairs=pairs)
+    ratio = ratios[len(ratios) // 2]
+    return {"library": "oneDNN" if ratio < MARGIN else "F.linear", "onednn_over_f_linear": round(ratio, 4),
+            "quartiles": [round(ratios[len(ratios) // 4], 4), round(ratios[3 * len(ratios) // 4], 4)],
+            "shape": list(shape), "pairs": pairs, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _projection_available() -> bool:
-    return _fused_available(torch.float32) and _STATE.get("plain", False)
+    """float32 on oneDNN's primitive: PIXELTRIAGE_ONEDNN=1, or auto and measured faster here (`float32_choice`)."""
+    if not _fused_available(torch.float32):
+        return False
+    if "plain" not in _STATE:
+        _STATE["plain"] = _switch() == "1" or float32_choice()["library"] == "oneDNN"
+    return _STATE["plain"]
+
+
+def float32_choice() -> dict:
+    """This machine's measured float32 GEMM library (`measure_float32_gemm`'s record, kept by `tuning`)."""
+    return tuning.measured("float32 GEMM", measure_float32_gemm)
 
 
 def plain_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether `linear` without a bias runs oneDNN's primitive for `dtype` tensors on `device` (else F.linear): in
-    float32 where the primitive is available and the CPU's vendor (or PIXELTRIAGE_ONEDNN=1) says so."""
+    """Whether `linear` runs oneDNN's primitive for `dtype` tensors on `device` whatever the layer (float32 where
+    measured faster, or PIXELTRIAGE_ONEDNN=1); deciding it here measures once per machine where not yet known."""
     return registry.choose("projection", device, dtype) is ONEDNN_PROJECTION
-
-
-def _epilogue_available(dtype: torch.dtype) -> bool:
-    return _fused_available(dtype) and not (dtype == torch.float32 and _STATE.get("plain", False))
 
 
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
     kernel = registry.choose("linear", x.device, x.dtype)
-    if kernel is ONEDNN_THEN_ACTIVATION:
-        return activation(act, in_place=True)(linear(x, weight, bias))   # the primitive's output is ours
-    out = _call_onednn(x, weight, bias, *_POST_OPS[act]) if kernel in ONEDNN and act in _POST_OPS else None
+    if kernel is THEN_ACTIVATION:
+        return activation(act, in_place=True)(linear(x, weight, bias))   # the product's output is ours
+    out = _call_onednn(x, weight, bias, *_POST_OPS[act]) if kernel is ONEDNN and act in _POST_OPS else None
     return out if out is not None else linear_act_reference(x, weight, bias, act)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T + bias, as `F.linear`; on the CPU with a bias, or in float32 where `plain_onednn` says, oneDNN's
-    linear primitive (see the module)."""
-    if bias is None:
-        return registry.choose("projection", x.device, x.dtype).fn(x, weight)
-    out = _onednn_linear(x, weight, bias, "none", "")
-    return out if out is not None else F.linear(x, weight, bias)
+    """x @ weight^T + bias, as `F.linear`, by the "projection" op's kernel (see the module)."""
+    return registry.choose("projection", x.device, x.dtype).fn(x, weight, bias)
 
 
 def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     return activation(act)(F.linear(x, weight, bias))
 
 
-# oneDNN builds bf16 primitives only on some CPUs: one registration per dtype, each asking for its own; in float32
-# where the projections take oneDNN (AMD), the activation after the primitive instead of in its epilogue
-ONEDNN_THEN_ACTIVATION = registry.register(
-    "linear", "oneDNN linear, then the activation", linear_act, devices=("cpu",), dtypes=(torch.float32,),
-    available=_projection_available, priority=10)
-ONEDNN = (*(registry.register("linear", "oneDNN linear with fused post-ops", linear_act, devices=("cpu",),
-                              dtypes=(dtype,), available=lambda dtype=dtype: _epilogue_available(dtype), priority=10)
-            for dtype in (torch.float32, torch.bfloat16)), ONEDNN_THEN_ACTIVATION)
+# bf16 (oneDNN builds its bf16 primitives only on some CPUs): the activation in the primitive's epilogue, a bias too
+ONEDNN = registry.register("linear", "oneDNN linear with fused post-ops", linear_act, devices=("cpu",),
+                          dtypes=(torch.bfloat16,), available=lambda: _fused_available(torch.bfloat16), priority=10)
+# float32: the product on this machine's faster library ("projection"), then the activation
+THEN_ACTIVATION = registry.register("linear", "linear, then the activation", linear_act, devices=("cpu",),
+                                    dtypes=(torch.float32,), priority=10)
 registry.register("linear", "torch linear", linear_act_reference, devices=("cpu", "cuda"))
-ONEDNN_PROJECTION = registry.register("projection", "oneDNN linear", _projection_onednn, devices=("cpu",),
+ONEDNN_PROJECTION = registry.register("projection", "oneDNN linear", _primitive, devices=("cpu",),
                                       dtypes=(torch.float32,), available=_projection_available, priority=10)
+ONEDNN_BIAS = registry.register("projection", "oneDNN linear for layers with a bias, torch linear without",
+                                _bias_primitive, devices=("cpu",), dtypes=(torch.bfloat16,),
+                                available=lambda: _fused_available(torch.bfloat16), priority=10)
 registry.register("projection", "torch linear", F.linear, devices=("cpu", "cuda"))

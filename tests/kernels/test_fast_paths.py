@@ -190,12 +190,13 @@ _ACTIVATIONS_F64 = {"gelu_pytorch_tanh": lambda y: F.gelu(y, approximate="tanh")
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "silu", "quick_gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
-def test_fused_linear_activation_matches_reference(act, dtype, bias, vendor, monkeypatch):
-    """The oneDNN epilogue (and in float32 on an AMD CPU the primitive, then the activation) against F.linear +
-    activation, both against float64: the fused one is never further from float64 than the reference plus one
-    rounding of the output (it rounds once, the reference twice). quick_gelu has no oneDNN post-op: there the
-    reference runs, and only the float64 bound tests it."""
+@pytest.mark.parametrize("library", ["oneDNN", "F.linear"])
+def test_fused_linear_activation_matches_reference(act, dtype, bias, library, monkeypatch):
+    """bf16: the oneDNN epilogue; float32: the product on the machine's measured library (`library` here), then the
+    activation (the tanh GELU in place, in C); each against F.linear + activation, both against float64: the fused
+    one is never further from float64 than the reference plus one rounding of the output (it rounds once, the
+    reference twice). quick_gelu has no oneDNN post-op: there the reference runs in bf16, and only the float64 bound
+    tests it."""
     from pixeltriage.kernels import registry
     from pixeltriage.kernels.linear import linear_act, linear_act_reference
 
@@ -209,20 +210,23 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias, vendor, mon
     from pixeltriage.kernels import linear
 
     monkeypatch.setattr(linear, "_STATE", {})
-    monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear, "float32_choice", lambda: {"library": library})
     monkeypatch.delenv("PIXELTRIAGE_ONEDNN", raising=False)
     calls = []
     monkeypatch.setattr(linear, "linear_act_reference", lambda *a: calls.append(a) or linear_act_reference(*a))
     got = linear_act(cast(x), cast(w), cast(b), act)
-    after = registry.choose("linear", "cpu", dtype) is linear.ONEDNN_THEN_ACTIVATION
-    assert after is (dtype == torch.float32 and vendor == "AuthenticAMD" and linear._fused_available(dtype))
+    after = registry.choose("linear", "cpu", dtype) is linear.THEN_ACTIVATION
+    assert after is (dtype == torch.float32)
     fused = act in linear._POST_OPS and linear._fused_available(dtype) and not after
     assert len(calls) == (0 if fused or after else 1)    # the path under test is the one that ran
-    if after:                        # the primitive's output, then the activation (tanh GELU: in place, in C)
-        primitive = torch.ops.mkldnn._linear_pointwise(cast(x), cast(w), cast(b), "none", [], "")
+    if after:                        # the product's output, then the activation (tanh GELU: in place, in C)
+        on_onednn = library == "oneDNN" and linear._fused_available(dtype)
+        assert linear.plain_onednn("cpu", dtype) is on_onednn
+        product = (torch.ops.mkldnn._linear_pointwise(cast(x), cast(w), cast(b), "none", [], "") if on_onednn
+                   else F.linear(cast(x), cast(w), cast(b)))
         then = linear.activation(act, in_place=True)
         assert then is (linear.gelu_tanh_ if act == "gelu_pytorch_tanh" else linear.activation(act))
-        assert torch.equal(got, then(primitive))
+        assert torch.equal(got, then(product))
     assert got.dtype == dtype and got.shape == (300, 200)
     if not fused and not (after and act == "gelu_pytorch_tanh"):   # the reference's own values (the C tanh GELU's
         assert torch.equal(got, want)                               # differ by roundings: the bounds below)
@@ -731,8 +735,8 @@ def test_segment_attention_rejects_lengths_that_miss_tokens():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_matches_f_linear(dtype, bias, monkeypatch):
-    """`linear` (oneDNN's primitive on the CPU for a layer with a bias, and in float32 where `plain_onednn` says)
-    against F.linear: the same sums in another order, the bias added in the epilogue instead of copied into the
+    """`linear` (oneDNN's primitive on the CPU for a bf16 layer with a bias, and for every float32 layer where
+    `plain_onednn` says) against F.linear: the same sums in another order, the bias added in the epilogue instead of copied into the
     output first; float32 within 1e-6 relative (bit-identical on the AVX2 machine measured), bf16 within one
     rounding of the output. Its fallback when oneDNN refuses is F.linear itself."""
     from pixeltriage.kernels import linear
@@ -787,46 +791,48 @@ def test_float32_projection_matches_float64_on_awkward_shapes(case, monkeypatch)
         assert rel(got.double(), exact) <= 1e-6 and rel(F.linear(x, w).double(), exact) <= 1e-6
 
 
-@pytest.mark.parametrize("vendor, switch, plain", [("AuthenticAMD", None, True), ("GenuineIntel", None, False),
-                                                   ("", "auto", False), ("GenuineIntel", "1", True),
-                                                   ("AuthenticAMD", "0", False)])
-def test_float32_projections_take_onednn_by_vendor_and_switch(vendor, switch, plain, monkeypatch):
-    """Without a bias, float32 takes oneDNN's primitive on AMD CPUs (MKL measured slower there), F.linear elsewhere
-    (Intel: MKL's own CPUs, unmeasured; no vendor: aarch64 and the like), unless PIXELTRIAGE_ONEDNN says otherwise;
-    the bits are those of the path named. bf16 without a bias is F.linear's everywhere."""
+@pytest.mark.parametrize("library, switch, plain", [("oneDNN", None, True), ("F.linear", None, False),
+                                                    ("F.linear", "auto", False), ("F.linear", "1", True),
+                                                    ("oneDNN", "0", False)])
+def test_float32_layers_take_the_measured_library_unless_switched(library, switch, plain, monkeypatch):
+    """float32 layers, with a bias or without, run the library measured faster on this machine (`float32_choice`),
+    unless PIXELTRIAGE_ONEDNN says 1 or 0 (then nothing is measured); the bits are those of the library named.
+    bf16 without a bias is F.linear's everywhere."""
     from pixeltriage.kernels import linear
 
+    measured = []
     monkeypatch.setattr(linear, "_STATE", {})
-    monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear, "float32_choice", lambda: measured.append(1) or {"library": library})
     if switch is None:
         monkeypatch.delenv("PIXELTRIAGE_ONEDNN", raising=False)
     else:
         monkeypatch.setenv("PIXELTRIAGE_ONEDNN", switch)
     available = switch != "0" and linear._fused_available(torch.float32)
     assert linear.plain_onednn("cpu", torch.float32) is (plain and available)
+    assert len(measured) == (1 if switch in (None, "auto") and available else 0)
     assert not linear.plain_onednn("cpu", torch.bfloat16)
-    x, w = torch.randn(40, 70), torch.randn(30, 70)
-    want = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") if plain and available else F.linear(x, w)
-    assert torch.equal(linear.linear(x, w), want)
+    x, w, b = torch.randn(40, 70), torch.randn(30, 70), torch.randn(30)
+    for bias in (None, b):
+        want = (torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "") if plain and available
+                else F.linear(x, w, bias))
+        assert torch.equal(linear.linear(x, w, bias), want)
     assert torch.equal(linear.linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    assert len(measured) <= 1                      # decided once per process
 
 
-def test_cpu_vendor_from_cpuinfo():
+def test_cpuinfo_fields():
     """One reader of /proc/cpuinfo (`native.cpuinfo_fields`: each key's first value, the first CPU's) behind the
-    vendor rule, the native build's key and the bench's machine record."""
+    tuning's machine key, the native build's key and the bench's machine record."""
     from pixeltriage.kernels import native
-    from pixeltriage.kernels.linear import cpu_vendor
 
     intel = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\nflags\t\t: fpu avx2\n\n"
              "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n")
     assert native.cpuinfo_fields(intel) == {"processor": "0", "vendor_id": "GenuineIntel",
                                             "model name": "Intel(R) Xeon(R)", "flags": "fpu avx2"}
-    assert cpu_vendor(intel) == "GenuineIntel"
-    assert cpu_vendor("processor : 0\nvendor_id : AuthenticAMD\n") == "AuthenticAMD"
-    assert cpu_vendor("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == ""    # aarch64
-    assert cpu_vendor("") == "" and native.cpuinfo_fields("") == {}
+    assert native.cpuinfo_fields("processor : 0\nvendor_id : AuthenticAMD\n")["vendor_id"] == "AuthenticAMD"
+    assert "vendor_id" not in native.cpuinfo_fields("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n")
+    assert native.cpuinfo_fields("") == {}
     here = native.cpuinfo_fields()
-    assert cpu_vendor() == here.get("vendor_id", "")
     assert native._cpu_flags() == (here.get("flags") or here.get("Features") or native._cpu_flags())
 
 

@@ -112,7 +112,7 @@ def _compiler() -> str | None:
 def cpuinfo_fields(text: str | None = None) -> dict[str, str]:
     """/proc/cpuinfo's fields (or `text`'s), each key's first value: "vendor_id", "model name" and "flags" on x86,
     "Features" and "CPU implementer" on aarch64; {} where there is no such file. The one reader of the file for the
-    build's key, `kernels.linear.cpu_vendor` and `bench.timing.cpu_machine`."""
+    build's key, `kernels.tuning.machine_key` and `bench.timing.cpu_machine`."""
     if text is None:
         try:
             text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")

@@ -1,0 +1,115 @@
+"""Choices measured once per machine: which of two implementations runs faster here, timed on the machine itself
+and kept in the cache (`cache_dir() / "tuning.json"`), so that every later process on it makes the same choice
+(and so computes the same bits) without measuring again. As Triton's and fla's autotuners keep their choices, with
+one difference: the key is the machine (CPU model, its flags, torch's version and thread count), not a kernel's
+shapes.
+
+Processes that start together serialise on a lock file: the first measures, the others read its result. Deleting
+the file (or changing the machine, torch or the thread count) measures again. A cache that cannot be written
+costs a measurement per process, never an error.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pixeltriage.kernels import native
+
+log = logging.getLogger(__name__)
+
+FILE = "tuning.json"
+_memo: dict[str, dict] = {}
+
+
+def machine_key() -> str:
+    """What a measured choice depends on: the CPU's model and flags (hashed), torch's version, its thread count."""
+    fields = native.cpuinfo_fields()
+    flags = fields.get("flags") or fields.get("Features") or ""
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return f"{fields.get('model name', 'unknown CPU')} [{digest}] torch {torch.__version__} x{torch.get_num_threads()}"
+
+
+def path() -> Path:
+    from pixeltriage.paths import cache_dir
+
+    return cache_dir() / FILE
+
+
+def _read(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("%s unreadable (%s): measuring again", file, e)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def measured(name: str, measure: Callable[[], dict]) -> dict:
+    """`measure()`'s record for this machine under `name`: from this process's memory, else the cache file, else
+    measured now (under the cache's lock) and written there. The record is a JSON object; `measure` should put
+    its figures in it beside the choice, so that the file says why."""
+    key = f"{name} @ {machine_key()}"
+    if key in _memo:
+        return _memo[key]
+    file = path()
+    record = _read(file).get(key)
+    if not isinstance(record, dict):
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            with open(file.parent / f".{FILE}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    data = _read(file)
+                    record = data.get(key)
+                    if not isinstance(record, dict):
+                        record = measure()
+                        data[key] = record
+                        _write(file, data)
+                        log.info("measured %s on this machine: %s (kept in %s)", name, record, file)
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+        except OSError as e:
+            log.warning("cannot keep the measured %s in %s (%s): measured for this process only", name, file, e)
+            if not isinstance(record, dict):
+                record = measure()
+    _memo[key] = record
+    return record
+
+
+def _write(file: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{FILE}.", suffix=".tmp", dir=file.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def interleaved_ratio(first: Callable[[], object], second: Callable[[], object], pairs: int = 7,
+                      warmup: int = 2) -> list[float]:
+    """second's time over first's, one ratio per pair, the order alternating between pairs (so that a machine whose
+    speed drifts hits both alike); after `warmup` untimed calls of each. -> the ratios, sorted."""
+    for _ in range(warmup):
+        first(), second()
+    ratios = []
+    for i in range(pairs):
+        times = {}
+        for which, fn in ((0, first), (1, second)) if i % 2 == 0 else ((1, second), (0, first)):
+            t0 = time.perf_counter()
+            fn()
+            times[which] = time.perf_counter() - t0
+        ratios.append(times[1] / times[0])
+    return sorted(ratios)

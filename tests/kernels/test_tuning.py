@@ -1,0 +1,125 @@
+"""Choices measured once per machine (`kernels.tuning`) and the float32 GEMM library chosen by one."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pixeltriage.kernels import linear, tuning
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tuning, "_memo", {})
+    return tmp_path
+
+
+def test_a_measured_choice_is_kept_and_read_back_without_measuring(cache, monkeypatch):
+    calls = []
+    record = tuning.measured("thing", lambda: calls.append(1) or {"library": "a", "ratio": 0.5})
+    assert record == {"library": "a", "ratio": 0.5} and len(calls) == 1
+    kept = json.loads((cache / tuning.FILE).read_text())
+    assert kept == {f"thing @ {tuning.machine_key()}": record}
+    assert tuning.measured("thing", lambda: calls.append(1) or {}) == record and len(calls) == 1   # in memory
+    monkeypatch.setattr(tuning, "_memo", {})                                                           # a new process
+    assert tuning.measured("thing", lambda: calls.append(1) or {}) == record and len(calls) == 1
+    other = tuning.measured("other", lambda: {"library": "b"})                 # another name: measured, both kept
+    assert other == {"library": "b"} and len(json.loads((cache / tuning.FILE).read_text())) == 2
+
+
+def test_the_machine_key_names_the_cpu_torch_and_threads(monkeypatch):
+    key = tuning.machine_key()
+    assert torch.__version__ in key and key.endswith(f"x{torch.get_num_threads()}")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert tuning.machine_key() != key                     # another thread count: measured again
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_unreadable_file_is_measured_again_and_replaced(cache, caplog):
+    (cache / tuning.FILE).write_text("{not json")
+    with caplog.at_level("WARNING"):
+        assert tuning.measured("thing", lambda: {"library": "a"}) == {"library": "a"}
+    assert "unreadable" in caplog.text
+    assert json.loads((cache / tuning.FILE).read_text()) == {f"thing @ {tuning.machine_key()}": {"library": "a"}}
+    assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_an_unwritable_cache_measures_for_the_process_only(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(blocker / "cache"))          # under a file: mkdir fails
+    monkeypatch.setattr(tuning, "_memo", {})
+    calls = []
+    with caplog.at_level("WARNING"):
+        assert tuning.measured("thing", lambda: calls.append(1) or {"library": "a"}) == {"library": "a"}
+        assert tuning.measured("thing", lambda: calls.append(1) or {"library": "b"}) == {"library": "a"}
+    assert len(calls) == 1 and "for this process only" in caplog.text
+
+
+def test_processes_starting_together_measure_once(tmp_path):
+    """Four processes ask at once: the first to take the lock measures (slowly), the others wait and read its
+    record; one measurement in all, one record."""
+    script = textwrap.dedent("""
+        import json, sys, time
+        from pathlib import Path
+        from pixeltriage.kernels import tuning
+        def measure():
+            with open(sys.argv[1], "a") as f:
+                f.write("measured\\n")
+            time.sleep(0.5)
+            return {"library": "a", "pid": __import__("os").getpid()}
+        print(json.dumps(tuning.measured("together", measure)))
+    """)
+    marks = tmp_path / "marks"
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(marks)], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert marks.read_text().count("measured") == 1
+    assert len({json.dumps(json.loads(o)) for o in outs}) == 1
+
+
+def test_interleaved_ratio_alternates_the_order_and_divides_second_by_first(monkeypatch):
+    clock, order = [0.0], []
+
+    def step(name, seconds):
+        def run():
+            order.append(name)
+            clock[0] += seconds
+        return run
+
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+    ratios = tuning.interleaved_ratio(step("a", 1.0), step("b", 3.0), pairs=4, warmup=1)
+    assert ratios == [3.0] * 4
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]     # warm-up, then alternating pairs
+
+
+@pytest.mark.parametrize("ratios, library", [([0.90, 0.91, 0.92], "oneDNN"), ([0.96, 0.98, 1.2], "F.linear"),
+                                             ([1.1, 1.2, 1.3], "F.linear")])
+def test_float32_gemm_takes_onednn_only_where_clearly_faster(ratios, library, monkeypatch):
+    """oneDNN only where its median time is under MARGIN of F.linear's (F.linear's sums are transformers' own);
+    the record says why."""
+    monkeypatch.setattr(tuning, "interleaved_ratio", lambda first, second, pairs: sorted(ratios))
+    record = linear.measure_float32_gemm(pairs=3)
+    assert record["library"] == library and record["onednn_over_f_linear"] == pytest.approx(sorted(ratios)[1])
+    assert record["shape"] == list(linear.MEASURE_SHAPE) and json.loads(json.dumps(record)) == record
+
+
+def test_float32_gemm_measures_both_products_here(cache):
+    if not linear._fused_available(torch.float32):
+        pytest.skip("this torch has no oneDNN linear primitive")
+    record = linear.measure_float32_gemm((64, 32, 48), pairs=3)
+    assert record["library"] in ("oneDNN", "F.linear") and record["onednn_over_f_linear"] > 0
+    assert record["quartiles"][0] <= record["onednn_over_f_linear"] <= record["quartiles"][1]
+    assert Path(tuning.path()).parent == cache
