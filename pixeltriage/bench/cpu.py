@@ -210,9 +210,21 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         # which implementation ran each op (the bf16 delta pass and the ViT's attention on AMX depend on the CPU
         # and on PIXELTRIAGE_DELTA_BF16): a stage's figure means little without it
         "kernels": registry.choices("cpu", torch_dtype),
+        # float32: the GEMM library measured faster on this machine (kernels.linear), and by how much
+        "float32_gemm": float32_gemm_record(torch_dtype),
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
         "machine": cpu_machine(),
     }
+
+
+def float32_gemm_record(dtype: torch.dtype) -> dict | None:
+    """The float32 GEMM library's measured choice for this machine (`kernels.linear.float32_choice`) where a float32
+    forward on the CPU follows it (PIXELTRIAGE_ONEDNN=auto, oneDNN's primitive in this torch), else None."""
+    from pixeltriage.kernels import linear
+
+    if dtype != torch.float32 or linear._switch() != "auto" or not linear._fused_available(torch.float32):
+        return None
+    return linear.float32_choice()
 
 
 DRIFT_WARNING = 1.25   # GEMM rates before and after the timed runs further apart than this: say so
@@ -255,9 +267,15 @@ def print_table(r: dict, out=None) -> None:
         print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
     kernels = r.get("kernels") or {}
-    for op in ("gated_delta", "attention"):            # the ops whose kernel depends on the CPU and a switch
+    for op in ("projection", "gated_delta", "attention"):   # the ops whose kernel depends on the CPU and a switch
         if op in kernels:
             print(f"  {op + ' kernel':<18} {kernels[op]}", file=out)
+    gemm = r.get("float32_gemm")
+    if gemm:
+        q1, q3 = gemm["quartiles"]
+        print(f"  float32 GEMM       {gemm['library']}: oneDNN's primitive took {gemm['onednn_over_f_linear']:.2f}x "
+              f"F.linear's time here (pairs' quartiles {q1:.2f}-{q3:.2f}; measured {gemm['measured']}, kept per "
+              "machine)", file=out)
     print(f"  engine stages (medians; FLOPs from the FLOP model; of GEMM: the stage's rate over the "
           f"{r['gemm_tflops']:.3f} TFLOP/s):", file=out)
     print(f"    {'stage':<32}{'GFLOP':>10}{'ms':>10}{'TFLOP/s':>10}{'of GEMM':>9}", file=out)

@@ -68,6 +68,16 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     cpu.print_table(r, buf)
     assert f"machine       {r['machine']['cpu']}, {r['machine']['logical_cpus']} logical CPUs" in buf.getvalue()
     assert f"gated_delta kernel {r['kernels']['gated_delta']}" in buf.getvalue()
+    assert f"projection kernel  {r['kernels']['projection']}" in buf.getvalue()
+    # float32: the machine's measured GEMM library, the one the projections ran
+    from pixeltriage.kernels import linear
+
+    assert r["float32_gemm"] == cpu.float32_gemm_record(torch.float32)
+    if r["float32_gemm"] is not None:
+        assert r["float32_gemm"] == linear.float32_choice()
+        assert (r["float32_gemm"]["library"] == "oneDNN") is linear.plain_onednn("cpu", torch.float32)
+        assert f"float32 GEMM       {r['float32_gemm']['library']}: oneDNN's primitive took" in buf.getvalue()
+    assert cpu.float32_gemm_record(torch.bfloat16) is None
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
