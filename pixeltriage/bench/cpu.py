@@ -271,7 +271,9 @@ def print_table(r: dict, out=None) -> None:
         if op in kernels:
             print(f"  {op + ' kernel':<18} {kernels[op]}", file=out)
     gemm = r.get("float32_gemm")
-    if gemm:
+    if gemm and "error" in gemm:
+        print(f"  float32 GEMM       {gemm['library']}: oneDNN's primitive failed here ({gemm['error']})", file=out)
+    elif gemm:
         q1, q3 = gemm["quartiles"]
         print(f"  float32 GEMM       {gemm['library']}: oneDNN's primitive took {gemm['onednn_over_f_linear']:.2f}x "
               f"F.linear's time here (pairs' quartiles {q1:.2f}-{q3:.2f}; measured {gemm['measured']}, kept per "

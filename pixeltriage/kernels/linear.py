@@ -113,17 +113,21 @@ MARGIN = 0.97
 def measure_float32_gemm(shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int = 7) -> dict:
     """oneDNN's primitive against F.linear on one float32 product here, interleaved: the record `tuning` keeps
     ({"library": "oneDNN" or "F.linear", "onednn_over_f_linear": the median of the pairs' time ratios, "quartiles",
-    "shape", "pairs"})."""
+    "shape", "pairs", "measured"}); where the primitive raises, {"library": "F.linear", "error": its message, ...}."""
     m, k, n = shape
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * k ** -0.5
-    ratios = tuning.interleaved_ratio(lambda: F.linear(x, w),
-                                      lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-                                      pairs=pairs)
+    record = {"shape": list(shape), "pairs": pairs, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        ratios = tuning.interleaved_ratio(lambda: F.linear(x, w),
+                                          lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                                          pairs=pairs)
+    except RuntimeError as e:                      # a torch whose primitive refuses this CPU: F.linear, and why
+        return {"library": "F.linear", "error": str(e).splitlines()[0][:300] if str(e) else type(e).__name__,
+                **record}
     ratio = ratios[len(ratios) // 2]
     return {"library": "oneDNN" if ratio < MARGIN else "F.linear", "onednn_over_f_linear": round(ratio, 4),
-            "quartiles": [round(ratios[len(ratios) // 4], 4), round(ratios[3 * len(ratios) // 4], 4)],
-            "shape": list(shape), "pairs": pairs, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "quartiles": [round(ratios[len(ratios) // 4], 4), round(ratios[3 * len(ratios) // 4], 4)], **record}
 
 
 def _projection_available() -> bool:
