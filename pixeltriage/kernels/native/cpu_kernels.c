@@ -29,17 +29,15 @@ static inline float bf16_to_float(uint16_t h) {
 /* e^x, |relative error| < 2 ulp over the float range: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6
  * polynomial (Cephes' expf coefficients). Branch-free and call-free, so the loops around it vectorise (libm's
  * expf does not). Inputs are clamped to [-87, 88]: below, e^x is under float's normal range (0 for our uses). */
+/* its steps, shared with the vector twin exp_vr (same operations, same order: the same bits), for a float or a vector:
+ * n = round(x / ln2) to the nearest integer; r = x - n ln2 with ln2 split in two (n * ln2_hi exact); p(r) */
+#define EXP_ROUND(x) (((x) * 1.44269504088896341f + 12582912.0f) - 12582912.0f)
+#define EXP_REDUCE(x, n) ((x) - (n) * 0.693359375f + (n) * 2.12194440e-4f)
+#define EXP_POLY(r) ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) + 4.1665795894e-2f) \
+                       * (r) + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) + (r) + 1.0f)
 static inline float exp_f32(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest integer */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;                    /* ln2 split in two: exact n*ln2_hi */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float n = EXP_ROUND(x), r = EXP_REDUCE(x, n), p = EXP_POLY(r);
     int32_t bits = ((int32_t)(n == n ? n : 0.0f) + 127) << 23;   /* NaN in: NaN out (through p), no UB cast */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -571,15 +569,7 @@ typedef uint32_t vru __attribute__((vector_size(VR_BYTES), aligned(4), may_alias
 static inline vr vr_select(vri m, vr yes, vr no) { return (vr)((m & (vri)yes) | (~m & (vri)no)); }
 static inline vr exp_vr(vr x) {
     x = vr_select(x < -87.0f, (vr){0} - 87.0f, vr_select(x > 88.0f, (vr){0} + 88.0f, x));
-    vr n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    vr r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vr p = (vr){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    vr n = EXP_ROUND(x), r = EXP_REDUCE(x, n), p = EXP_POLY(r);
     vri bits = ((__builtin_convertvector(n, vri) & (n == n)) + 127) << 23;
     return p * (vr)bits;
 }
