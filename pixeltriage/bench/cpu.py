@@ -212,6 +212,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "kernels": registry.choices("cpu", torch_dtype),
         # float32: the GEMM library measured faster on this machine (kernels.linear), and by how much
         "float32_gemm": float32_gemm_record(torch_dtype),
+        # float32: per mask, whether the C attention measured faster than SDPA on this machine (kernels.attention)
+        "float32_attention": float32_attention_record(torch_dtype),
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
         "machine": cpu_machine(),
     }
@@ -225,6 +227,16 @@ def float32_gemm_record(dtype: torch.dtype) -> dict | None:
     if dtype != torch.float32 or linear._switch() != "auto" or not linear._fused_available(torch.float32):
         return None
     return linear.float32_choice()
+
+
+def float32_attention_record(dtype: torch.dtype) -> dict | None:
+    """The float32 attention kernel's measured choice per mask for this machine (`kernels.attention.float32_choice`)
+    where a float32 forward on the CPU follows it (the C kernels are built), else None."""
+    from pixeltriage.kernels import attention, native
+
+    if dtype != torch.float32 or not native.available():
+        return None
+    return attention.float32_choice()
 
 
 DRIFT_WARNING = 1.25   # GEMM rates before and after the timed runs further apart than this: say so
@@ -278,6 +290,12 @@ def print_table(r: dict, out=None) -> None:
         print(f"  float32 GEMM       {gemm['library']}: oneDNN's primitive took {gemm['onednn_over_f_linear']:.2f}x "
               f"F.linear's time here (pairs' quartiles {q1:.2f}-{q3:.2f}; measured {gemm['measured']}, kept per "
               "machine)", file=out)
+    att = r.get("float32_attention")
+    if att:
+        ratios = "; ".join(f"{mask} {att[mask]}" + (f" (C {att[mask + '_c_over_sdpa']:.2f}x SDPA's time)"
+                                                     if mask + "_c_over_sdpa" in att else "")
+                           for mask in ("causal", "segments"))
+        print(f"  float32 attention  {ratios}; measured {att['measured']}, kept per machine", file=out)
     print(f"  engine stages (medians; FLOPs from the FLOP model; of GEMM: the stage's rate over the "
           f"{r['gemm_tflops']:.3f} TFLOP/s):", file=out)
     print(f"    {'stage':<32}{'GFLOP':>10}{'ms':>10}{'TFLOP/s':>10}{'of GEMM':>9}", file=out)

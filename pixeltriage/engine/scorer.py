@@ -109,7 +109,8 @@ class Scorer:
         with _gc_paused():
             scorer = cls._load(path, device, dtype, cache, head_backend, adapter, allow_slow, verify)
         # every op's kernel decided here, not in the first forward: in float32 on the CPU that may time the two GEMM
-        # libraries once on a new machine (~2 s; kernels.linear, kept by kernels.tuning)
+        # libraries and the two attentions once on a new machine (~3 s; kernels.linear and kernels.attention, kept
+        # by kernels.tuning)
         log.info("kernels: %s", scorer.kernels())
         if cuda_graphs:
             scorer.enable_cuda_graphs(None if cuda_graphs is True else cuda_graphs)

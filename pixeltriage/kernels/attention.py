@@ -1,18 +1,21 @@
 """Attention over several independent segments of one token axis (images of the ViT, questions of a batch).
 
 Registers the "attention" op (`kernels.registry`): torch's SDPA on every device (flash / memory-efficient on CUDA);
-in float32 on the CPU, the C kernel (`attention_f32`); in bf16 on a CPU with AMX, the C kernels on the tiles
-(`segment_attention_bf16`, `causal_attention_bf16`). Each C kernel declines what it does not take, and SDPA runs it.
+in float32 on the CPU, the C kernel (`attention_f32`) for each mask (causal, segments) where it measured faster than
+SDPA on this machine (timed once per machine and kept: `kernels.tuning`); in bf16 on a CPU with AMX, the C kernels
+on the tiles (`segment_attention_bf16`, `causal_attention_bf16`). Each C kernel declines what it does not take, and
+SDPA runs it.
 """
 from __future__ import annotations
 
 import ctypes
 import itertools
+import time
 
 import torch
 import torch.nn.functional as F
 
-from pixeltriage.kernels import native, registry
+from pixeltriage.kernels import native, registry, tuning
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool) -> torch.Tensor:
@@ -32,10 +35,16 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
         out = causal_attention_bf16(q, k, v, lengths) if causal else segment_attention_bf16(q, k, v, lengths)
         if out is not None:
             return out
-    elif chosen is FLOAT32:
+    elif chosen is FLOAT32 and float32_c_wins(causal):
         out = attention_f32(q, k, v, lengths, causal)
         if out is not None:
             return out
+    return _sdpa_segments(q, k, v, lengths, causal)
+
+
+def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                   causal: bool) -> torch.Tensor:
+    """`segment_attention` on torch's SDPA, one call per run of equal lengths (lengths already checked)."""
     gqa = q.shape[1] != k.shape[1]
     outs, start, i = [], 0, 0
     while i < len(lengths):
@@ -196,10 +205,62 @@ def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: li
     return out if rc == 0 else None
 
 
+# The shapes the float32 choice is timed on: the decoder's causal attention (8 query heads of 256 over 2, one
+# question of 1024 tokens) and the ViT's (4 images of 400 patches, 8 heads of 64)
+MEASURE_CAUSAL = (1024, 8, 2, 256)
+MEASURE_SEGMENTS = (4, 400, 8, 64)
+# the C kernel is taken only where it measured at least this much faster than SDPA
+MARGIN = 0.97
+_F32_CHOICE: dict[str, bool] = {}
+
+
+def measure_float32_attention(pairs: int = 7) -> dict:
+    """The C kernel (`attention_f32`) against SDPA here, on each mask's shape (MEASURE_CAUSAL, MEASURE_SEGMENTS),
+    in interleaved pairs: the record `tuning` keeps ({"causal": "C" or "SDPA", "causal_c_over_sdpa": the median
+    of the pairs' time ratios, and the same for "segments"; "pairs", "measured"})."""
+    gen = torch.Generator().manual_seed(0)
+    t, hq, hkv, d = MEASURE_CAUSAL
+    causal = (torch.randn(t, hq, d, generator=gen), torch.randn(t, hkv, d, generator=gen),
+              torch.randn(t, hkv, d, generator=gen), [t])
+    n, length, h, d = MEASURE_SEGMENTS
+    segments = (*torch.randn(3, n * length, h, d, generator=gen).unbind(0), [length] * n)
+    record = {"pairs": pairs, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for name, (q, k, v, lengths), mask in (("causal", causal, True), ("segments", segments, False)):
+        if attention_f32(q, k, v, lengths, mask) is None:
+            record[name] = "SDPA"                          # no library, or it declines: nothing to time
+            continue
+        ratios = tuning.interleaved_ratio(lambda: _sdpa_segments(q, k, v, lengths, mask),
+                                          lambda: attention_f32(q, k, v, lengths, mask), pairs=pairs)
+        ratio = ratios[len(ratios) // 2]
+        record[name] = "C" if ratio < MARGIN else "SDPA"
+        record[f"{name}_c_over_sdpa"] = round(ratio, 4)
+    return record
+
+
+def float32_choice() -> dict:
+    """This machine's measured float32 attention kernel per mask (`measure_float32_attention`'s record, kept by
+    `tuning`)."""
+    return tuning.measured("float32 attention", measure_float32_attention)
+
+
+def float32_c_wins(causal: bool) -> bool:
+    """Whether float32 attention with this mask runs the C kernel here (decided once per process)."""
+    if not _F32_CHOICE:
+        record = float32_choice()
+        _F32_CHOICE.update(causal=record.get("causal") == "C", segments=record.get("segments") == "C")
+    return _F32_CHOICE["causal" if causal else "segments"]
+
+
+def _float32_available() -> bool:
+    return native.available() and (float32_c_wins(True) or float32_c_wins(False))
+
+
 registry.register("attention", "torch SDPA", segment_attention, devices=("cpu", "cuda"))
-# float32 on the CPU: both attentions in the C kernel (SDPA for what it declines)
-FLOAT32 = registry.register("attention", "native C pt_attention_f32", segment_attention, devices=("cpu",),
-                            dtypes=(torch.float32,), available=lambda: native.available(), priority=10)
+# float32 on the CPU: the C kernel for each mask where it measured faster than SDPA on this machine (SDPA for the
+# other, and for what the kernel declines)
+FLOAT32 = registry.register("attention", "native C pt_attention_f32 (where measured faster than SDPA)",
+                            segment_attention, devices=("cpu",), dtypes=(torch.float32,),
+                            available=_float32_available, priority=10)
 # bf16 on a CPU with AMX tiles: the vision tower's images and the decoder's causal segments on the tiles (SDPA for
 # what the kernels decline)
 AMX = registry.register("attention", "native C pt_segment_attention_bf16 / pt_causal_attention_bf16",

@@ -661,15 +661,19 @@ def test_float32_products_at_every_register_width(register_width_library, case, 
     assert rel(got, want) <= 1e-5
 
 
-def test_attention_f32_is_what_segment_attention_runs_and_is_the_same_on_any_thread_count():
-    """float32 on the CPU: `segment_attention` takes the C kernel (the registry's choice where the library is built),
-    and the output does not depend on the thread count (each query block is one thread's, the packed K^T and V are
-    complete before any is read)."""
+@pytest.mark.parametrize("causal_c, segments_c", [(True, True), (True, False), (False, True), (False, False)])
+def test_float32_attention_runs_the_kernel_measured_faster_per_mask(causal_c, segments_c, monkeypatch):
+    """float32 on the CPU: `segment_attention` runs the C kernel for each mask where it measured faster than SDPA on
+    this machine (`attention.float32_choice`, here set), SDPA for the other; where SDPA won both the registry names
+    SDPA. The C kernel's output does not depend on the thread count (each query block is one thread's, the packed
+    K^T and V are complete before any is read)."""
     from pixeltriage.kernels import attention, native, registry
 
     if not native.available():
         pytest.skip(f"no C kernels: {native.status()}")
-    assert registry.choose("attention", "cpu", torch.float32) is attention.FLOAT32
+    monkeypatch.setattr(attention, "_F32_CHOICE", {"causal": causal_c, "segments": segments_c})
+    chosen = registry.choose("attention", "cpu", torch.float32)
+    assert (chosen is attention.FLOAT32) is (causal_c or segments_c)
     torch.manual_seed(4)
     q, k, v = torch.randn(3, 500, 4, 64).unbind(0)
     lengths = [200, 0, 300]
@@ -682,7 +686,32 @@ def test_attention_f32_is_what_segment_attention_runs_and_is_the_same_on_any_thr
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=True), outs[0])
+    for causal, c_wins in ((True, causal_c), (False, segments_c)):
+        want = (attention.attention_f32(q, k, v, lengths, causal) if c_wins
+                else attention._sdpa_segments(q, k, v, lengths, causal))
+        assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=causal), want)
+
+
+def test_float32_attention_choice_is_measured_per_mask(monkeypatch, tmp_path):
+    """The record: per mask, "C" where the kernel's median time is under MARGIN of SDPA's, else "SDPA", with the
+    ratio; a mask the kernel declines on this build (no library) is SDPA's without a measurement."""
+    from pixeltriage.kernels import attention, native, tuning
+
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tuning, "_memo", {})
+    timed = []
+    ratios = iter([[0.5, 0.6, 0.7], [0.96, 1.1, 1.2]])
+    monkeypatch.setattr(tuning, "interleaved_ratio", lambda first, second, pairs: timed.append(1) or next(ratios))
+    record = attention.measure_float32_attention(pairs=3)
+    if native.available():
+        assert record["causal"] == "C" and record["causal_c_over_sdpa"] == 0.6
+        assert record["segments"] == "SDPA" and record["segments_c_over_sdpa"] == 1.1 and len(timed) == 2
+    else:
+        assert record["causal"] == record["segments"] == "SDPA" and not timed
+    monkeypatch.setattr(attention, "_F32_CHOICE", {})
+    monkeypatch.setattr(attention, "measure_float32_attention", lambda: record)
+    assert attention.float32_choice() == record
+    assert attention.float32_c_wins(True) is (record["causal"] == "C") and not attention.float32_c_wins(False)
 
 
 def test_attention_f32_keeps_nans_and_declines_what_it_does_not_take():
