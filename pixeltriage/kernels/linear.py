@@ -11,8 +11,8 @@ bias torch's bf16 matmul is oneDNN's already.
 float32: every layer (with a bias or not) runs one library, the faster on this machine, measured once and kept
 (`tuning`: "float32 GEMM", a [2048, 1024] x [1024, 4096] product timed both ways in interleaved pairs); then the
 activation, in place (the tanh GELU in C, `activation.gelu_tanh_`). Which library wins is not the CPU's vendor's
-to say: on AVX2 AMD EPYCs of one model, oneDNN ran the decoder's shapes at 1.1-1.3x MKL's rate on one host
-(the bench-small forward 0.91x with it) and MKL at 1.1-1.3x oneDNN's on another (0.89x without it). oneDNN's GELU
+to say: on AVX2 AMD EPYCs of one model, oneDNN ran the decoder's shapes at 1.1-1.3x MKL's rate one day (the
+bench-small forward 0.91x with it) and MKL at 1.1-1.3x oneDNN's another (0.89x without it; 2b 0.76x). oneDNN's GELU
 epilogues in float32 cost more than the pass after the product ([4000, 512] x [512, 2048] + tanh GELU: 115 against
 85-88 ms), so no float32 layer uses them.
 
