@@ -68,6 +68,12 @@ def _add_cpu(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _add_tune(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--again", action="store_true", help="forget this machine's kept choices and measure them anew")
+    add_threads_argument(p)
+    p.add_argument("--json", action="store_true")
+
+
 def _add_latency(p: argparse.ArgumentParser) -> None:
     _add_demo_model(p)
     p.add_argument("--batch", type=int_at_least(1), default=4, help="batch size of the batched run (default 4)")
@@ -174,6 +180,8 @@ def _image_sizes(text: str) -> list[tuple[int, int]]:
 BENCHES = {
     "cost": ("per-question TFLOP and visual tokens: System One + ours@k vs open-all prefill", _add_cost),
     "cpu": ("engine vs transformers' eager forward on the same state, GEMM rate, stages", _add_cpu),
+    "tune": ("the kernel choices this machine measured once and keeps (float32 GEMM library, attention); "
+             "--again measures anew", _add_tune),
     "latency": ("System One latency over an episode stream vs the answering prefill, --profile, --plot",
                 _add_latency),
     "load": ("start-up time and peak memory: packed file vs directory vs transformers", _add_load),

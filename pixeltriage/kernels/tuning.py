@@ -4,8 +4,9 @@ and kept in the cache (`cache_dir() / "tuning.json"`), so that every later proce
 one difference: the key is the machine (CPU model, its flags, torch's version and thread count), not a kernel's
 shapes.
 
-Processes that start together serialise on a lock file: the first measures, the others read its result. Deleting
-the file (or changing the machine, torch or the thread count) measures again. A cache that cannot be written
+Processes that start together serialise on a lock file: the first measures, the others read its result.
+`pixeltriage bench tune` shows this machine's records (`--again`: `forget` them and measure anew); changing the
+machine, torch or the thread count measures again too. A cache that cannot be written
 costs a measurement per process, never an error.
 """
 from __future__ import annotations
@@ -85,6 +86,29 @@ def measured(name: str, measure: Callable[[], dict]) -> dict:
                 record = measure()
     _memo[key] = record
     return record
+
+
+def forget() -> list[str]:
+    """Drop this machine's records (every name) from the cache file and this process's memory, so that the next
+    `measured` measures anew. -> the names dropped."""
+    suffix = f" @ {machine_key()}"
+    for key in [k for k in _memo if k.endswith(suffix)]:
+        del _memo[key]
+    file = path()
+    if not file.exists():
+        return []
+    with open(file.parent / f".{FILE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = _read(file)
+            dropped = [k for k in data if k.endswith(suffix)]
+            for key in dropped:
+                del data[key]
+            if dropped:
+                _write(file, data)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return [k[:-len(suffix)] for k in dropped]
 
 
 def _write(file: Path, data: dict) -> None:

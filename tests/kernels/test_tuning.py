@@ -144,3 +144,45 @@ def test_float32_gemm_measures_both_products_here(cache):
     assert record["library"] in ("oneDNN", "F.linear") and record["onednn_over_f_linear"] > 0
     assert record["quartiles"][0] <= record["onednn_over_f_linear"] <= record["quartiles"][1]
     assert Path(tuning.path()).parent == cache
+
+
+def test_forget_drops_this_machines_records_only(cache):
+    tuning.measured("a", lambda: {"x": 1})
+    tuning.measured("b", lambda: {"x": 2})
+    data = json.loads((cache / tuning.FILE).read_text())
+    data["a @ another machine"] = {"x": 3}
+    (cache / tuning.FILE).write_text(json.dumps(data))
+    assert sorted(tuning.forget()) == ["a", "b"]
+    assert json.loads((cache / tuning.FILE).read_text()) == {"a @ another machine": {"x": 3}}
+    assert tuning.measured("a", lambda: {"x": 4}) == {"x": 4}                 # measured anew, memory included
+    assert tuning.forget() == ["a"] and tuning.forget() == []
+
+
+def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
+    """`pixeltriage bench tune`, a real process: measures what is not kept yet, shows what is kept without
+    measuring (a record edited in the file comes back as written), and with --again measures anew."""
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path)}
+    env.pop("PIXELTRIAGE_ONEDNN", None)
+
+    def tune(*extra):
+        out = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "tune", "--threads", "1", "--json", *extra],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    first = tune()
+    assert first["file"] == str(tmp_path / tuning.FILE) and first["machine"].endswith(" x1") and not first["forgotten"]
+    kept = json.loads((tmp_path / tuning.FILE).read_text())
+    measured = {name: record for name, record in first["records"].items() if record is not None}
+    assert kept == {f"{name} @ {first['machine']}": record for name, record in measured.items()}
+    assert set(first["not_measured"]) == set(first["records"]) - set(measured)
+    edited = {key: {**record, "edited": True} for key, record in kept.items()}
+    (tmp_path / tuning.FILE).write_text(json.dumps(edited))
+    second = tune()
+    assert all(record["edited"] for record in second["records"].values() if record is not None)
+    third = tune("--again")
+    assert sorted(third["forgotten"]) == sorted(measured)
+    assert not any("edited" in record for record in third["records"].values() if record is not None)
+    out = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "tune", "--threads", "1"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and f"kept in {tmp_path / tuning.FILE}" in out.stdout
