@@ -614,10 +614,10 @@ static void NAME(const delta_args *a, int64_t t0, int64_t i, int64_t len, int64_
         }                                                                                                       \
     }                                                                                                           \
 }
-#define LOAD_VR_F32(t, c) (*(const vr *)((const float *)a->x + c0 + (t) * x_t + (c)))
 #define ADDR_F32(t, c) ((const float *)a->x + c0 + (t) * x_t + (c))
-#define LOAD_VR_BF16(t, c) ((vr)(__builtin_convertvector(*(const vrh *)((const uint16_t *)a->x + c0 + (t) * x_t + (c)), vru) << 16))
+#define LOAD_VR_F32(t, c) (*(const vr *)ADDR_F32(t, c))
 #define ADDR_BF16(t, c) ((const uint16_t *)a->x + c0 + (t) * x_t + (c))
+#define LOAD_VR_BF16(t, c) ((vr)(__builtin_convertvector(*(const vrh *)ADDR_BF16(t, c), vru) << 16))   /* exact */
 CONV_COLUMN_VR(conv_column_vr_f32, LOAD_VR_F32, ADDR_F32)
 CONV_COLUMN_VR(conv_column_vr_bf16, LOAD_VR_BF16, ADDR_BF16)
 #undef CONV_COLUMN_VR
