@@ -26,7 +26,7 @@ def cached_directory(name: str, write: Callable[[Path], Path]) -> Path:
     target = root / name
     if target.is_dir():
         return target
-    with open(root / f".{name}.lock", "w") as lock, _locked(lock):
+    with locked(root / f".{name}.lock"):
         if target.is_dir():
             return target
         for leftover in root.glob(f".{name}.tmp-*"):
@@ -53,9 +53,12 @@ def write_directory(path: str | os.PathLike, write: Callable[[Path], None]) -> P
 
 
 @contextlib.contextmanager
-def _locked(file):
-    fcntl.flock(file, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(file, fcntl.LOCK_UN)
+def locked(lock_path: str | os.PathLike):
+    """Hold an exclusive lock on the file `lock_path` (made if absent) for the block: writers of one cached thing
+    in several processes take turns."""
+    with open(lock_path, "w") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)

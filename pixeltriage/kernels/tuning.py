@@ -11,7 +11,6 @@ costs a measurement per process, never an error.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -24,6 +23,7 @@ from typing import Callable
 import torch
 
 from pixeltriage.kernels import native
+from pixeltriage.paths import cache_dir, locked
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,11 @@ def machine_key() -> str:
 
 
 def path() -> Path:
-    from pixeltriage.paths import cache_dir
-
     return cache_dir() / FILE
+
+
+def _lock_path(file: Path) -> Path:
+    return file.parent / f".{file.name}.lock"
 
 
 def _read(file: Path) -> dict:
@@ -68,18 +70,14 @@ def measured(name: str, measure: Callable[[], dict]) -> dict:
     if not isinstance(record, dict):
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
-            with open(file.parent / f".{FILE}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                try:
-                    data = _read(file)
-                    record = data.get(key)
-                    if not isinstance(record, dict):
-                        record = measure()
-                        data[key] = record
-                        _write(file, data)
-                        log.info("measured %s on this machine: %s (kept in %s)", name, record, file)
-                finally:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
+            with locked(_lock_path(file)):
+                data = _read(file)
+                record = data.get(key)
+                if not isinstance(record, dict):
+                    record = measure()
+                    data[key] = record
+                    _write(file, data)
+                    log.info("measured %s on this machine: %s (kept in %s)", name, record, file)
         except OSError as e:
             log.warning("cannot keep the measured %s in %s (%s): measured for this process only", name, file, e)
             if not isinstance(record, dict):
@@ -97,17 +95,13 @@ def forget() -> list[str]:
     file = path()
     if not file.exists():
         return []
-    with open(file.parent / f".{FILE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            data = _read(file)
-            dropped = [k for k in data if k.endswith(suffix)]
-            for key in dropped:
-                del data[key]
-            if dropped:
-                _write(file, data)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with locked(_lock_path(file)):
+        data = _read(file)
+        dropped = [k for k in data if k.endswith(suffix)]
+        for key in dropped:
+            del data[key]
+        if dropped:
+            _write(file, data)
     return [k[:-len(suffix)] for k in dropped]
 
 
