@@ -195,8 +195,10 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     achieved = flop_rate(flops.total, engine_s, rate)
     # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach
     gemm_bound_s = flops.total / (rate * 1e12)
+    from pixeltriage.bench import tune
     from pixeltriage.kernels import registry
 
+    tuned = tune.float32_records(torch_dtype)[0]
     return {
         "preset": preset, "dtype": dtype, "threads": torch.get_num_threads(), "tokens": state.num_tokens,
         "memories": state.num_memories, "engine_s": engine_s, "transformers_s": hf_s, "speedup": hf_s / engine_s,
@@ -210,33 +212,12 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         # which implementation ran each op (the bf16 delta pass and the ViT's attention on AMX depend on the CPU
         # and on PIXELTRIAGE_DELTA_BF16): a stage's figure means little without it
         "kernels": registry.choices("cpu", torch_dtype),
-        # float32: the GEMM library measured faster on this machine (kernels.linear), and by how much
-        "float32_gemm": float32_gemm_record(torch_dtype),
-        # float32: per mask, whether the C attention measured faster than SDPA on this machine (kernels.attention)
-        "float32_attention": float32_attention_record(torch_dtype),
+        # float32: the GEMM library measured faster on this machine (kernels.linear), and per mask whether the C
+        # attention measured faster than SDPA (kernels.attention), with their ratios (bench.tune)
+        "float32_gemm": tuned[tune.GEMM], "float32_attention": tuned[tune.ATTENTION],
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
         "machine": cpu_machine(),
     }
-
-
-def float32_gemm_record(dtype: torch.dtype) -> dict | None:
-    """The float32 GEMM library's measured choice for this machine (`kernels.linear.float32_choice`) where a float32
-    forward on the CPU follows it (PIXELTRIAGE_ONEDNN=auto, oneDNN's primitive in this torch), else None."""
-    from pixeltriage.kernels import linear
-
-    if dtype != torch.float32 or linear._switch() != "auto" or not linear._fused_available(torch.float32):
-        return None
-    return linear.float32_choice()
-
-
-def float32_attention_record(dtype: torch.dtype) -> dict | None:
-    """The float32 attention kernel's measured choice per mask for this machine (`kernels.attention.float32_choice`)
-    where a float32 forward on the CPU follows it (the C kernels are built), else None."""
-    from pixeltriage.kernels import attention, native
-
-    if dtype != torch.float32 or not native.available():
-        return None
-    return attention.float32_choice()
 
 
 DRIFT_WARNING = 1.25   # GEMM rates before and after the timed runs further apart than this: say so

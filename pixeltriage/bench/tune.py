@@ -12,23 +12,38 @@ import torch
 from pixeltriage.bench.timing import set_threads
 
 
+GEMM, ATTENTION = "float32 GEMM", "float32 attention"
+
+
+def float32_records(dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
+    """This machine's kept float32 choices, measured where not yet kept: ({name: record, or None where a forward
+    in `dtype` does not follow it}, {name: why not}). GEMM: unless PIXELTRIAGE_ONEDNN decides, or torch has no
+    oneDNN primitive; attention: where the C kernels are built."""
+    from pixeltriage.kernels import attention, linear, native
+
+    records, why = {GEMM: None, ATTENTION: None}, {}
+    if dtype != torch.float32:
+        return records, {GEMM: f"{dtype} forward", ATTENTION: f"{dtype} forward"}
+    if linear._switch() != "auto":
+        why[GEMM] = f"{linear.ONEDNN_SWITCH}={linear._switch()} decides"
+    elif not linear._fused_available(torch.float32):
+        why[GEMM] = "this torch has no oneDNN linear primitive"
+    else:
+        records[GEMM] = linear.float32_choice()
+    if native.available():
+        records[ATTENTION] = attention.float32_choice()
+    else:
+        why[ATTENTION] = f"no C kernels: {native.status()}"
+    return records, why
+
+
 def tune_report(again: bool = False) -> dict:
     """{"machine": the records' key, "file": where they are kept, "forgotten": names dropped by `again`,
     "records": {name: record, or None where it does not apply here (and why, under "not_measured")}}."""
-    from pixeltriage.kernels import attention, linear, native, tuning
+    from pixeltriage.kernels import tuning
 
     forgotten = tuning.forget() if again else []
-    records, why = {}, {}
-    if linear._switch() != "auto":
-        records["float32 GEMM"], why["float32 GEMM"] = None, f"{linear.ONEDNN_SWITCH}={linear._switch()} decides"
-    elif not linear._fused_available(torch.float32):
-        records["float32 GEMM"], why["float32 GEMM"] = None, "this torch has no oneDNN linear primitive"
-    else:
-        records["float32 GEMM"] = linear.float32_choice()
-    if native.available():
-        records["float32 attention"] = attention.float32_choice()
-    else:
-        records["float32 attention"], why["float32 attention"] = None, f"no C kernels: {native.status()}"
+    records, why = float32_records()
     return {"machine": tuning.machine_key(), "file": str(tuning.path()), "forgotten": forgotten, "records": records,
             "not_measured": why}
 

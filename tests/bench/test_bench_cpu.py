@@ -70,22 +70,23 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert f"gated_delta kernel {r['kernels']['gated_delta']}" in buf.getvalue()
     assert f"projection kernel  {r['kernels']['projection']}" in buf.getvalue()
     # float32: the machine's measured GEMM library, the one the projections ran
+    from pixeltriage.bench import tune
     from pixeltriage.kernels import linear
 
-    assert r["float32_gemm"] == cpu.float32_gemm_record(torch.float32)
+    assert r["float32_gemm"] == tune.float32_records(torch.float32)[0]["float32 GEMM"]
     if r["float32_gemm"] is not None:
         assert r["float32_gemm"] == linear.float32_choice()
         assert (r["float32_gemm"]["library"] == "oneDNN") is linear.plain_onednn("cpu", torch.float32)
         assert f"float32 GEMM       {r['float32_gemm']['library']}: oneDNN's primitive took" in buf.getvalue()
-    assert cpu.float32_gemm_record(torch.bfloat16) is None
+    assert tune.float32_records(torch.bfloat16)[0]["float32 GEMM"] is None
     from pixeltriage.kernels import attention
 
-    assert r["float32_attention"] == cpu.float32_attention_record(torch.float32)
+    assert r["float32_attention"] == tune.float32_records(torch.float32)[0]["float32 attention"]
     if r["float32_attention"] is not None:
         att = r["float32_attention"]
         assert att == attention.float32_choice() and {att["causal"], att["segments"]} <= {"C", "SDPA"}
         assert f"float32 attention  causal {att['causal']}" in buf.getvalue()
-    assert cpu.float32_attention_record(torch.bfloat16) is None
+    assert tune.float32_records(torch.bfloat16)[0]["float32 attention"] is None
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
