@@ -97,6 +97,21 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert "moved 3.0x" in buf.getvalue()
 
 
+def test_the_table_says_why_float32_is_on_f_linear_where_the_primitive_refuses_the_cpu(monkeypatch):
+    from pixeltriage.kernels import linear
+
+    class Ops:
+        @staticmethod
+        def _linear_pointwise(*args):
+            raise RuntimeError("could not create a primitive descriptor\nmore")
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
+    record = linear.measure_float32_gemm((16, 8, 8), pairs=1)
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "float32_gemm": record}, buf)
+    assert "float32 GEMM       F.linear: oneDNN's primitive failed here (could not create" in buf.getvalue()
+
+
 def test_the_machine_a_figure_comes_from():
     """/proc/cpuinfo's first model name and the bf16 units among its flags (x86's lscpu names, aarch64's Features);
     none listed where the text has none, the platform's name where it has no model name."""
