@@ -110,8 +110,9 @@ MAX_SEGMENT = 4096
 def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
                            engine: str | None = None) -> torch.Tensor | None:
     """`segment_attention`'s non-causal contract in bf16 on the CPU's matrix units (C `pt_segment_attention_bf16`):
-    per segment, head and block of 64 queries, S = Q K^T as bf16 products with float32 sums, a float32 softmax, e
-    rounded to bf16 for e V (torch's flash kernel's rounding in bf16) and float32 sums divided out. The vision
+    per segment, head and block of 64 queries, S = Q K^T as bf16 products with float32 sums, a float32 softmax, e V
+    as two bf16 products (e's bf16 part, then what its rounding left: as exact as float32 e) and float32 sums divided
+    out, so that the output's rounding to bf16 is its error, as SDPA's. The vision
     tower's images are short (hundreds of patches) and their heads narrow (64): SDPA's flash kernel reached ~35% of
     the GEMM rate there.
 
@@ -142,7 +143,7 @@ def causal_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
                           engine: str | None = None) -> torch.Tensor | None:
     """`segment_attention`'s causal contract in bf16 on the CPU's matrix units (C `pt_causal_attention_bf16`): per
     segment, query head and block of 64 queries, S = Q K^T up to the block's last key as bf16 products with float32
-    sums, a float32 softmax over the keys each query sees, e rounded to bf16 for e V, float32 sums divided out;
+    sums, a float32 softmax over the keys each query sees, e V as two bf16 products, float32 sums divided out;
     `segment_attention_bf16`'s numerics. Grouped-query heads share their key/value head's K^T and V, packed once
     per segment. The decoder's full-attention layers: 8 heads of 256 over 2 key/value heads at every preset.
 

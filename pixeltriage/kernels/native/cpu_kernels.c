@@ -177,6 +177,15 @@ static inline uint16_t float_to_bf16(float f) {
 static inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 #endif
 
+#ifdef PT_AVX512BF16
+/* what rounding to bf16 leaves of 32 floats (lo then hi), x - float(bf16(x)) (exact in float), as 32 bf16 */
+static inline __m512 bf16_rest16(__m512 x) {
+    __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16);
+    return _mm512_sub_ps(x, _mm512_castsi512_ps(hi));
+}
+static inline __m512i bf16_rest32(__m512 lo, __m512 hi) { return bf16x32(bf16_rest16(lo), bf16_rest16(hi)); }
+#endif
+
 static inline void bf16_row(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
 #ifdef PT_AVX512BF16
@@ -1452,9 +1461,10 @@ static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, 
     }
 }
 
-/* One row of scores (row[0, L) live, Lp a multiple of 32): e = exp(scale (row - max)), written to pb as bf16 with
- * zeros past L; returns the float32 sum of e. */
-static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb) {
+/* One row of scores (row[0, L) live, Lp a multiple of 32): e = exp(scale (row - max)) in two bf16 parts with
+ * zeros past L, pb = bf16(e) and pl = bf16(e - pb), so that pb + pl is e within 2^-17 of it; returns the float32
+ * sum of e. */
+static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb, uint16_t *pl) {
     float m = row[0], sum = 0.0f;
 #if defined(PT_AVX512F) && defined(PT_AVX512BF16)
     {                                              /* the row's max in four chains (one waits on its own latency) */
@@ -1488,6 +1498,7 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
         acc0 = _mm512_add_ps(acc0, e0);
         acc1 = _mm512_add_ps(acc1, e1);
         _mm512_storeu_si512(pb + j, bf16x32(e0, e1));
+        _mm512_storeu_si512(pl + j, bf16_rest32(e0, e1));
     }
     for (; j < Lp; j += 32) {
         __mmask16 m0 = j >= L ? 0 : lanes16(L - j), m1 = j + 16 >= L ? 0 : lanes16(L - j - 16);
@@ -1496,6 +1507,7 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
         acc0 = _mm512_add_ps(acc0, e0);
         acc1 = _mm512_add_ps(acc1, e1);
         _mm512_storeu_si512(pb + j, bf16x32(e0, e1));
+        _mm512_storeu_si512(pl + j, bf16_rest32(e0, e1));
     }
     sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 #else
@@ -1507,6 +1519,9 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
     for (int64_t j = L; j < Lp; j++)
         row[j] = 0.0f;
     bf16_row(row, pb, Lp);
+    for (int64_t j = 0; j < Lp; j++)
+        row[j] -= bf16_to_float(pb[j]);
+    bf16_row(row, pl, Lp);
 #endif
     return sum;
 }
@@ -1517,11 +1532,13 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
  * apart). The two attention kernels' common tail, inlined into each (their products' shapes stay what each was
  * compiled for). */
 static inline __attribute__((always_inline)) void query_block_out(
-    int engine, float *sf, uint16_t *pb, int64_t ld, const uint16_t *vv, int64_t m, int64_t rows, int64_t D,
-    int64_t seen, int causal, float scale, float *inv, float *of, uint16_t *out, int64_t ldo) {
+    int engine, float *sf, uint16_t *pb, uint16_t *pl, int64_t ld, const uint16_t *vv, int64_t m, int64_t rows,
+    int64_t D, int64_t seen, int causal, float scale, float *inv, float *of, uint16_t *out, int64_t ldo) {
     for (int64_t i = 0; i < m; i++)
-        inv[i] = 1.0f / segment_softmax_row(sf + i * ld, seen + (causal ? i : 0), ld, scale, pb + i * ld);
-    mm_bf16(engine, pb, ld, vv, rows, D, ld, of, D, 0, 0);
+        inv[i] = 1.0f / segment_softmax_row(sf + i * ld, seen + (causal ? i : 0), ld, scale, pb + i * ld,
+                                            pl + i * ld);
+    mm_bf16(engine, pb, ld, vv, rows, D, ld, of, D, 0, 0);        /* e V = pb V + pl V: e's rounding to bf16 */
+    mm_bf16(engine, pl, ld, vv, rows, D, ld, of, D, 1, 0);        /* undone (V is bf16 already) */
     to_bf16_rows(of, D, m, D, inv, out, ldo);
 }
 
@@ -1529,9 +1546,11 @@ static inline __attribute__((always_inline)) void query_block_out(
  * For each segment s (tokens seg_start[s] .. + seg_len[s]) and head h, non-causal softmax attention, QUERY_BLOCK
  * query rows at a time, each block's scores over the segment's keys materialised (64 rows of a 1024-patch image are
  * 256 KB of floats, in L2):
- *   S = Q K^T (bf16 products, float32 sums), e = exp(scale (S - rowmax)), O = bf16(e) V / rowsum(e),
- * the rounding of e to bf16 before the second product being torch's flash kernel's for bf16. The head's Q rows, K^T
- * and V are packed once per (segment, head) task. q, k, v: bf16 with strides (t, h, 1) in elements; out: [T, H, D]
+ *   S = Q K^T (bf16 products, float32 sums), e = exp(scale (S - rowmax)), O = (pb V + pl V) / rowsum(e)
+ * with pb + pl = e in two bf16 parts (`segment_softmax_row`): e V as exact as float32 e would make it, so that the
+ * output's own rounding to bf16 is its error, as SDPA's in bf16 (rounding e once before a single product had 1.05-
+ * 1.14x that error, a tenth of the outputs more than a bf16 step off). The head's Q rows, K^T and V are packed once
+ * per (segment, head) task. q, k, v: bf16 with strides (t, h, 1) in elements; out: [T, H, D]
  * bf16 contiguous. Rows and columns past L up to Lp = L rounded up to 32 are zeros (padded keys masked out of the
  * softmax). Segments and heads are split over threads; scratch holds SEGMENT_SCRATCH(Lp, D) floats per thread for
  * the longest segment. D a multiple of 32 up to 256, the engine as in pt_delta_chunked_bf16. Returns 1 for what it
@@ -1539,7 +1558,7 @@ static inline __attribute__((always_inline)) void query_block_out(
 #define QUERY_BLOCK 64
 #define MAX_SEGMENT 4096
 #define SEGMENT_SCRATCH(L, D) \
-    (QUERY_BLOCK * (L) + QUERY_BLOCK * (L) / 2 + QUERY_BLOCK * (D) + QUERY_BLOCK + 3 * (L) * (D) / 2 + 7 * 64)
+    (QUERY_BLOCK * (L) + QUERY_BLOCK * (L) + QUERY_BLOCK * (D) + QUERY_BLOCK + 3 * (L) * (D) / 2 + 8 * 64)
 
 /* SEGMENT_SCRATCH for the longest segment (padded here): what the caller allocates per thread */
 int64_t pt_segment_attention_scratch(int64_t longest, int64_t D) { return SEGMENT_SCRATCH(round32(longest), D); }
@@ -1560,6 +1579,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
         float *sf = TAKE_F32(at, QUERY_BLOCK * Lmax), *of = TAKE_F32(at, QUERY_BLOCK * D);  /* scores, output */
         float *inv = TAKE_F32(at, QUERY_BLOCK);                                             /* 1 / sums */
         uint16_t *pb = TAKE_BF16(at, QUERY_BLOCK * Lmax);                                   /* bf16(e) */
+        uint16_t *pl = TAKE_BF16(at, QUERY_BLOCK * Lmax);                                   /* its rest */
         uint16_t *qb = TAKE_BF16(at, Lmax * D), *kt = TAKE_BF16(at, Lmax * D), *vv = TAKE_BF16(at, Lmax * D);
         tiles_on(engine);
 #pragma omp for schedule(dynamic, 1)
@@ -1574,7 +1594,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
             for (int64_t i0 = 0; i0 < L; i0 += QUERY_BLOCK) {
                 int64_t m = L - i0 < QUERY_BLOCK ? L - i0 : QUERY_BLOCK, mr = round32(m);
                 mm_bf16(engine, qb + i0 * D, D, kt, mr, Lp, D, sf, Lp, 0, 0);
-                query_block_out(engine, sf, pb, Lp, vv, m, mr, D, L, 0, scale, inv, of,
+                query_block_out(engine, sf, pb, pl, Lp, vv, m, mr, D, L, 0, scale, inv, of,
                                 out + (t0 + i0) * H * D + h * D, H * D);
             }
         }
@@ -1587,8 +1607,8 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
  * For each segment s (tokens seg_start[s] .. + seg_len[s]) and query head h, whose key/value head is h / (H / Hkv):
  * causal softmax attention, QUERY_BLOCK query rows at a time, each block's scores materialised up to its last key (64
  * rows of a 2304-token segment are 590 KB of floats, in L2): S = Q K^T on the tiles with float32 sums, e = exp(scale
- * (S - rowmax)) over the keys each row sees (zeros past them), O = bf16(e) V / rowsum(e), pt_segment_attention_bf16's
- * numerics. Each key/value head's K^T (32-key blocks, each [D/2, 64] in the pair layout) and V (the pair layout) are
+ * (S - rowmax)) over the keys each row sees (zeros past them), O = (pb V + pl V) / rowsum(e) with pb + pl = e:
+ * pt_segment_attention_bf16's numerics. Each key/value head's K^T (32-key blocks, each [D/2, 64] in the pair layout) and V (the pair layout) are
  * packed once per segment into kv, shared by the threads: kv_per_head = CAUSAL_KV(Lp, D) bf16 per key/value head for
  * the longest segment (Lp its length rounded up to 32); scratch holds CAUSAL_SCRATCH(Lp, D) floats per thread. The
  * query blocks of a segment go to threads last (longest) first. q, k, v: bf16 with strides (t, h, 1) in elements;
@@ -1597,8 +1617,8 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
 #define MAX_CAUSAL 32768
 #define CAUSAL_KV(L, D) (2 * (L) * (D))
 #define CAUSAL_SCRATCH(L, D) \
-    (QUERY_BLOCK * (L) + QUERY_BLOCK * (L) / 2 + QUERY_BLOCK * (D) / 2 + QUERY_BLOCK * (D) + QUERY_BLOCK + 16 * (D) \
-     + 6 * 64)
+    (QUERY_BLOCK * (L) + QUERY_BLOCK * (L) + QUERY_BLOCK * (D) / 2 + QUERY_BLOCK * (D) + QUERY_BLOCK + 16 * (D) \
+     + 7 * 64)
 
 /* CAUSAL_SCRATCH and CAUSAL_KV for the longest segment (padded here): what the caller allocates */
 int64_t pt_causal_attention_scratch(int64_t longest, int64_t D) { return CAUSAL_SCRATCH(round32(longest), D); }
@@ -1622,6 +1642,7 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
         float *sf = TAKE_F32(at, QUERY_BLOCK * Lmax), *of = TAKE_F32(at, QUERY_BLOCK * D);
         float *inv = TAKE_F32(at, QUERY_BLOCK);
         uint16_t *pb = TAKE_BF16(at, QUERY_BLOCK * Lmax), *qb = TAKE_BF16(at, QUERY_BLOCK * D);
+        uint16_t *pl = TAKE_BF16(at, QUERY_BLOCK * Lmax);
         uint16_t *rows = TAKE_BF16(at, 32 * D);
         tiles_on(engine);
         for (int64_t s = 0; s < nseg; s++) {
@@ -1644,7 +1665,7 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
                 for (int64_t j = 0; j < kend / 32; j++)
                     mm_bf16(engine, qb, D, kt + j * 32 * D, QUERY_BLOCK, 32, D, sf + 32 * j, kend, 0, 0);
                 /* row i sees keys 0 .. i0 + i; whole blocks of rows (a constant the products are compiled for) */
-                query_block_out(engine, sf, pb, kend, vv, m, QUERY_BLOCK, D, i0 + 1, 1, scale, inv, of,
+                query_block_out(engine, sf, pb, pl, kend, vv, m, QUERY_BLOCK, D, i0 + 1, 1, scale, inv, of,
                                 out + (t0 + i0) * H * D + h * D, H * D);
             }
         }
