@@ -198,7 +198,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     from pixeltriage.bench import tune
     from pixeltriage.kernels import registry
 
-    tuned = tune.float32_records(torch_dtype)[0]
+    tuned = tune.kept_records(torch_dtype)[0]
     return {
         "preset": preset, "dtype": dtype, "threads": torch.get_num_threads(), "tokens": state.num_tokens,
         "memories": state.num_memories, "engine_s": engine_s, "transformers_s": hf_s, "speedup": hf_s / engine_s,
@@ -212,9 +212,10 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         # which implementation ran each op (the bf16 delta pass and the ViT's attention on AMX depend on the CPU
         # and on PIXELTRIAGE_DELTA_BF16): a stage's figure means little without it
         "kernels": registry.choices("cpu", torch_dtype),
-        # float32: the GEMM library measured faster on this machine (kernels.linear), and per mask whether the C
-        # attention measured faster than SDPA (kernels.attention), with their ratios (bench.tune)
+        # float32: the GEMM library measured faster on this machine (kernels.linear); float32 and bf16 (AMX): per
+        # mask whether the C attention measured faster than SDPA (kernels.attention), with their ratios (bench.tune)
         "float32_gemm": tuned[tune.GEMM], "float32_attention": tuned[tune.ATTENTION],
+        "bf16_attention": tuned[tune.BF16_ATTENTION],
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
         "machine": cpu_machine(),
     }
@@ -271,12 +272,13 @@ def print_table(r: dict, out=None) -> None:
         print(f"  float32 GEMM       {gemm['library']}: oneDNN's primitive took {gemm['onednn_over_f_linear']:.2f}x "
               f"F.linear's time here (pairs' quartiles {q1:.2f}-{q3:.2f}; measured {gemm['measured']}, kept per "
               "machine)", file=out)
-    att = r.get("float32_attention")
-    if att:
-        ratios = "; ".join(f"{mask} {att[mask]}" + (f" (C {att[mask + '_c_over_sdpa']:.2f}x SDPA's time)"
-                                                     if mask + "_c_over_sdpa" in att else "")
-                           for mask in ("causal", "segments"))
-        print(f"  float32 attention  {ratios}; measured {att['measured']}, kept per machine", file=out)
+    for key, label in (("float32_attention", "float32 attention"), ("bf16_attention", "bf16 attention")):
+        att = r.get(key)
+        if att:
+            ratios = "; ".join(f"{mask} {att[mask]}" + (f" (C {att[mask + '_c_over_sdpa']:.2f}x SDPA's time)"
+                                                         if mask + "_c_over_sdpa" in att else "")
+                               for mask in ("causal", "segments"))
+            print(f"  {label:<18} {ratios}; measured {att['measured']}, kept per machine", file=out)
     print(f"  engine stages (medians; FLOPs from the FLOP model; of GEMM: the stage's rate over the "
           f"{r['gemm_tflops']:.3f} TFLOP/s):", file=out)
     print(f"    {'stage':<32}{'GFLOP':>10}{'ms':>10}{'TFLOP/s':>10}{'of GEMM':>9}", file=out)

@@ -1,6 +1,6 @@
 """`pixeltriage bench tune`: the choices this machine measured once and keeps (`kernels.tuning`): float32's GEMM
-library (`kernels.linear`) and the float32 attention kernel per mask (`kernels.attention`); measured now where not
-yet kept, or anew with --again."""
+library (`kernels.linear`) and, per dtype and mask, the C attention kernel against SDPA (`kernels.attention`);
+measured now where not yet kept, or anew with --again."""
 from __future__ import annotations
 
 import argparse
@@ -12,28 +12,39 @@ import torch
 from pixeltriage.bench.timing import set_threads
 
 
-GEMM, ATTENTION = "float32 GEMM", "float32 attention"
+GEMM, ATTENTION, BF16_ATTENTION = "float32 GEMM", "float32 attention", "bf16 attention"
 
 
-def float32_records(dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
-    """This machine's kept float32 choices, measured where not yet kept: ({name: record, or None where a forward
-    in `dtype` does not follow it}, {name: why not}). GEMM: unless PIXELTRIAGE_ONEDNN decides, or torch has no
-    oneDNN primitive; attention: where the C kernels are built."""
+def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
+    """This machine's kept choices, measured where not yet kept: ({name: record, or None where a forward in `dtype`
+    (None: any) does not follow it}, {name: why not}). GEMM: unless PIXELTRIAGE_ONEDNN decides, or torch has no
+    oneDNN primitive; float32 attention: where the C kernels are built; bf16 attention: where the CPU has AMX."""
     from pixeltriage.kernels import attention, linear, native
 
-    records, why = {GEMM: None, ATTENTION: None}, {}
-    if dtype != torch.float32:
-        return records, {GEMM: f"{dtype} forward", ATTENTION: f"{dtype} forward"}
-    if linear._switch() != "auto":
-        why[GEMM] = f"{linear.ONEDNN_SWITCH}={linear._switch()} decides"
-    elif not linear._fused_available(torch.float32):
-        why[GEMM] = "this torch has no oneDNN linear primitive"
+    records, why = {GEMM: None, ATTENTION: None, BF16_ATTENTION: None}, {}
+    if dtype not in (None, torch.float32):
+        why[GEMM] = why[ATTENTION] = f"{dtype} forward"
     else:
-        records[GEMM] = linear.float32_choice()
-    if native.available():
-        records[ATTENTION] = attention.float32_choice()
+        if linear._switch() != "auto":
+            why[GEMM] = f"{linear.ONEDNN_SWITCH}={linear._switch()} decides"
+        elif not linear._fused_available(torch.float32):
+            why[GEMM] = "this torch has no oneDNN linear primitive"
+        else:
+            records[GEMM] = linear.float32_choice()
+        if native.available():
+            records[ATTENTION] = attention.attention_choice(torch.float32)
+        else:
+            why[ATTENTION] = f"no C kernels: {native.status()}"
+    if dtype not in (None, torch.bfloat16):
+        why[BF16_ATTENTION] = f"{dtype} forward"
+    elif native.isa_emulated():
+        why[BF16_ATTENTION] = "AMX emulated (PIXELTRIAGE_NATIVE_ISA=emulated): its kernels run, at no speed to measure"
+    elif not native.available():
+        why[BF16_ATTENTION] = f"no C kernels: {native.status()}"
+    elif "amx" not in native.bf16_engines():
+        why[BF16_ATTENTION] = "no AMX tiles on this CPU: bf16 attention is SDPA's"
     else:
-        why[ATTENTION] = f"no C kernels: {native.status()}"
+        records[BF16_ATTENTION] = attention.attention_choice(torch.bfloat16)
     return records, why
 
 
@@ -43,7 +54,7 @@ def tune_report(again: bool = False) -> dict:
     from pixeltriage.kernels import tuning
 
     forgotten = tuning.forget() if again else []
-    records, why = float32_records()
+    records, why = kept_records()
     return {"machine": tuning.machine_key(), "file": str(tuning.path()), "forgotten": forgotten, "records": records,
             "not_measured": why}
 

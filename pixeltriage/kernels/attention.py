@@ -1,16 +1,18 @@
 """Attention over several independent segments of one token axis (images of the ViT, questions of a batch).
 
 Registers the "attention" op (`kernels.registry`): torch's SDPA on every device (flash / memory-efficient on CUDA);
-in float32 on the CPU, the C kernel (`attention_f32`) for each mask (causal, segments) where it measured faster than
-SDPA on this machine (timed once per machine and kept: `kernels.tuning`); in bf16 on a CPU with AMX, the C kernels
-on the tiles (`segment_attention_bf16`, `causal_attention_bf16`). Each C kernel declines what it does not take, and
-SDPA runs it.
+on the CPU, a C kernel for each mask (causal, segments) where it measured faster than SDPA on this machine (timed
+once per machine and dtype, and kept: `kernels.tuning`): in float32 `attention_f32`, in bf16 on a CPU with AMX the
+kernels on the tiles (`segment_attention_bf16`, `causal_attention_bf16`). Each C kernel declines what it does not
+take, and SDPA runs it.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +33,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     """
     _check_lengths(lengths, q.shape[0])
     chosen = registry.choose("attention", q.device, q.dtype)
-    if chosen is AMX:
-        out = causal_attention_bf16(q, k, v, lengths) if causal else segment_attention_bf16(q, k, v, lengths)
-        if out is not None:
-            return out
-    elif chosen is FLOAT32 and float32_c_wins(causal):
-        out = attention_f32(q, k, v, lengths, causal)
+    if chosen in (AMX, FLOAT32) and c_wins(q.dtype, causal):
+        out = c_kernel(q.dtype)(q, k, v, lengths, causal)
         if out is not None:
             return out
     return _sdpa_segments(q, k, v, lengths, causal)
@@ -206,54 +204,76 @@ def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: li
     return out if rc == 0 else None
 
 
-# The shapes the float32 choice is timed on: the decoder's causal attention (8 query heads of 256 over 2, one
+# The shapes each dtype's choice is timed on: the decoder's causal attention (8 query heads of 256 over 2, one
 # question of 1024 tokens) and the ViT's (4 images of 400 patches, 8 heads of 64)
 MEASURE_CAUSAL = (1024, 8, 2, 256)
 MEASURE_SEGMENTS = (4, 400, 8, 64)
-# the C kernel is taken only where it measured at least this much faster than SDPA
+# a C kernel is taken only where it measured at least this much faster than SDPA
 MARGIN = 0.97
-_F32_CHOICE: dict[str, bool] = {}
+# the name each dtype's record is kept under (`tuning`)
+RECORDS = {torch.float32: "float32 attention", torch.bfloat16: "bf16 attention"}
+# (dtype, ISA emulated) -> {mask: whether the C kernel runs it}, decided once per process
+_CHOICE: dict[tuple[torch.dtype, bool], dict[str, bool]] = {}
 
 
-def measure_float32_attention(pairs: int = 7) -> dict:
-    """The C kernel (`attention_f32`) against SDPA here, on each mask's shape (MEASURE_CAUSAL, MEASURE_SEGMENTS),
-    in interleaved pairs: the record `tuning` keeps ({"causal": "C" or "SDPA", "causal_c_over_sdpa": the median
-    of the pairs' time ratios, and the same for "segments"; "pairs", "measured"})."""
+def c_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor | None]:
+    """The C attention of `dtype` with `segment_attention`'s arguments (q, k, v, lengths, causal): float32's
+    `attention_f32`; bf16's two kernels on the AMX tiles. None from it: declined."""
+    if dtype == torch.float32:
+        return attention_f32
+    if dtype == torch.bfloat16:
+        return lambda q, k, v, lengths, causal: (causal_attention_bf16 if causal else segment_attention_bf16)(
+            q, k, v, lengths)
+    raise ValueError(f"no C attention kernel for {dtype}; they take {sorted(map(str, RECORDS))}")
+
+
+def measure_attention(dtype: torch.dtype, pairs: int = 7) -> dict:
+    """The C kernel of `dtype` (`c_kernel`) against SDPA here, on each mask's shape (MEASURE_CAUSAL,
+    MEASURE_SEGMENTS), in interleaved pairs: the record `tuning` keeps ({"causal": "C" or "SDPA",
+    "causal_c_over_sdpa": the median of the pairs' time ratios, and the same for "segments"; "pairs", "measured"}).
+    A mask the kernel declines here (no library, no AMX for bf16) is SDPA's without a measurement."""
+    kernel = c_kernel(dtype)
     gen = torch.Generator().manual_seed(0)
     t, hq, hkv, d = MEASURE_CAUSAL
-    causal = (torch.randn(t, hq, d, generator=gen), torch.randn(t, hkv, d, generator=gen),
-              torch.randn(t, hkv, d, generator=gen), [t])
+    causal = (*(torch.randn(t, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv)), [t])
     n, length, h, d = MEASURE_SEGMENTS
-    segments = (*torch.randn(3, n * length, h, d, generator=gen).unbind(0), [length] * n)
+    segments = (*torch.randn(3, n * length, h, d, generator=gen).to(dtype).unbind(0), [length] * n)
     record = {"pairs": pairs, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     for name, (q, k, v, lengths), mask in (("causal", causal, True), ("segments", segments, False)):
-        if attention_f32(q, k, v, lengths, mask) is None:
-            record[name] = "SDPA"                          # no library, or it declines: nothing to time
+        if kernel(q, k, v, lengths, mask) is None:
+            record[name] = "SDPA"
             continue
         ratios = tuning.interleaved_ratio(lambda: _sdpa_segments(q, k, v, lengths, mask),
-                                          lambda: attention_f32(q, k, v, lengths, mask), pairs=pairs)
+                                          lambda: kernel(q, k, v, lengths, mask), pairs=pairs)
         ratio = ratios[len(ratios) // 2]
         record[name] = "C" if ratio < MARGIN else "SDPA"
         record[f"{name}_c_over_sdpa"] = round(ratio, 4)
     return record
 
 
-def float32_choice() -> dict:
-    """This machine's measured float32 attention kernel per mask (`measure_float32_attention`'s record, kept by
-    `tuning`)."""
-    return tuning.measured("float32 attention", measure_float32_attention)
+def attention_choice(dtype: torch.dtype) -> dict:
+    """This machine's measured attention kernel per mask in `dtype` (`measure_attention`'s record, kept by
+    `tuning` under RECORDS[dtype])."""
+    return tuning.measured(RECORDS[dtype], functools.partial(measure_attention, dtype))
 
 
-def float32_c_wins(causal: bool) -> bool:
-    """Whether float32 attention with this mask runs the C kernel here (decided once per process)."""
-    if not _F32_CHOICE:
-        record = float32_choice()
-        _F32_CHOICE.update(causal=record.get("causal") == "C", segments=record.get("segments") == "C")
-    return _F32_CHOICE["causal" if causal else "segments"]
+def c_wins(dtype: torch.dtype, causal: bool) -> bool:
+    """Whether attention in `dtype` with this mask runs the C kernel here (decided once per process). bf16 under the
+    ISA emulation (PIXELTRIAGE_NATIVE_ISA=emulated: the AMX kernels' exactness on any CPU, at no meaningful
+    speed) runs the kernels without a measurement."""
+    key = (dtype, dtype == torch.bfloat16 and native.isa_emulated())
+    if key not in _CHOICE:
+        record = {"causal": "C", "segments": "C"} if key[1] else attention_choice(dtype)
+        _CHOICE[key] = {mask: record.get(mask) == "C" for mask in ("causal", "segments")}
+    return _CHOICE[key]["causal" if causal else "segments"]
 
 
 def _float32_available() -> bool:
-    return native.available() and (float32_c_wins(True) or float32_c_wins(False))
+    return native.available() and (c_wins(torch.float32, True) or c_wins(torch.float32, False))
+
+
+def _amx_available() -> bool:
+    return "amx" in native.bf16_engines() and (c_wins(torch.bfloat16, True) or c_wins(torch.bfloat16, False))
 
 
 registry.register("attention", "torch SDPA", segment_attention, devices=("cpu", "cuda"))
@@ -262,8 +282,8 @@ registry.register("attention", "torch SDPA", segment_attention, devices=("cpu", 
 FLOAT32 = registry.register("attention", "native C pt_attention_f32 (where measured faster than SDPA)",
                             segment_attention, devices=("cpu",), dtypes=(torch.float32,),
                             available=_float32_available, priority=10)
-# bf16 on a CPU with AMX tiles: the vision tower's images and the decoder's causal segments on the tiles (SDPA for
-# what the kernels decline)
-AMX = registry.register("attention", "native C pt_segment_attention_bf16 / pt_causal_attention_bf16",
-                        segment_attention, devices=("cpu",), dtypes=(torch.bfloat16,),
-                        available=lambda: "amx" in native.bf16_engines(), priority=10)
+# bf16 on a CPU with AMX tiles: the vision tower's images and the decoder's causal segments on the tiles, each mask
+# where it measured faster than SDPA on this machine (SDPA for the other, and for what the kernels decline)
+AMX = registry.register("attention", "native C pt_segment_attention_bf16 / pt_causal_attention_bf16 (where measured "
+                        "faster than SDPA)", segment_attention, devices=("cpu",), dtypes=(torch.bfloat16,),
+                        available=_amx_available, priority=10)

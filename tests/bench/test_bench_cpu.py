@@ -73,20 +73,21 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     from pixeltriage.bench import tune
     from pixeltriage.kernels import linear
 
-    assert r["float32_gemm"] == tune.float32_records(torch.float32)[0]["float32 GEMM"]
+    assert r["float32_gemm"] == tune.kept_records(torch.float32)[0]["float32 GEMM"]
     if r["float32_gemm"] is not None:
         assert r["float32_gemm"] == linear.float32_choice()
         assert (r["float32_gemm"]["library"] == "oneDNN") is linear.plain_onednn("cpu", torch.float32)
         assert f"float32 GEMM       {r['float32_gemm']['library']}: oneDNN's primitive took" in buf.getvalue()
-    assert tune.float32_records(torch.bfloat16)[0]["float32 GEMM"] is None
+    assert tune.kept_records(torch.bfloat16)[0]["float32 GEMM"] is None
     from pixeltriage.kernels import attention
 
-    assert r["float32_attention"] == tune.float32_records(torch.float32)[0]["float32 attention"]
+    assert r["float32_attention"] == tune.kept_records(torch.float32)[0]["float32 attention"]
     if r["float32_attention"] is not None:
         att = r["float32_attention"]
-        assert att == attention.float32_choice() and {att["causal"], att["segments"]} <= {"C", "SDPA"}
+        assert att == attention.attention_choice(torch.float32) and {att["causal"], att["segments"]} <= {"C", "SDPA"}
         assert f"float32 attention  causal {att['causal']}" in buf.getvalue()
-    assert tune.float32_records(torch.bfloat16)[0]["float32 attention"] is None
+    assert tune.kept_records(torch.bfloat16)[0]["float32 attention"] is None
+    assert r["bf16_attention"] is None and tune.kept_records(torch.float32)[0]["bf16 attention"] is None
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
@@ -104,6 +105,23 @@ def test_the_table_says_why_float32_is_on_f_linear_where_the_primitive_refuses_t
     buf = io.StringIO()
     cpu.print_table({**_TABLE, "float32_gemm": record}, buf)
     assert "float32 GEMM       F.linear: oneDNN's primitive failed here (could not create" in buf.getvalue()
+
+
+def test_the_table_names_each_dtypes_attention_choice_per_mask():
+    # the records `attention.measure_attention` keeps (tests/kernels/test_fast_paths.py)
+    f32 = {"pairs": 7, "measured": "2026-12-03 01:00:00", "causal": "C", "causal_c_over_sdpa": 0.65,
+           "segments": "SDPA", "segments_c_over_sdpa": 1.02}
+    bf16 = {"pairs": 7, "measured": "2026-12-03 01:00:01", "causal": "SDPA", "causal_c_over_sdpa": 1.1,
+            "segments": "C", "segments_c_over_sdpa": 0.7}
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "float32_attention": f32, "bf16_attention": bf16}, buf)
+    assert ("float32 attention  causal C (C 0.65x SDPA's time); segments SDPA (C 1.02x SDPA's time); measured "
+            "2026-12-03 01:00:00, kept per machine") in buf.getvalue()
+    assert ("bf16 attention     causal SDPA (C 1.10x SDPA's time); segments C (C 0.70x SDPA's time); measured "
+            "2026-12-03 01:00:01, kept per machine") in buf.getvalue()
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "bf16_attention": None}, buf)
+    assert "attention  " not in buf.getvalue()
 
 
 def test_the_machine_a_figure_comes_from():

@@ -679,17 +679,20 @@ def test_float32_products_at_every_register_width(register_width_library, case, 
     assert rel(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("causal_c, segments_c", [(True, True), (True, False), (False, True), (False, False)])
+MASK_CHOICES = [(True, True), (True, False), (False, True), (False, False)]
+
+
+@pytest.mark.parametrize("causal_c, segments_c", MASK_CHOICES)
 def test_float32_attention_runs_the_kernel_measured_faster_per_mask(causal_c, segments_c, monkeypatch):
     """float32 on the CPU: `segment_attention` runs the C kernel for each mask where it measured faster than SDPA on
-    this machine (`attention.float32_choice`, here set), SDPA for the other; where SDPA won both the registry names
-    SDPA. The C kernel's output does not depend on the thread count (each query block is one thread's, the packed
-    K^T and V are complete before any is read)."""
+    this machine (`attention.attention_choice`, here set), SDPA for the other; where SDPA won both the registry
+    names SDPA. The C kernel's output does not depend on the thread count (each query block is one thread's, the
+    packed K^T and V are complete before any is read)."""
     from pixeltriage.kernels import attention, native, registry
 
     if not native.available():
         pytest.skip(f"no C kernels: {native.status()}")
-    monkeypatch.setattr(attention, "_F32_CHOICE", {"causal": causal_c, "segments": segments_c})
+    monkeypatch.setattr(attention, "_CHOICE", {(torch.float32, False): {"causal": causal_c, "segments": segments_c}})
     chosen = registry.choose("attention", "cpu", torch.float32)
     assert (chosen is attention.FLOAT32) is (causal_c or segments_c)
     torch.manual_seed(4)
@@ -710,9 +713,37 @@ def test_float32_attention_runs_the_kernel_measured_faster_per_mask(causal_c, se
         assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=causal), want)
 
 
-def test_float32_attention_choice_is_measured_per_mask(monkeypatch, tmp_path):
-    """The record: per mask, "C" where the kernel's median time is under MARGIN of SDPA's, else "SDPA", with the
-    ratio; a mask the kernel declines on this build (no library) is SDPA's without a measurement."""
+@pytest.mark.parametrize("unit", isa.params("amx"))
+@pytest.mark.parametrize("causal_c, segments_c", MASK_CHOICES)
+def test_bf16_attention_runs_the_tiles_measured_faster_per_mask(unit, causal_c, segments_c, monkeypatch):
+    """bf16 on a CPU with AMX: each mask on the tiles where the kernel measured faster than SDPA (here set), SDPA
+    for the other; where SDPA won both the registry names SDPA. Under the ISA emulation nothing is measured (its
+    speed means nothing): both masks run the kernels, so the emulated forward checks them."""
+    from pixeltriage.kernels import attention, native, registry, tuning
+
+    key = (torch.bfloat16, native.isa_emulated())
+    monkeypatch.setattr(attention, "_CHOICE", {key: {"causal": causal_c, "segments": segments_c}})
+    chosen = registry.choose("attention", "cpu", torch.bfloat16)
+    assert (chosen is attention.AMX) is (causal_c or segments_c)
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(3, 150, 4, 32) * 1.5).bfloat16().unbind(0)
+    lengths = [70, 0, 80]
+    for causal, c_wins in ((True, causal_c), (False, segments_c)):
+        kernel = attention.causal_attention_bf16 if causal else attention.segment_attention_bf16
+        want = kernel(q, k, v, lengths) if c_wins else attention._sdpa_segments(q, k, v, lengths, causal)
+        assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=causal), want)
+    if key[1]:
+        monkeypatch.setattr(attention, "_CHOICE", {})
+        monkeypatch.setattr(tuning, "measured", lambda name, measure: pytest.fail(f"{name} measured under emulation"))
+        assert registry.choose("attention", "cpu", torch.bfloat16) is attention.AMX
+        assert attention.c_wins(torch.bfloat16, True) and attention.c_wins(torch.bfloat16, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_choice_is_measured_per_mask(dtype, monkeypatch, tmp_path):
+    """The record, per dtype: per mask, "C" where the kernel's median time is under MARGIN of SDPA's, else "SDPA",
+    with the ratio; a mask the kernel declines here (no library; in bf16, no AMX) is SDPA's without a measurement.
+    The choice follows the kept record."""
     from pixeltriage.kernels import attention, native, tuning
 
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
@@ -720,16 +751,21 @@ def test_float32_attention_choice_is_measured_per_mask(monkeypatch, tmp_path):
     timed = []
     ratios = iter([[0.5, 0.6, 0.7], [0.96, 1.1, 1.2]])
     monkeypatch.setattr(tuning, "interleaved_ratio", lambda first, second, pairs: timed.append(1) or next(ratios))
-    record = attention.measure_float32_attention(pairs=3)
-    if native.available():
+    record = attention.measure_attention(dtype, pairs=3)
+    takes = native.available() and (dtype == torch.float32 or "amx" in native.bf16_engines())
+    if takes:
         assert record["causal"] == "C" and record["causal_c_over_sdpa"] == 0.6
         assert record["segments"] == "SDPA" and record["segments_c_over_sdpa"] == 1.1 and len(timed) == 2
     else:
         assert record["causal"] == record["segments"] == "SDPA" and not timed
-    monkeypatch.setattr(attention, "_F32_CHOICE", {})
-    monkeypatch.setattr(attention, "measure_float32_attention", lambda: record)
-    assert attention.float32_choice() == record
-    assert attention.float32_c_wins(True) is (record["causal"] == "C") and not attention.float32_c_wins(False)
+    monkeypatch.setattr(attention, "_CHOICE", {})
+    monkeypatch.setattr(attention, "measure_attention", lambda d, pairs=7: dict(record, dtype=str(d)))
+    assert attention.attention_choice(dtype) == dict(record, dtype=str(dtype))
+    assert attention.c_wins(dtype, True) is (record["causal"] == "C") and not attention.c_wins(dtype, False)
+    kept = tuning.measured(attention.RECORDS[dtype], lambda: pytest.fail("measured twice"))
+    assert kept == attention.attention_choice(dtype)
+    with pytest.raises(ValueError, match="no C attention kernel"):
+        attention.c_kernel(torch.float16)
 
 
 def test_attention_f32_keeps_nans_and_declines_what_it_does_not_take():

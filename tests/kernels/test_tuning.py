@@ -166,6 +166,10 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
     measured = {name: record for name, record in first["records"].items() if record is not None}
     assert kept == {f"{name} @ {first['machine']}": record for name, record in measured.items()}
     assert set(first["not_measured"]) == set(first["records"]) - set(measured)
+    from pixeltriage.kernels import native
+
+    if "amx" not in native.bf16_engines():
+        assert first["not_measured"]["bf16 attention"] == "no AMX tiles on this CPU: bf16 attention is SDPA's"
     edited = {key: {**record, "edited": True} for key, record in kept.items()}
     (tmp_path / tuning.FILE).write_text(json.dumps(edited))
     second = tune()
