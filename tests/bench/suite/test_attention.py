@@ -1,12 +1,14 @@
-"""float32 attention benchmarks (pytest-benchmark): SDPA's flash kernel against the C kernel
-(`kernels.attention.attention_f32`), on bench-small's shapes, one group per layer kind. Run with `make bench`; the
-ratio of a group's two medians is the kernel's speed-up on this CPU (measured on an AVX2 AMD EPYC only: on an
-AVX-512 or AMX CPU, this is the measurement that says whether float32 should keep it). No timing is asserted; each
-entry's output is checked against float64 once first.
+"""Attention benchmarks (pytest-benchmark): SDPA against this machine's C kernel, on bench-small's shapes, one group
+per dtype and layer kind. Run with `make bench`; the ratio of a group's two medians is the kernel's speed-up on this
+CPU, what `kernels.attention.measure_attention` measures once per machine to choose (on smaller shapes). No timing is
+asserted; each entry's output is checked against float64 once first.
 
-- attention-f32-decoder: one gated attention layer's causal attention, 2296 tokens, 8 query heads of 256 over 2
+- float32, the C kernel `attention_f32` (measured on an AVX2 AMD EPYC only);
+- bf16 on a CPU with AMX (skipped elsewhere), the tile kernels `causal_attention_bf16` / `segment_attention_bf16`,
+  whose e V is two bf16 products (never measured on AMX: this is the measurement);
+- attention-<dtype>-decoder: one gated attention layer's causal attention, 2296 tokens, 8 query heads of 256 over 2
   key/value heads;
-- attention-f32-vit: one ViT block's attention, 10 images of 400 patches, 8 heads of 64, strided views of the
+- attention-<dtype>-vit: one ViT block's attention, 10 images of 400 patches, 8 heads of 64, strided views of the
   block's qkv projection.
 """
 import pytest
@@ -39,12 +41,20 @@ CASES = {   # tokens' segments, query heads, key/value heads, head dim, causal
 }
 
 
+# the float64 check per dtype: float32 (tests/kernels: both within 1.6e-6 of float64); bf16, the output's rounding
+# (both within 2^-8 of the largest output)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8}
+
+
 @pytest.mark.parametrize("kernel", ["sdpa", "c"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_float32_attention(benchmark, case, kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_attention(benchmark, dtype, case, kernel):
+    if dtype == torch.bfloat16 and "amx" not in native.bf16_engines():
+        pytest.skip("bf16's C attention runs on AMX tiles, which this CPU lacks")
     lengths, hq, hkv, dim, causal = CASES[case]
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(sum(lengths), hq + 2 * hkv, dim, generator=gen)
+    qkv = torch.randn(sum(lengths), hq + 2 * hkv, dim, generator=gen).to(dtype)
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     n, count = lengths[0], len(lengths)          # one length: SDPA takes the segments as one 4-D batch
 
@@ -54,11 +64,11 @@ def test_float32_attention(benchmark, case, kernel):
         return out.transpose(1, 2).reshape(-1, hq, dim)
 
     def c():
-        return attention.attention_f32(q, k, v, lengths, causal)
+        return attention.c_kernel(dtype)(q, k, v, lengths, causal)
 
     fn = {"sdpa": sdpa, "c": c}[kernel]
     exact = _reference(q, k, v, lengths, causal)
     err = ((fn().double() - exact).abs().max() / exact.abs().max()).item()
-    assert err < 1e-5, err        # float32 (tests/kernels: both within 1.6e-6 of float64)
-    benchmark.group = f"attention-f32-{case}"
+    assert err < TOLERANCE[dtype], err
+    benchmark.group = f"attention-{'f32' if dtype == torch.float32 else 'bf16'}-{case}"
     benchmark.pedantic(fn, rounds=ROUNDS, warmup_rounds=2)
