@@ -1537,8 +1537,9 @@ static inline __attribute__((always_inline)) void query_block_out(
     for (int64_t i = 0; i < m; i++)
         inv[i] = 1.0f / segment_softmax_row(sf + i * ld, seen + (causal ? i : 0), ld, scale, pb + i * ld,
                                             pl + i * ld);
-    mm_bf16(engine, pb, ld, vv, rows, D, ld, of, D, 0, 0);        /* e V = pb V + pl V: e's rounding to bf16 */
-    mm_bf16(engine, pl, ld, vv, rows, D, ld, of, D, 1, 0);        /* undone (V is bf16 already) */
+    /* e V = pb V + pl V (V is bf16 already): the second product adds back what e's rounding to bf16 took */
+    mm_bf16(engine, pb, ld, vv, rows, D, ld, of, D, 0, 0);
+    mm_bf16(engine, pl, ld, vv, rows, D, ld, of, D, 1, 0);
     to_bf16_rows(of, D, m, D, inv, out, ldo);
 }
 
@@ -1548,13 +1549,13 @@ static inline __attribute__((always_inline)) void query_block_out(
  * 256 KB of floats, in L2):
  *   S = Q K^T (bf16 products, float32 sums), e = exp(scale (S - rowmax)), O = (pb V + pl V) / rowsum(e)
  * with pb + pl = e in two bf16 parts (`segment_softmax_row`): e V as exact as float32 e would make it, so that the
- * output's own rounding to bf16 is its error, as SDPA's in bf16 (rounding e once before a single product had 1.05-
- * 1.14x that error, a tenth of the outputs more than a bf16 step off). The head's Q rows, K^T and V are packed once
- * per (segment, head) task. q, k, v: bf16 with strides (t, h, 1) in elements; out: [T, H, D]
- * bf16 contiguous. Rows and columns past L up to Lp = L rounded up to 32 are zeros (padded keys masked out of the
- * softmax). Segments and heads are split over threads; scratch holds SEGMENT_SCRATCH(Lp, D) floats per thread for
- * the longest segment. D a multiple of 32 up to 256, the engine as in pt_delta_chunked_bf16. Returns 1 for what it
- * does not take, 2 for an engine this build lacks. */
+ * output's own rounding to bf16 is its error, as SDPA's in bf16 (rounding e once before a single product had
+ * 1.05-1.14x that error, a tenth of the outputs more than a bf16 step off). The head's Q rows, K^T and V are packed
+ * once per (segment, head) task. q, k, v: bf16 with strides (t, h, 1) in elements; out: [T, H, D] bf16 contiguous.
+ * Rows and columns past L up to Lp = L rounded up to 32 are zeros (padded keys masked out of the softmax). Segments
+ * and heads are split over threads; scratch holds SEGMENT_SCRATCH(Lp, D) floats per thread for the longest
+ * segment. D a multiple of 32 up to 256, the engine as in pt_delta_chunked_bf16. Returns 1 for what it does not
+ * take, 2 for an engine this build lacks. */
 #define QUERY_BLOCK 64
 #define MAX_SEGMENT 4096
 #define SEGMENT_SCRATCH(L, D) \
@@ -1608,12 +1609,13 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
  * causal softmax attention, QUERY_BLOCK query rows at a time, each block's scores materialised up to its last key (64
  * rows of a 2304-token segment are 590 KB of floats, in L2): S = Q K^T on the tiles with float32 sums, e = exp(scale
  * (S - rowmax)) over the keys each row sees (zeros past them), O = (pb V + pl V) / rowsum(e) with pb + pl = e:
- * pt_segment_attention_bf16's numerics. Each key/value head's K^T (32-key blocks, each [D/2, 64] in the pair layout) and V (the pair layout) are
- * packed once per segment into kv, shared by the threads: kv_per_head = CAUSAL_KV(Lp, D) bf16 per key/value head for
- * the longest segment (Lp its length rounded up to 32); scratch holds CAUSAL_SCRATCH(Lp, D) floats per thread. The
- * query blocks of a segment go to threads last (longest) first. q, k, v: bf16 with strides (t, h, 1) in elements;
- * out: [T, H, D] bf16 contiguous. D a multiple of 32 up to 256, H a multiple of Hkv, the engine as in
- * pt_delta_chunked_bf16. Returns 1 for what it does not take, 2 for an engine this build lacks. */
+ * pt_segment_attention_bf16's numerics. Each key/value head's K^T (32-key blocks, each [D/2, 64] in the pair
+ * layout) and V (the pair layout) are packed once per segment into kv, shared by the threads: kv_per_head =
+ * CAUSAL_KV(Lp, D) bf16 per key/value head for the longest segment (Lp its length rounded up to 32); scratch holds
+ * CAUSAL_SCRATCH(Lp, D) floats per thread. The query blocks of a segment go to threads last (longest) first.
+ * q, k, v: bf16 with strides (t, h, 1) in elements; out: [T, H, D] bf16 contiguous. D a multiple of 32 up to 256, H
+ * a multiple of Hkv, the engine as in pt_delta_chunked_bf16. Returns 1 for what it does not take, 2 for an engine
+ * this build lacks. */
 #define MAX_CAUSAL 32768
 #define CAUSAL_KV(L, D) (2 * (L) * (D))
 #define CAUSAL_SCRATCH(L, D) \
