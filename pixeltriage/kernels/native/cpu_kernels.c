@@ -291,6 +291,14 @@ int pt_add_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, co
     return 0;
 }
 
+/* The two exponential passes with exp's polynomial in fused multiply-adds (outside these regions GCC in ISO C mode
+ * contracts nothing). AVX2 EPYC, 2 threads, 21 interleaved pairs: pt_silu_mul on bench-small's float32 [2296,
+ * 2 x 3072] 0.86x its time (bf16 0.87x, the same bits), pt_gelu_tanh on the ViT's [4000, 2048] 0.82x; float32
+ * outputs within 3.2e-8 of the unfused ones. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#endif
 /* SwiGLU's product: out[t, i] = silu(gu[t, i]) * gu[t, I + i], in float32, rounded once if out_bf16.
  * gu: [T, 2I] with row stride gu_t (bf16 if gu_bf16); out: [T, I] contiguous, same dtype as gu. */
 int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) {
@@ -332,6 +340,9 @@ int pt_gelu_tanh(float *x, int64_t n, int nthreads) {
     }
     return 0;
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /* Rotary on the first R features, in float32 and rounded once, optionally after a zero-centred RMSNorm (the
  * decoder attention's q and k; w NULL: none, the ViT's full-width rotary with R = D):
