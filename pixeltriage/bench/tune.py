@@ -41,8 +41,8 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
         why[BF16_ATTENTION] = "AMX emulated (PIXELTRIAGE_NATIVE_ISA=emulated): its kernels run, at no speed to measure"
     elif not native.available():
         why[BF16_ATTENTION] = f"no C kernels: {native.status()}"
-    elif "amx" not in native.bf16_engines():
-        why[BF16_ATTENTION] = "no AMX tiles on this CPU: bf16 attention is SDPA's"
+    elif native.fast_bf16_engine() is None:
+        why[BF16_ATTENTION] = "no bf16 units on this CPU (AMX, AVX512-BF16): bf16 attention is SDPA's"
     else:
         records[BF16_ATTENTION] = attention.attention_choice(torch.bfloat16)
     return records, why

@@ -2,9 +2,9 @@
 
 Registers the "attention" op (`kernels.registry`): torch's SDPA on every device (flash / memory-efficient on CUDA);
 on the CPU, a C kernel for each mask (causal, segments) where it measured faster than SDPA on this machine (timed
-once per machine and dtype, and kept: `kernels.tuning`): in float32 `attention_f32`, in bf16 on a CPU with AMX the
-kernels on the tiles (`segment_attention_bf16`, `causal_attention_bf16`). Each C kernel declines what it does not
-take, and SDPA runs it.
+once per machine and dtype, and kept: `kernels.tuning`): in float32 `attention_f32`, in bf16 on a CPU with AMX or
+AVX512-BF16 the kernels on those units (`segment_attention_bf16`, `causal_attention_bf16`). Each C kernel declines
+what it does not take, and SDPA runs it.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     """
     _check_lengths(lengths, q.shape[0])
     chosen = registry.choose("attention", q.device, q.dtype)
-    if chosen in (AMX, FLOAT32) and c_wins(q.dtype, causal):
+    if chosen in (BF16, FLOAT32) and c_wins(q.dtype, causal):
         out = c_kernel(q.dtype)(q, k, v, lengths, causal)
         if out is not None:
             return out
@@ -91,10 +91,10 @@ def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: li
 def _bf16_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], engine: str | None,
                 longest: int, grouped: bool):
     """`_kernel_takes` for the bf16 kernels (head dims a multiple of 32 up to 256), with the engine's name (None:
-    "amx"); None also where the library has no such engine."""
+    `native.fast_bf16_engine()`); None also where the library has no such engine."""
     taken = _kernel_takes(q, k, v, lengths, dtype=torch.bfloat16, multiple=32, widest=256, longest=longest,
                           grouped=grouped)
-    name = "amx" if engine is None else engine
+    name = native.fast_bf16_engine() if engine is None else engine
     if taken is None or name not in native.bf16_engines():
         return None
     return (name, *taken)
@@ -114,9 +114,10 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     tower's images are short (hundreds of patches) and their heads narrow (64): SDPA's flash kernel reached ~35% of
     the GEMM rate there.
 
-    engine: one of `native.BF16_ENGINES` (None: "amx"; "fma" runs on any machine, for the tests). Returns None for
-    what it does not take (not bf16 on the CPU, key/value heads unlike the query's, head dims not a multiple of 32
-    up to 256, a segment over MAX_SEGMENT, no library or no such engine): the caller takes SDPA. ValueError for
+    engine: one of `native.BF16_ENGINES` (None: `native.fast_bf16_engine()`, AMX's tiles or AVX512-BF16's dot
+    products; "fma" runs on any machine, for the tests). Returns None for what it does not take (not bf16 on the
+    CPU, key/value heads unlike the query's, head dims not a multiple of 32 up to 256, a segment over MAX_SEGMENT, no
+    library or no such engine): the caller takes SDPA. ValueError for
     lengths that do not cover q's tokens."""
     taken = _bf16_takes(q, k, v, lengths, engine, MAX_SEGMENT, grouped=False)
     if taken is None:
@@ -218,7 +219,8 @@ _CHOICE: dict[tuple[torch.dtype, bool], dict[str, bool]] = {}
 
 def c_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor | None]:
     """The C attention of `dtype` with `segment_attention`'s arguments (q, k, v, lengths, causal): float32's
-    `attention_f32`; bf16's two kernels on the AMX tiles. None from it: declined."""
+    `attention_f32`; bf16's two kernels on this CPU's bf16 units (`native.fast_bf16_engine`). None from it:
+    declined."""
     if dtype == torch.float32:
         return attention_f32
     if dtype == torch.bfloat16:
@@ -229,9 +231,11 @@ def c_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor | None]:
 
 def measure_attention(dtype: torch.dtype, pairs: int = 7) -> dict:
     """The C kernel of `dtype` (`c_kernel`) against SDPA here, on each mask's shape (MEASURE_CAUSAL,
-    MEASURE_SEGMENTS), in interleaved pairs: the record `tuning` keeps ({"causal": "C" or "SDPA",
-    "causal_c_over_sdpa": the median of the pairs' time ratios, and the same for "segments"; "pairs", "measured"}).
-    A mask the kernel declines here (no library, no AMX for bf16) is SDPA's without a measurement."""
+MEASURE_SEGMENTS), in interleaved pairs: the record `tuning` keeps ({"causal": "C" or "SDPA",
+    "causal_c_over_sdpa": the median of the pairs' time ratios, and the same for "segments"; "pairs", "measured";
+    bf16's "engine", `native.fast_bf16_engine()`).
+    A mask the kernel declines here (no library; for bf16, neither AMX nor AVX512-BF16) is SDPA's without a
+    measurement."""
     kernel = c_kernel(dtype)
     gen = torch.Generator().manual_seed(0)
     t, hq, hkv, d = MEASURE_CAUSAL
@@ -239,6 +243,8 @@ def measure_attention(dtype: torch.dtype, pairs: int = 7) -> dict:
     n, length, h, d = MEASURE_SEGMENTS
     segments = (*torch.randn(3, n * length, h, d, generator=gen).to(dtype).unbind(0), [length] * n)
     record = {"pairs": pairs, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if dtype == torch.bfloat16:
+        record["engine"] = native.fast_bf16_engine()
     for name, (q, k, v, lengths), mask in (("causal", causal, True), ("segments", segments, False)):
         if kernel(q, k, v, lengths, mask) is None:
             record[name] = "SDPA"
@@ -272,8 +278,9 @@ def _float32_available() -> bool:
     return native.available() and (c_wins(torch.float32, True) or c_wins(torch.float32, False))
 
 
-def _amx_available() -> bool:
-    return "amx" in native.bf16_engines() and (c_wins(torch.bfloat16, True) or c_wins(torch.bfloat16, False))
+def _bf16_available() -> bool:
+    return (native.fast_bf16_engine() is not None
+            and (c_wins(torch.bfloat16, True) or c_wins(torch.bfloat16, False)))
 
 
 registry.register("attention", "torch SDPA", segment_attention, devices=("cpu", "cuda"))
@@ -282,8 +289,9 @@ registry.register("attention", "torch SDPA", segment_attention, devices=("cpu", 
 FLOAT32 = registry.register("attention", "native C pt_attention_f32 (where measured faster than SDPA)",
                             segment_attention, devices=("cpu",), dtypes=(torch.float32,),
                             available=_float32_available, priority=10)
-# bf16 on a CPU with AMX tiles: the vision tower's images and the decoder's causal segments on the tiles, each mask
-# where it measured faster than SDPA on this machine (SDPA for the other, and for what the kernels decline)
-AMX = registry.register("attention", "native C pt_segment_attention_bf16 / pt_causal_attention_bf16 (where measured "
+# bf16 on a CPU with AMX tiles or AVX512-BF16 dot products: the vision tower's images and the decoder's causal
+# segments on those units, each mask where it measured faster than SDPA on this machine (SDPA for the other, and for
+# what the kernels decline)
+BF16 = registry.register("attention", "native C pt_segment_attention_bf16 / pt_causal_attention_bf16 (where measured "
                         "faster than SDPA)", segment_attention, devices=("cpu",), dtypes=(torch.bfloat16,),
-                        available=_amx_available, priority=10)
+                        available=_bf16_available, priority=10)

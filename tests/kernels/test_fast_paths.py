@@ -713,18 +713,22 @@ def test_float32_attention_runs_the_kernel_measured_faster_per_mask(causal_c, se
         assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=causal), want)
 
 
-@pytest.mark.parametrize("unit", isa.params("amx"))
+@pytest.mark.parametrize("unit", isa.params("avx512_bf16", "amx"))
 @pytest.mark.parametrize("causal_c, segments_c", MASK_CHOICES)
-def test_bf16_attention_runs_the_tiles_measured_faster_per_mask(unit, causal_c, segments_c, monkeypatch):
-    """bf16 on a CPU with AMX: each mask on the tiles where the kernel measured faster than SDPA (here set), SDPA
-    for the other; where SDPA won both the registry names SDPA. Under the ISA emulation nothing is measured (its
-    speed means nothing): both masks run the kernels, so the emulated forward checks them."""
+def test_bf16_attention_runs_the_kernels_measured_faster_per_mask(unit, causal_c, segments_c, monkeypatch):
+    """bf16 on a CPU with AMX or AVX512-BF16 (the engine here set to `unit`): each mask on the kernels where they
+    measured faster than SDPA (here set), SDPA for the other; where SDPA won both the registry names SDPA. Under the
+    ISA emulation nothing is measured (its speed means nothing): both masks run the kernels, so the emulated forward
+    checks them."""
     from pixeltriage.kernels import attention, native, registry, tuning
 
+    if native.fast_bf16_engine() == "amx" and unit == "avx512_bf16" and not native.isa_emulated():
+        assert "avx512_bf16" in native.bf16_engines()              # every CPU with AMX has AVX512-BF16
+    monkeypatch.setattr(native, "fast_bf16_engine", lambda: unit)
     key = (torch.bfloat16, native.isa_emulated())
     monkeypatch.setattr(attention, "_CHOICE", {key: {"causal": causal_c, "segments": segments_c}})
     chosen = registry.choose("attention", "cpu", torch.bfloat16)
-    assert (chosen is attention.AMX) is (causal_c or segments_c)
+    assert (chosen is attention.BF16) is (causal_c or segments_c)
     torch.manual_seed(5)
     q, k, v = (torch.randn(3, 150, 4, 32) * 1.5).bfloat16().unbind(0)
     lengths = [70, 0, 80]
@@ -735,14 +739,15 @@ def test_bf16_attention_runs_the_tiles_measured_faster_per_mask(unit, causal_c, 
     if key[1]:
         monkeypatch.setattr(attention, "_CHOICE", {})
         monkeypatch.setattr(tuning, "measured", lambda name, measure: pytest.fail(f"{name} measured under emulation"))
-        assert registry.choose("attention", "cpu", torch.bfloat16) is attention.AMX
+        assert registry.choose("attention", "cpu", torch.bfloat16) is attention.BF16
         assert attention.c_wins(torch.bfloat16, True) and attention.c_wins(torch.bfloat16, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_choice_is_measured_per_mask(dtype, monkeypatch, tmp_path):
     """The record, per dtype: per mask, "C" where the kernel's median time is under MARGIN of SDPA's, else "SDPA",
-    with the ratio; a mask the kernel declines here (no library; in bf16, no AMX) is SDPA's without a measurement.
+    with the ratio; a mask the kernel declines here (no library; in bf16, neither AMX nor AVX512-BF16) is SDPA's
+    without a measurement; bf16's record names its engine.
     The choice follows the kept record."""
     from pixeltriage.kernels import attention, native, tuning
 
@@ -752,7 +757,8 @@ def test_attention_choice_is_measured_per_mask(dtype, monkeypatch, tmp_path):
     ratios = iter([[0.5, 0.6, 0.7], [0.96, 1.1, 1.2]])
     monkeypatch.setattr(tuning, "interleaved_ratio", lambda first, second, pairs: timed.append(1) or next(ratios))
     record = attention.measure_attention(dtype, pairs=3)
-    takes = native.available() and (dtype == torch.float32 or "amx" in native.bf16_engines())
+    takes = native.available() and (dtype == torch.float32 or native.fast_bf16_engine() is not None)
+    assert record.get("engine") == (native.fast_bf16_engine() if dtype == torch.bfloat16 else None)
     if takes:
         assert record["causal"] == "C" and record["causal_c_over_sdpa"] == 0.6
         assert record["segments"] == "SDPA" and record["segments_c_over_sdpa"] == 1.1 and len(timed) == 2

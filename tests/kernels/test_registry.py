@@ -140,11 +140,11 @@ def test_real_ops_cpu(monkeypatch, no_switch):
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
-def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(monkeypatch, no_switch):
-    """A bf16 forward on the CPU takes the bf16 pass where the CPU has AMX tiles (the build's engines come from
-    this CPU's flags), unless PIXELTRIAGE_DELTA_BF16 says 0 / false / off / no; float32 forwards, and CPUs with
-    AVX512-BF16 alone (that engine ran the pass slower than the float32 pass) or neither ("fma" runs anywhere, for
-    tests), take the float32 pass."""
+def test_bf16_gated_delta_takes_the_bf16_units_only_where_the_cpu_has_them(monkeypatch, no_switch):
+    """A bf16 forward on the CPU takes the bf16 pass where the CPU has AMX tiles or AVX512-BF16 dot products (the
+    build's engines come from this CPU's flags), unless PIXELTRIAGE_DELTA_BF16 says 0 / false / off / no; float32
+    forwards, and CPUs with neither ("fma" runs anywhere, for tests, slower than the float32 pass), take the
+    float32 pass."""
     from pixeltriage.kernels.gated_delta import bf16
 
     flags = native._cpu_flags().split()
@@ -155,7 +155,7 @@ def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(mon
         assert "fma" in have
         assert "amx" not in have or "amx_bf16" in flags
         assert "avx512_bf16" not in have or "avx512_bf16" in flags
-    fast = "native C pt_delta_chunked_bf16" if "amx" in have else "native C pt_delta_chunked"
+    fast = "native C pt_delta_chunked_bf16" if have & {"amx", "avx512_bf16"} else "native C pt_delta_chunked"
     for unset_or_on in (None, "", "1", "on"):
         if unset_or_on is None:
             monkeypatch.delenv(bf16.SWITCH, raising=False)
@@ -164,7 +164,7 @@ def test_bf16_gated_delta_takes_the_matrix_units_only_where_the_cpu_has_them(mon
         assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == fast
     monkeypatch.delenv(bf16.SWITCH, raising=False)
     for engines, name in (({"fma", "amx"}, "native C pt_delta_chunked_bf16"),
-                          ({"fma", "avx512_bf16"}, "native C pt_delta_chunked"),
+                          ({"fma", "avx512_bf16"}, "native C pt_delta_chunked_bf16"),
                           ({"fma"}, "native C pt_delta_chunked")):
         monkeypatch.setattr(native, "bf16_engines", lambda e=frozenset(engines): e)
         assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == name

@@ -168,8 +168,11 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
     assert set(first["not_measured"]) == set(first["records"]) - set(measured)
     from pixeltriage.kernels import native
 
-    if "amx" not in native.bf16_engines():
-        assert first["not_measured"]["bf16 attention"] == "no AMX tiles on this CPU: bf16 attention is SDPA's"
+    if native.fast_bf16_engine() is None:
+        assert first["not_measured"]["bf16 attention"] == ("no bf16 units on this CPU (AMX, AVX512-BF16): bf16 "
+                                                           "attention is SDPA's")
+    else:
+        assert first["records"]["bf16 attention"]["engine"] == native.fast_bf16_engine()
     edited = {key: {**record, "edited": True} for key, record in kept.items()}
     (tmp_path / tuning.FILE).write_text(json.dumps(edited))
     second = tune()

@@ -26,9 +26,9 @@ FLA = _registry.register("gated_delta", "fla chunk_gated_delta_rule", fla.gated_
                          package=fla.FLA_REQUIREMENT)
 NATIVE = _registry.register("gated_delta", "native C pt_delta_chunked", gated_delta_native, devices=("cpu",),
                             dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(), priority=10)
-# a bf16 forward on a CPU with AMX (unless PIXELTRIAGE_DELTA_BF16=0, `bf16.SWITCH`, which says what its error is): the
-# chunk's products as bf16 matmuls on the tiles, float32 state; float32 forwards and CPUs without AMX keep the
-# float32 pass
+# a bf16 forward on a CPU with AMX or AVX512-BF16 (unless PIXELTRIAGE_DELTA_BF16=0, `bf16.SWITCH`, which says what
+# its error is): the chunk's products as bf16 matmuls on those units, float32 state; float32 forwards and CPUs
+# without them keep the float32 pass
 BF16 = _registry.register("gated_delta", "native C pt_delta_chunked_bf16", bf16.gated_delta_bf16, devices=("cpu",),
                           dtypes=(torch.bfloat16,), available=bf16.available, priority=15)
 TORCH = _registry.register("gated_delta", "torch chunked", gated_delta_torch, devices=("cpu",))

@@ -2,7 +2,7 @@
 
 The chunked rule of `chunk.py` with flash-linear-attention's numerics: each chunk's products (kb k^T and q k^T, the
 UT transform's u = T vb and w = T diag(exp(gamma)) kb, and the recurrence's w S, q S, intra v_new and k_end^T v_new)
-are bf16 matmuls accumulated in float32, on AMX tiles where the CPU has them; the state, u and v_new before their
+are bf16 matmuls accumulated in float32, on AMX tiles or AVX512-BF16 dot products where the CPU has them; the state, u and v_new before their
 rounding, the decays, the UT inverse and every sum stay float32. The conv + SiLU and the L2 norms are the float32
 pass's (`pt_delta_chunked`), in the same one pass per head. A float32 forward never comes here: the float32 pass
 stays the reference, and the tests hold this one to it.
@@ -25,31 +25,27 @@ from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value
 # 0.962x the time at 64, 1.09x at 96, 1.23x at 128, the same error): the state's packing and scaling per chunk cost
 # less than the UT inverse and the intra-chunk products save.
 BF16_CHUNK = 32
-# The engines a bf16 forward takes, best first. AVX512-BF16's dot products (32 multiply-adds per instruction, 4 rows
-# by 16 columns in registers) ran the pass 2.3x slower than the float32 pass itself (bench-small layer, 1 thread,
-# CPU time 142 vs 61 ms, AMX 55): it stays a test engine, like "fma".
-FAST_ENGINES = ("amx",)
-
-
 def engine() -> str | None:
-    """The engine a bf16 forward takes on this CPU: AMX, else None (the float32 pass is faster without tiles)."""
-    have = native.bf16_engines()
-    return next((name for name in FAST_ENGINES if name in have), None)
+    """The engine a bf16 forward takes on this CPU (`native.fast_bf16_engine`): AMX's tiles, else AVX512-BF16's dot
+    products, else None (the float32 pass). On a bench-small layer (2296 tokens, 2 threads), AVX512-BF16 in 8 rows by
+    32 columns of registers took 0.78x the float32 pass's time (AMD EPYC with AVX-512 BF16, no AMX); in 4 rows by 16
+    it had taken 2.3x (an Intel Xeon, 1 thread), when only AMX ran a forward's pass."""
+    return native.fast_bf16_engine()
 
 
-# On by default in a bf16 forward on a CPU with AMX; PIXELTRIAGE_DELTA_BF16=0 gives it the float32 pass instead.
+# On by default in a bf16 forward on a CPU with AMX or AVX512-BF16; PIXELTRIAGE_DELTA_BF16=0 gives it the float32 pass instead.
 # Its error, as root-mean-square error against the float64 recurrence (tests/kernels/test_gated_delta.py measures
 # it on ten inputs): 0.72-0.84x that of flash-linear-attention's own bf16 numerics (what a bf16 model runs on a
 # GPU, which also rounds the conv's and the L2 norms' outputs, u and the decayed v_new) and 0.87-1.16x that of
 # transformers' bf16 torch path on the CPU (q, k, v rounded to bf16 by its bf16 conv and norms, the recurrence in
 # float32). On a bench-small layer it takes 0.73-0.84x the float32 pass's time (`make bench`, group delta-rule, two
-# runs). The float32 pass stays the reference (float32 forwards never come here).
+# runs, AMX). The float32 pass stays the reference (float32 forwards never come here).
 SWITCH = "PIXELTRIAGE_DELTA_BF16"
 
 
 def available() -> bool:
-    """Whether the registry gives a bf16 forward this pass: the CPU has AMX (`engine`) and PIXELTRIAGE_DELTA_BF16 is
-    not 0 / false / off / no."""
+    """Whether the registry gives a bf16 forward this pass: the CPU has a fast engine (`engine`) and
+    PIXELTRIAGE_DELTA_BF16 is not 0 / false / off / no."""
     off = os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
     return not off and engine() is not None
 

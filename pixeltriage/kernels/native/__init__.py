@@ -318,9 +318,12 @@ def available() -> bool:
     return library() is not None
 
 
-# The engines of the delta rule's bf16 pass (`pt_delta_chunked_bf16`), by the number the kernel takes: float32
-# multiply-adds of the bf16 operands (any machine), AVX512-BF16 dot products, AMX tiles.
+# The engines of the bf16 kernels' products (`pt_delta_chunked_bf16`, the bf16 attention), by the number the kernels
+# take: float32 multiply-adds of the bf16 operands (any machine), AVX512-BF16 dot products, AMX tiles.
 BF16_ENGINES = {"fma": 0, "avx512_bf16": 1, "amx": 2}
+# The engines a bf16 forward's kernels run on, best first: "fma" is the others' reference, for the tests, slower
+# than the float32 kernels it would replace.
+FAST_BF16_ENGINES = ("amx", "avx512_bf16")
 
 
 @per_isa
@@ -333,6 +336,12 @@ def bf16_engines(emulated: bool) -> frozenset[str]:
         return frozenset()
     bits = lib.pt_bf16_engines()
     return frozenset(name for name, number in BF16_ENGINES.items() if bits >> number & 1)
+
+
+def fast_bf16_engine() -> str | None:
+    """The engine a bf16 forward's kernels take on this CPU (`FAST_BF16_ENGINES`, the first it has), or None."""
+    have = bf16_engines()
+    return next((name for name in FAST_BF16_ENGINES if name in have), None)
 
 
 # vec_math.h's functions that `vec_math` evaluates (`pt_vec_math`'s `which`)
