@@ -28,8 +28,9 @@ BF16_CHUNK = 32
 def engine() -> str | None:
     """The engine a bf16 forward takes on this CPU (`native.fast_bf16_engine`): AMX's tiles, else AVX512-BF16's dot
     products, else None (the float32 pass). On a bench-small layer (2296 tokens, 2 threads), AVX512-BF16 in 8 rows by
-    32 columns of registers took 0.78x the float32 pass's time (AMD EPYC with AVX-512 BF16, no AMX); in 4 rows by 16
-    it had taken 2.3x (an Intel Xeon, 1 thread), when only AMX ran a forward's pass."""
+    32 columns of registers took 0.78-0.91x the float32 pass's time (AMD EPYC with AVX-512 BF16, no AMX; medians of
+    7 and of `make bench`'s delta-rule group); in 4 rows by 16 it had taken 2.3x (an Intel Xeon, 1 thread), when
+    only AMX ran a forward's pass."""
     return native.fast_bf16_engine()
 
 

@@ -4,8 +4,8 @@ CPU, what `kernels.attention.measure_attention` measures once per machine to cho
 asserted; each entry's output is checked against float64 once first.
 
 - float32, the C kernel `attention_f32` (measured on an AVX2 AMD EPYC only);
-- bf16 on a CPU with AMX (skipped elsewhere), the tile kernels `causal_attention_bf16` / `segment_attention_bf16`,
-  whose e V is two bf16 products (never measured on AMX: this is the measurement);
+- bf16 on a CPU with AMX or AVX512-BF16 (skipped elsewhere), the kernels `causal_attention_bf16` /
+  `segment_attention_bf16` on those units, whose e V is two bf16 products (measured on AVX512-BF16 only);
 - attention-<dtype>-decoder: one gated attention layer's causal attention, 2296 tokens, 8 query heads of 256 over 2
   key/value heads;
 - attention-<dtype>-vit: one ViT block's attention, 10 images of 400 patches, 8 heads of 64, strided views of the
@@ -50,8 +50,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8}
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_attention(benchmark, dtype, case, kernel):
-    if dtype == torch.bfloat16 and "amx" not in native.bf16_engines():
-        pytest.skip("bf16's C attention runs on AMX tiles, which this CPU lacks")
+    if dtype == torch.bfloat16 and native.fast_bf16_engine() is None:
+        pytest.skip("bf16's C attention runs on AMX tiles or AVX512-BF16, which this CPU lacks")
     lengths, hq, hkv, dim, causal = CASES[case]
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(sum(lengths), hq + 2 * hkv, dim, generator=gen).to(dtype)
