@@ -278,7 +278,8 @@ def print_table(r: dict, out=None) -> None:
             ratios = "; ".join(f"{mask} {att[mask]}" + (f" (C {att[mask + '_c_over_sdpa']:.2f}x SDPA's time)"
                                                          if mask + "_c_over_sdpa" in att else "")
                                for mask in ("causal", "segments"))
-            print(f"  {label:<18} {ratios}; measured {att['measured']}, kept per machine", file=out)
+            engine = f"; on {att['engine']}" if att.get("engine") else ""
+            print(f"  {label:<18} {ratios}{engine}; measured {att['measured']}, kept per machine", file=out)
     print(f"  engine stages (medians; FLOPs from the FLOP model; of GEMM: the stage's rate over the "
           f"{r['gemm_tflops']:.3f} TFLOP/s):", file=out)
     print(f"    {'stage':<32}{'GFLOP':>10}{'ms':>10}{'TFLOP/s':>10}{'of GEMM':>9}", file=out)

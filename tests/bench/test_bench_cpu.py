@@ -112,13 +112,13 @@ def test_the_table_names_each_dtypes_attention_choice_per_mask():
     f32 = {"pairs": 7, "measured": "2026-12-03 01:00:00", "causal": "C", "causal_c_over_sdpa": 0.65,
            "segments": "SDPA", "segments_c_over_sdpa": 1.02}
     bf16 = {"pairs": 7, "measured": "2026-12-03 01:00:01", "causal": "SDPA", "causal_c_over_sdpa": 1.1,
-            "segments": "C", "segments_c_over_sdpa": 0.7}
+            "segments": "C", "segments_c_over_sdpa": 0.7, "engine": "avx512_bf16"}
     buf = io.StringIO()
     cpu.print_table({**_TABLE, "float32_attention": f32, "bf16_attention": bf16}, buf)
     assert ("float32 attention  causal C (C 0.65x SDPA's time); segments SDPA (C 1.02x SDPA's time); measured "
             "2026-12-03 01:00:00, kept per machine") in buf.getvalue()
-    assert ("bf16 attention     causal SDPA (C 1.10x SDPA's time); segments C (C 0.70x SDPA's time); measured "
-            "2026-12-03 01:00:01, kept per machine") in buf.getvalue()
+    assert ("bf16 attention     causal SDPA (C 1.10x SDPA's time); segments C (C 0.70x SDPA's time); on "
+            "avx512_bf16; measured 2026-12-03 01:00:01, kept per machine") in buf.getvalue()
     buf = io.StringIO()
     cpu.print_table({**_TABLE, "bf16_attention": None}, buf)
     assert "attention  " not in buf.getvalue()
