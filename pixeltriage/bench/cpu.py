@@ -215,7 +215,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         # float32: the GEMM library measured faster on this machine (kernels.linear); float32 and bf16 (AMX): per
         # mask whether the C attention measured faster than SDPA (kernels.attention), with their ratios (bench.tune)
         "float32_gemm": tuned[tune.GEMM], "float32_attention": tuned[tune.ATTENTION],
-        "bf16_attention": tuned[tune.BF16_ATTENTION],
+        "bf16_attention": tuned[tune.BF16_ATTENTION], "bf16_delta": tuned[tune.BF16_DELTA],
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
         "machine": cpu_machine(),
     }
@@ -280,6 +280,13 @@ def print_table(r: dict, out=None) -> None:
                                for mask in ("causal", "segments"))
             engine = f"; on {att['engine']}" if att.get("engine") else ""
             print(f"  {label:<18} {ratios}{engine}; measured {att['measured']}, kept per machine", file=out)
+    delta = r.get("bf16_delta")
+    if delta:
+        ratio = (f" (the bf16 pass {delta['bf16_over_float32']:.2f}x the float32 pass's time)"
+                 if "bf16_over_float32" in delta else "")
+        engine = f" on {delta['engine']}" if delta.get("engine") else ""
+        print(f"  {'bf16 delta pass':<18} {delta['pass']}{ratio}{engine}; measured {delta['measured']}, kept per "
+              "machine", file=out)
     print(f"  engine stages (medians; FLOPs from the FLOP model; of GEMM: the stage's rate over the "
           f"{r['gemm_tflops']:.3f} TFLOP/s):", file=out)
     print(f"    {'stage':<32}{'GFLOP':>10}{'ms':>10}{'TFLOP/s':>10}{'of GEMM':>9}", file=out)

@@ -1,6 +1,7 @@
 """`pixeltriage bench tune`: the choices this machine measured once and keeps (`kernels.tuning`): float32's GEMM
-library (`kernels.linear`) and, per dtype and mask, the C attention kernel against SDPA (`kernels.attention`);
-measured now where not yet kept, or anew with --again."""
+library (`kernels.linear`), per dtype and mask the C attention kernel against SDPA (`kernels.attention`), and the
+bf16 delta pass against the float32 pass (`kernels.gated_delta.bf16`); measured now where not yet kept, or anew
+with --again."""
 from __future__ import annotations
 
 import argparse
@@ -12,16 +13,18 @@ import torch
 from pixeltriage.bench.timing import set_threads
 
 
-GEMM, ATTENTION, BF16_ATTENTION = "float32 GEMM", "float32 attention", "bf16 attention"
+GEMM, ATTENTION, BF16_ATTENTION, BF16_DELTA = "float32 GEMM", "float32 attention", "bf16 attention", "bf16 delta pass"
 
 
 def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
     """This machine's kept choices, measured where not yet kept: ({name: record, or None where a forward in `dtype`
     (None: any) does not follow it}, {name: why not}). GEMM: unless PIXELTRIAGE_ONEDNN decides, or torch has no
-    oneDNN primitive; float32 attention: where the C kernels are built; bf16 attention: where the CPU has AMX."""
+    oneDNN primitive; float32 attention: where the C kernels are built; bf16 attention and the bf16 delta pass:
+    where the CPU has AMX or AVX512-BF16 (the delta pass unless PIXELTRIAGE_DELTA_BF16 decides)."""
     from pixeltriage.kernels import attention, linear, native
+    from pixeltriage.kernels.gated_delta import bf16
 
-    records, why = {GEMM: None, ATTENTION: None, BF16_ATTENTION: None}, {}
+    records, why = {GEMM: None, ATTENTION: None, BF16_ATTENTION: None, BF16_DELTA: None}, {}
     if dtype not in (None, torch.float32):
         why[GEMM] = why[ATTENTION] = f"{dtype} forward"
     else:
@@ -36,15 +39,21 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
         else:
             why[ATTENTION] = f"no C kernels: {native.status()}"
     if dtype not in (None, torch.bfloat16):
-        why[BF16_ATTENTION] = f"{dtype} forward"
+        why[BF16_ATTENTION] = why[BF16_DELTA] = f"{dtype} forward"
     elif native.isa_emulated():
-        why[BF16_ATTENTION] = "AMX emulated (PIXELTRIAGE_NATIVE_ISA=emulated): its kernels run, at no speed to measure"
+        why[BF16_ATTENTION] = why[BF16_DELTA] = ("AMX emulated (PIXELTRIAGE_NATIVE_ISA=emulated): its kernels run, at "
+                                                 "no speed to measure")
     elif not native.available():
-        why[BF16_ATTENTION] = f"no C kernels: {native.status()}"
+        why[BF16_ATTENTION] = why[BF16_DELTA] = f"no C kernels: {native.status()}"
     elif native.fast_bf16_engine() is None:
         why[BF16_ATTENTION] = "no bf16 units on this CPU (AMX, AVX512-BF16): bf16 attention is SDPA's"
+        why[BF16_DELTA] = "no bf16 units on this CPU (AMX, AVX512-BF16): bf16 forwards take the float32 delta pass"
     else:
         records[BF16_ATTENTION] = attention.attention_choice(torch.bfloat16)
+        if bf16.switch() != "auto":
+            why[BF16_DELTA] = f"{bf16.SWITCH}={bf16.switch()} decides"
+        else:
+            records[BF16_DELTA] = bf16.delta_choice()
     return records, why
 
 

@@ -88,6 +88,7 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
         assert f"float32 attention  causal {att['causal']}" in buf.getvalue()
     assert tune.kept_records(torch.bfloat16)[0]["float32 attention"] is None
     assert r["bf16_attention"] is None and tune.kept_records(torch.float32)[0]["bf16 attention"] is None
+    assert r["bf16_delta"] is None and tune.kept_records(torch.float32)[0]["bf16 delta pass"] is None
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
@@ -122,6 +123,23 @@ def test_the_table_names_each_dtypes_attention_choice_per_mask():
     buf = io.StringIO()
     cpu.print_table({**_TABLE, "bf16_attention": None}, buf)
     assert "attention  " not in buf.getvalue()
+
+
+def test_the_table_names_the_measured_bf16_delta_pass():
+    # the record `gated_delta.bf16.measure_delta` keeps (tests/kernels/test_gated_delta.py)
+    record = {"pass": "bf16", "bf16_over_float32": 0.744, "engine": "avx512_bf16", "shape": [1024, 16, 128],
+              "pairs": 7, "measured": "2026-12-03 05:03:22"}
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "bf16_delta": record}, buf)
+    assert ("bf16 delta pass    bf16 (the bf16 pass 0.74x the float32 pass's time) on avx512_bf16; measured "
+            "2026-12-03 05:03:22, kept per machine") in buf.getvalue()
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "bf16_delta": {"pass": "float32", "engine": None, "measured": "2026-12-03 05:03:22"}},
+                    buf)
+    assert "bf16 delta pass    float32; measured 2026-12-03 05:03:22, kept per machine" in buf.getvalue()
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "bf16_delta": None}, buf)
+    assert "bf16 delta pass" not in buf.getvalue()
 
 
 def test_the_machine_a_figure_comes_from():

@@ -420,6 +420,44 @@ def test_bf16_op_falls_back_to_the_float32_pass_and_refuses_missing_engines(nati
         bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 32, 32, engine_name="tiles")
 
 
+@pytest.mark.parametrize("ratios, chosen", [([0.5, 0.6, 0.7], "bf16"), ([0.96, 0.98, 1.2], "float32")])
+def test_bf16_pass_is_measured_against_the_float32_pass(ratios, chosen, monkeypatch, tmp_path):
+    """The record, where this CPU has a fast engine: "bf16" where the pass's median time is under MARGIN of the
+    float32 pass's on MEASURE_SHAPE, else "float32", with the ratio and the engine; both passes run on the same
+    inputs before they are timed. Without an engine, "float32" and nothing timed. The choice follows the kept
+    record."""
+    from pixeltriage.kernels import native, tuning
+    from pixeltriage.kernels.gated_delta import bf16
+
+    if not native.available():
+        pytest.skip(f"no C kernels: {native.status()}")
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tuning, "_memo", {})
+    monkeypatch.setattr(bf16, "_CHOICE", {})
+    monkeypatch.delenv(bf16.SWITCH, raising=False)
+    timed = []
+
+    def interleaved(first, second, pairs):
+        assert first().shape == second().shape == (bf16.MEASURE_SHAPE[0], *bf16.MEASURE_SHAPE[1:])
+        timed.append(pairs)
+        return ratios
+
+    monkeypatch.setattr(tuning, "interleaved_ratio", interleaved)
+    for name in ("fma", None):                     # "fma" stands in for a fast engine: it runs anywhere
+        monkeypatch.setattr(bf16, "engine", lambda n=name: n)
+        record = bf16.measure_delta(pairs=3)
+        assert record["engine"] == name and record["shape"] == list(bf16.MEASURE_SHAPE) and record["pairs"] == 3
+        if name is None:
+            assert record["pass"] == "float32" and "bf16_over_float32" not in record and timed == [3]
+        else:
+            assert record["pass"] == chosen and record["bf16_over_float32"] == ratios[1] and timed == [3]
+    monkeypatch.setattr(bf16, "engine", lambda: "fma")
+    monkeypatch.setattr(bf16, "measure_delta", lambda pairs=7: {"pass": chosen, "engine": "fma"})
+    assert bf16.delta_choice() == {"pass": chosen, "engine": "fma"}
+    assert tuning.measured(bf16.RECORD, lambda: pytest.fail("measured twice")) == bf16.delta_choice()
+    assert bf16.available() is (chosen == "bf16" or native.isa_emulated())
+
+
 @pytest.mark.parametrize("where", ["g", "beta", "projection"])
 def test_bf16_pass_keeps_nans(where):
     """A NaN upstream comes out as NaN on the bf16 pass too (bf16 rounding keeps NaN; a zero decay times a NaN

@@ -140,11 +140,13 @@ def test_real_ops_cpu(monkeypatch, no_switch):
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
-def test_bf16_gated_delta_takes_the_bf16_units_only_where_the_cpu_has_them(monkeypatch, no_switch):
+@pytest.mark.parametrize("measured", ["bf16", "float32"])
+def test_bf16_gated_delta_takes_the_bf16_units_only_where_the_cpu_has_them(monkeypatch, no_switch, measured):
     """A bf16 forward on the CPU takes the bf16 pass where the CPU has AMX tiles or AVX512-BF16 dot products (the
-    build's engines come from this CPU's flags), unless PIXELTRIAGE_DELTA_BF16 says 0 / false / off / no; float32
-    forwards, and CPUs with neither ("fma" runs anywhere, for tests, slower than the float32 pass), take the
-    float32 pass."""
+    build's engines come from this CPU's flags) and PIXELTRIAGE_DELTA_BF16 is auto (unset or empty) and the pass
+    measured faster here (here set), or it is 1 / true / on / yes; never where it says 0 / false / off / no.
+    float32 forwards, and CPUs with neither ("fma" runs anywhere, for tests, slower than the float32 pass), take the
+    float32 pass. Under the ISA emulation auto takes it without a measurement. Other values are an error."""
     from pixeltriage.kernels.gated_delta import bf16
 
     flags = native._cpu_flags().split()
@@ -155,24 +157,30 @@ def test_bf16_gated_delta_takes_the_bf16_units_only_where_the_cpu_has_them(monke
         assert "fma" in have
         assert "amx" not in have or "amx_bf16" in flags
         assert "avx512_bf16" not in have or "avx512_bf16" in flags
-    fast = "native C pt_delta_chunked_bf16" if have & {"amx", "avx512_bf16"} else "native C pt_delta_chunked"
-    for unset_or_on in (None, "", "1", "on"):
-        if unset_or_on is None:
+    monkeypatch.setattr(bf16, "_CHOICE", {})
+    monkeypatch.setattr(bf16, "delta_choice", lambda: {"pass": measured})
+    bf16_pass, f32_pass = "native C pt_delta_chunked_bf16", "native C pt_delta_chunked"
+    units = bool(have & {"amx", "avx512_bf16"})
+    auto = bf16_pass if units and (measured == "bf16" or native.isa_emulated()) else f32_pass
+    for value, want in ((None, auto), ("", auto), ("auto", auto), ("1", bf16_pass if units else f32_pass),
+                        ("on", bf16_pass if units else f32_pass), (" Yes ", bf16_pass if units else f32_pass)):
+        if value is None:
             monkeypatch.delenv(bf16.SWITCH, raising=False)
         else:
-            monkeypatch.setenv(bf16.SWITCH, unset_or_on)
-        assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == fast
-    monkeypatch.delenv(bf16.SWITCH, raising=False)
-    for engines, name in (({"fma", "amx"}, "native C pt_delta_chunked_bf16"),
-                          ({"fma", "avx512_bf16"}, "native C pt_delta_chunked_bf16"),
-                          ({"fma"}, "native C pt_delta_chunked")):
+            monkeypatch.setenv(bf16.SWITCH, value)
+        assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == want, value
+    monkeypatch.setenv(bf16.SWITCH, "1")
+    for engines, name in (({"fma", "amx"}, bf16_pass), ({"fma", "avx512_bf16"}, bf16_pass), ({"fma"}, f32_pass)):
         monkeypatch.setattr(native, "bf16_engines", lambda e=frozenset(engines): e)
         assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == name
-        assert registry.choose("gated_delta", "cpu", torch.float32).name == "native C pt_delta_chunked"
+        assert registry.choose("gated_delta", "cpu", torch.float32).name == f32_pass
     monkeypatch.setattr(native, "bf16_engines", lambda: frozenset({"fma", "amx"}))
     for off in ("0", "false", "Off", " no "):
         monkeypatch.setenv(bf16.SWITCH, off)
-        assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == "native C pt_delta_chunked"
+        assert registry.choose("gated_delta", "cpu", torch.bfloat16).name == f32_pass
+    monkeypatch.setenv(bf16.SWITCH, "sometimes")
+    with pytest.raises(ValueError, match="PIXELTRIAGE_DELTA_BF16='sometimes'"):
+        bf16.available()
 
 
 def test_real_ops_cuda(monkeypatch, no_switch):

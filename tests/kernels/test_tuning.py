@@ -153,6 +153,7 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
     measuring (a record edited in the file comes back as written), and with --again measures anew."""
     env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path)}
     env.pop("PIXELTRIAGE_ONEDNN", None)
+    env.pop("PIXELTRIAGE_DELTA_BF16", None)
 
     def tune(*extra):
         out = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "tune", "--threads", "1", "--json", *extra],
@@ -171,8 +172,10 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
     if native.fast_bf16_engine() is None:
         assert first["not_measured"]["bf16 attention"] == ("no bf16 units on this CPU (AMX, AVX512-BF16): bf16 "
                                                            "attention is SDPA's")
+        assert first["not_measured"]["bf16 delta pass"].startswith("no bf16 units on this CPU")
     else:
         assert first["records"]["bf16 attention"]["engine"] == native.fast_bf16_engine()
+        assert first["records"]["bf16 delta pass"]["engine"] == native.fast_bf16_engine()
     edited = {key: {**record, "edited": True} for key, record in kept.items()}
     (tmp_path / tuning.FILE).write_text(json.dumps(edited))
     second = tune()

@@ -13,11 +13,12 @@ same bf16 operands, on any machine: what the tests run where the CPU has neither
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from pixeltriage.errors import BackendUnavailableError
-from pixeltriage.kernels import native
+from pixeltriage.kernels import native, tuning
 from pixeltriage.kernels.gated_delta import chunk
 from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value_heads
 
@@ -34,8 +35,8 @@ def engine() -> str | None:
     return native.fast_bf16_engine()
 
 
-# On by default in a bf16 forward on a CPU with AMX or AVX512-BF16; PIXELTRIAGE_DELTA_BF16=0 gives it the float32 pass instead.
-# Its error, as root-mean-square error against the float64 recurrence (tests/kernels/test_gated_delta.py measures
+# A bf16 forward on a CPU with AMX or AVX512-BF16 takes it where it measured faster than the float32 pass on the
+# machine (`delta_choice`); PIXELTRIAGE_DELTA_BF16=1 takes it there without measuring, 0 never. Its error, as root-mean-square error against the float64 recurrence (tests/kernels/test_gated_delta.py measures
 # it on ten inputs): 0.72-0.84x that of flash-linear-attention's own bf16 numerics (what a bf16 model runs on a
 # GPU, which also rounds the conv's and the L2 norms' outputs, u and the decayed v_new) and 0.87-1.16x that of
 # transformers' bf16 torch path on the CPU (q, k, v rounded to bf16 by its bf16 conv and norms, the recurrence in
@@ -44,11 +45,70 @@ def engine() -> str | None:
 SWITCH = "PIXELTRIAGE_DELTA_BF16"
 
 
+_OFF, _ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes")
+
+
+def switch() -> str:
+    """PIXELTRIAGE_DELTA_BF16 as "auto" (unset or empty: measured), "on" or "off"; ValueError for anything else."""
+    value = os.environ.get(SWITCH, "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in _OFF + _ON:
+        return "off" if value in _OFF else "on"
+    raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: the bf16 delta pass where it "
+                     f"measured faster than the float32 pass on this machine), 1 / on (wherever the CPU has AMX or "
+                     f"AVX512-BF16) or 0 / off (never)")
+
+
+# The record `tuning` keeps, the layer it is timed on (tokens, heads of q, k and v, their width: a bench-small layer
+# at half its tokens) and the margin the bf16 pass must win by
+RECORD = "bf16 delta pass"
+MEASURE_SHAPE = (1024, 16, 128)
+MARGIN = 0.97
+# whether a bf16 forward takes the pass where auto decides, once per process (under RECORD)
+_CHOICE: dict[str, bool] = {}
+
+
+def measure_delta(pairs: int = 7) -> dict:
+    """The bf16 pass on this CPU's engine (`engine`) against the float32 pass, on one MEASURE_SHAPE layer (conv +
+    SiLU, norms and the chunked rule), in interleaved pairs: the record `tuning` keeps ({"pass": "bf16" or
+    "float32", "bf16_over_float32": the median of the pairs' time ratios, "engine", "shape", "pairs",
+    "measured"}). Without an engine (or the library): "float32", nothing timed."""
+    name = engine()
+    record = {"engine": name, "shape": list(MEASURE_SHAPE), "pairs": pairs,
+              "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if name is None or not native.available():
+        return {"pass": "float32", **record}
+    tokens, heads, dim = MEASURE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(tokens, 3 * heads * dim, generator=gen) * 0.5).bfloat16()
+    weight = torch.randn(x.shape[1], 4, generator=gen) * 0.3
+    g, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads, generator=gen)
+    args = (x, weight, g, beta, heads, dim, dim)
+    ratios = tuning.interleaved_ratio(lambda: chunk.conv_chunk_gated_delta_rule(*args),
+                                      lambda: conv_chunk_rule_bf16(*args, engine_name=name), pairs=pairs)
+    ratio = ratios[len(ratios) // 2]
+    return {"pass": "bf16" if ratio < MARGIN else "float32", "bf16_over_float32": round(ratio, 4), **record}
+
+
+def delta_choice() -> dict:
+    """This machine's measured delta pass for bf16 forwards (`measure_delta`'s record, kept by `tuning`)."""
+    return tuning.measured(RECORD, measure_delta)
+
+
 def available() -> bool:
     """Whether the registry gives a bf16 forward this pass: the CPU has a fast engine (`engine`) and
-    PIXELTRIAGE_DELTA_BF16 is not 0 / false / off / no."""
-    off = os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
-    return not off and engine() is not None
+    PIXELTRIAGE_DELTA_BF16 is on, or auto and the pass measured faster than the float32 pass here (decided once per
+    process). Under the ISA emulation (its speed means nothing) it is taken without a measurement, so that the
+    emulated forward checks it."""
+    mode = switch()
+    if mode == "off" or engine() is None:
+        return False
+    if mode == "on" or native.isa_emulated():
+        return True
+    if RECORD not in _CHOICE:
+        _CHOICE[RECORD] = delta_choice()["pass"] == "bf16"
+    return _CHOICE[RECORD]
 
 
 def takes(x: torch.Tensor, conv_weight: torch.Tensor, k_dim: int, v_dim: int, chunk_size: int = BF16_CHUNK) -> bool:
