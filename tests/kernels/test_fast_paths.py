@@ -767,7 +767,10 @@ def test_attention_choice_is_measured_per_mask(dtype, monkeypatch, tmp_path):
     monkeypatch.setattr(attention, "_CHOICE", {})
     monkeypatch.setattr(attention, "measure_attention", lambda d, pairs=7: dict(record, dtype=str(d)))
     assert attention.attention_choice(dtype) == dict(record, dtype=str(dtype))
-    assert attention.c_wins(dtype, True) is (record["causal"] == "C") and not attention.c_wins(dtype, False)
+    if dtype == torch.bfloat16 and native.isa_emulated():      # the emulation runs the kernels, unmeasured
+        assert attention.c_wins(dtype, True) and attention.c_wins(dtype, False)
+    else:
+        assert attention.c_wins(dtype, True) is (record["causal"] == "C") and not attention.c_wins(dtype, False)
     kept = tuning.measured(attention.RECORDS[dtype], lambda: pytest.fail("measured twice"))
     assert kept == attention.attention_choice(dtype)
     with pytest.raises(ValueError, match="no C attention kernel"):
