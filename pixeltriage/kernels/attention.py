@@ -259,8 +259,9 @@ MEASURE_SEGMENTS), in interleaved pairs: the record `tuning` keeps ({"causal": "
 
 def attention_choice(dtype: torch.dtype) -> dict:
     """This machine's measured attention kernel per mask in `dtype` (`measure_attention`'s record, kept by
-    `tuning` under RECORDS[dtype])."""
-    return tuning.measured(RECORDS[dtype], functools.partial(measure_attention, dtype))
+    `tuning` under RECORDS[dtype]); a bf16 record measured on another engine than this process's is measured anew."""
+    fits = None if dtype != torch.bfloat16 else lambda record: record.get("engine") == native.fast_bf16_engine()
+    return tuning.measured(RECORDS[dtype], functools.partial(measure_attention, dtype), fits)
 
 
 def c_wins(dtype: torch.dtype, causal: bool) -> bool:

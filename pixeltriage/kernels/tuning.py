@@ -58,29 +58,34 @@ def _read(file: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def measured(name: str, measure: Callable[[], dict]) -> dict:
+def measured(name: str, measure: Callable[[], dict], fits: Callable[[dict], bool] | None = None) -> dict:
     """`measure()`'s record for this machine under `name`: from this process's memory, else the cache file, else
     measured now (under the cache's lock) and written there. The record is a JSON object; `measure` should put
-    its figures in it beside the choice, so that the file says why."""
+    its figures in it beside the choice, so that the file says why. fits: whether a kept record still applies to
+    this process (e.g. was measured on the engine it would run); one that does not is measured anew and replaced."""
     key = f"{name} @ {machine_key()}"
-    if key in _memo:
+    if key in _memo and (fits is None or fits(_memo[key])):
         return _memo[key]
+
+    def usable(record) -> bool:
+        return isinstance(record, dict) and (fits is None or fits(record))
+
     file = path()
     record = _read(file).get(key)
-    if not isinstance(record, dict):
+    if not usable(record):
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             with locked(_lock_path(file)):
                 data = _read(file)
                 record = data.get(key)
-                if not isinstance(record, dict):
+                if not usable(record):
                     record = measure()
                     data[key] = record
                     _write(file, data)
                     log.info("measured %s on this machine: %s (kept in %s)", name, record, file)
         except OSError as e:
             log.warning("cannot keep the measured %s in %s (%s): measured for this process only", name, file, e)
-            if not isinstance(record, dict):
+            if not usable(record):
                 record = measure()
     _memo[key] = record
     return record

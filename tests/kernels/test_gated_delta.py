@@ -425,7 +425,7 @@ def test_bf16_pass_is_measured_against_the_float32_pass(ratios, chosen, monkeypa
     """The record, where this CPU has a fast engine: "bf16" where the pass's median time is under MARGIN of the
     float32 pass's on MEASURE_SHAPE, else "float32", with the ratio and the engine; both passes run on the same
     inputs before they are timed. Without an engine, "float32" and nothing timed. The choice follows the kept
-    record."""
+    record; one kept from another engine than this process's is measured anew."""
     from pixeltriage.kernels import native, tuning
     from pixeltriage.kernels.gated_delta import bf16
 
@@ -456,6 +456,9 @@ def test_bf16_pass_is_measured_against_the_float32_pass(ratios, chosen, monkeypa
     assert bf16.delta_choice() == {"pass": chosen, "engine": "fma"}
     assert tuning.measured(bf16.RECORD, lambda: pytest.fail("measured twice")) == bf16.delta_choice()
     assert bf16.available() is (chosen == "bf16" or native.isa_emulated())
+    monkeypatch.setattr(bf16, "engine", lambda: "amx")             # kept from another engine: measured anew
+    monkeypatch.setattr(bf16, "measure_delta", lambda pairs=7: {"pass": "float32", "engine": "amx"})
+    assert bf16.delta_choice() == {"pass": "float32", "engine": "amx"}
 
 
 @pytest.mark.parametrize("where", ["g", "beta", "projection"])

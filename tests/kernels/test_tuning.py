@@ -136,6 +136,22 @@ def test_float32_gemm_measures_both_products_here(cache):
     assert Path(tuning.path()).parent == cache
 
 
+def test_a_kept_record_that_does_not_fit_this_process_is_measured_anew(cache):
+    """`fits` says whether a kept record applies to this process (the bf16 kernels' records: the engine they were
+    measured on): one that does is read back unmeasured, from the file as from memory; one that does not is
+    measured anew and replaces it in both."""
+    tuning.measured("engine record", lambda: {"engine": "amx", "x": 1})
+    tuning._memo.clear()
+    same = tuning.measured("engine record", lambda: pytest.fail("measured again"), lambda r: r["engine"] == "amx")
+    assert same == {"engine": "amx", "x": 1}
+    other = tuning.measured("engine record", lambda: {"engine": "avx512_bf16", "x": 2},
+                            lambda r: r["engine"] == "avx512_bf16")
+    assert other == {"engine": "avx512_bf16", "x": 2}
+    kept = json.loads((cache / tuning.FILE).read_text())
+    assert kept == {f"engine record @ {tuning.machine_key()}": other}
+    assert tuning.measured("engine record", lambda: pytest.fail("measured again")) == other
+
+
 def test_forget_drops_this_machines_records_only(cache):
     tuning.measured("a", lambda: {"x": 1})
     tuning.measured("b", lambda: {"x": 2})

@@ -92,8 +92,9 @@ def measure_delta(pairs: int = 7) -> dict:
 
 
 def delta_choice() -> dict:
-    """This machine's measured delta pass for bf16 forwards (`measure_delta`'s record, kept by `tuning`)."""
-    return tuning.measured(RECORD, measure_delta)
+    """This machine's measured delta pass for bf16 forwards (`measure_delta`'s record, kept by `tuning`); one
+    measured on another engine than this process's is measured anew."""
+    return tuning.measured(RECORD, measure_delta, lambda record: record.get("engine") == engine())
 
 
 def available() -> bool:
