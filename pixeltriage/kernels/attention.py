@@ -117,8 +117,7 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     engine: one of `native.BF16_ENGINES` (None: `native.fast_bf16_engine()`, AMX's tiles or AVX512-BF16's dot
     products; "fma" runs on any machine, for the tests). Returns None for what it does not take (not bf16 on the
     CPU, key/value heads unlike the query's, head dims not a multiple of 32 up to 256, a segment over MAX_SEGMENT, no
-    library or no such engine): the caller takes SDPA. ValueError for
-    lengths that do not cover q's tokens."""
+    library or no such engine): the caller takes SDPA. ValueError for lengths that do not cover q's tokens."""
     taken = _bf16_takes(q, k, v, lengths, engine, MAX_SEGMENT, grouped=False)
     if taken is None:
         return None
@@ -231,11 +230,10 @@ def c_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor | None]:
 
 def measure_attention(dtype: torch.dtype, pairs: int = 7) -> dict:
     """The C kernel of `dtype` (`c_kernel`) against SDPA here, on each mask's shape (MEASURE_CAUSAL,
-MEASURE_SEGMENTS), in interleaved pairs: the record `tuning` keeps ({"causal": "C" or "SDPA",
+    MEASURE_SEGMENTS), in interleaved pairs: the record `tuning` keeps ({"causal": "C" or "SDPA",
     "causal_c_over_sdpa": the median of the pairs' time ratios, and the same for "segments"; "pairs", "measured";
-    bf16's "engine", `native.fast_bf16_engine()`).
-    A mask the kernel declines here (no library; for bf16, neither AMX nor AVX512-BF16) is SDPA's without a
-    measurement."""
+    bf16's "engine", `native.fast_bf16_engine()`). A mask the kernel declines here (no library; for bf16, neither AMX
+    nor AVX512-BF16) is SDPA's without a measurement."""
     kernel = c_kernel(dtype)
     gen = torch.Generator().manual_seed(0)
     t, hq, hkv, d = MEASURE_CAUSAL

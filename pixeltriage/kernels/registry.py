@@ -28,7 +28,8 @@ DEVICES = ("cpu", "cuda")
 OP_MODULES = ("pixeltriage.kernels.gated_delta", "pixeltriage.kernels.conv", "pixeltriage.kernels.norm",
               "pixeltriage.kernels.rotary", "pixeltriage.kernels.activation", "pixeltriage.kernels.linear",
               "pixeltriage.kernels.attention", "pixeltriage.kernels.head")
-_TRUE, _FALSE = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
+# the words a switch in the environment may say for on and off (unset or empty: off, for `_flag`)
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,9 @@ def register(op: str, name: str, fn: Callable, *, devices: Sequence[str] = ("cpu
 
 def _flag(name: str) -> bool:
     value = os.environ.get(name, "").strip().lower()
-    if value in _TRUE:
+    if value in TRUE_WORDS:
         return True
-    if value in _FALSE:
+    if value in FALSE_WORDS:
         return False
     raise ValueError(f"{name}={os.environ[name]!r}: expected 1 or 0")
 

@@ -63,13 +63,12 @@ def measured(name: str, measure: Callable[[], dict], fits: Callable[[dict], bool
     measured now (under the cache's lock) and written there. The record is a JSON object; `measure` should put
     its figures in it beside the choice, so that the file says why. fits: whether a kept record still applies to
     this process (e.g. was measured on the engine it would run); one that does not is measured anew and replaced."""
-    key = f"{name} @ {machine_key()}"
-    if key in _memo and (fits is None or fits(_memo[key])):
-        return _memo[key]
-
     def usable(record) -> bool:
         return isinstance(record, dict) and (fits is None or fits(record))
 
+    key = f"{name} @ {machine_key()}"
+    if usable(_memo.get(key)):
+        return _memo[key]
     file = path()
     record = _read(file).get(key)
     if not usable(record):

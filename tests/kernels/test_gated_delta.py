@@ -444,19 +444,19 @@ def test_bf16_pass_is_measured_against_the_float32_pass(ratios, chosen, monkeypa
 
     monkeypatch.setattr(tuning, "interleaved_ratio", interleaved)
     for name in ("fma", None):                     # "fma" stands in for a fast engine: it runs anywhere
-        monkeypatch.setattr(bf16, "engine", lambda n=name: n)
+        monkeypatch.setattr(native, "fast_bf16_engine", lambda n=name: n)
         record = bf16.measure_delta(pairs=3)
         assert record["engine"] == name and record["shape"] == list(bf16.MEASURE_SHAPE) and record["pairs"] == 3
         if name is None:
             assert record["pass"] == "float32" and "bf16_over_float32" not in record and timed == [3]
         else:
             assert record["pass"] == chosen and record["bf16_over_float32"] == ratios[1] and timed == [3]
-    monkeypatch.setattr(bf16, "engine", lambda: "fma")
+    monkeypatch.setattr(native, "fast_bf16_engine", lambda: "fma")
     monkeypatch.setattr(bf16, "measure_delta", lambda pairs=7: {"pass": chosen, "engine": "fma"})
     assert bf16.delta_choice() == {"pass": chosen, "engine": "fma"}
     assert tuning.measured(bf16.RECORD, lambda: pytest.fail("measured twice")) == bf16.delta_choice()
     assert bf16.available() is (chosen == "bf16" or native.isa_emulated())
-    monkeypatch.setattr(bf16, "engine", lambda: "amx")             # kept from another engine: measured anew
+    monkeypatch.setattr(native, "fast_bf16_engine", lambda: "amx")             # kept from another engine: measured anew
     monkeypatch.setattr(bf16, "measure_delta", lambda pairs=7: {"pass": "float32", "engine": "amx"})
     assert bf16.delta_choice() == {"pass": "float32", "engine": "amx"}
 

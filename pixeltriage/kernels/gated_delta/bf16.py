@@ -2,10 +2,10 @@
 
 The chunked rule of `chunk.py` with flash-linear-attention's numerics: each chunk's products (kb k^T and q k^T, the
 UT transform's u = T vb and w = T diag(exp(gamma)) kb, and the recurrence's w S, q S, intra v_new and k_end^T v_new)
-are bf16 matmuls accumulated in float32, on AMX tiles or AVX512-BF16 dot products where the CPU has them; the state, u and v_new before their
-rounding, the decays, the UT inverse and every sum stay float32. The conv + SiLU and the L2 norms are the float32
-pass's (`pt_delta_chunked`), in the same one pass per head. A float32 forward never comes here: the float32 pass
-stays the reference, and the tests hold this one to it.
+are bf16 matmuls accumulated in float32, on AMX tiles or AVX512-BF16 dot products where the CPU has them; the
+state, u and v_new before their rounding, the decays, the UT inverse and every sum stay float32. The conv + SiLU and
+the L2 norms are the float32 pass's (`pt_delta_chunked`), in the same one pass per head. A float32 forward never
+comes here: the float32 pass stays the reference, and the tests hold this one to it.
 
 Engines (`native.BF16_ENGINES`): "amx" (tiles), "avx512_bf16" (dot products), "fma" (float32 multiply-adds of the
 same bf16 operands, on any machine: what the tests run where the CPU has neither, and the other two's reference).
@@ -19,6 +19,7 @@ import torch
 
 from pixeltriage.errors import BackendUnavailableError
 from pixeltriage.kernels import native, tuning
+from pixeltriage.kernels.registry import FALSE_WORDS, TRUE_WORDS
 from pixeltriage.kernels.gated_delta import chunk
 from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value_heads
 
@@ -26,26 +27,20 @@ from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value
 # 0.962x the time at 64, 1.09x at 96, 1.23x at 128, the same error): the state's packing and scaling per chunk cost
 # less than the UT inverse and the intra-chunk products save.
 BF16_CHUNK = 32
-def engine() -> str | None:
-    """The engine a bf16 forward takes on this CPU (`native.fast_bf16_engine`): AMX's tiles, else AVX512-BF16's dot
-    products, else None (the float32 pass). On a bench-small layer (2296 tokens, 2 threads), AVX512-BF16 in 8 rows by
-    32 columns of registers took 0.78-0.91x the float32 pass's time (AMD EPYC with AVX-512 BF16, no AMX; medians of
-    7 and of `make bench`'s delta-rule group); in 4 rows by 16 it had taken 2.3x (an Intel Xeon, 1 thread), when
-    only AMX ran a forward's pass."""
-    return native.fast_bf16_engine()
 
 
-# A bf16 forward on a CPU with AMX or AVX512-BF16 takes it where it measured faster than the float32 pass on the
-# machine (`delta_choice`); PIXELTRIAGE_DELTA_BF16=1 takes it there without measuring, 0 never. Its error, as root-mean-square error against the float64 recurrence (tests/kernels/test_gated_delta.py measures
-# it on ten inputs): 0.72-0.84x that of flash-linear-attention's own bf16 numerics (what a bf16 model runs on a
-# GPU, which also rounds the conv's and the L2 norms' outputs, u and the decayed v_new) and 0.87-1.16x that of
-# transformers' bf16 torch path on the CPU (q, k, v rounded to bf16 by its bf16 conv and norms, the recurrence in
-# float32). On a bench-small layer it takes 0.73-0.84x the float32 pass's time (`make bench`, group delta-rule, two
-# runs, AMX). The float32 pass stays the reference (float32 forwards never come here).
+# The engine: `native.fast_bf16_engine()`, AMX's tiles, else AVX512-BF16's dot products, else none (the float32
+# pass). A bf16 forward on a CPU with either takes the pass where it measured faster than the float32 pass on the
+# machine (`delta_choice`); PIXELTRIAGE_DELTA_BF16=1 takes it there without measuring, 0 never. On a bench-small
+# layer (2296 tokens, 2 threads) AVX512-BF16 in 8 rows by 32 columns of registers took 0.78-0.91x the float32 pass's
+# time (AMD EPYC with AVX-512 BF16, no AMX; medians of 7 and of `make bench`'s delta-rule group); in 4 rows by 16 it
+# had taken 2.3x (an Intel Xeon, 1 thread). Its error, as root-mean-square error against the float64 recurrence
+# (tests/kernels/test_gated_delta.py measures it on ten inputs): 0.72-0.84x that of flash-linear-attention's own
+# bf16 numerics (what a bf16 model runs on a GPU, which also rounds the conv's and the L2 norms' outputs, u and the
+# decayed v_new) and 0.87-1.16x that of transformers' bf16 torch path on the CPU (q, k, v rounded to bf16 by its bf16
+# conv and norms, the recurrence in float32). On AMX, a bench-small layer took 0.73-0.84x the float32 pass's time
+# (`make bench`, group delta-rule, two runs). The float32 pass stays the reference (float32 forwards never come here).
 SWITCH = "PIXELTRIAGE_DELTA_BF16"
-
-
-_OFF, _ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes")
 
 
 def switch() -> str:
@@ -53,8 +48,8 @@ def switch() -> str:
     value = os.environ.get(SWITCH, "").strip().lower()
     if value in ("", "auto"):
         return "auto"
-    if value in _OFF + _ON:
-        return "off" if value in _OFF else "on"
+    if value in TRUE_WORDS + FALSE_WORDS:
+        return "on" if value in TRUE_WORDS else "off"
     raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: the bf16 delta pass where it "
                      f"measured faster than the float32 pass on this machine), 1 / on (wherever the CPU has AMX or "
                      f"AVX512-BF16) or 0 / off (never)")
@@ -70,11 +65,11 @@ _CHOICE: dict[str, bool] = {}
 
 
 def measure_delta(pairs: int = 7) -> dict:
-    """The bf16 pass on this CPU's engine (`engine`) against the float32 pass, on one MEASURE_SHAPE layer (conv +
-    SiLU, norms and the chunked rule), in interleaved pairs: the record `tuning` keeps ({"pass": "bf16" or
-    "float32", "bf16_over_float32": the median of the pairs' time ratios, "engine", "shape", "pairs",
-    "measured"}). Without an engine (or the library): "float32", nothing timed."""
-    name = engine()
+    """The bf16 pass on this CPU's engine (`native.fast_bf16_engine`) against the float32 pass, on one
+    MEASURE_SHAPE layer (conv + SiLU, norms and the chunked rule), in interleaved pairs: the record `tuning` keeps
+    ({"pass": "bf16" or "float32", "bf16_over_float32": the median of the pairs' time ratios, "engine", "shape",
+    "pairs", "measured"}). Without an engine (or the library): "float32", nothing timed."""
+    name = native.fast_bf16_engine()
     record = {"engine": name, "shape": list(MEASURE_SHAPE), "pairs": pairs,
               "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     if name is None or not native.available():
@@ -94,16 +89,16 @@ def measure_delta(pairs: int = 7) -> dict:
 def delta_choice() -> dict:
     """This machine's measured delta pass for bf16 forwards (`measure_delta`'s record, kept by `tuning`); one
     measured on another engine than this process's is measured anew."""
-    return tuning.measured(RECORD, measure_delta, lambda record: record.get("engine") == engine())
+    return tuning.measured(RECORD, measure_delta, lambda record: record.get("engine") == native.fast_bf16_engine())
 
 
 def available() -> bool:
-    """Whether the registry gives a bf16 forward this pass: the CPU has a fast engine (`engine`) and
+    """Whether the registry gives a bf16 forward this pass: the CPU has a fast engine (`native.fast_bf16_engine`) and
     PIXELTRIAGE_DELTA_BF16 is on, or auto and the pass measured faster than the float32 pass here (decided once per
     process). Under the ISA emulation (its speed means nothing) it is taken without a measurement, so that the
     emulated forward checks it."""
     mode = switch()
-    if mode == "off" or engine() is None:
+    if mode == "off" or native.fast_bf16_engine() is None:
         return False
     if mode == "on" or native.isa_emulated():
         return True
@@ -179,15 +174,16 @@ def conv_chunk_rule_bf16(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Te
     """`chunk.conv_chunk_gated_delta_rule`'s contract on the bf16 pass: x [T, conv_dim] bf16, conv_weight
     [conv_dim, W], g, beta [T, Hv] float32 -> [T, Hv, v_dim] float32.
 
-    engine_name: one of `native.BF16_ENGINES` (None: `engine()`); "fma" runs on any machine with the library.
-    ValueError for inputs it does not take (`takes`); BackendUnavailableError for an engine this machine lacks."""
+    engine_name: one of `native.BF16_ENGINES` (None: `native.fast_bf16_engine()`); "fma" runs on any machine with
+    the library. ValueError for inputs it does not take (`takes`); BackendUnavailableError for an engine this
+    machine lacks."""
     num_v_heads = check_projection(x, conv_weight, g, beta, num_k_heads, k_dim, v_dim)
     if not takes(x, conv_weight, k_dim, v_dim, chunk_size):
         raise ValueError(f"the bf16 delta pass takes a contiguous-last bf16 CPU projection, heads up to 512 wide, "
                          f"conv widths up to 16 and a chunk of a multiple of 32 up to 256; got {x.dtype} on "
                          f"{x.device}, heads of {k_dim} and {v_dim}, conv width {conv_weight.shape[-1]}, chunk "
                          f"{chunk_size}")
-    name = engine() if engine_name is None else engine_name
+    name = native.fast_bf16_engine() if engine_name is None else engine_name
     if name not in native.bf16_engines():
         raise BackendUnavailableError(f"bf16 delta engine {name!r} is not on this machine (has "
                                       f"{sorted(native.bf16_engines())}; {native.status()})")
