@@ -64,6 +64,17 @@ MARGIN = 0.97
 _CHOICE: dict[str, bool] = {}
 
 
+def layer_inputs(tokens: int, heads: int, dim: int, seed: int = 0) -> tuple:
+    """A Gated DeltaNet layer's inputs to time the passes on (`measure_delta`, `make bench`'s delta-rule group): a bf16
+    projection [tokens, 3 heads dim] (q, k, v), conv weights, g and beta, then the heads and both head dims; the
+    arguments of `chunk.conv_chunk_gated_delta_rule` and `conv_chunk_rule_bf16`."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, 3 * heads * dim, generator=gen) * 0.5).bfloat16()
+    weight = torch.randn(x.shape[1], 4, generator=gen) * 0.3
+    g, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads, generator=gen)
+    return x, weight, g, beta, heads, dim, dim
+
+
 def measure_delta(pairs: int = 7) -> dict:
     """The bf16 pass on this CPU's engine (`native.fast_bf16_engine`) against the float32 pass, on one
     MEASURE_SHAPE layer (conv + SiLU, norms and the chunked rule), in interleaved pairs: the record `tuning` keeps
@@ -74,12 +85,7 @@ def measure_delta(pairs: int = 7) -> dict:
               "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     if name is None or not native.available():
         return {"pass": "float32", **record}
-    tokens, heads, dim = MEASURE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(tokens, 3 * heads * dim, generator=gen) * 0.5).bfloat16()
-    weight = torch.randn(x.shape[1], 4, generator=gen) * 0.3
-    g, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads, generator=gen)
-    args = (x, weight, g, beta, heads, dim, dim)
+    args = layer_inputs(*MEASURE_SHAPE)
     ratios = tuning.interleaved_ratio(lambda: chunk.conv_chunk_gated_delta_rule(*args),
                                       lambda: conv_chunk_rule_bf16(*args, engine_name=name), pairs=pairs)
     ratio = ratios[len(ratios) // 2]

@@ -75,12 +75,7 @@ def test_vit_attention(benchmark, kernel):
 def test_delta_rule(benchmark, kernel):
     from pixeltriage.kernels.gated_delta import bf16, conv_chunk_gated_delta_rule
 
-    gen = torch.Generator().manual_seed(2)
-    tokens, heads, dim = 2296, 16, 128
-    x = (torch.randn(tokens, 3 * heads * dim, generator=gen) * 0.5).bfloat16()
-    weight = torch.randn(x.shape[1], 4, generator=gen) * 0.3
-    g, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads, generator=gen)
-    args = (x, weight, g, beta, heads, dim, dim)
+    args = bf16.layer_inputs(2296, 16, 128, seed=2)
     fns = {"float32 pass": lambda: conv_chunk_gated_delta_rule(*args),
            "bf16 pass": lambda: bf16.conv_chunk_rule_bf16(*args)}
     _check_and_time(benchmark, "delta-rule", kernel, fns, 2 ** -6)
