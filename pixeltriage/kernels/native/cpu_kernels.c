@@ -177,6 +177,34 @@ static inline uint16_t float_to_bf16(float f) {
 static inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 #endif
 
+#ifdef PT_AVX512F
+/* x[0, 16) as the rows of a 16 x 16 matrix of 32-bit words (a bf16 pair each), transposed in place: in four rounds
+ * (s = 8, 4, 2, 1) each pair of registers i, i + s (i & s == 0) swaps its off-diagonal s x s blocks, within every
+ * 2s x 2s block at once, one two-source permute per register. 64 permutes, where a gather per output row read each
+ * of its 16 words from another cache line. */
+static inline void transpose16_epi32(__m512i x[16]) {
+    static const int32_t first[4][16] = {     /* register i's new lanes: j & s ? (its partner's lane j - s) : j */
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+    static const int32_t second[4][16] = {    /* register i + s's: j & s ? (its own lane j) : i's lane j + s */
+        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+    for (int round = 0, s = 8; round < 4; round++, s /= 2) {
+        __m512i lo = _mm512_loadu_si512(first[round]), hi = _mm512_loadu_si512(second[round]);
+        for (int i = 0; i < 16; i++)
+            if (!(i & s)) {
+                __m512i a = x[i], b = x[i + s];
+                x[i] = _mm512_permutex2var_epi32(a, lo, b);
+                x[i + s] = _mm512_permutex2var_epi32(a, hi, b);
+            }
+    }
+}
+#endif
+
 #ifdef PT_AVX512BF16
 /* what rounding to bf16 leaves of 32 floats (lo then hi), x - float(bf16(x)) (exact in float), as 32 bf16 */
 static inline __m512 bf16_rest16(__m512 x) {
@@ -1229,42 +1257,50 @@ static void pack_pairs_fast(const float *src, int64_t lds, int64_t R, int64_t N,
     }
 }
 
-/* 16 rows of src at a time: each row's 32 floats become 16 bf16 pairs (32-bit words) of a 16 x 16 tile, which a
- * gather per output row transposes */
+/* 16 rows of src at a time: each row's 32 floats become 16 bf16 pairs (32-bit words), the rows of a 16 x 16 matrix
+ * of words that `transpose16_epi32` turns into 16 output rows' pieces */
 static void pack_pairs_t_fast(const float *src, int64_t lds, int64_t N, int64_t R, uint16_t *dst) {
     if (N % 16 || R % 32) {
         pack_pairs_t_ref(src, lds, N, R, dst);
         return;
     }
-    uint32_t tile[16 * 16];
-    __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                        _mm512_set1_epi32(16));
     for (int64_t n0 = 0; n0 < N; n0 += 16)
         for (int64_t p0 = 0; p0 < R / 2; p0 += 16) {
+            __m512i x[16];
             for (int64_t i = 0; i < 16; i++) {
                 const float *in = src + (n0 + i) * lds + 2 * p0;
-                _mm512_storeu_si512(tile + 16 * i, bf16x32(_mm512_loadu_ps(in), _mm512_loadu_ps(in + 16)));
+                x[i] = bf16x32(_mm512_loadu_ps(in), _mm512_loadu_ps(in + 16));
             }
-            for (int64_t j = 0; j < 16; j++)          /* output row p0 + j: word j of each tile row */
-                _mm512_storeu_si512(dst + (p0 + j) * 2 * N + 2 * n0, _mm512_i32gather_epi32(column, tile + j, 4));
+            transpose16_epi32(x);
+            for (int64_t j = 0; j < 16; j++)          /* output row p0 + j, words n0 .. n0 + 16 */
+                _mm512_storeu_si512(dst + (p0 + j) * 2 * N + 2 * n0, x[j]);
         }
 }
 
+/* 32 rows of src by 16 columns at a time: rows 2i and 2i + 1, scaled and rounded, interleaved into 16 pairs (the
+ * pairs of output columns 2i, 2i + 1 for 16 output rows), then `transpose16_epi32`: each output row's 32 bf16 */
 static void to_bf16_t_fast(const float *src, int64_t lds, int64_t N, int64_t R, const float *rowscale, uint16_t *dst,
                            int64_t ldd) {
-    if (N % 16 || lds * 16 > INT32_MAX) {
+    if (N % 32 || R % 16) {
         to_bf16_t_ref(src, lds, N, R, rowscale, dst, ldd);
         return;
     }
-    __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                      _mm512_set1_epi32((int)lds));
-    for (int64_t n0 = 0; n0 < N; n0 += 16) {
-        __m512 s = _mm512_loadu_ps(rowscale + n0);
-        for (int64_t r = 0; r < R; r++) {
-            __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(rows, src + n0 * lds + r, 4), s);
-            _mm256_storeu_si256((__m256i *)(dst + r * ldd + n0), (__m256i)_mm512_cvtneps_pbh(v));
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    __m512i idx = _mm512_loadu_si512(interleave);
+    for (int64_t n0 = 0; n0 < N; n0 += 32)
+        for (int64_t r0 = 0; r0 < R; r0 += 16) {
+            __m512i x[16];
+            for (int64_t i = 0; i < 16; i++) {
+                const float *in = src + (n0 + 2 * i) * lds + r0;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(in), _mm512_set1_ps(rowscale[n0 + 2 * i]));
+                __m512 b = _mm512_mul_ps(_mm512_loadu_ps(in + lds), _mm512_set1_ps(rowscale[n0 + 2 * i + 1]));
+                x[i] = _mm512_permutexvar_epi16(idx, bf16x32(a, b));
+            }
+            transpose16_epi32(x);
+            for (int64_t j = 0; j < 16; j++)
+                _mm512_storeu_si512(dst + (r0 + j) * ldd + n0, x[j]);
         }
-    }
 }
 #define PT_FAST_PACK 1
 #define to_bf16_rows to_bf16_rows_fast
@@ -1455,20 +1491,27 @@ static int64_t longest_segment(const int64_t *seg_start, const int64_t *seg_len,
     return longest;
 }
 
-/* K^T in the pair layout, kt[p, 2n + e] = K[n, 2p + e] for n < L, zero up to Lp: K's rows copied contiguous (into
- * rows, [Lp, D]) then transposed as 32-bit pairs */
+/* K^T in the pair layout, kt[p, 2n + e] = K[n, 2p + e] for n < L, zero up to Lp (a multiple of 16): 16 keys by 16
+ * pairs at a time, read from K's rows and transposed as 32-bit words (`transpose16_epi32`); without AVX-512, K's rows
+ * copied contiguous (into rows, [Lp, D]) then transposed a word at a time */
 static void segment_kt(const uint16_t *k, int64_t k_t, int64_t off, int64_t t0, int64_t L, int64_t Lp, int64_t D,
                        uint16_t *kt, uint16_t *rows) {
-    segment_rows(k, k_t, off, t0, L, Lp, D, rows);
-    const uint32_t *pairs = (const uint32_t *)rows;
     uint32_t *dst = (uint32_t *)kt;
 #ifdef PT_AVX512F
-    __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                        _mm512_set1_epi32((int)(D / 2)));
+    static const uint16_t zeros[256] = {0};
+    (void)rows;
     for (int64_t n0 = 0; n0 < Lp; n0 += 16)
-        for (int64_t p = 0; p < D / 2; p++)
-            _mm512_storeu_si512(dst + p * Lp + n0, _mm512_i32gather_epi32(stride, pairs + n0 * (D / 2) + p, 4));
+        for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+            __m512i x[16];
+            for (int64_t i = 0; i < 16; i++)
+                x[i] = _mm512_loadu_si512((n0 + i < L ? k + (t0 + n0 + i) * k_t + off : zeros) + 2 * p0);
+            transpose16_epi32(x);
+            for (int64_t j = 0; j < 16; j++)
+                _mm512_storeu_si512(dst + (p0 + j) * Lp + n0, x[j]);
+        }
 #else
+    segment_rows(k, k_t, off, t0, L, Lp, D, rows);
+    const uint32_t *pairs = (const uint32_t *)rows;
     for (int64_t n = 0; n < Lp; n++)
         for (int64_t p = 0; p < D / 2; p++)
             dst[p * Lp + n] = pairs[n * (D / 2) + p];
