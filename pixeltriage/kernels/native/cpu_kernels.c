@@ -1021,18 +1021,22 @@ static inline uint32_t bf16_pair(const uint16_t *a) {
     return w;
 }
 
-/* c[M, N] (float32, row stride ldc) = (acc ? c : 0) + a[M, Kd] b[Kd, N]; a: bf16 row-major (row stride lda); b: the
- * pair-interleaved layout of a [Kd, N] matrix (row p: 2N bf16). lower: a is lower triangular (a[i, p] = 0 for p > i),
- * so row block i0 reads only its first i0 + block columns. The "fma" engine: 4 rows by 16 columns in registers, one
+/* c[M, N] (float32, row stride ldc) = (acc ? cscale c : 0) + a[M, Kd] b[Kd, N]; a: bf16 row-major (row stride lda);
+ * b: the pair-interleaved layout of a [Kd, N] matrix (row p: 2N bf16); cscale: NULL (1), or c's row i times cscale[i]
+ * as it is read (one float32 product, as a pass over c before the call). lower: a is lower triangular (a[i, p] = 0
+ * for p > i), so row block i0 reads only its first i0 + block columns. The "fma" engine: 4 rows by 16 columns in registers, one
  * pair of the reduction per step, each bf16 widened and multiplied in float32 (the reference of the other two). */
 static void mm_bf16_vec(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N, int64_t Kd,
-                        float *c, int64_t ldc, int acc, int lower) {
+                        float *c, int64_t ldc, int acc, const float *cscale, int lower) {
     for (int64_t i0 = 0; i0 < M; i0 += 4) {
         int64_t kd = lower && i0 + 4 < Kd ? i0 + 4 : Kd;
         for (int64_t j0 = 0; j0 < N; j0 += VL) {
             vf16 s[4];
-            for (int r = 0; r < 4; r++)
+            for (int r = 0; r < 4; r++) {
                 s[r] = acc ? *(const vf16 *)(c + (i0 + r) * ldc + j0) : (vf16){0};
+                if (acc && cscale)
+                    s[r] *= cscale[i0 + r];
+            }
             for (int64_t p = 0; p < kd / 2; p++) {
                 vu16 bb = *(const vu16 *)(b + p * 2 * N + 2 * j0);
                 vf16 even = (vf16)(bb << 16), odd = (vf16)(bb & 0xffff0000u);
@@ -1056,7 +1060,7 @@ static void mm_bf16_vec(const uint16_t *a, int64_t lda, const uint16_t *b, int64
  * layer and the causal attention 0.69x SDPA's (AMD EPYC with AVX-512 BF16, 2 threads). */
 #define DP_ROWS 8
 static void mm_bf16_dp(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N, int64_t Kd,
-                       float *c, int64_t ldc, int acc, int lower) {
+                       float *c, int64_t ldc, int acc, const float *cscale, int lower) {
     for (int64_t i0 = 0; i0 < M; i0 += DP_ROWS) {
         int64_t kd = lower && i0 + DP_ROWS < Kd ? i0 + DP_ROWS : Kd;
         for (int64_t j0 = 0; j0 < N; j0 += 2 * VL) {
@@ -1064,7 +1068,10 @@ static void mm_bf16_dp(const uint16_t *a, int64_t lda, const uint16_t *b, int64_
 #pragma GCC unroll 8
             for (int r = 0; r < DP_ROWS; r++)
                 for (int h = 0; h < 2; h++)
-                    s[r][h] = acc ? _mm512_loadu_ps(c + (i0 + r) * ldc + j0 + h * VL) : _mm512_setzero_ps();
+                    s[r][h] = !acc ? _mm512_setzero_ps()
+                              : cscale ? _mm512_mul_ps(_mm512_loadu_ps(c + (i0 + r) * ldc + j0 + h * VL),
+                                                       _mm512_set1_ps(cscale[i0 + r]))
+                                       : _mm512_loadu_ps(c + (i0 + r) * ldc + j0 + h * VL);
             const uint16_t *ap = a + i0 * lda;
             for (int64_t p = 0; p < kd / 2; p++) {
                 __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * 2 * N + 2 * j0);
@@ -1142,21 +1149,25 @@ static void mm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *b, int64
 #endif
 
 static void mm_bf16(int engine, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N, int64_t Kd,
-                    float *c, int64_t ldc, int acc, int lower) {
+                    float *c, int64_t ldc, int acc, const float *cscale, int lower) {
 #ifdef PT_AMX
-    if (engine == ENGINE_AMX) {
+    if (engine == ENGINE_AMX) {                       /* the tiles load c as it is: cscale in a pass before */
+        if (acc && cscale)
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t j = 0; j < N; j++)
+                    c[i * ldc + j] *= cscale[i];
         mm_bf16_amx(a, lda, b, M, N, Kd, c, ldc, acc, lower);
         return;
     }
 #endif
 #ifdef PT_AVX512BF16
     if (engine == ENGINE_AVX512_BF16) {
-        mm_bf16_dp(a, lda, b, M, N, Kd, c, ldc, acc, lower);
+        mm_bf16_dp(a, lda, b, M, N, Kd, c, ldc, acc, cscale, lower);
         return;
     }
 #endif
     (void)engine;
-    mm_bf16_vec(a, lda, b, M, N, Kd, c, ldc, acc, lower);
+    mm_bf16_vec(a, lda, b, M, N, Kd, c, ldc, acc, cscale, lower);
 }
 
 /* A thread's tile state around its products on `engine` (each thread of a parallel region configures its own
@@ -1381,8 +1392,8 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
     to_bf16_rows(qm, K, C, K, NULL, qb, K);
     to_bf16_rows(kbm, K, C, K, NULL, kbb, K);
     pack_pairs_t(kn, K, C, K, ktp);
-    mm_bf16(engine, kbb, K, ktp, C, C, K, t, C, 0, 0);
-    mm_bf16(engine, qb, K, ktp, C, C, K, qk, C, 0, 0);
+    mm_bf16(engine, kbb, K, ktp, C, C, K, t, C, 0, NULL, 0);
+    mm_bf16(engine, qb, K, ktp, C, C, K, qk, C, 0, NULL, 0);
     for (int64_t i = 0; i < C; i++)
         for (int64_t j = 0; j < C; j++)
             qk[i * C + j] = j <= i ? qk[i * C + j] * (dec[i * C + j] * scale) : 0.0f;
@@ -1400,27 +1411,24 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
     /* u = T vb; -w = T diag(-exp(gamma)) kb (the sign exact in every rounding) for v_new = u + (-w) S */
     pack_pairs(vbm, V, C, V, vbp);
     pack_pairs(kbm, K, C, K, kbp);
-    mm_bf16(engine, tb, C, vbp, C, V, C, u, V, 0, 1);
-    mm_bf16(engine, twb, C, kbp, C, K, C, wf, K, 0, 1);
+    mm_bf16(engine, tb, C, vbp, C, V, C, u, V, 0, NULL, 1);
+    mm_bf16(engine, twb, C, kbp, C, K, C, wf, K, 0, NULL, 1);
     to_bf16_rows(wf, K, C, K, NULL, wb, K);
     to_bf16_t(kn, K, C, K, kend, kendt, C);                          /* k_end^T: k decayed to the chunk's end */
     /* the recurrence: v_new = u - w S; out = diag(exp(gamma) scale) q S + intra v_new; S = decay S + k_end^T v_new */
     pack_pairs(S, V, K, V, sp);
-    mm_bf16(engine, wb, K, sp, C, V, K, u, V, 1, 0);
+    mm_bf16(engine, wb, K, sp, C, V, K, u, V, 1, NULL, 0);
     pack_pairs(u, V, C, V, vnp);
     int64_t ld = o == out ? ldo : V;
-    mm_bf16(engine, qb, K, sp, C, V, K, o, ld, 0, 0);
-    for (int64_t i = 0; i < C; i++)
-        for (int64_t d = 0; d < V; d++)
-            o[i * ld + d] *= qscale[i];
-    mm_bf16(engine, intra, C, vnp, C, V, C, o, ld, 1, 1);
+    mm_bf16(engine, qb, K, sp, C, V, K, o, ld, 0, NULL, 0);
+    mm_bf16(engine, intra, C, vnp, C, V, C, o, ld, 1, qscale, 1);   /* o = diag(qscale) o + intra v_new */
     if (o != out)                                                    /* the head's V of its padded columns */
         for (int64_t i = 0; i < C; i++)
             memcpy(out + i * ldo, o + i * V, (size_t)a->V * sizeof(float));
-    float cd = gexp[C - 1];
-    for (int64_t n = 0; n < K * V; n++)
-        S[n] *= cd;                                                  /* 0 * inf stays NaN */
-    mm_bf16(engine, kendt, C, vnp, K, V, C, S, V, 1, 0);
+    float cd[MAX_DELTA_HEAD];                                        /* S's decay, one per row (0 * inf stays NaN) */
+    for (int64_t i = 0; i < K; i++)
+        cd[i] = gexp[C - 1];
+    mm_bf16(engine, kendt, C, vnp, K, V, C, S, V, 1, cd, 0);
 }
 
 /* pt_delta_chunked's contract (conv mode or not) with its products in bf16 on `engine` (a bit of
@@ -1626,8 +1634,8 @@ static inline __attribute__((always_inline)) void query_block_out(
         inv[i] = 1.0f / segment_softmax_row(sf + i * ld, seen + (causal ? i : 0), ld, scale, pb + i * ld,
                                             pl + i * ld);
     /* e V = pb V + pl V (V is bf16 already): the second product adds back what e's rounding to bf16 took */
-    mm_bf16(engine, pb, ld, vv, rows, D, ld, of, D, 0, 0);
-    mm_bf16(engine, pl, ld, vv, rows, D, ld, of, D, 1, 0);
+    mm_bf16(engine, pb, ld, vv, rows, D, ld, of, D, 0, NULL, 0);
+    mm_bf16(engine, pl, ld, vv, rows, D, ld, of, D, 1, NULL, 0);
     to_bf16_rows(of, D, m, D, inv, out, ldo);
 }
 
@@ -1682,7 +1690,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
             segment_vv(v, v_t, h * v_h, t0, L, Lp, D, vv);
             for (int64_t i0 = 0; i0 < L; i0 += QUERY_BLOCK) {
                 int64_t m = L - i0 < QUERY_BLOCK ? L - i0 : QUERY_BLOCK, mr = round32(m);
-                mm_bf16(engine, qb + i0 * D, D, kt, mr, Lp, D, sf, Lp, 0, 0);
+                mm_bf16(engine, qb + i0 * D, D, kt, mr, Lp, D, sf, Lp, 0, NULL, 0);
                 query_block_out(engine, sf, pb, pl, Lp, vv, m, mr, D, L, 0, scale, inv, of,
                                 out + (t0 + i0) * H * D + h * D, H * D);
             }
@@ -1753,7 +1761,7 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
                 const uint16_t *kt = kv + (h / group) * kv_per_head, *vv = kt + Lmax * D;
                 segment_rows(q, q_t, h * q_h, t0 + i0, m, QUERY_BLOCK, D, qb);
                 for (int64_t j = 0; j < kend / 32; j++)
-                    mm_bf16(engine, qb, D, kt + j * 32 * D, QUERY_BLOCK, 32, D, sf + 32 * j, kend, 0, 0);
+                    mm_bf16(engine, qb, D, kt + j * 32 * D, QUERY_BLOCK, 32, D, sf + 32 * j, kend, 0, NULL, 0);
                 /* row i sees keys 0 .. i0 + i; whole blocks of rows (a constant the products are compiled for) */
                 query_block_out(engine, sf, pb, pl, kend, vv, m, QUERY_BLOCK, D, i0 + 1, 1, scale, inv, of,
                                 out + (t0 + i0) * H * D + h * D, H * D);
