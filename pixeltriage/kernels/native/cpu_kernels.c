@@ -1384,7 +1384,8 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
     uint16_t *intra = TAKE_BF16(at, C * C), *tb = TAKE_BF16(at, C * C), *twb = TAKE_BF16(at, C * C);
     uint16_t *vbp = TAKE_BF16(at, C * V), *vnp = TAKE_BF16(at, C * V), *sp = TAKE_BF16(at, K * V);
     delta_gather_rows(a, t0, len, seg0, h, qm, kbm, vbm, kn, K, V);
-    float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK], qscale[MAX_DELTA_CHUNK];
+    /* qscale zeroed past C, which is all the products read: GCC cannot see that and warns without AVX512-BF16 */
+    float gexp[MAX_DELTA_CHUNK], kend[MAX_DELTA_CHUNK], qscale[MAX_DELTA_CHUNK] = {0};
     chunk_decays(g, C, cutoff, gexp, kend, dec);
     for (int64_t i = 0; i < C; i++)
         qscale[i] = gexp[i] * scale;
