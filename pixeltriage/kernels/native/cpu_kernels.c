@@ -1024,8 +1024,9 @@ static inline uint32_t bf16_pair(const uint16_t *a) {
 /* c[M, N] (float32, row stride ldc) = (acc ? cscale c : 0) + a[M, Kd] b[Kd, N]; a: bf16 row-major (row stride lda);
  * b: the pair-interleaved layout of a [Kd, N] matrix (row p: 2N bf16); cscale: NULL (1), or c's row i times cscale[i]
  * as it is read (one float32 product, as a pass over c before the call). lower: a is lower triangular (a[i, p] = 0
- * for p > i), so row block i0 reads only its first i0 + block columns. The "fma" engine: 4 rows by 16 columns in registers, one
- * pair of the reduction per step, each bf16 widened and multiplied in float32 (the reference of the other two). */
+ * for p > i), so row block i0 reads only its first i0 + block columns. The "fma" engine: 4 rows by 16 columns in
+ * registers, one pair of the reduction per step, each bf16 widened and multiplied in float32 (the reference of the
+ * other two). */
 static void mm_bf16_vec(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N, int64_t Kd,
                         float *c, int64_t ldc, int acc, const float *cscale, int lower) {
     for (int64_t i0 = 0; i0 < M; i0 += 4) {
