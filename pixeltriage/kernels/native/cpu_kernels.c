@@ -1252,20 +1252,23 @@ static void to_bf16_rows_fast(const float *src, int64_t lds, int64_t R, int64_t 
     }
 }
 
+/* 16 floats of two rows, a and b, as 16 bf16 pairs (a[j], b[j]): one 32-bit word each, in order */
+static inline __m512i bf16_pairs16(__m512 a, __m512 b) {
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(interleave), bf16x32(a, b));
+}
+
 static void pack_pairs_fast(const float *src, int64_t lds, int64_t R, int64_t N, uint16_t *dst) {
     if (N % 16 || R % 2) {
         pack_pairs_ref(src, lds, R, N, dst);
         return;
     }
-    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    __m512i idx = _mm512_loadu_si512(interleave);
     for (int64_t p = 0; p < R / 2; p++) {
         const float *r0 = src + 2 * p * lds, *r1 = r0 + lds;
         uint16_t *o = dst + p * 2 * N;
-        for (int64_t n = 0; n < N; n += 16)           /* r0's 16 then r1's 16, interleaved */
-            _mm512_storeu_si512(o + 2 * n, _mm512_permutexvar_epi16(
-                                               idx, bf16x32(_mm512_loadu_ps(r0 + n), _mm512_loadu_ps(r1 + n))));
+        for (int64_t n = 0; n < N; n += 16)
+            _mm512_storeu_si512(o + 2 * n, bf16_pairs16(_mm512_loadu_ps(r0 + n), _mm512_loadu_ps(r1 + n)));
     }
 }
 
@@ -1297,9 +1300,6 @@ static void to_bf16_t_fast(const float *src, int64_t lds, int64_t N, int64_t R, 
         to_bf16_t_ref(src, lds, N, R, rowscale, dst, ldd);
         return;
     }
-    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    __m512i idx = _mm512_loadu_si512(interleave);
     for (int64_t n0 = 0; n0 < N; n0 += 32)
         for (int64_t r0 = 0; r0 < R; r0 += 16) {
             __m512i x[16];
@@ -1307,7 +1307,7 @@ static void to_bf16_t_fast(const float *src, int64_t lds, int64_t N, int64_t R, 
                 const float *in = src + (n0 + 2 * i) * lds + r0;
                 __m512 a = _mm512_mul_ps(_mm512_loadu_ps(in), _mm512_set1_ps(rowscale[n0 + 2 * i]));
                 __m512 b = _mm512_mul_ps(_mm512_loadu_ps(in + lds), _mm512_set1_ps(rowscale[n0 + 2 * i + 1]));
-                x[i] = _mm512_permutexvar_epi16(idx, bf16x32(a, b));
+                x[i] = bf16_pairs16(a, b);
             }
             transpose16_epi32(x);
             for (int64_t j = 0; j < 16; j++)
