@@ -258,7 +258,7 @@ def measure_attention(dtype: torch.dtype, pairs: int = 7) -> dict:
 def attention_choice(dtype: torch.dtype) -> dict:
     """This machine's measured attention kernel per mask in `dtype` (`measure_attention`'s record, kept by
     `tuning` under RECORDS[dtype]); a bf16 record measured on another engine than this process's is measured anew."""
-    fits = None if dtype != torch.bfloat16 else lambda record: record.get("engine") == native.fast_bf16_engine()
+    fits = native.on_this_engine if dtype == torch.bfloat16 else None
     return tuning.measured(RECORDS[dtype], functools.partial(measure_attention, dtype), fits)
 
 

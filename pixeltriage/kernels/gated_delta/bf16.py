@@ -79,11 +79,11 @@ def measure_delta(pairs: int = 7) -> dict:
     """The bf16 pass on this CPU's engine (`native.fast_bf16_engine`) against the float32 pass, on one
     MEASURE_SHAPE layer (conv + SiLU, norms and the chunked rule), in interleaved pairs: the record `tuning` keeps
     ({"pass": "bf16" or "float32", "bf16_over_float32": the median of the pairs' time ratios, "engine", "shape",
-    "pairs", "measured"}). Without an engine (or the library): "float32", nothing timed."""
+    "pairs", "measured"}). Without an engine (none without the library): "float32", nothing timed."""
     name = native.fast_bf16_engine()
     record = {"engine": name, "shape": list(MEASURE_SHAPE), "pairs": pairs,
               "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if name is None or not native.available():
+    if name is None:
         return {"pass": "float32", **record}
     args = layer_inputs(*MEASURE_SHAPE)
     ratios = tuning.interleaved_ratio(lambda: chunk.conv_chunk_gated_delta_rule(*args),
@@ -95,7 +95,7 @@ def measure_delta(pairs: int = 7) -> dict:
 def delta_choice() -> dict:
     """This machine's measured delta pass for bf16 forwards (`measure_delta`'s record, kept by `tuning`); one
     measured on another engine than this process's is measured anew."""
-    return tuning.measured(RECORD, measure_delta, lambda record: record.get("engine") == native.fast_bf16_engine())
+    return tuning.measured(RECORD, measure_delta, native.on_this_engine)
 
 
 def available() -> bool:

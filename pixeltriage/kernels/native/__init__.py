@@ -344,6 +344,12 @@ def fast_bf16_engine() -> str | None:
     return next((name for name in FAST_BF16_ENGINES if name in have), None)
 
 
+def on_this_engine(record: dict) -> bool:
+    """Whether a kept bf16 measurement (a `kernels.tuning` record with an "engine") was taken on the engine this
+    process's bf16 kernels run (`fast_bf16_engine`): `tuning.measured`'s `fits` for the bf16 records."""
+    return record.get("engine") == fast_bf16_engine()
+
+
 # vec_math.h's functions that `vec_math` evaluates (`pt_vec_math`'s `which`)
 VEC_MATH = {"exp": 0, "exp2_bf16": 1, "silu": 2, "silu_bf16": 3}
 
