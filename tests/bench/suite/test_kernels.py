@@ -1,8 +1,8 @@
 """Kernel benchmarks (pytest-benchmark): each C kernel on the CPU's bf16 units (AMX tiles, else AVX512-BF16 dot
 products: `native.fast_bf16_engine`) against what it replaces, on bench-small's shapes, in one group per pair.
 Skipped in `make test`; run with `make bench`. Compare the medians of a group's two entries in one run: that ratio
-is the kernel's speed-up. No timing is asserted; each entry's output
-is checked against the other's once, so a group never times a kernel that went wrong.
+is the kernel's speed-up. No timing is asserted; each entry's output is checked against the other's once, so a
+group never times a kernel that went wrong.
 
 - attention-decoder: one gated attention layer's causal attention, 2296 tokens, 8 query heads of 256 over 2
   key/value heads: SDPA's flash kernel against `causal_attention_bf16`;
