@@ -631,6 +631,31 @@ def test_attention_f32_matches_float64_and_sdpa(case, causal):
     assert rel(out, sdpa) < 1e-5
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_f32_schedules_give_the_same_bits(causal):
+    """`pt_attention_f32` packs every K^T and V panel first where it has few (segment, key/value head) tasks per
+    thread, and packs each task's panels just before its query blocks where it has many (ATTENTION_F32_TASKS_PER_
+    THREAD = 4): the same blocks either way, so the same bits. At one thread, segments [70, 33, 17] of one key/value
+    head (3 tasks) take the first schedule and the same segments with a fourth after them the second; the first
+    three segments' outputs must be equal to the bit, and within 1e-5 of float64."""
+    from pixeltriage.kernels.attention import attention_f32
+
+    torch.manual_seed(7 + causal)
+    lengths, hq, dim = [70, 33, 17], 2, 32
+    qkv = torch.randn(sum(lengths) + 40, hq + 2, dim) * 1.5
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + 1], qkv[:, hq + 1:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        few = attention_f32(q[:120], k[:120], v[:120], lengths, causal)
+        many = attention_f32(q, k, v, lengths + [40], causal)
+    finally:
+        torch.set_num_threads(threads)
+    assert few is not None and many is not None
+    assert torch.equal(few, many[:120])
+    assert rel(few, _segment_attention_reference(q[:120], k[:120], v[:120], lengths, causal)) < 1e-5
+
+
 @pytest.fixture(scope="module", params=[16, 32, 64], ids=["sse", "avx2", "avx512"])
 def register_width_library(request, tmp_path_factory):
     """The C library built with its products' vector registers (`vr`) as wide as another machine's: 16, 32 or 64
