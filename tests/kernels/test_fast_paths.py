@@ -549,6 +549,7 @@ CAUSAL_CASES = {                # lengths, query heads, key/value heads, head di
     "short": ([1, 5, 31, 33, 64, 65, 130], 4, 2, 32),       # around the 32-key blocks and the 64-query blocks
     "gqa4": ([300, 0, 97], 8, 2, 64),                       # several query blocks, an empty segment
     "wide": ([250], 3, 3, 256),                             # the decoder's head dim, no grouping
+    "long": ([600], 2, 1, 256),                             # e V over three of its 256-key blocks (EV_BYTES)
 }
 
 

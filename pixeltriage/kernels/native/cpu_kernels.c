@@ -1624,6 +1624,11 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
     return sum;
 }
 
+/* V's bytes per block of e V's products (see query_block_out): the causal kernel at 2296 tokens, 8 heads of 256 over
+ * 2, 2 threads, AVX512-BF16: 0.945x the time of one product over all keys with 128 KB (256 keys), 0.947x with 64
+ * KB, 0.992x with 256 KB */
+#define EV_BYTES (128 * 1024)
+
 /* The rest of a block of m query rows once its scores are in sf (rows ld floats apart): row i's softmax over its
  * first seen + (causal ? i : 0) keys (zeros up to ld), e V over `rows` rows (m or more, a multiple of 32: the rows
  * past m are products whose outputs are not kept), each kept row divided by its sum into out (bf16, rows ldo
@@ -1635,9 +1640,15 @@ static inline __attribute__((always_inline)) void query_block_out(
     for (int64_t i = 0; i < m; i++)
         inv[i] = 1.0f / segment_softmax_row(sf + i * ld, seen + (causal ? i : 0), ld, scale, pb + i * ld,
                                             pl + i * ld);
-    /* e V = pb V + pl V (V is bf16 already): the second product adds back what e's rounding to bf16 took */
-    mm_bf16(engine, pb, ld, vv, rows, D, ld, of, D, 0, NULL, 0);
-    mm_bf16(engine, pl, ld, vv, rows, D, ld, of, D, 1, NULL, 0);
+    /* e V = pb V + pl V (V is bf16 already): the second product adds back what e's rounding to bf16 took. V's
+     * pair rows EV_BYTES at a time (256 keys of a head of 256), so that each block stays in L2 while every tile of
+     * the output reads it (a decoder question's V, 2296 keys x 256, is 1.2 MB); every pb block before the first pl
+     * block: the sums in the order of one product over all keys, stored and reloaded in float32 (the same bits) */
+    int64_t kb = EV_BYTES / (2 * D) / 32 * 32;
+    for (int64_t k0 = 0; k0 < ld; k0 += kb)
+        mm_bf16(engine, pb + k0, ld, vv + k0 * D, rows, D, ld - k0 < kb ? ld - k0 : kb, of, D, k0 > 0, NULL, 0);
+    for (int64_t k0 = 0; k0 < ld; k0 += kb)
+        mm_bf16(engine, pl + k0, ld, vv + k0 * D, rows, D, ld - k0 < kb ? ld - k0 : kb, of, D, 1, NULL, 0);
     to_bf16_rows(of, D, m, D, inv, out, ldo);
 }
 
@@ -1788,9 +1799,10 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
  * head) is a task that packs its panels and runs its query heads' blocks while they are in cache (the ViT's
  * attention, 10 images of 400 patches, 8 heads of 64, 2 threads: 0.89x the time of packing every panel first);
  * otherwise (the decoder's few long questions) the panels are packed first, shared by the threads, and the query
- * blocks of a segment go to threads last (longest) first. q, k, v: float32 with strides (t, h, 1) in elements; out: [T, H, D] contiguous. scratch holds
- * ATTENTION_F32_SCRATCH(Lp, D) floats per thread for the longest segment. D a multiple of 16 up to 512, H a
- * multiple of Hkv. The output does not depend on the thread count. Returns 1 for what it does not take. */
+ * blocks of a segment go to threads last (longest) first. q, k, v: float32 with strides (t, h, 1) in elements;
+ * out: [T, H, D] contiguous. scratch holds ATTENTION_F32_SCRATCH(Lp, D) floats per thread for the longest segment.
+ * D a multiple of 16 up to 512, H a multiple of Hkv. The output does not depend on the thread count. Returns 1 for
+ * what it does not take. */
 #define MAX_ATTENTION_F32 32768
 /* Columns of a product's panel: 4 rows x 24 columns on AVX2 (12 of its 16 registers: the 16 columns of mm4's
  * MM_COLS left 8 accumulators, and the decoder's attention took 1.05x as long), MM_COLS elsewhere */
