@@ -205,15 +205,6 @@ static inline void transpose16_epi32(__m512i x[16]) {
 }
 #endif
 
-#ifdef PT_AVX512BF16
-/* what rounding to bf16 leaves of 32 floats (lo then hi), x - float(bf16(x)) (exact in float), as 32 bf16 */
-static inline __m512 bf16_rest16(__m512 x) {
-    __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16);
-    return _mm512_sub_ps(x, _mm512_castsi512_ps(hi));
-}
-static inline __m512i bf16_rest32(__m512 lo, __m512 hi) { return bf16x32(bf16_rest16(lo), bf16_rest16(hi)); }
-#endif
-
 static inline void bf16_row(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
 #ifdef PT_AVX512BF16
@@ -1560,8 +1551,10 @@ static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, 
 }
 
 /* One row of scores (row[0, L) live, Lp a multiple of 32): e = exp(scale (row - max)) in two bf16 parts with
- * zeros past L, pb = bf16(e) and pl = bf16(e - pb), so that pb + pl is e within 2^-17 of it; returns the float32
- * sum of e. */
+ * zeros past L, pb = e's top 16 bits (e truncated to bf16) and pl = bf16(e - pb) (e - pb exact in float), so that
+ * pb + pl is e within 2^-16 of it; returns the float32 sum of e. Truncating pb rather than rounding it takes 4 of
+ * the 10 vector operations that made the two parts (ViT attention 0.974x, 61 pairs) for twice the residual (2^-17
+ * with rounding), 2^-7 of the output's own rounding step. */
 static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb, uint16_t *pl) {
     float m = row[0], sum = 0.0f;
 #if defined(PT_AVX512F) && defined(PT_AVX512BF16)
@@ -1589,14 +1582,17 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
      * 32 keys unmasked, then the masked tail up to Lp with zeros past L. */
     float c = scale * 1.44269504088896341f;
     __m512 vcm = _mm512_set1_ps(c * m), vc = _mm512_set1_ps(c), acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    __m512i top16 = _mm512_set1_epi32((int)0xffff0000u);
     int64_t j = 0;
     for (; j + 32 <= L; j += 32) {
         __m512 e0 = exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), vc, vcm));
         __m512 e1 = exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), vc, vcm));
         acc0 = _mm512_add_ps(acc0, e0);
         acc1 = _mm512_add_ps(acc1, e1);
-        _mm512_storeu_si512(pb + j, bf16x32(e0, e1));
-        _mm512_storeu_si512(pl + j, bf16_rest32(e0, e1));
+        __m512 t0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e0), top16));
+        __m512 t1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e1), top16));
+        _mm512_storeu_si512(pb + j, bf16x32(t0, t1));
+        _mm512_storeu_si512(pl + j, bf16x32(_mm512_sub_ps(e0, t0), _mm512_sub_ps(e1, t1)));
     }
     for (; j < Lp; j += 32) {
         __mmask16 m0 = j >= L ? 0 : lanes16(L - j), m1 = j + 16 >= L ? 0 : lanes16(L - j - 16);
@@ -1604,8 +1600,10 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
         __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), vc, vcm)));
         acc0 = _mm512_add_ps(acc0, e0);
         acc1 = _mm512_add_ps(acc1, e1);
-        _mm512_storeu_si512(pb + j, bf16x32(e0, e1));
-        _mm512_storeu_si512(pl + j, bf16_rest32(e0, e1));
+        __m512 t0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e0), top16));
+        __m512 t1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e1), top16));
+        _mm512_storeu_si512(pb + j, bf16x32(t0, t1));
+        _mm512_storeu_si512(pl + j, bf16x32(_mm512_sub_ps(e0, t0), _mm512_sub_ps(e1, t1)));
     }
     sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 #else
@@ -1616,9 +1614,12 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
     }
     for (int64_t j = L; j < Lp; j++)
         row[j] = 0.0f;
-    bf16_row(row, pb, Lp);
-    for (int64_t j = 0; j < Lp; j++)
+    for (int64_t j = 0; j < Lp; j++) {
+        uint32_t bits;
+        memcpy(&bits, row + j, sizeof bits);
+        pb[j] = (uint16_t)(bits >> 16);
         row[j] -= bf16_to_float(pb[j]);
+    }
     bf16_row(row, pl, Lp);
 #endif
     return sum;
@@ -1688,7 +1689,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
         float *at = scratch + (int64_t)THREAD_NUM() * scratch_floats;
         float *sf = TAKE_F32(at, QUERY_BLOCK * Lmax), *of = TAKE_F32(at, QUERY_BLOCK * D);  /* scores, output */
         float *inv = TAKE_F32(at, QUERY_BLOCK);                                             /* 1 / sums */
-        uint16_t *pb = TAKE_BF16(at, QUERY_BLOCK * Lmax);                                   /* bf16(e) */
+        uint16_t *pb = TAKE_BF16(at, QUERY_BLOCK * Lmax);                                   /* e's top bits */
         uint16_t *pl = TAKE_BF16(at, QUERY_BLOCK * Lmax);                                   /* its rest */
         uint16_t *qb = TAKE_BF16(at, Lmax * D), *kt = TAKE_BF16(at, Lmax * D), *vv = TAKE_BF16(at, Lmax * D);
         tiles_on(engine);

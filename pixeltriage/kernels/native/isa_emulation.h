@@ -259,6 +259,8 @@ static inline float _mm512_reduce_max_ps(__m512 a) {
 
 /* ---- integer lanes ---------------------------------------------------------------------------------------------- */
 static inline __m512 _mm512_castsi512_ps(__m512i a) { return (__m512)a; }
+static inline __m512i _mm512_castps_si512(__m512 a) { return (__m512i)a; }
+static inline __m512i _mm512_and_si512(__m512i a, __m512i b) { return a & b; }
 
 static inline __m512i _mm512_loadu_si512(const void *p) {
     __m512i r;
