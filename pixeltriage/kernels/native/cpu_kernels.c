@@ -1641,7 +1641,7 @@ static inline __attribute__((always_inline)) void query_block_out(
     for (int64_t i = 0; i < m; i++)
         inv[i] = 1.0f / segment_softmax_row(sf + i * ld, seen + (causal ? i : 0), ld, scale, pb + i * ld,
                                             pl + i * ld);
-    /* e V = pb V + pl V (V is bf16 already): the second product adds back what e's rounding to bf16 took. V's
+    /* e V = pb V + pl V (V is bf16 already): the second product adds back what e's top bits left out. V's
      * pair rows EV_BYTES at a time (256 keys of a head of 256), so that each block stays in L2 while every tile of
      * the output reads it (a decoder question's V, 2296 keys x 256, is 1.2 MB); every pb block before the first pl
      * block: the sums in the order of one product over all keys, stored and reloaded in float32 (the same bits) */
