@@ -1044,13 +1044,13 @@ static void mm_bf16_vec(const uint16_t *a, int64_t lda, const uint16_t *b, int64
     }
 }
 
+#define DP_ROWS 8                      /* mm_bf16_dp's rows of c at a time (so a multiple of them for its M) */
 #ifdef PT_AVX512BF16
 /* mm_bf16_vec's contract on AVX512-BF16's dot products (each lane: c += a pair times b's pair, 32 multiply-adds per
  * instruction): 8 rows by 32 columns of c in 16 registers, so that 16 independent dot products per pair of the
  * reduction cover the instruction's latency (two loads of b and 8 broadcasts of a's pairs feed them). In 4 rows by
  * 16 columns (4 accumulators), latency bound, the bf16 delta pass took 1.07x the float32 pass's time on a bench-small
  * layer and the causal attention 0.69x SDPA's (AMD EPYC with AVX-512 BF16, 2 threads). */
-#define DP_ROWS 8
 static void mm_bf16_dp(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t M, int64_t N, int64_t Kd,
                        float *c, int64_t ldc, int acc, const float *cscale, int lower) {
     for (int64_t i0 = 0; i0 < M; i0 += DP_ROWS) {
@@ -1684,6 +1684,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
         return 1;
     if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
         return 2;
+    int64_t rows_of = engine == ENGINE_AMX ? 32 : engine == ENGINE_AVX512_BF16 ? DP_ROWS : 4;   /* a product's rows */
 #pragma omp parallel num_threads(nthreads)
     {
         float *at = scratch + (int64_t)THREAD_NUM() * scratch_floats;
@@ -1703,7 +1704,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
             segment_kt(k, k_t, h * k_h, t0, L, Lp, D, kt, vv);      /* vv: K's rows, scratch until V's turn */
             segment_vv(v, v_t, h * v_h, t0, L, Lp, D, vv);
             for (int64_t i0 = 0; i0 < L; i0 += QUERY_BLOCK) {
-                int64_t m = L - i0 < QUERY_BLOCK ? L - i0 : QUERY_BLOCK, mr = round32(m);
+                int64_t m = L - i0 < QUERY_BLOCK ? L - i0 : QUERY_BLOCK, mr = (m + rows_of - 1) / rows_of * rows_of;
                 mm_bf16(engine, qb + i0 * D, D, kt, mr, Lp, D, sf, Lp, 0, NULL, 0);
                 query_block_out(engine, sf, pb, pl, Lp, vv, m, mr, D, L, 0, scale, inv, of,
                                 out + (t0 + i0) * H * D + h * D, H * D);
