@@ -196,7 +196,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach
     gemm_bound_s = flops.total / (rate * 1e12)
     from pixeltriage.bench import tune
-    from pixeltriage.kernels import registry
+    from pixeltriage.kernels import linear, registry
 
     tuned = tune.kept_records(torch_dtype)[0]
     return {
@@ -216,6 +216,8 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         # mask whether the C attention measured faster than SDPA (kernels.attention), with their ratios (bench.tune)
         "float32_gemm": tuned[tune.GEMM], "float32_attention": tuned[tune.ATTENTION],
         "bf16_attention": tuned[tune.BF16_ATTENTION], "bf16_delta": tuned[tune.BF16_DELTA],
+        # the MLPs ran in row blocks or whole, as the warm-up measured (or found kept) per layer shape
+        "row_blocks": linear.followed_row_blocks(),
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
         "machine": cpu_machine(),
     }
@@ -287,6 +289,10 @@ def print_table(r: dict, out=None) -> None:
         engine = f" on {delta['engine']}" if delta.get("engine") else ""
         print(f"  {'bf16 delta pass':<18} {delta['pass']}{ratio}{engine}; measured {delta['measured']}, kept per "
               "machine", file=out)
+    for layer, rec in (r.get("row_blocks") or {}).items():
+        how = f"in blocks of {rec['rows']} rows" if rec["rows"] else "whole"
+        print(f"  {'MLP rows':<18} {layer}: {how} (blocks {rec['blocks_over_whole']:.2f}x the whole's time at "
+              f"{rec['tokens']} tokens; measured {rec['measured']}, kept per machine)", file=out)
     print(f"  engine stages (medians; FLOPs from the FLOP model; of GEMM: the stage's rate over the "
           f"{r['gemm_tflops']:.3f} TFLOP/s):", file=out)
     print(f"    {'stage':<32}{'GFLOP':>10}{'ms':>10}{'TFLOP/s':>10}{'of GEMM':>9}", file=out)

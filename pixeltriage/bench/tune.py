@@ -1,7 +1,8 @@
 """`pixeltriage bench tune`: the choices this machine measured once and keeps (`kernels.tuning`): float32's GEMM
 library (`kernels.linear`), per dtype and mask the C attention kernel against SDPA (`kernels.attention`), and the
 bf16 delta pass against the float32 pass (`kernels.gated_delta.bf16`); measured now where not yet kept, or anew
-with --again."""
+with --again. Also the MLP row blocks a forward measured per layer shape (`kernels.linear.in_row_blocks`), which
+--again forgets too."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,14 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
     return records, why
 
 
+def row_block_records() -> dict:
+    """The MLP layer shapes whose row blocks a forward on this machine measured (`kernels.linear.in_row_blocks`):
+    {layer: record}. A forward measures them at its first MLP of each shape, not `bench tune`."""
+    from pixeltriage.kernels import linear, tuning
+
+    return {name[len(linear.ROW_BLOCKS):]: record for name, record in tuning.kept(linear.ROW_BLOCKS).items()}
+
+
 def tune_report(again: bool = False) -> dict:
     """{"machine": the records' key, "file": where they are kept, "forgotten": names dropped by `again`,
     "records": {name: record, or None where it does not apply here (and why, under "not_measured")}}."""
@@ -65,7 +74,7 @@ def tune_report(again: bool = False) -> dict:
     forgotten = tuning.forget() if again else []
     records, why = kept_records()
     return {"machine": tuning.machine_key(), "file": str(tuning.path()), "forgotten": forgotten, "records": records,
-            "not_measured": why}
+            "not_measured": why, "row_blocks": row_block_records()}
 
 
 def print_report(r: dict, out=None) -> None:
@@ -79,6 +88,11 @@ def print_report(r: dict, out=None) -> None:
         else:
             fields = ", ".join(f"{k} {v}" for k, v in record.items())
             print(f"  {name:<18} {fields}", file=out)
+    for layer, record in r.get("row_blocks", {}).items():
+        fields = ", ".join(f"{k} {v}" for k, v in record.items())
+        print(f"  row blocks: {layer}: {fields}", file=out)
+    if not r.get("row_blocks"):
+        print("  row blocks         none kept yet: a forward measures them at its first MLP of each shape", file=out)
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -90,6 +90,15 @@ def measured(name: str, measure: Callable[[], dict], fits: Callable[[dict], bool
     return record
 
 
+def kept(prefix: str) -> dict[str, dict]:
+    """This machine's kept records whose names start with `prefix` (those a forward measured, e.g. "row blocks: "),
+    from the cache file and this process's memory: {name: record}; none are measured here."""
+    suffix = f" @ {machine_key()}"
+    found = {k: v for k, v in _read(path()).items() if k.startswith(prefix) and k.endswith(suffix)}
+    found.update({k: v for k, v in _memo.items() if k.startswith(prefix) and k.endswith(suffix)})
+    return {k[:-len(suffix)]: v for k, v in sorted(found.items())}
+
+
 def forget() -> list[str]:
     """Drop this machine's records (every name) from the cache file and this process's memory, so that the next
     `measured` measures anew. -> the names dropped."""

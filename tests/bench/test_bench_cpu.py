@@ -298,3 +298,16 @@ def test_a_nested_stage_is_exclusive(monkeypatch):
     with profiling.stage("mlp"):                       # nothing records: no clock read
         pass
     assert next(clock) == 10
+
+
+def test_the_table_says_which_mlps_ran_in_row_blocks():
+    # the records `linear.measure_row_blocks` keeps (tests/kernels/test_tuning.py), as a forward followed them
+    rows = {"decoder MLP [2048 -> 6144] torch.bfloat16": {"rows": 1024, "blocks_over_whole": 0.9027, "tokens": 2296,
+                                                         "pairs": 5, "measured": "2026-12-03 08:49:31"},
+            "ViT MLP [1024 -> 4096] torch.bfloat16": {"rows": 0, "blocks_over_whole": 1.0319, "tokens": 4000,
+                                                     "pairs": 5, "measured": "2026-12-03 08:49:25"}}
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "row_blocks": rows}, buf)
+    assert ("MLP rows           decoder MLP [2048 -> 6144] torch.bfloat16: in blocks of 1024 rows (blocks 0.90x the "
+            "whole's time at 2296 tokens; measured 2026-12-03 08:49:31, kept per machine)") in buf.getvalue()
+    assert "ViT MLP [1024 -> 4096] torch.bfloat16: whole (blocks 1.03x" in buf.getvalue()

@@ -205,3 +205,46 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "tune", "--threads", "1"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and f"kept in {tmp_path / tuning.FILE}" in out.stdout
+
+
+def _row_wise(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return linear.linear(torch.nn.functional.silu(linear.linear(x, w1)), w2)
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_an_mlp_runs_in_row_blocks_where_measured_faster_and_the_choice_is_kept(cache, monkeypatch, blocks):
+    """`in_row_blocks`: measured once per layer name on the first call's own rows (blocks where their median time
+    is under MARGIN of the whole's), kept, and followed after; the blocks' output matches the whole's (float32
+    products of other row counts: within 1e-6 of the largest value) and covers every row, a last short block too;
+    under twice ROW_BLOCK rows nothing is measured. `tuning.kept` and `bench tune`'s `row_block_records` show it,
+    `followed_row_blocks` (what `bench cpu` prints) too once followed."""
+    from pixeltriage.bench import tune
+
+    monkeypatch.setattr(linear, "ROW_BLOCK", 16)
+    linear.linear(torch.ones(2, 2), torch.ones(2, 2))      # the float32 projection's own choice, measured first
+    ratios = [0.8, 0.85, 0.9] if blocks else [0.96, 1.0, 1.1]
+    seen = []
+    monkeypatch.setattr(tuning, "interleaved_ratio",
+                        lambda first, second, pairs, warmup: seen.append((first(), second())) or sorted(ratios))
+    gen = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(70, 24, generator=gen), torch.randn(40, 24, generator=gen),
+                 torch.randn(24, 40, generator=gen))
+    calls = []
+
+    def fn(t):
+        calls.append(t.shape[0])
+        return _row_wise(t, w1, w2)
+
+    assert linear.in_row_blocks(fn, x[:31], "test MLP") is not None and not seen    # under 2 x 16 rows: whole
+    out = linear.in_row_blocks(fn, x, "test MLP")
+    assert len(seen) == 1 and seen[0][1].shape == seen[0][0].shape == (70, 24)
+    whole, parts = seen[0]
+    assert (parts - whole).abs().max() <= 1e-6 * whole.abs().max()
+    record = tuning.kept(linear.ROW_BLOCKS)["row blocks: test MLP"]
+    assert record["rows"] == (16 if blocks else 0) and record["blocks_over_whole"] == (0.85 if blocks else 1.0)
+    assert record["tokens"] == 70 and tune.row_block_records() == {"test MLP": record}
+    assert linear.followed_row_blocks()["test MLP"] == record
+    calls.clear()
+    again = linear.in_row_blocks(fn, x, "test MLP")                     # kept: not measured again
+    assert len(seen) == 1 and calls == ([16, 16, 16, 16, 6] if blocks else [70])
+    assert torch.equal(again, out) and (again - _row_wise(x, w1, w2)).abs().max() <= 1e-6 * out.abs().max()
