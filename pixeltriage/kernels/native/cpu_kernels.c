@@ -177,31 +177,51 @@ static inline uint16_t float_to_bf16(float f) {
 static inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 #endif
 
+/* The transpose of a matrix held as n registers of n lanes (its rows), in place, in log2(n) rounds: in round s
+ * (n / 2, ..., 1) each pair of registers i, i + s (i & s == 0) swaps its off-diagonal s x s blocks, within every
+ * 2s x 2s block at once, one two-source shuffle per register: register i's lane j becomes its partner's lane j - s
+ * where j & s (the `lo` mask: indices n and up name the partner's lanes), the partner's the mirror of it (`hi`).
+ * TRANSPOSE_ROUNDS(n, ROUND) calls ROUND(s, (lo...), (hi...)) for each round of n lanes (n = 16, 8 or 4). */
+#define LANES(...) __VA_ARGS__
+#define TRANSPOSE_ROUNDS_16(ROUND)                                                                            \
+    ROUND(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),                                        \
+          (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))                                     \
+    ROUND(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),                                      \
+          (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))                                       \
+    ROUND(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),                                      \
+          (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))                                       \
+    ROUND(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),                                     \
+          (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#define TRANSPOSE_ROUNDS_8(ROUND)                                                                             \
+    ROUND(4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))                                        \
+    ROUND(2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))                                        \
+    ROUND(1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
+#define TRANSPOSE_ROUNDS_4(ROUND)                                                                             \
+    ROUND(2, (0, 1, 4, 5), (2, 3, 6, 7))                                                                      \
+    ROUND(1, (0, 4, 2, 6), (1, 5, 3, 7))
+#define TRANSPOSE_ROUNDS(n, ROUND) TRANSPOSE_ROUNDS_##n(ROUND)
+/* one round over the array `x` of registers of type `vec`, masks of type `mask` (in scope: x, n lanes) */
+#define TRANSPOSE_ROUND(x, n, vec, mask, s, lo, hi)                                                           \
+    for (int i = 0; i < (n); i++)                                                                             \
+        if (!(i & (s))) {                                                                                     \
+            vec a_ = x[i], b_ = x[i + (s)];                                                                   \
+            x[i] = __builtin_shuffle(a_, b_, (mask){LANES lo});                                               \
+            x[i + (s)] = __builtin_shuffle(a_, b_, (mask){LANES hi});                                         \
+        }
+
 #ifdef PT_AVX512F
-/* x[0, 16) as the rows of a 16 x 16 matrix of 32-bit words (a bf16 pair each), transposed in place: in four rounds
- * (s = 8, 4, 2, 1) each pair of registers i, i + s (i & s == 0) swaps its off-diagonal s x s blocks, within every
- * 2s x 2s block at once, one two-source permute per register. 64 permutes, where a gather per output row read each
- * of its 16 words from another cache line. */
-static inline void transpose16_epi32(__m512i x[16]) {
-    static const int32_t first[4][16] = {     /* register i's new lanes: j & s ? (its partner's lane j - s) : j */
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
-    static const int32_t second[4][16] = {    /* register i + s's: j & s ? (its own lane j) : i's lane j + s */
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
-    for (int round = 0, s = 8; round < 4; round++, s /= 2) {
-        __m512i lo = _mm512_loadu_si512(first[round]), hi = _mm512_loadu_si512(second[round]);
-        for (int i = 0; i < 16; i++)
-            if (!(i & s)) {
-                __m512i a = x[i], b = x[i + s];
-                x[i] = _mm512_permutex2var_epi32(a, lo, b);
-                x[i + s] = _mm512_permutex2var_epi32(a, hi, b);
-            }
-    }
+/* x[0, 16) as the rows of a 16 x 16 matrix of 32-bit words (a bf16 pair each), transposed in place (the rounds
+ * above: 64 two-source permutes, where a gather per output row read each of its 16 words from another cache line) */
+typedef int32_t v16si __attribute__((vector_size(64)));
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i x[16]) {
+    v16si w[16];
+    for (int i = 0; i < 16; i++)
+        w[i] = (v16si)x[i];
+#define ROUND16(s, lo, hi) TRANSPOSE_ROUND(w, 16, v16si, v16si, s, lo, hi)
+    TRANSPOSE_ROUNDS(16, ROUND16)
+#undef ROUND16
+    for (int i = 0; i < 16; i++)
+        x[i] = (__m512i)w[i];
 }
 #endif
 
@@ -1848,37 +1868,20 @@ static inline float exp2_softmax(float y) {
 
 int64_t pt_attention_f32_scratch(int64_t longest, int64_t D) { return ATTENTION_F32_SCRATCH(round16(longest), D); }
 
-/* x[0:VRL] as the rows of a VRL x VRL matrix, transposed in place: log2(VRL) rounds of two-source shuffles (the
- * butterfly of `transpose16_epi32`, in GCC's generic vectors, so on any register width): in round s, register i
- * (i & s == 0) takes lane j from its partner i + s's lane j - s where j & s, and the partner the mirror of it. */
+/* x[0:VRL] as the rows of a VRL x VRL matrix, transposed in place: the rounds above, in GCC's generic vectors at
+ * this build's register width */
 typedef int32_t vrm __attribute__((vector_size(VR_BYTES)));
-#define TRANSPOSE_ROUND(s, lo, hi)                                                                            \
-    for (int i = 0; i < VRL; i++)                                                                             \
-        if (!(i & (s))) {                                                                                     \
-            vr a = x[i], b = x[i + (s)];                                                                      \
-            x[i] = __builtin_shuffle(a, b, lo);                                                               \
-            x[i + (s)] = __builtin_shuffle(a, b, hi);                                                         \
-        }
+#define ROUND_VR(s, lo, hi) TRANSPOSE_ROUND(x, VRL, vr, vrm, s, lo, hi)
 static inline __attribute__((always_inline)) void transpose_vr(vr x[VRL]) {
 #if VRL == 16
-    TRANSPOSE_ROUND(8, ((vrm){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
-                    ((vrm){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}));
-    TRANSPOSE_ROUND(4, ((vrm){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
-                    ((vrm){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}));
-    TRANSPOSE_ROUND(2, ((vrm){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
-                    ((vrm){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}));
-    TRANSPOSE_ROUND(1, ((vrm){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
-                    ((vrm){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}));
+    TRANSPOSE_ROUNDS(16, ROUND_VR)
 #elif VRL == 8
-    TRANSPOSE_ROUND(4, ((vrm){0, 1, 2, 3, 8, 9, 10, 11}), ((vrm){4, 5, 6, 7, 12, 13, 14, 15}));
-    TRANSPOSE_ROUND(2, ((vrm){0, 1, 8, 9, 4, 5, 12, 13}), ((vrm){2, 3, 10, 11, 6, 7, 14, 15}));
-    TRANSPOSE_ROUND(1, ((vrm){0, 8, 2, 10, 4, 12, 6, 14}), ((vrm){1, 9, 3, 11, 5, 13, 7, 15}));
+    TRANSPOSE_ROUNDS(8, ROUND_VR)
 #else
-    TRANSPOSE_ROUND(2, ((vrm){0, 1, 4, 5}), ((vrm){2, 3, 6, 7}));
-    TRANSPOSE_ROUND(1, ((vrm){0, 4, 2, 6}), ((vrm){1, 5, 3, 7}));
+    TRANSPOSE_ROUNDS(4, ROUND_VR)
 #endif
 }
-#undef TRANSPOSE_ROUND
+#undef ROUND_VR
 
 /* One 16-key block of one (key/value head, segment): keys n0 .. n0 + 16 (zeros from L) into the K^T and V panels.
  * K^T by VRL x VRL transposes (VRL keys never straddle a panel: ATT_COLS and n0 are multiples of VRL); the scalar

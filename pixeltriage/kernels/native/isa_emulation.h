@@ -344,13 +344,6 @@ static inline __m512i _mm512_permutex2var_epi16(__m512i a, __m512i index, __m512
     return (__m512i)r;
 }
 
-static inline __m512i _mm512_permutex2var_epi32(__m512i a, __m512i index, __m512i b) {
-    pt_v16su ix = (pt_v16su)index, x = (pt_v16su)a, y = (pt_v16su)b, r = {0};
-    for (int i = 0; i < 16; i++)
-        r[i] = ix[i] & 16 ? y[ix[i] & 15] : x[ix[i] & 15];
-    return (__m512i)r;
-}
-
 /* ---- bf16 ------------------------------------------------------------------------------------------------------- */
 static inline __m256bh _mm512_cvtneps_pbh(__m512 a) {
     pt_v16hu r = {0};
