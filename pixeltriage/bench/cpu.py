@@ -217,7 +217,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "float32_gemm": tuned[tune.GEMM], "float32_attention": tuned[tune.ATTENTION],
         "bf16_attention": tuned[tune.BF16_ATTENTION], "bf16_delta": tuned[tune.BF16_DELTA],
         # the MLPs ran in row blocks or whole, as the warm-up measured (or found kept) per layer shape
-        "row_blocks": linear.followed_row_blocks(),
+        "row_blocks": linear.row_block_records(followed=True),
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
         "machine": cpu_machine(),
     }

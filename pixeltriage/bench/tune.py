@@ -58,23 +58,16 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
     return records, why
 
 
-def row_block_records() -> dict:
-    """The MLP layer shapes whose row blocks a forward on this machine measured (`kernels.linear.in_row_blocks`):
-    {layer: record}. A forward measures them at its first MLP of each shape, not `bench tune`."""
-    from pixeltriage.kernels import linear, tuning
-
-    return {name[len(linear.ROW_BLOCKS):]: record for name, record in tuning.kept(linear.ROW_BLOCKS).items()}
-
-
 def tune_report(again: bool = False) -> dict:
     """{"machine": the records' key, "file": where they are kept, "forgotten": names dropped by `again`,
-    "records": {name: record, or None where it does not apply here (and why, under "not_measured")}}."""
-    from pixeltriage.kernels import tuning
+    "records": {name: record, or None where it does not apply here (and why, under "not_measured")}, "row_blocks":
+    the MLP row blocks forwards measured here (`kernels.linear.in_row_blocks`), by layer}."""
+    from pixeltriage.kernels import linear, tuning
 
     forgotten = tuning.forget() if again else []
     records, why = kept_records()
     return {"machine": tuning.machine_key(), "file": str(tuning.path()), "forgotten": forgotten, "records": records,
-            "not_measured": why, "row_blocks": row_block_records()}
+            "not_measured": why, "row_blocks": linear.row_block_records()}
 
 
 def print_report(r: dict, out=None) -> None:

@@ -139,7 +139,6 @@ def measure_float32_gemm(shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int
 # Row blocks of an MLP (`in_row_blocks`): the one block size measured against the whole; its records' names' prefix
 ROW_BLOCK = 1024
 ROW_BLOCKS = "row blocks: "
-_FOLLOWED: dict[str, dict] = {}
 
 
 def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, layer: str) -> torch.Tensor:
@@ -150,14 +149,13 @@ def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, l
     ROW_BLOCK rows only (a smaller batch is one block). layer: names the layer's shape and dtype, the record's key."""
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] < 2 * ROW_BLOCK:
         return fn(x)
-    record = row_block_choice(fn, x, layer)
-    _FOLLOWED[layer] = record
-    return _blocks(fn, x, ROW_BLOCK) if record["rows"] else fn(x)
+    return _blocks(fn, x, ROW_BLOCK) if row_block_choice(fn, x, layer)["rows"] else fn(x)
 
 
-def followed_row_blocks() -> dict[str, dict]:
-    """The row-block records this process's MLPs followed, by layer: what a forward here ran (`bench cpu`)."""
-    return dict(_FOLLOWED)
+def row_block_records(followed: bool = False) -> dict[str, dict]:
+    """This machine's kept row-block records by layer (`bench tune`); followed: only those this process's MLPs
+    followed (what a forward here ran: `bench cpu`)."""
+    return {name[len(ROW_BLOCKS):]: record for name, record in tuning.kept(ROW_BLOCKS, followed).items()}
 
 
 def _blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:

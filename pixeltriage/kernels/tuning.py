@@ -90,32 +90,39 @@ def measured(name: str, measure: Callable[[], dict], fits: Callable[[dict], bool
     return record
 
 
-def kept(prefix: str) -> dict[str, dict]:
-    """This machine's kept records whose names start with `prefix` (those a forward measured, e.g. "row blocks: "),
-    from the cache file and this process's memory: {name: record}; none are measured here."""
+def _mine(records: dict, prefix: str = "") -> dict:
+    """The entries of `records` (the cache file's or `_memo`) for this machine whose names start with `prefix`, by
+    name (the key without " @ <machine>")."""
     suffix = f" @ {machine_key()}"
-    found = {k: v for k, v in _read(path()).items() if k.startswith(prefix) and k.endswith(suffix)}
-    found.update({k: v for k, v in _memo.items() if k.startswith(prefix) and k.endswith(suffix)})
-    return {k[:-len(suffix)]: v for k, v in sorted(found.items())}
+    return {k[:-len(suffix)]: v for k, v in records.items() if k.startswith(prefix) and k.endswith(suffix)}
+
+
+def kept(prefix: str, this_process: bool = False) -> dict[str, dict]:
+    """This machine's kept records whose names start with `prefix` (those a forward measured, e.g. "row blocks: "):
+    {name: record}, from the cache file and this process's memory, or (this_process) only those this process has
+    asked `measured` for; none are measured here."""
+    found = {} if this_process else _mine(_read(path()), prefix)
+    found.update(_mine(_memo, prefix))
+    return dict(sorted(found.items()))
 
 
 def forget() -> list[str]:
     """Drop this machine's records (every name) from the cache file and this process's memory, so that the next
     `measured` measures anew. -> the names dropped."""
     suffix = f" @ {machine_key()}"
-    for key in [k for k in _memo if k.endswith(suffix)]:
-        del _memo[key]
+    for name in _mine(_memo):
+        del _memo[name + suffix]
     file = path()
     if not file.exists():
         return []
     with locked(_lock_path(file)):
         data = _read(file)
-        dropped = [k for k in data if k.endswith(suffix)]
-        for key in dropped:
-            del data[key]
+        dropped = list(_mine(data))
+        for name in dropped:
+            del data[name + suffix]
         if dropped:
             _write(file, data)
-    return [k[:-len(suffix)] for k in dropped]
+    return dropped
 
 
 def _write(file: Path, data: dict) -> None:

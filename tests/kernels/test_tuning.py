@@ -216,10 +216,8 @@ def test_an_mlp_runs_in_row_blocks_where_measured_faster_and_the_choice_is_kept(
     """`in_row_blocks`: measured once per layer name on the first call's own rows (blocks where their median time
     is under MARGIN of the whole's), kept, and followed after; the blocks' output matches the whole's (float32
     products of other row counts: within 1e-6 of the largest value) and covers every row, a last short block too;
-    under twice ROW_BLOCK rows nothing is measured. `tuning.kept` and `bench tune`'s `row_block_records` show it,
-    `followed_row_blocks` (what `bench cpu` prints) too once followed."""
-    from pixeltriage.bench import tune
-
+    under twice ROW_BLOCK rows nothing is measured. `tuning.kept` and `row_block_records` (`bench tune`'s) show it,
+    `row_block_records(followed=True)` (what `bench cpu` prints) too once followed."""
     monkeypatch.setattr(linear, "ROW_BLOCK", 16)
     linear.linear(torch.ones(2, 2), torch.ones(2, 2))      # the float32 projection's own choice, measured first
     ratios = [0.8, 0.85, 0.9] if blocks else [0.96, 1.0, 1.1]
@@ -242,8 +240,8 @@ def test_an_mlp_runs_in_row_blocks_where_measured_faster_and_the_choice_is_kept(
     assert (parts - whole).abs().max() <= 1e-6 * whole.abs().max()
     record = tuning.kept(linear.ROW_BLOCKS)["row blocks: test MLP"]
     assert record["rows"] == (16 if blocks else 0) and record["blocks_over_whole"] == (0.85 if blocks else 1.0)
-    assert record["tokens"] == 70 and tune.row_block_records() == {"test MLP": record}
-    assert linear.followed_row_blocks()["test MLP"] == record
+    assert record["tokens"] == 70 and linear.row_block_records() == {"test MLP": record}
+    assert linear.row_block_records(followed=True)["test MLP"] == record
     calls.clear()
     again = linear.in_row_blocks(fn, x, "test MLP")                     # kept: not measured again
     assert len(seen) == 1 and calls == ([16, 16, 16, 16, 6] if blocks else [70])
