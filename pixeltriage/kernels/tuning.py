@@ -11,6 +11,7 @@ costs a measurement per process, never an error.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -31,12 +32,19 @@ FILE = "tuning.json"
 _memo: dict[str, dict] = {}
 
 
-def machine_key() -> str:
-    """What a measured choice depends on: the CPU's model and flags (hashed), torch's version, its thread count."""
+@functools.lru_cache(maxsize=1)
+def _cpu() -> str:
+    """The CPU's part of `machine_key`: its model and flags (hashed), read once per process (reading /proc/cpuinfo
+    and hashing it took ~70 us, and `measured` runs on every call of a layer that follows a record)."""
     fields = native.cpuinfo_fields()
     flags = fields.get("flags") or fields.get("Features") or ""
     digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return f"{fields.get('model name', 'unknown CPU')} [{digest}] torch {torch.__version__} x{torch.get_num_threads()}"
+    return f"{fields.get('model name', 'unknown CPU')} [{digest}]"
+
+
+def machine_key() -> str:
+    """What a measured choice depends on: the CPU's model and flags (hashed), torch's version, its thread count."""
+    return f"{_cpu()} torch {torch.__version__} x{torch.get_num_threads()}"
 
 
 def path() -> Path:
