@@ -6,7 +6,16 @@ import os
 if not os.path.exists("/dev/nvidiactl") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import atexit
 import shutil
+import tempfile
+
+# The choices measured once per machine (kernels.tuning) go to a file of this test run's own, inherited by the
+# processes it starts: measurements taken under a test run's load never become the records every later forward on
+# this machine follows, and a record a test forces (row blocks, a library) stays in the run.
+_tuning_dir = tempfile.mkdtemp(prefix="pixeltriage-test-tuning-")
+atexit.register(shutil.rmtree, _tuning_dir, ignore_errors=True)
+os.environ["PIXELTRIAGE_TUNING"] = os.path.join(_tuning_dir, "tuning.json")
 
 import pytest
 

@@ -1,8 +1,8 @@
 """Choices measured once per machine: which of two implementations runs faster here, timed on the machine itself
-and kept in the cache (`cache_dir() / "tuning.json"`), so that every later process on it makes the same choice
-(and so computes the same bits) without measuring again. As Triton's and fla's autotuners keep their choices, with
-one difference: the key is the machine (CPU model, its flags, torch's version and thread count), not a kernel's
-shapes.
+and kept in a file (`path()`: $PIXELTRIAGE_TUNING, else `cache_dir() / "tuning.json"`), so that every later process
+on it makes the same choice (and so computes the same bits) without measuring again. As Triton's and fla's
+autotuners keep their choices, with one difference: the key is the machine (CPU model, its flags, torch's version
+and thread count), not a kernel's shapes.
 
 Processes that start together serialise on a lock file: the first measures, the others read its result.
 `pixeltriage bench tune` shows this machine's records (`--again`: `forget` them and measure anew); changing the
@@ -29,6 +29,7 @@ from pixeltriage.paths import cache_dir, locked
 log = logging.getLogger(__name__)
 
 FILE = "tuning.json"
+ENV = "PIXELTRIAGE_TUNING"
 _memo: dict[str, dict] = {}
 
 
@@ -48,7 +49,9 @@ def machine_key() -> str:
 
 
 def path() -> Path:
-    return cache_dir() / FILE
+    """The records' file: $PIXELTRIAGE_TUNING, else tuning.json in the cache. A file of its own keeps one process's
+    measurements (a test run's, taken on a loaded machine) from the choices every other process follows."""
+    return Path(os.environ.get(ENV) or cache_dir() / FILE)
 
 
 def _lock_path(file: Path) -> Path:
@@ -134,7 +137,7 @@ def forget() -> list[str]:
 
 
 def _write(file: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{FILE}.", suffix=".tmp", dir=file.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)

@@ -778,6 +778,7 @@ def test_attention_choice_is_measured_per_mask(dtype, monkeypatch, tmp_path):
     from pixeltriage.kernels import attention, native, tuning
 
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
+    monkeypatch.delenv("PIXELTRIAGE_TUNING")            # the records in that cache
     monkeypatch.setattr(tuning, "_memo", {})
     timed = []
     ratios = iter([[0.5, 0.6, 0.7], [0.96, 1.1, 1.2]])

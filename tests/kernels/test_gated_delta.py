@@ -432,6 +432,7 @@ def test_bf16_pass_is_measured_against_the_float32_pass(ratios, chosen, monkeypa
     if not native.available():
         pytest.skip(f"no C kernels: {native.status()}")
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
+    monkeypatch.delenv("PIXELTRIAGE_TUNING")            # the records in that cache
     monkeypatch.setattr(tuning, "_memo", {})
     monkeypatch.setattr(bf16, "_CHOICE", {})
     monkeypatch.delenv(bf16.SWITCH, raising=False)

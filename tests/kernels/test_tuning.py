@@ -17,6 +17,7 @@ from pixeltriage.kernels import linear, tuning
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
+    monkeypatch.delenv(tuning.ENV)                  # the records in that cache, as outside the tests
     monkeypatch.setattr(tuning, "_memo", {})
     return tmp_path
 
@@ -32,6 +33,21 @@ def test_a_measured_choice_is_kept_and_read_back_without_measuring(cache, monkey
     assert tuning.measured("thing", lambda: calls.append(1) or {}) == record and len(calls) == 1
     other = tuning.measured("other", lambda: {"library": "b"})                 # another name: measured, both kept
     assert other == {"library": "b"} and len(json.loads((cache / tuning.FILE).read_text())) == 2
+
+
+def test_pixeltriage_tuning_names_the_records_file(cache, monkeypatch):
+    """$PIXELTRIAGE_TUNING: the records go to that file (its directory made), none to the cache; unset, to the
+    cache's tuning.json again. (The test run's own records: tests/conftest.py.)"""
+    own = cache / "elsewhere" / "records.json"
+    monkeypatch.setenv(tuning.ENV, str(own))
+    assert tuning.path() == own
+    record = tuning.measured("thing", lambda: {"library": "a"})
+    assert json.loads(own.read_text()) == {f"thing @ {tuning.machine_key()}": record}
+    assert not (cache / tuning.FILE).exists() and not [p for p in own.parent.iterdir() if p.name.endswith(".tmp")]
+    assert tuning.kept("thi") == {"thing": record}
+    monkeypatch.delenv(tuning.ENV)
+    monkeypatch.setattr(tuning, "_memo", {})
+    assert tuning.path() == cache / tuning.FILE and tuning.kept("thi") == {}
 
 
 def test_the_machine_key_names_the_cpu_torch_and_threads(monkeypatch):
@@ -58,6 +74,7 @@ def test_an_unwritable_cache_measures_for_the_process_only(tmp_path, monkeypatch
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(blocker / "cache"))          # under a file: mkdir fails
+    monkeypatch.delenv("PIXELTRIAGE_TUNING")            # the records in that cache
     monkeypatch.setattr(tuning, "_memo", {})
     calls = []
     with caplog.at_level("WARNING"):
@@ -82,6 +99,7 @@ def test_processes_starting_together_measure_once(tmp_path):
     """)
     marks = tmp_path / "marks"
     env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path / "cache")}
+    env.pop(tuning.ENV)
     procs = [subprocess.Popen([sys.executable, "-c", script, str(marks)], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(4)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -168,6 +186,7 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
     """`pixeltriage bench tune`, a real process: measures what is not kept yet, shows what is kept without
     measuring (a record edited in the file comes back as written), and with --again measures anew."""
     env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path)}
+    env.pop(tuning.ENV)
     env.pop("PIXELTRIAGE_ONEDNN", None)
     env.pop("PIXELTRIAGE_DELTA_BF16", None)
 
