@@ -110,7 +110,8 @@ def segment_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     """`segment_attention`'s non-causal contract in bf16 on the CPU's matrix units (C `pt_segment_attention_bf16`):
     per segment, head and block of 64 queries, S = Q K^T as bf16 products with float32 sums, a float32 softmax, e V
     as two bf16 products (e's top bf16 bits, then the rest rounded: within 2^-16 of float32 e) and float32 sums
-    divided out, so that the output's rounding to bf16 is its error, as SDPA's. The vision tower's images are short
+    divided out, so that the output's rounding to bf16 is its error (transformers' SDPA calls round e to bf16 for
+    their one e V product: 1.12-1.13x that error, docs/performance.md). The vision tower's images are short
     (hundreds of patches) and their heads narrow (64): SDPA's flash kernel reached ~35% of the GEMM rate there.
 
     engine: one of `native.BF16_ENGINES` (None: `native.fast_bf16_engine()`, AMX's tiles or AVX512-BF16's dot

@@ -1679,9 +1679,10 @@ static inline __attribute__((always_inline)) void query_block_out(
  * 256 KB of floats, in L2):
  *   S = Q K^T (bf16 products, float32 sums), e = exp(scale (S - rowmax)), O = (pb V + pl V) / rowsum(e)
  * with pb + pl = e in two bf16 parts (`segment_softmax_row`): e V as exact as float32 e would make it, so that the
- * output's own rounding to bf16 is its error, as SDPA's in bf16 (rounding e once before a single product had
- * 1.05-1.14x that error, a tenth of the outputs more than a bf16 step off). The head's Q rows, K^T and V are packed
- * once per (segment, head) task. q, k, v: bf16 with strides (t, h, 1) in elements; out: [T, H, D] bf16 contiguous.
+ * output's own rounding to bf16 is its error (rounding e once before a single product, as torch's CPU flash kernel
+ * does for transformers' 4-D SDPA calls, has 1.05-1.14x that error, a tenth of the outputs more than a bf16 step
+ * off). The head's Q rows, K^T and V are packed once per (segment, head) task. q, k, v: bf16 with strides (t, h, 1)
+ * in elements; out: [T, H, D] bf16 contiguous.
  * Rows and columns past L up to Lp = L rounded up to 32 are zeros (padded keys masked out of the softmax). Segments
  * and heads are split over threads; scratch holds SEGMENT_SCRATCH(Lp, D) floats per thread for the longest
  * segment. D a multiple of 32 up to 256, the engine as in pt_delta_chunked_bf16. Returns 1 for what it does not
