@@ -246,7 +246,11 @@ int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, i
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < H; h++) {
             const float *restrict xv = x + r * x_r + h * x_h;
-            int64_t zo = r * z_r + h * z_h, oo = (r * H + h) * D;
+            int64_t zo = r * z_r + h * z_h, oo = (r * H + h) * D, next = r + 1 < R;
+            for (int64_t d = 0; d < D; d += 16) {           /* the next row's x and z for this head (isa.h) */
+                prefetch_line(xv + next * x_r + d);
+                prefetch_line((const char *)z + (zo + next * z_r + d) * (z_bf16 ? 2 : 4));
+            }
             float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
             for (int64_t d = 0; d < D; d++)
@@ -345,16 +349,29 @@ int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I,
         return 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
+        int64_t next = t + 1 < T ? gu_t : 0;       /* 64 values at a time, asking for the next row's there (isa.h) */
         if (gu_bf16) {
             const uint16_t *restrict g = (const uint16_t *)gu + t * gu_t, *restrict u = g + I;
             uint16_t *restrict o = (uint16_t *)out + t * I;
-            for (int64_t i = 0; i < I; i++)
-                o[i] = float_to_bf16(silu_f32(bf16_to_float(g[i])) * bf16_to_float(u[i]));
+            for (int64_t i0 = 0; i0 < I; i0 += 64) {
+                for (int64_t line = 0; line < 64 && i0 + line < I; line += 32) {
+                    prefetch_line(g + next + i0 + line);
+                    prefetch_line(u + next + i0 + line);
+                }
+                for (int64_t i = i0; i < (I - i0 < 64 ? I : i0 + 64); i++)
+                    o[i] = float_to_bf16(silu_f32(bf16_to_float(g[i])) * bf16_to_float(u[i]));
+            }
         } else {
             const float *restrict g = (const float *)gu + t * gu_t, *restrict u = g + I;
             float *restrict o = (float *)out + t * I;
-            for (int64_t i = 0; i < I; i++)
-                o[i] = silu_f32(g[i]) * u[i];
+            for (int64_t i0 = 0; i0 < I; i0 += 64) {
+                for (int64_t line = 0; line < 64 && i0 + line < I; line += 16) {
+                    prefetch_line(g + next + i0 + line);
+                    prefetch_line(u + next + i0 + line);
+                }
+                for (int64_t i = i0; i < (I - i0 < 64 ? I : i0 + 64); i++)
+                    o[i] = silu_f32(g[i]) * u[i];
+            }
         }
     }
     return 0;
@@ -399,7 +416,9 @@ int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w,
         float y[4096], r[4096];
         const float *restrict c = cos + n * R, *restrict s = sin + n * R;
         for (int64_t g = 0; g < G; g++) {
-            int64_t xo = n * x_n + g * x_g, oo = (n * G + g) * D;
+            int64_t xo = n * x_n + g * x_g, oo = (n * G + g) * D, size = bf16 ? 2 : 4;
+            for (int64_t line = 0; n + 1 < N && line < D * size; line += 64)   /* the next row's (isa.h) */
+                prefetch_line((const char *)x + (xo + x_n) * size + line);
             if (bf16)
                 for (int64_t d = 0; d < D; d++)
                     y[d] = bf16_to_float(((const uint16_t *)x)[xo + d]);

@@ -36,4 +36,11 @@
 #endif
 #endif
 
+/* Ask for the cache line holding p, to read soon: the passes that stream rows ask for the next row's line at the
+ * offset they are at, one line per 64 bytes as they go. This CPU's own prefetchers did not run ahead of such a
+ * pass: bench-small's SwiGLU product, [2296, 2 x 3072] bf16 from memory, took 0.8-1.1 ns per output and thread
+ * without and 0.31-0.40 with (0.37 either way with the rows in cache); a burst of the next row's lines at each
+ * row's start, 0.50. No fault for any address; the callers stay inside their buffers all the same. */
+static inline void prefetch_line(const void *p) { __builtin_prefetch(p, 0, 3); }
+
 #endif

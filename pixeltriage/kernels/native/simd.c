@@ -24,7 +24,12 @@ int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *o
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = (const uint16_t *)gu + t * gu_t, *u = g + I;
         uint16_t *o = (uint16_t *)out + t * I;
+        int64_t next = t + 1 < T ? gu_t : 0;                       /* the next row's gate and up (isa.h) */
         for (int64_t i = 0; i < I; i += 16) {
+            if (i % 32 == 0) {
+                prefetch_line(g + next + i);
+                prefetch_line(u + next + i);
+            }
             __mmask16 m = lanes16(I - i);
             __m512 y = load16(g + i, m);
             store16(o + i, m, _mm512_mul_ps(silu16(y), load16(u + i, m)));
@@ -47,8 +52,12 @@ int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void 
             const float *xv = x + r * x_r + h * x_h;
             const uint16_t *zv = (const uint16_t *)z + r * z_r + h * z_h;
             uint16_t *o = (uint16_t *)out + (r * H + h) * D;
+            int64_t next = r + 1 < R;                                  /* the next row's x and z (isa.h) */
             __m512 sq = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 16) {
+                prefetch_line(xv + next * x_r + d);
+                if (d % 32 == 0)
+                    prefetch_line(zv + next * z_r + d);
                 __m512 v = _mm512_maskz_loadu_ps(lanes16(D - d), xv + d);
                 sq = _mm512_fmadd_ps(v, v, sq);
             }
@@ -81,7 +90,12 @@ int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64
         for (int64_t h = 0; h < H; h++) {
             uint16_t *ov = (uint16_t *)o + r * o_r + h * o_h;
             const uint16_t *gv = (const uint16_t *)g + r * g_r + h * g_h;
+            int64_t next = r + 1 < R;                                  /* the next row's o and gate (isa.h) */
             for (int64_t d = 0; d < D; d += 16) {
+                if (d % 32 == 0) {
+                    prefetch_line(ov + next * o_r + d);
+                    prefetch_line(gv + next * g_r + d);
+                }
                 __mmask16 m = lanes16(D - d);
                 store16(ov + d, m, _mm512_mul_ps(load16(ov + d, m), round16(sigmoid16(load16(gv + d, m)))));
             }
