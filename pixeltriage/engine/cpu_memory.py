@@ -71,6 +71,9 @@ def tune_malloc() -> bool:
                and bool(mallopt(M_MMAP_MAX, 0)))
     if applied:
         log.debug("malloc tuned: mmap threshold %d B, trim threshold %d B", MMAP_THRESHOLD, TRIM_THRESHOLD)
+        from pixeltriage.kernels import tuning
+
+        tuning.malloc_tuned = True          # the row-block choices measured from here on are this condition's
     return applied
 
 

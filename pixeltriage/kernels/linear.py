@@ -165,8 +165,12 @@ def _blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: i
 def row_block_choice(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, layer: str,
                      pairs: int = 5) -> dict:
     """Whether `layer` runs in row blocks here (`measure_row_blocks` on this call's own x, the first time on this
-    machine; kept by `tuning` under ROW_BLOCKS + layer)."""
-    return tuning.measured(ROW_BLOCKS + layer, lambda: measure_row_blocks(fn, x, pairs))
+    machine and malloc condition; kept by `tuning` under ROW_BLOCKS + layer + ", " + the condition). The whole's
+    intermediates are larger than the blocks': past glibc's mmap threshold each is mapped afresh and pays its page
+    faults unless the process tuned malloc, so the two conditions measure different things (the bench-small float32
+    decoder MLP: blocks 0.53x the whole's time with malloc as is), each kept apart."""
+    return tuning.measured(f"{ROW_BLOCKS}{layer}, {tuning.malloc_condition()}",
+                           lambda: measure_row_blocks(fn, x, pairs))
 
 
 def measure_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, pairs: int = 5) -> dict:

@@ -32,6 +32,16 @@ FILE = "tuning.json"
 ENV = "PIXELTRIAGE_TUNING"
 _memo: dict[str, dict] = {}
 
+# Whether this process's glibc malloc keeps freed memory and serves large blocks from it (`engine.cpu_memory.
+# tune_malloc` sets it once applied) or maps each large block afresh (the default, where every tensor past the
+# mmap threshold pays its page faults). A measurement whose two sides allocate differently (an MLP whole against in
+# row blocks) depends on it, so its record says which (`malloc_condition`).
+malloc_tuned = False
+
+
+def malloc_condition() -> str:
+    return "malloc tuned" if malloc_tuned else "malloc as is"
+
 
 @functools.lru_cache(maxsize=1)
 def _cpu() -> str:

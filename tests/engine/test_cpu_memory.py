@@ -4,7 +4,8 @@ import sys
 
 def run(env_value):
     code = ("import os, sys; from pixeltriage.engine.cpu_memory import tune_malloc; "
-            "print(tune_malloc(), tune_malloc())")
+            "from pixeltriage.kernels import tuning; before = tuning.malloc_condition(); "
+            "print(tune_malloc(), tune_malloc(), repr(before), repr(tuning.malloc_condition()))")
     env = {"PIXELTRIAGE_MALLOC_TUNING": env_value, "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -12,11 +13,14 @@ def run(env_value):
 
 
 def test_applied_once_on_linux_glibc_and_opt_out():
+    """Applied once (idempotent) where glibc has mallopt, not with PIXELTRIAGE_MALLOC_TUNING=0; the condition the
+    row-block records are kept under (`kernels.tuning.malloc_condition`) follows it."""
     on = run("1")
     assert on[0] == on[1]                      # idempotent
     if sys.platform.startswith("linux"):
-        assert on == ["True", "True"]
-    assert run("0") == ["False", "False"]
+        assert on[:2] == ["True", "True"]
+        assert on[2:] == ["'malloc", "as", "is'", "'malloc", "tuned'"]
+    assert run("0") == ["False", "False", "'malloc", "as", "is'", "'malloc", "as", "is'"]
 
 
 def test_cpu_path_never_imports_gpu_kernels(tiny_checkpoint):

@@ -238,6 +238,7 @@ def test_an_mlp_runs_in_row_blocks_where_measured_faster_and_the_choice_is_kept(
     under twice ROW_BLOCK rows nothing is measured. `tuning.kept` and `row_block_records` (`bench tune`'s) show it,
     `row_block_records(followed=True)` (what `bench cpu` prints) too once followed."""
     monkeypatch.setattr(linear, "ROW_BLOCK", 16)
+    monkeypatch.setattr(tuning, "malloc_tuned", False)
     linear.linear(torch.ones(2, 2), torch.ones(2, 2))      # the float32 projection's own choice, measured first
     ratios = [0.8, 0.85, 0.9] if blocks else [0.96, 1.0, 1.1]
     seen = []
@@ -257,11 +258,18 @@ def test_an_mlp_runs_in_row_blocks_where_measured_faster_and_the_choice_is_kept(
     assert len(seen) == 1 and seen[0][1].shape == seen[0][0].shape == (70, 24)
     whole, parts = seen[0]
     assert (parts - whole).abs().max() <= 1e-6 * whole.abs().max()
-    record = tuning.kept(linear.ROW_BLOCKS)["row blocks: test MLP"]
+    record = tuning.kept(linear.ROW_BLOCKS)["row blocks: test MLP, malloc as is"]
     assert record["rows"] == (16 if blocks else 0) and record["blocks_over_whole"] == (0.85 if blocks else 1.0)
-    assert record["tokens"] == 70 and linear.row_block_records() == {"test MLP": record}
-    assert linear.row_block_records(followed=True)["test MLP"] == record
+    assert record["tokens"] == 70 and linear.row_block_records() == {"test MLP, malloc as is": record}
+    assert linear.row_block_records(followed=True)["test MLP, malloc as is"] == record
     calls.clear()
     again = linear.in_row_blocks(fn, x, "test MLP")                     # kept: not measured again
     assert len(seen) == 1 and calls == ([16, 16, 16, 16, 6] if blocks else [70])
     assert torch.equal(again, out) and (again - _row_wise(x, w1, w2)).abs().max() <= 1e-6 * out.abs().max()
+    # a process whose malloc keeps freed memory (tune_malloc) measures its own record; both are kept
+    monkeypatch.setattr(tuning, "malloc_tuned", True)
+    ratios = [0.96, 1.0, 1.1] if blocks else [0.8, 0.85, 0.9]
+    linear.in_row_blocks(fn, x, "test MLP")
+    assert len(seen) == 2
+    tuned = linear.row_block_records()["test MLP, malloc tuned"]
+    assert tuned["rows"] == (0 if blocks else 16) and linear.row_block_records()["test MLP, malloc as is"] == record
