@@ -50,6 +50,16 @@ def test_pixeltriage_tuning_names_the_records_file(cache, monkeypatch):
     assert tuning.path() == cache / tuning.FILE and tuning.kept("thi") == {}
 
 
+def test_the_test_run_keeps_its_records_apart_from_the_cache():
+    """tests/conftest.py: this run's measurements go to a file of its own, not the cache's tuning.json that every
+    forward on this machine follows."""
+    from pixeltriage.paths import cache_dir
+
+    own = tuning.path()
+    assert os.environ.get(tuning.ENV) == str(own) and own != cache_dir() / tuning.FILE
+    assert not own.is_relative_to(cache_dir())
+
+
 def test_the_machine_key_names_the_cpu_torch_and_threads(monkeypatch):
     key = tuning.machine_key()
     assert torch.__version__ in key and key.endswith(f"x{torch.get_num_threads()}")
