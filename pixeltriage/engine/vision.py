@@ -82,7 +82,6 @@ def _vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, i
     return linear(x, weights.merger_fc2_w, weights.merger_fc2_b)
 
 
-
 def vision_mlp(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConfig) -> torch.Tensor:
     """fc2(act(fc1(x))), in row blocks where this machine measured that faster for the shape (`in_row_blocks`)."""
     def mlp(t: torch.Tensor) -> torch.Tensor:
