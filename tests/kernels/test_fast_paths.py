@@ -311,17 +311,19 @@ def test_add_rms_norm_matches_add_then_norm(out_dtype, delta_dtype, native):
     assert rel(got.double(), exact) <= (1e-6 if out_dtype == torch.float32 else 2 ** -8)
 
 
+@pytest.mark.parametrize("inner", [40, 150])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_float64(dtype, native):
-    """silu(gate) * up from a strided [T, 2I] projection: float32 within 1e-6 of float64; bf16 within one ulp."""
+def test_silu_mul_matches_float64(dtype, inner, native):
+    """silu(gate) * up from a strided [T, 2I] projection: float32 within 1e-6 of float64; bf16 within one ulp. I
+    under and over the C kernel's 64-value steps (and not a multiple of them)."""
     from pixeltriage.kernels.activation import silu_mul
 
     g = torch.Generator().manual_seed(4)
-    gate_up = (torch.randn(33, 90, generator=g) * 4).to(dtype)[:, 5:85]     # row stride 90, I = 40
+    gate_up = (torch.randn(33, 2 * inner + 10, generator=g) * 4).to(dtype)[:, 5:5 + 2 * inner]   # row stride 2I + 10
     got = silu_mul(gate_up, native=native, vector=False)                   # the AVX-512 kernel: tested below
     gate, up = gate_up.double().chunk(2, dim=-1)
     exact = F.silu(gate) * up
-    assert got.dtype == dtype and got.shape == (33, 40)
+    assert got.dtype == dtype and got.shape == (33, inner)
     assert rel(got.double(), exact) <= (1e-6 if dtype == torch.float32 else 2 ** -7)
 
 
