@@ -121,22 +121,28 @@ BF16_UNITS = ("amx_bf16", "avx512_bf16", "bf16")
 
 def cpu_machine(cpuinfo: str | None = None) -> dict:
     """Which machine a CPU figure comes from: the CPU's model name, the logical CPUs this process may use, the bf16
-    units its flags show (`BF16_UNITS`), torch's version and the threads torch runs. cpuinfo: /proc/cpuinfo's text
-    (read here when None; where it cannot be read, the platform's processor name and no units)."""
+    units its flags show (`BF16_UNITS`), torch's version and the threads torch runs, and whether this process's
+    malloc was tuned (`tune_malloc`: without it a bench-small bf16 forward took ~100,000 page faults and its Gated
+    DeltaNet stage ~1.4x the time). cpuinfo: /proc/cpuinfo's text (read here when None; where it cannot be read, the
+    platform's processor name and no units)."""
+    from pixeltriage.kernels import tuning
+
     fields = native.cpuinfo_fields(cpuinfo)
     flags = set(fields.get("flags", fields.get("Features", "")).split())
     affinity = getattr(os, "sched_getaffinity", None)
     return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
             "logical_cpus": len(affinity(0)) if affinity else os.cpu_count(),
             "bf16_units": [unit for unit in BF16_UNITS if unit in flags],
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "malloc": tuning.malloc_condition()}
 
 
 def machine_line(m: dict) -> str:
     """`cpu_machine`'s record (with "gpu" where a run added the GPU's name) as one line of a report."""
     units = ", ".join(m["bf16_units"]) or "none (bf16 matmuls emulated)"
     gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
-    return f"{m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: {units}; torch {m['torch']}{gpu}"
+    malloc = f"; {m['malloc']}" if m.get("malloc") else ""
+    return f"{m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: {units}; torch {m['torch']}{malloc}{gpu}"
 
 
 def set_threads(threads: int | None) -> None:

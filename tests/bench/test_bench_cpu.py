@@ -8,7 +8,7 @@ import torch
 
 from pixeltriage.bench import cpu
 from pixeltriage.bench.timing import cpu_machine
-from pixeltriage.kernels import native
+from pixeltriage.kernels import native, tuning
 from pixeltriage.cli import main
 
 # a report as `cpu.bench` returns it, for print_table (figures made up)
@@ -156,6 +156,7 @@ def test_the_machine_a_figure_comes_from():
     buf = io.StringIO()
     cpu.print_table({**_TABLE, "machine": cpu_machine("model name : Zen\nflags : fpu avx2\n")}, buf)
     assert "machine       Zen," in buf.getvalue() and "bf16 units: none (bf16 matmuls emulated)" in buf.getvalue()
+    assert m["malloc"] == tuning.malloc_condition() and f"; {m['malloc']}" in buf.getvalue()   # tuned or not
 
 
 def test_paired_speedups_cancel_a_steady_drift():
