@@ -153,9 +153,12 @@ def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, l
 
 
 def row_block_records(followed: bool = False) -> dict[str, dict]:
-    """This machine's kept row-block records by layer (`bench tune`); followed: only those this process's MLPs
-    followed (what a forward here ran: `bench cpu`)."""
-    return {name[len(ROW_BLOCKS):]: record for name, record in tuning.kept(ROW_BLOCKS, followed).items()}
+    """This machine's kept row-block records by layer and malloc condition (`bench tune`); followed: only those this
+    process's MLPs followed (what a forward here ran: `bench cpu`). Records kept before they named a condition are
+    followed by no forward and left out (`bench tune --again` drops them with the rest)."""
+    conditions = tuple(f", {condition}" for condition in tuning.MALLOC_CONDITIONS)
+    return {name[len(ROW_BLOCKS):]: record for name, record in tuning.kept(ROW_BLOCKS, followed).items()
+            if name.endswith(conditions)}
 
 
 def _blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:

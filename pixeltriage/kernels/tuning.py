@@ -37,10 +37,11 @@ _memo: dict[str, dict] = {}
 # mmap threshold pays its page faults). A measurement whose two sides allocate differently (an MLP whole against in
 # row blocks) depends on it, so its record says which (`malloc_condition`).
 malloc_tuned = False
+MALLOC_CONDITIONS = ("malloc tuned", "malloc as is")
 
 
 def malloc_condition() -> str:
-    return "malloc tuned" if malloc_tuned else "malloc as is"
+    return MALLOC_CONDITIONS[0] if malloc_tuned else MALLOC_CONDITIONS[1]
 
 
 @functools.lru_cache(maxsize=1)

@@ -283,3 +283,7 @@ def test_an_mlp_runs_in_row_blocks_where_measured_faster_and_the_choice_is_kept(
     assert len(seen) == 2
     tuned = linear.row_block_records()["test MLP, malloc tuned"]
     assert tuned["rows"] == (0 if blocks else 16) and linear.row_block_records()["test MLP, malloc as is"] == record
+    # a record kept before records named their condition: followed by nothing, so not listed
+    tuning.measured("row blocks: test MLP", lambda: {"rows": 16, "blocks_over_whole": 0.5})
+    assert sorted(linear.row_block_records()) == ["test MLP, malloc as is", "test MLP, malloc tuned"]
+    assert tuning.malloc_tuned is True
