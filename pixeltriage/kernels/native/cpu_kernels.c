@@ -246,11 +246,9 @@ int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, i
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < H; h++) {
             const float *restrict xv = x + r * x_r + h * x_h;
-            int64_t zo = r * z_r + h * z_h, oo = (r * H + h) * D, next = r + 1 < R;
-            for (int64_t d = 0; d < D; d += 16) {           /* the next row's x and z for this head (isa.h) */
-                prefetch_line(xv + next * x_r + d);
-                prefetch_line((const char *)z + (zo + next * z_r + d) * (z_bf16 ? 2 : 4));
-            }
+            int64_t zo = r * z_r + h * z_h, oo = (r * H + h) * D, next = r + 1 < R, zs = z_bf16 ? 2 : 4;
+            prefetch_span(xv + next * x_r, D * 4);                /* the next row's x and z for this head (isa.h) */
+            prefetch_span((const char *)z + (zo + next * z_r) * zs, D * zs);
             float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
             for (int64_t d = 0; d < D; d++)
@@ -349,27 +347,22 @@ int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I,
         return 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        int64_t next = t + 1 < T ? gu_t : 0;       /* 64 values at a time, asking for the next row's there (isa.h) */
-        if (gu_bf16) {
-            const uint16_t *restrict g = (const uint16_t *)gu + t * gu_t, *restrict u = g + I;
-            uint16_t *restrict o = (uint16_t *)out + t * I;
-            for (int64_t i0 = 0; i0 < I; i0 += 64) {
-                for (int64_t line = 0; line < 64 && i0 + line < I; line += 32) {
-                    prefetch_line(g + next + i0 + line);
-                    prefetch_line(u + next + i0 + line);
-                }
-                for (int64_t i = i0; i < (I - i0 < 64 ? I : i0 + 64); i++)
+        /* 64 values at a time, first asking for the next row's gate and up there (isa.h) */
+        int64_t size = gu_bf16 ? 2 : 4, next = t + 1 < T ? gu_t * size : 0;
+        const char *gb = (const char *)gu + t * gu_t * size, *ub = gb + I * size;
+        for (int64_t i0 = 0; i0 < I; i0 += 64) {
+            int64_t i1 = I - i0 < 64 ? I : i0 + 64;
+            prefetch_span(gb + next + i0 * size, (i1 - i0) * size);
+            prefetch_span(ub + next + i0 * size, (i1 - i0) * size);
+            if (gu_bf16) {
+                const uint16_t *restrict g = (const uint16_t *)gb, *restrict u = (const uint16_t *)ub;
+                uint16_t *restrict o = (uint16_t *)out + t * I;
+                for (int64_t i = i0; i < i1; i++)
                     o[i] = float_to_bf16(silu_f32(bf16_to_float(g[i])) * bf16_to_float(u[i]));
-            }
-        } else {
-            const float *restrict g = (const float *)gu + t * gu_t, *restrict u = g + I;
-            float *restrict o = (float *)out + t * I;
-            for (int64_t i0 = 0; i0 < I; i0 += 64) {
-                for (int64_t line = 0; line < 64 && i0 + line < I; line += 16) {
-                    prefetch_line(g + next + i0 + line);
-                    prefetch_line(u + next + i0 + line);
-                }
-                for (int64_t i = i0; i < (I - i0 < 64 ? I : i0 + 64); i++)
+            } else {
+                const float *restrict g = (const float *)gb, *restrict u = (const float *)ub;
+                float *restrict o = (float *)out + t * I;
+                for (int64_t i = i0; i < i1; i++)
                     o[i] = silu_f32(g[i]) * u[i];
             }
         }
@@ -417,8 +410,8 @@ int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w,
         const float *restrict c = cos + n * R, *restrict s = sin + n * R;
         for (int64_t g = 0; g < G; g++) {
             int64_t xo = n * x_n + g * x_g, oo = (n * G + g) * D, size = bf16 ? 2 : 4;
-            for (int64_t line = 0; n + 1 < N && line < D * size; line += 64)   /* the next row's (isa.h) */
-                prefetch_line((const char *)x + (xo + x_n) * size + line);
+            if (n + 1 < N)                                                   /* the next row's (isa.h) */
+                prefetch_span((const char *)x + (xo + x_n) * size, D * size);
             if (bf16)
                 for (int64_t d = 0; d < D; d++)
                     y[d] = bf16_to_float(((const uint16_t *)x)[xo + d]);
@@ -1594,6 +1587,17 @@ static void segment_vv(const uint16_t *v, int64_t v_t, int64_t off, int64_t t0, 
  * pb + pl is e within 2^-16 of it; returns the float32 sum of e. Truncating pb rather than rounding it takes 4 of
  * the 10 vector operations that made the two parts (ViT attention 0.974x, 61 pairs) for twice the residual (2^-17
  * with rounding), 2^-7 of the output's own rounding step. */
+#if defined(PT_AVX512F) && defined(PT_AVX512BF16)
+/* 32 values of e (e0 then e1) as their two bf16 parts: pb their top 16 bits, pl what that left, rounded */
+static inline void e_parts32(__m512 e0, __m512 e1, uint16_t *pb, uint16_t *pl) {
+    __m512i top16 = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 t0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e0), top16));
+    __m512 t1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e1), top16));
+    _mm512_storeu_si512(pb, bf16x32(t0, t1));
+    _mm512_storeu_si512(pl, bf16x32(_mm512_sub_ps(e0, t0), _mm512_sub_ps(e1, t1)));
+}
+#endif
+
 static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale, uint16_t *pb, uint16_t *pl) {
     float m = row[0], sum = 0.0f;
 #if defined(PT_AVX512F) && defined(PT_AVX512BF16)
@@ -1621,17 +1625,13 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
      * 32 keys unmasked, then the masked tail up to Lp with zeros past L. */
     float c = scale * 1.44269504088896341f;
     __m512 vcm = _mm512_set1_ps(c * m), vc = _mm512_set1_ps(c), acc0 = _mm512_setzero_ps(), acc1 = acc0;
-    __m512i top16 = _mm512_set1_epi32((int)0xffff0000u);
     int64_t j = 0;
     for (; j + 32 <= L; j += 32) {
         __m512 e0 = exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), vc, vcm));
         __m512 e1 = exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), vc, vcm));
         acc0 = _mm512_add_ps(acc0, e0);
         acc1 = _mm512_add_ps(acc1, e1);
-        __m512 t0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e0), top16));
-        __m512 t1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e1), top16));
-        _mm512_storeu_si512(pb + j, bf16x32(t0, t1));
-        _mm512_storeu_si512(pl + j, bf16x32(_mm512_sub_ps(e0, t0), _mm512_sub_ps(e1, t1)));
+        e_parts32(e0, e1, pb + j, pl + j);
     }
     for (; j < Lp; j += 32) {
         __mmask16 m0 = j >= L ? 0 : lanes16(L - j), m1 = j + 16 >= L ? 0 : lanes16(L - j - 16);
@@ -1639,10 +1639,7 @@ static float segment_softmax_row(float *row, int64_t L, int64_t Lp, float scale,
         __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_16_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), vc, vcm)));
         acc0 = _mm512_add_ps(acc0, e0);
         acc1 = _mm512_add_ps(acc1, e1);
-        __m512 t0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e0), top16));
-        __m512 t1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e1), top16));
-        _mm512_storeu_si512(pb + j, bf16x32(t0, t1));
-        _mm512_storeu_si512(pl + j, bf16x32(_mm512_sub_ps(e0, t0), _mm512_sub_ps(e1, t1)));
+        e_parts32(e0, e1, pb + j, pl + j);
     }
     sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 #else
@@ -1685,10 +1682,12 @@ static inline __attribute__((always_inline)) void query_block_out(
      * the output reads it (a decoder question's V, 2296 keys x 256, is 1.2 MB); every pb block before the first pl
      * block: the sums in the order of one product over all keys, stored and reloaded in float32 (the same bits) */
     int64_t kb = EV_BYTES / (2 * D) / 32 * 32;
-    for (int64_t k0 = 0; k0 < ld; k0 += kb)
-        mm_bf16(engine, pb + k0, ld, vv + k0 * D, rows, D, ld - k0 < kb ? ld - k0 : kb, of, D, k0 > 0, NULL, 0);
-    for (int64_t k0 = 0; k0 < ld; k0 += kb)
-        mm_bf16(engine, pl + k0, ld, vv + k0 * D, rows, D, ld - k0 < kb ? ld - k0 : kb, of, D, 1, NULL, 0);
+    const uint16_t *parts[2] = {pb, pl};
+    for (int p = 0; p < 2; p++)
+        for (int64_t k0 = 0; k0 < ld; k0 += kb) {
+            int64_t n = ld - k0 < kb ? ld - k0 : kb;
+            mm_bf16(engine, parts[p] + k0, ld, vv + k0 * D, rows, D, n, of, D, p || k0, NULL, 0);
+        }
     to_bf16_rows(of, D, m, D, inv, out, ldo);
 }
 

@@ -8,6 +8,8 @@
 #ifndef PT_ISA_H
 #define PT_ISA_H
 
+#include <stdint.h>
+
 #ifdef PT_ISA_EMULATION
 #include "isa_emulation.h"
 #define PT_AVX512F 1
@@ -42,5 +44,12 @@
  * without and 0.31-0.40 with (0.37 either way with the rows in cache); a burst of the next row's lines at each
  * row's start, 0.50. No fault for any address; the callers stay inside their buffers all the same. */
 static inline void prefetch_line(const void *p) { __builtin_prefetch(p, 0, 3); }
+
+/* prefetch_line for each line [p, p + bytes) touches */
+static inline void prefetch_span(const void *p, int64_t bytes) {
+    const char *end = (const char *)p + bytes;
+    for (const char *line = (const char *)((uintptr_t)p & ~(uintptr_t)63); line < end; line += 64)
+        prefetch_line(line);
+}
 
 #endif
