@@ -73,7 +73,7 @@ def tune_malloc() -> bool:
         log.debug("malloc tuned: mmap threshold %d B, trim threshold %d B", MMAP_THRESHOLD, TRIM_THRESHOLD)
         from pixeltriage.kernels import tuning
 
-        tuning.malloc_tuned = True          # the row-block choices measured from here on are this condition's
+        tuning.malloc_tuned = True          # part of the machine key: the choices this process measures and follows
     return applied
 
 

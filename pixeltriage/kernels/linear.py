@@ -153,12 +153,9 @@ def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, l
 
 
 def row_block_records(followed: bool = False) -> dict[str, dict]:
-    """This machine's kept row-block records by layer and malloc condition (`bench tune`); followed: only those this
-    process's MLPs followed (what a forward here ran: `bench cpu`). Records kept before they named a condition are
-    followed by no forward and left out (`bench tune --again` drops them with the rest)."""
-    conditions = tuple(f", {condition}" for condition in tuning.MALLOC_CONDITIONS)
-    return {name[len(ROW_BLOCKS):]: record for name, record in tuning.kept(ROW_BLOCKS, followed).items()
-            if name.endswith(conditions)}
+    """This machine's kept row-block records by layer (`bench tune`); followed: only those this process's MLPs
+    followed (what a forward here ran: `bench cpu`)."""
+    return {name[len(ROW_BLOCKS):]: record for name, record in tuning.kept(ROW_BLOCKS, followed).items()}
 
 
 def _blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -168,12 +165,8 @@ def _blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: i
 def row_block_choice(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, layer: str,
                      pairs: int = 5) -> dict:
     """Whether `layer` runs in row blocks here (`measure_row_blocks` on this call's own x, the first time on this
-    machine and malloc condition; kept by `tuning` under ROW_BLOCKS + layer + ", " + the condition). The whole's
-    intermediates are larger than the blocks': past glibc's mmap threshold each is mapped afresh and pays its page
-    faults unless the process tuned malloc, so the two conditions measure different things (the bench-small float32
-    decoder MLP: blocks 0.53x the whole's time with malloc as is), each kept apart."""
-    return tuning.measured(f"{ROW_BLOCKS}{layer}, {tuning.malloc_condition()}",
-                           lambda: measure_row_blocks(fn, x, pairs))
+    machine, which includes its malloc condition: `tuning.machine_key`; kept by `tuning` under ROW_BLOCKS + layer)."""
+    return tuning.measured(ROW_BLOCKS + layer, lambda: measure_row_blocks(fn, x, pairs))
 
 
 def measure_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, pairs: int = 5) -> dict:

@@ -1,12 +1,12 @@
 """Choices measured once per machine: which of two implementations runs faster here, timed on the machine itself
 and kept in a file (`path()`: $PIXELTRIAGE_TUNING, else `cache_dir() / "tuning.json"`), so that every later process
 on it makes the same choice (and so computes the same bits) without measuring again. As Triton's and fla's
-autotuners keep their choices, with one difference: the key is the machine (CPU model, its flags, torch's version
-and thread count), not a kernel's shapes.
+autotuners keep their choices, with one difference: the key is the machine (CPU model, its flags, torch's version, the
+malloc condition and thread count), not a kernel's shapes.
 
 Processes that start together serialise on a lock file: the first measures, the others read its result.
 `pixeltriage bench tune` shows this machine's records (`--again`: `forget` them and measure anew); changing the
-machine, torch or the thread count measures again too. A cache that cannot be written
+machine, torch, the malloc condition or the thread count measures again too. A cache that cannot be written
 costs a measurement per process, never an error.
 """
 from __future__ import annotations
@@ -34,14 +34,14 @@ _memo: dict[str, dict] = {}
 
 # Whether this process's glibc malloc keeps freed memory and serves large blocks from it (`engine.cpu_memory.
 # tune_malloc` sets it once applied) or maps each large block afresh (the default, where every tensor past the
-# mmap threshold pays its page faults). A measurement whose two sides allocate differently (an MLP whole against in
-# row blocks) depends on it, so its record says which (`malloc_condition`).
+# mmap threshold pays its page faults). Two implementations that allocate differently compare differently under
+# each (the bench-small float32 decoder MLP in row blocks: 0.53x the whole's time with malloc as is, 0.94x tuned),
+# so it is part of `machine_key`.
 malloc_tuned = False
-MALLOC_CONDITIONS = ("malloc tuned", "malloc as is")
 
 
 def malloc_condition() -> str:
-    return MALLOC_CONDITIONS[0] if malloc_tuned else MALLOC_CONDITIONS[1]
+    return "malloc tuned" if malloc_tuned else "malloc as is"
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,8 +55,9 @@ def _cpu() -> str:
 
 
 def machine_key() -> str:
-    """What a measured choice depends on: the CPU's model and flags (hashed), torch's version, its thread count."""
-    return f"{_cpu()} torch {torch.__version__} x{torch.get_num_threads()}"
+    """What a measured choice depends on: the CPU's model and flags (hashed), torch's version, the process's malloc
+    condition (`malloc_condition`), its thread count."""
+    return f"{_cpu()} torch {torch.__version__}, {malloc_condition()} x{torch.get_num_threads()}"
 
 
 def path() -> Path:

@@ -268,22 +268,29 @@ def test_an_mlp_runs_in_row_blocks_where_measured_faster_and_the_choice_is_kept(
     assert len(seen) == 1 and seen[0][1].shape == seen[0][0].shape == (70, 24)
     whole, parts = seen[0]
     assert (parts - whole).abs().max() <= 1e-6 * whole.abs().max()
-    record = tuning.kept(linear.ROW_BLOCKS)["row blocks: test MLP, malloc as is"]
+    record = tuning.kept(linear.ROW_BLOCKS)["row blocks: test MLP"]
     assert record["rows"] == (16 if blocks else 0) and record["blocks_over_whole"] == (0.85 if blocks else 1.0)
-    assert record["tokens"] == 70 and linear.row_block_records() == {"test MLP, malloc as is": record}
-    assert linear.row_block_records(followed=True)["test MLP, malloc as is"] == record
+    assert record["tokens"] == 70 and linear.row_block_records() == {"test MLP": record}
+    assert linear.row_block_records(followed=True)["test MLP"] == record
     calls.clear()
     again = linear.in_row_blocks(fn, x, "test MLP")                     # kept: not measured again
     assert len(seen) == 1 and calls == ([16, 16, 16, 16, 6] if blocks else [70])
     assert torch.equal(again, out) and (again - _row_wise(x, w1, w2)).abs().max() <= 1e-6 * out.abs().max()
-    # a process whose malloc keeps freed memory (tune_malloc) measures its own record; both are kept
+    # a process whose malloc keeps freed memory (tune_malloc) is another machine (`machine_key`): it measures its own
+    # record, and both are kept
+    as_is = tuning.machine_key()
     monkeypatch.setattr(tuning, "malloc_tuned", True)
+    assert tuning.machine_key() == as_is.replace("malloc as is", "malloc tuned") != as_is
     ratios = [0.96, 1.0, 1.1] if blocks else [0.8, 0.85, 0.9]
     linear.in_row_blocks(fn, x, "test MLP")
     assert len(seen) == 2
-    tuned = linear.row_block_records()["test MLP, malloc tuned"]
-    assert tuned["rows"] == (0 if blocks else 16) and linear.row_block_records()["test MLP, malloc as is"] == record
-    # a record kept before records named their condition: followed by nothing, so not listed
-    tuning.measured("row blocks: test MLP", lambda: {"rows": 16, "blocks_over_whole": 0.5})
-    assert sorted(linear.row_block_records()) == ["test MLP, malloc as is", "test MLP, malloc tuned"]
-    assert tuning.malloc_tuned is True
+    tuned = linear.row_block_records()["test MLP"]
+    assert tuned["rows"] == (0 if blocks else 16)
+    kept = json.loads((cache / tuning.FILE).read_text())
+    assert kept[f"row blocks: test MLP @ {as_is}"] == record
+    assert kept[f"row blocks: test MLP @ {tuning.machine_key()}"] == tuned
+    monkeypatch.setattr(tuning, "malloc_tuned", False)
+    assert linear.row_block_records() == {"test MLP": record}
+    calls.clear()
+    linear.in_row_blocks(fn, x, "test MLP")                             # its own record again, unmeasured
+    assert len(seen) == 2 and calls == ([16, 16, 16, 16, 6] if blocks else [70])
