@@ -65,7 +65,8 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     n_main = cfg.linear_conv_dim + cfg.linear_value_dim
-    qkv, z = linear(x, w.in_proj[:n_main]).split([cfg.linear_conv_dim, cfg.linear_value_dim], dim=-1)
+    # the workspace's "in_proj" (where a workspace is active): read through z after the delta rule
+    qkv, z = linear(x, w.in_proj[:n_main], into="in_proj").split([cfg.linear_conv_dim, cfg.linear_value_dim], dim=-1)
     # b and a become beta and the log decay, whose errors compound through the decay's cumulative sums: they
     # leave their (2 * Hv-column) projection in float32, never rounded to bf16. On the parity checkpoints this
     # alone took the bf16-vs-float32 score gap from 0.021 to 0.004 where it was largest.
@@ -100,11 +101,11 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
     seq_len = x.shape[0]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q_width = nh * 2 * hd
-    if rows is None:
-        qg, k, v = linear(x, w.qkv).split([q_width, nkv * hd, nkv * hd], dim=-1)
+    if rows is None:          # the workspace's "qkv" (where one is active) is read through the gate, at the end
+        qg, k, v = linear(x, w.qkv, into="qkv").split([q_width, nkv * hd, nkv * hd], dim=-1)
         q_cos, q_sin = cos, sin
     else:
-        k, v = linear(x, w.qkv[q_width:]).split([nkv * hd, nkv * hd], dim=-1)
+        k, v = linear(x, w.qkv[q_width:], into="qkv").split([nkv * hd, nkv * hd], dim=-1)
         qg = linear(x.index_select(0, rows), w.qkv[:q_width])
         q_cos, q_sin = cos.index_select(0, rows), sin.index_select(0, rows)
     num_q = qg.shape[0]
@@ -139,9 +140,12 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
 
 
 def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    """down(silu(gate) * up), in row blocks where this machine measured that faster for the shape (`in_row_blocks`)."""
-    return in_row_blocks(lambda t: linear(silu_mul(linear(t, layer.gate_up)), layer.down), x,
-                         f"decoder MLP [{x.shape[1]} -> {layer.down.shape[1]}] {x.dtype}")
+    """down(silu(gate) * up), in row blocks where this machine measured that faster for the shape (`in_row_blocks`);
+    gate_up and the SwiGLU product in the workspace's buffers where one is active (each read before the next
+    block's)."""
+    return in_row_blocks(lambda t: linear(silu_mul(linear(t, layer.gate_up, into="gate_up"), into="swiglu"),
+                                          layer.down),
+                         x, f"decoder MLP [{x.shape[1]} -> {layer.down.shape[1]}] {x.dtype}")
 
 
 def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: TextWeights,

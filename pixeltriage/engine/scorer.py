@@ -23,6 +23,7 @@ from pixeltriage.kernels import registry
 from pixeltriage.kernels.head import TORCH as HEAD_TORCH
 from pixeltriage.kernels.head import TRITON as HEAD_TRITON
 from pixeltriage.kernels.head import HeadOutput, decision_head, final_norm_rows, resolve_head_backend
+from pixeltriage.kernels.workspace import Workspace
 from pixeltriage.weights.layout import EngineWeights, parse_dtype
 from pixeltriage.weights.loader import check_finite, load_directory
 from pixeltriage.weights.packed import PackedCheckpoint, vision_fingerprint
@@ -71,6 +72,9 @@ class Scorer:
         self._fingerprint: str | None = None
         self.checkpoint_fingerprint: str | None = None     # the packed file's content fingerprint, when packed
         self.graphs: "DecoderGraphs | None" = None         # enable_cuda_graphs()
+        # the CPU decoder's widest intermediates, kept warm between layers and forwards (`kernels.workspace`);
+        # `workspace.release()` gives them back
+        self.workspace = Workspace()
         self._lock = threading.Lock()
 
     @classmethod
@@ -117,10 +121,11 @@ class Scorer:
         return scorer
 
     def with_cache(self, cache: "Cache | None") -> "Scorer":
-        """Another Scorer on the same loaded weights (nothing is read or copied) using `cache`."""
+        """Another Scorer on the same loaded weights and workspace (nothing is read or copied) using `cache`."""
         scorer = type(self)(self.model_config, self.image_config, self.triage_config, self.packer.encoder,
                             self.weights, self.device, self.dtype, cache, self.head_backend)
         scorer._fingerprint, scorer.checkpoint_fingerprint = self._fingerprint, self.checkpoint_fingerprint
+        scorer.workspace = self.workspace
         return scorer
 
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool | None = None) -> None:
@@ -292,7 +297,8 @@ class Scorer:
         embeds, positions = self._embeds(state, visual), state.position_ids.to(self.device)
         if self.graphs is not None:
             return self.graphs.run(embeds, positions)
-        return decoder_forward(embeds, positions, self.weights.text, self.model_config.text)
+        with self.workspace.active():
+            return decoder_forward(embeds, positions, self.weights.text, self.model_config.text)
 
     @torch.inference_mode()
     def last_hidden_packed(self, states: Sequence[State], rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -313,8 +319,9 @@ class Scorer:
             varlen = Varlen.prepare(bounds, self.device)
         embeds = torch.cat([self._embeds(s) for s in states]) if len(states) > 1 else self._embeds(states[0])
         positions = torch.cat([s.position_ids for s in states], dim=1).to(self.device)
-        return decoder_forward(embeds, positions, self.weights.text, self.model_config.text, cu_seqlens=varlen,
-                               rows=rows)
+        with self.workspace.active():
+            return decoder_forward(embeds, positions, self.weights.text, self.model_config.text, cu_seqlens=varlen,
+                                   rows=rows)
 
     @torch.inference_mode()
     def hidden_states(self, state: State, positions) -> torch.Tensor:

@@ -12,28 +12,32 @@ import torch
 import torch.nn.functional as F
 
 from pixeltriage.kernels import native as _native
-from pixeltriage.kernels import registry, simd
+from pixeltriage.kernels import registry, simd, workspace
 
 
-def silu_mul(gate_up: torch.Tensor, native: bool | None = None, vector: bool | None = None) -> torch.Tensor:
-    """gate_up: [T, 2I] (gate columns first) -> silu(gate) * up: [T, I] in gate_up's dtype.
+def silu_mul(gate_up: torch.Tensor, native: bool | None = None, vector: bool | None = None,
+             into: str | None = None) -> torch.Tensor:
+    """gate_up: [T, 2I] (gate columns first) -> silu(gate) * up: [T, I] in gate_up's dtype; into: a workspace role
+    (`kernels.workspace`) whose buffer, where a workspace is active, holds and is the result.
 
     The torch path rounds twice in bf16 (the SiLU, then the product), as transformers' MLP does; the C kernel
     (`kernels.native`, on the CPU when it is built; native=False: torch) computes in float32 and rounds once, so
     in bf16 the two differ by at most one bf16 ulp of the product, in float32 by float32 rounding only. The AVX-512
     kernel (`kernels.simd`, bf16; vector=False: skip it) rounds once too, from float32 arithmetic a few ulps from
     the C kernel's."""
+    out = None if into is None else workspace.take(into, (*gate_up.shape[:-1], gate_up.shape[-1] // 2),
+                                                   gate_up.dtype, gate_up.device)
     chosen = None if native is False else registry.choose("silu_mul", gate_up.device, gate_up.dtype)
     if chosen is VECTOR and vector is not False:
-        out = simd.silu_mul(gate_up)
-        if out is not None:
-            return out
+        result = simd.silu_mul(gate_up, out)
+        if result is not None:
+            return result
     if chosen in (VECTOR, NATIVE):
-        out = _native_silu_mul(gate_up)
-        if out is not None:
-            return out
+        result = _native_silu_mul(gate_up, out)
+        if result is not None:
+            return result
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate) * up if out is None else torch.mul(F.silu(gate), up, out=out)
 
 
 def sigmoid_gate_(o: torch.Tensor, gate: torch.Tensor, vector: bool | None = None) -> torch.Tensor:
@@ -64,13 +68,15 @@ def gelu_tanh_(x: torch.Tensor, native: bool | None = None) -> torch.Tensor:
     return x
 
 
-def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+def _native_silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
     from pixeltriage.kernels import native
 
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1 or not native.handles(gate_up):
         return None
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inner, dtype=gate_up.dtype)
+    if out is None:
+        out = torch.empty(rows, inner, dtype=gate_up.dtype)
+    simd.checked_out(out, (rows, inner), gate_up)
     ok = native.call("pt_silu_mul", gate_up.data_ptr(), native.is_bf16(gate_up), gate_up.stride(0), rows, inner,
                      out.data_ptr())
     return out if ok else None

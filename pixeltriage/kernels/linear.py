@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pixeltriage.kernels import registry, tuning
+from pixeltriage.kernels import registry, tuning, workspace
 from pixeltriage.kernels.activation import gelu_tanh_
 
 log = logging.getLogger(__name__)
@@ -210,9 +210,19 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out if out is not None else linear_act_reference(x, weight, bias, act)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T + bias, as `F.linear`, by the "projection" op's kernel (see the module)."""
-    return registry.choose("projection", x.device, x.dtype).fn(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           into: str | None = None) -> torch.Tensor:
+    """x @ weight^T + bias, as `F.linear`, by the "projection" op's kernel (see the module).
+
+    into: a workspace role (`kernels.workspace`): where a workspace is active and the kernel is torch's product (no
+    bias, x 2-D on the CPU, not oneDNN's float32 primitive), the product is written into the role's buffer by
+    `torch.mm`'s out= form (the same library call, the same values) and that buffer is returned."""
+    kernel = registry.choose("projection", x.device, x.dtype)
+    if into is not None and bias is None and x.dim() == 2 and kernel is not ONEDNN_PROJECTION:
+        out = workspace.take(into, (x.shape[0], weight.shape[0]), x.dtype, x.device)
+        if out is not None:
+            return torch.mm(x, weight.t(), out=out)
+    return kernel.fn(x, weight, bias)
 
 
 def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:

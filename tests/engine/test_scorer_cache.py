@@ -66,6 +66,7 @@ def test_with_cache_shares_the_loaded_weights(tiny_checkpoint, cache):
     plain = Scorer.load(tiny_checkpoint)
     cached = plain.with_cache(cache)
     assert cached.weights is plain.weights and cached.cache is cache and plain.cache is None
+    assert cached.workspace is plain.workspace          # one forward's buffers, not one set per Scorer
     assert cached.vision_fingerprint == plain.vision_fingerprint
     cached.score(QUESTION, by_value())
     assert_scores_equal(cached.score(QUESTION, by_value()), plain.score(QUESTION, by_value()))

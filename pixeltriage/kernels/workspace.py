@@ -1,0 +1,100 @@
+"""Buffers the CPU forward writes its largest intermediates into, kept from one layer and one forward to the next.
+
+A decoder layer's widest outputs (the Gated DeltaNet's in_proj, attention's qkv, the MLP's gate_up and its SwiGLU
+product: 14-56 MB each at 2296 tokens) are allocated and freed once per layer. glibc maps a block over its mmap
+threshold (at most 32 MiB) afresh every time and hands freed heap back to the OS past its trim threshold, so each of
+them meets new pages: page faults and the kernel's zeroing on first touch. `tune_malloc()` stops that process-wide;
+a host that embeds the engine need not call it. A Workspace keeps one buffer per role instead, so the same pages
+come back warm in every layer and forward whatever malloc does (as llama.cpp's graph allocator reuses one compute
+buffer).
+
+The kernels take a role where they can write into a buffer (`linear(..., into="qkv")`, `silu_mul(..., into=)`):
+torch's product (not oneDNN's primitive, which has no output argument) and the SwiGLU passes. The Scorer makes its
+workspace active around each forward:
+
+    with scorer.workspace.active():
+        qkv = linear(x, w, into="qkv")          # the role's buffer, or a new tensor where none is active
+
+`take` returns None outside an active workspace, on a device other than the CPU (CUDA has its caching allocator),
+or with `PIXELTRIAGE_WORKSPACE=0`; the kernels then allocate as before. A role's buffer is overwritten by the next
+take of that role: each role's tensor must be consumed before its next take (one layer at a time does). A Workspace
+serves one forward at a time: another thread's forward meanwhile runs without it (allocating as before), so a
+thread-safe Scorer stays thread-safe. The buffers hold the largest size each role has seen until `release()`,
+which waits for a forward in flight.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+from typing import Iterator, Sequence
+
+import torch
+
+SWITCH = "PIXELTRIAGE_WORKSPACE"
+
+_ACTIVE: contextvars.ContextVar["Workspace | None"] = contextvars.ContextVar("pixeltriage_workspace", default=None)
+
+
+def enabled() -> bool:
+    """Whether forwards use a workspace (PIXELTRIAGE_WORKSPACE is not 0/false/off/no), read at each forward."""
+    return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class Workspace:
+    """One buffer per role, grown to the largest request, for one forward at a time (see the module)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[bool]:
+        """Make this workspace the one `take` serves in this thread (and context) for the block; yields whether it
+        is (False: switched off, or another forward holds it, which then keeps it)."""
+        if not enabled() or not self._lock.acquire(blocking=False):
+            yield False
+            return
+        token = _ACTIVE.set(self)
+        try:
+            yield True
+        finally:
+            _ACTIVE.reset(token)
+            self._lock.release()
+
+    def take(self, role: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of `shape` and `dtype` on `role`'s buffer (grown if smaller)."""
+        size = 1
+        for n in shape:
+            if n < 0:
+                raise ValueError(f"workspace role {role!r}: negative size in shape {tuple(shape)}")
+            size *= n
+        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        buf = self._buffers.get(role)
+        if buf is None or buf.numel() < nbytes:
+            self._buffers.pop(role, None)             # the old buffer's memory goes before the new one is taken
+            buf = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes].view(dtype).view(tuple(shape))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now."""
+        return sum(b.numel() for b in self._buffers.values())
+
+    def release(self) -> int:
+        """Drop every buffer (after a forward in flight, if any); returns the bytes dropped. The next forward takes
+        them anew."""
+        with self._lock:
+            freed = self.nbytes
+            self._buffers.clear()
+        return freed
+
+
+def take(role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+    """The active workspace's buffer for `role` (`Workspace.take`), or None: no workspace active in this context,
+    or `device` is not the CPU (CUDA has its caching allocator)."""
+    workspace = _ACTIVE.get()
+    if workspace is None or torch.device(device).type != "cpu":
+        return None
+    return workspace.take(role, shape, dtype)
