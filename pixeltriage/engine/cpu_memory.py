@@ -15,8 +15,9 @@ jemalloc, or where the host tunes malloc itself).
 
 `trim_malloc()` gives the free memory back at a moment of the caller's choosing (glibc's `malloc_trim(0)`: the
 free top of every arena, and every free page inside them). The server calls it once it has been idle for a second
-after serving: the memory its requests freed (a 4 MiB body parsed, thrown away as a 422) no longer stays with
-the process under the settings above, at the cost of a colder first forward after the pause.
+after serving, after releasing its Scorer's workspace (`kernels.workspace`): the memory its requests freed (a 4 MiB
+body parsed, thrown away as a 422) no longer stays with the process under the settings above, at the cost of a
+colder first forward after the pause.
 PIXELTRIAGE_MALLOC_TRIM=0 turns it off.
 """
 from __future__ import annotations
@@ -77,14 +78,17 @@ def tune_malloc() -> bool:
     return applied
 
 
+def can_trim() -> bool:
+    """Whether `trim_malloc` gives memory back here (glibc on Linux, PIXELTRIAGE_MALLOC_TRIM not 0)."""
+    return not _opted_out("PIXELTRIAGE_MALLOC_TRIM") and _glibc_function(
+        "malloc_trim", (ctypes.c_size_t,), ctypes.c_int) is not None
+
+
 def trim_malloc() -> bool:
     """Give malloc's free memory back to the OS now (glibc's `malloc_trim(0)`, every arena); False where there is
     no such call (not glibc on Linux) or PIXELTRIAGE_MALLOC_TRIM=0. Safe from any thread: glibc locks each arena
     while it trims it."""
-    if _opted_out("PIXELTRIAGE_MALLOC_TRIM"):
+    if not can_trim():
         return False
-    malloc_trim = _glibc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
-    if malloc_trim is None:
-        return False
-    malloc_trim(0)
+    _glibc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)(0)
     return True

@@ -92,7 +92,8 @@ class IdleTrim:
     Why: the server's malloc settings (`tune_malloc`: no mmap, a 1 GiB trim threshold) keep freed memory for the
     next forward, so without a trim the memory of every large body parsed and thrown away (a 4 MiB note refused
     with 422) stays with the process: over a 10-minute soak RSS rose 16% and stayed there. An idle server now holds
-    what it uses; the first forward after a pause takes its buffers from the OS again."""
+    what it uses; the first forward after a pause takes its buffers (the Scorer's workspace among them, released
+    just before the trim) from the OS again."""
 
     POLLS = 4                           # looks per `after_s`
 
@@ -114,8 +115,10 @@ class IdleTrim:
                     or (service.batcher is not None and service.batcher.admitted))
 
     def _run(self) -> None:
-        from pixeltriage.engine.cpu_memory import trim_malloc
+        from pixeltriage.engine import cpu_memory
 
+        if not cpu_memory.can_trim():
+            return                              # no malloc_trim here (not glibc), or turned off
         seen, trimmed, last_busy = self.service.requests_held, None, time.monotonic()
         while not self._stop.wait(self.after_s / self.POLLS):
             now, held = time.monotonic(), self.service.requests_held
@@ -123,12 +126,14 @@ class IdleTrim:
                 seen, last_busy = held, now
             elif trimmed != seen and now - last_busy >= self.after_s:
                 start = time.perf_counter()
-                if not trim_malloc():
-                    return                      # no malloc_trim here (not glibc), or turned off
+                scorer = self.service.scorer    # its workspace's buffers first, then all that malloc holds free
+                released = scorer.workspace.release() if scorer is not None else 0
+                if not cpu_memory.trim_malloc():
+                    return
                 self.trims += 1
                 trimmed = seen
-                log.debug("idle %.1f s: malloc's free memory given back in %.1f ms", now - last_busy,
-                          1000 * (time.perf_counter() - start))
+                log.debug("idle %.1f s: workspace (%d B) and malloc's free memory given back in %.1f ms",
+                          now - last_busy, released, 1000 * (time.perf_counter() - start))
 
 
 @dataclass(frozen=True)

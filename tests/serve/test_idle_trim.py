@@ -3,21 +3,27 @@ cache write waits or a question is admitted.
 
 The trim thread's looks are counted (its stop event's waits): "never" is checked over enough looks that a trim that
 ignored the state would have run, not over a sleep the thread may not get the processor in."""
+import sys
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from serving import wait_for
 
 
 class FakeService:
-    """What IdleTrim reads of a Service: the open requests, the cache writes, the batcher's admitted questions and
-    the count of requests held so far."""
+    """What IdleTrim reads of a Service: the open requests, the cache writes, the batcher's admitted questions, the
+    count of requests held so far and the scorer's workspace (with a buffer in it)."""
 
     def __init__(self):
+        from pixeltriage.kernels.workspace import Workspace
+
         self.open_requests = self.pending_writes = self.requests_held = 0
         self.batcher = SimpleNamespace(admitted=0)
+        self.scorer = SimpleNamespace(workspace=Workspace())
+        self.scorer.workspace.take("in_proj", (64, 64), torch.float32)
 
 
 class Looks(threading.Event):
@@ -37,14 +43,16 @@ def test_idle_trim_once_per_idle_spell_and_never_while_busy(monkeypatch):
     import pixeltriage.engine.cpu_memory as cpu_memory
     from pixeltriage.serve.service import IdleTrim
 
-    calls, busy_at_trim = [], []
+    calls, busy_at_trim, held_at_trim = [], [], []
     service = FakeService()
 
     def trim():
         calls.append(time.monotonic())
         busy_at_trim.append(service.open_requests or service.batcher.admitted or service.pending_writes)
+        held_at_trim.append(service.scorer.workspace.nbytes)
         return True
 
+    monkeypatch.setattr(cpu_memory, "can_trim", lambda: True)
     monkeypatch.setattr(cpu_memory, "trim_malloc", trim)
     idle = IdleTrim(service, after_s=0.05)
     looks = idle._stop = Looks()
@@ -78,20 +86,33 @@ def test_idle_trim_once_per_idle_spell_and_never_while_busy(monkeypatch):
         wait_for("a trim after a request that came and went", lambda: len(calls) == 5, 20)
         spell_passes()
         assert len(calls) == 5 and not any(busy_at_trim) and idle.trims == 5
+        assert held_at_trim == [0] * 5              # the workspace released before each trim
     finally:
         idle.stop()
 
 
 def test_idle_trim_stops_where_there_is_no_malloc_trim(monkeypatch):
+    """No malloc_trim (not glibc) or PIXELTRIAGE_MALLOC_TRIM=0: the thread ends at once, the workspace kept."""
     import pixeltriage.engine.cpu_memory as cpu_memory
     from pixeltriage.serve.service import IdleTrim
 
-    monkeypatch.setattr(cpu_memory, "trim_malloc", lambda: False)
-    idle = IdleTrim(FakeService(), after_s=0.05)
+    monkeypatch.setattr(cpu_memory, "can_trim", lambda: False)
+    monkeypatch.setattr(cpu_memory, "trim_malloc", lambda: pytest.fail("trimmed where it cannot"))
+    service = FakeService()
+    idle = IdleTrim(service, after_s=0.05)
     idle.start()
     idle._thread.join(timeout=20)
-    assert not idle._thread.is_alive() and idle.trims == 0
+    assert not idle._thread.is_alive() and idle.trims == 0 and service.scorer.workspace.nbytes == 64 * 64 * 4
     idle.stop()
+
+
+def test_can_trim_follows_the_switch(monkeypatch):
+    from pixeltriage.engine import cpu_memory
+
+    monkeypatch.setenv("PIXELTRIAGE_MALLOC_TRIM", "0")
+    assert not cpu_memory.can_trim() and not cpu_memory.trim_malloc()
+    monkeypatch.setenv("PIXELTRIAGE_MALLOC_TRIM", "1")
+    assert cpu_memory.can_trim() == sys.platform.startswith("linux")
 
 
 def test_the_config_takes_a_positive_idle_time_or_none():
