@@ -122,8 +122,9 @@ BF16_UNITS = ("amx_bf16", "avx512_bf16", "bf16")
 def cpu_machine(cpuinfo: str | None = None) -> dict:
     """Which machine a CPU figure comes from: the CPU's model name, the logical CPUs this process may use, the bf16
     units its flags show (`BF16_UNITS`), torch's version and the threads torch runs, and whether this process's
-    malloc was tuned (`tune_malloc`: without it a bench-small bf16 forward took ~100,000 page faults and its Gated
-    DeltaNet stage ~1.4x the time). cpuinfo: /proc/cpuinfo's text (read here when None; where it cannot be read, the
+    malloc was tuned (`tune_malloc`: without it, and before the Scorer's workspace, a bench-small bf16 forward took
+    ~100,000 page faults and its Gated DeltaNet stage ~1.4x the time; a float32 forward whose layers run oneDNN's
+    primitive still faults). cpuinfo: /proc/cpuinfo's text (read here when None; where it cannot be read, the
     platform's processor name and no units)."""
     from pixeltriage.kernels import tuning
 
