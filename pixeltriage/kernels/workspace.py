@@ -19,8 +19,8 @@ workspace active around each forward:
 or with `PIXELTRIAGE_WORKSPACE=0`; the kernels then allocate as before. A role's buffer is overwritten by the next
 take of that role: each role's tensor must be consumed before its next take (one layer at a time does). A Workspace
 serves one forward at a time: another thread's forward meanwhile runs without it (allocating as before), so a
-thread-safe Scorer stays thread-safe. The buffers hold the largest size each role has seen until `release()`,
-which waits for a forward in flight.
+thread-safe Scorer stays thread-safe. The buffers hold the largest size each role has seen, up to `max_bytes` in
+all (256 MiB by default), until `release()`, which waits for a forward in flight.
 """
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ from typing import Iterator, Sequence
 import torch
 
 SWITCH = "PIXELTRIAGE_WORKSPACE"
+# What a workspace holds at most: the CPU's 4096-token forwards need ~180 MiB at bench-small's widths (in_proj 64,
+# gate_up 48, qkv 40, the SwiGLU product 24), ~140 MiB at 2b's (its MLP in 1024-row blocks). A role's buffer that
+# would take the total past it is not kept: that forward allocates it as it would without a workspace.
+MAX_BYTES = 256 * 2 ** 20
 
 _ACTIVE: contextvars.ContextVar["Workspace | None"] = contextvars.ContextVar("pixeltriage_workspace", default=None)
 
@@ -43,9 +47,11 @@ def enabled() -> bool:
 
 
 class Workspace:
-    """One buffer per role, grown to the largest request, for one forward at a time (see the module)."""
+    """One buffer per role, grown to the largest request, for one forward at a time (see the module); at most
+    `max_bytes` in all (settable)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
         self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -63,8 +69,9 @@ class Workspace:
             _ACTIVE.reset(token)
             self._lock.release()
 
-    def take(self, role: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised contiguous CPU tensor of `shape` and `dtype` on `role`'s buffer (grown if smaller)."""
+    def take(self, role: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised contiguous CPU tensor of `shape` and `dtype` on `role`'s buffer (grown if smaller), or
+        None where growing it would hold more than `max_bytes` in all (the role's buffer stays as it was)."""
         size = 1
         for n in shape:
             if n < 0:
@@ -73,6 +80,8 @@ class Workspace:
         nbytes = size * torch.empty((), dtype=dtype).element_size()
         buf = self._buffers.get(role)
         if buf is None or buf.numel() < nbytes:
+            if self.nbytes - (0 if buf is None else buf.numel()) + nbytes > self.max_bytes:
+                return None
             self._buffers.pop(role, None)             # the old buffer's memory goes before the new one is taken
             buf = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
         return buf[:nbytes].view(dtype).view(tuple(shape))
@@ -93,7 +102,8 @@ class Workspace:
 
 def take(role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
     """The active workspace's buffer for `role` (`Workspace.take`), or None: no workspace active in this context,
-    or `device` is not the CPU (CUDA has its caching allocator)."""
+    `device` is not the CPU (CUDA has its caching allocator), or the buffer would take the workspace past its
+    `max_bytes`."""
     workspace = _ACTIVE.get()
     if workspace is None or torch.device(device).type != "cpu":
         return None

@@ -31,6 +31,19 @@ def test_one_buffer_per_role_grown_to_the_largest_request():
     assert ws.release() == 64 * 16 * 4 + 8 * 16 * 2 and ws.nbytes == 0
 
 
+def test_what_would_pass_max_bytes_is_not_kept():
+    """A buffer that would take the workspace past max_bytes is not taken (None: the caller allocates it); the
+    role's buffer stays, and growing a role counts its old buffer out."""
+    ws = Workspace(max_bytes=1000)
+    with ws.active():
+        a = workspace.take("a", (10, 10), torch.float32, "cpu")                 # 400 B
+        assert workspace.take("b", (10, 20), torch.float32, "cpu") is None     # 400 + 800 > 1000
+        assert workspace.take("a", (10, 30), torch.float32, "cpu") is None     # 1200 > 1000
+        assert workspace.take("a", (10, 10), torch.float32, "cpu").data_ptr() == a.data_ptr()
+        assert workspace.take("a", (10, 25), torch.float32, "cpu").numel() == 250 and ws.nbytes == 1000
+    assert Workspace().max_bytes == workspace.MAX_BYTES == 256 * 2 ** 20
+
+
 def test_one_forward_at_a_time_and_the_switch(monkeypatch):
     """While one thread's forward holds the workspace, another's runs without one (takes None) and never waits;
     once released, the other thread gets it. PIXELTRIAGE_WORKSPACE=0: never active."""
