@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from pixeltriage.kernels import native
+from pixeltriage.kernels import native, workspace
 from pixeltriage.kernels.linear import linear, plain_onednn
 
 CPU = torch.device("cpu")
@@ -121,10 +121,11 @@ BF16_UNITS = ("amx_bf16", "avx512_bf16", "bf16")
 
 def cpu_machine(cpuinfo: str | None = None) -> dict:
     """Which machine a CPU figure comes from: the CPU's model name, the logical CPUs this process may use, the bf16
-    units its flags show (`BF16_UNITS`), torch's version and the threads torch runs, and whether this process's
-    malloc was tuned (`tune_malloc`: without it, and before the Scorer's workspace, a bench-small bf16 forward took
-    ~100,000 page faults and its Gated DeltaNet stage ~1.4x the time; a float32 forward whose layers run oneDNN's
-    primitive still faults). cpuinfo: /proc/cpuinfo's text (read here when None; where it cannot be read, the
+    units its flags show (`BF16_UNITS`), torch's version and the threads torch runs, whether this process's malloc
+    was tuned (`tune_malloc`: without it, and before the Scorer's workspace, a bench-small bf16 forward took ~100,000
+    page faults and its Gated DeltaNet stage ~1.4x the time; a float32 forward whose layers run oneDNN's primitive
+    still faults) and whether the Scorer's forwards use their workspace (`kernels.workspace`,
+    PIXELTRIAGE_WORKSPACE). cpuinfo: /proc/cpuinfo's text (read here when None; where it cannot be read, the
     platform's processor name and no units)."""
     from pixeltriage.kernels import tuning
 
@@ -135,15 +136,16 @@ def cpu_machine(cpuinfo: str | None = None) -> dict:
             "logical_cpus": len(affinity(0)) if affinity else os.cpu_count(),
             "bf16_units": [unit for unit in BF16_UNITS if unit in flags],
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "malloc": tuning.malloc_condition()}
+            "malloc": tuning.malloc_condition(),
+            "workspace": "workspace on" if workspace.enabled() else "workspace off (PIXELTRIAGE_WORKSPACE=0)"}
 
 
 def machine_line(m: dict) -> str:
     """`cpu_machine`'s record (with "gpu" where a run added the GPU's name) as one line of a report."""
     units = ", ".join(m["bf16_units"]) or "none (bf16 matmuls emulated)"
     gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
-    malloc = f"; {m['malloc']}" if m.get("malloc") else ""
-    return f"{m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: {units}; torch {m['torch']}{malloc}{gpu}"
+    conditions = "".join(f"; {m[key]}" for key in ("malloc", "workspace") if m.get(key))
+    return f"{m['cpu']}, {m['logical_cpus']} logical CPUs; bf16 units: {units}; torch {m['torch']}{conditions}{gpu}"
 
 
 def set_threads(threads: int | None) -> None:

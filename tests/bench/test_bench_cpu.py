@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pixeltriage.bench import cpu
-from pixeltriage.bench.timing import cpu_machine
+from pixeltriage.bench.timing import cpu_machine, machine_line
 from pixeltriage.kernels import native, tuning
 from pixeltriage.cli import main
 
@@ -157,6 +157,14 @@ def test_the_machine_a_figure_comes_from():
     cpu.print_table({**_TABLE, "machine": cpu_machine("model name : Zen\nflags : fpu avx2\n")}, buf)
     assert "machine       Zen," in buf.getvalue() and "bf16 units: none (bf16 matmuls emulated)" in buf.getvalue()
     assert m["malloc"] == tuning.malloc_condition() and f"; {m['malloc']}" in buf.getvalue()   # tuned or not
+    assert m["workspace"] == "workspace on" and "; workspace on" in buf.getvalue()
+
+
+def test_the_machine_record_says_when_the_workspace_is_off(monkeypatch):
+    monkeypatch.setenv("PIXELTRIAGE_WORKSPACE", "0")
+    m = cpu_machine("model name : Zen\nflags : fpu avx2\n")
+    assert m["workspace"] == "workspace off (PIXELTRIAGE_WORKSPACE=0)"
+    assert machine_line(m).endswith("; workspace off (PIXELTRIAGE_WORKSPACE=0)")
 
 
 def test_paired_speedups_cancel_a_steady_drift():
