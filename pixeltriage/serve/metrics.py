@@ -51,6 +51,8 @@ class Metrics(Observer):
                                           "response", buckets=SECONDS, registry=r)
         self.vision_images = Counter("pixeltriage_vision_images", "images through the vision tower (computed) or "
                                      "read from the write-time cache (cached)", ["source"], registry=r)
+        self.workspace_bytes = Gauge("pixeltriage_workspace_bytes", "bytes the scorer's forward workspace holds "
+                                     "(given back before each idle trim)", registry=r)
         self.ready = Gauge("pixeltriage_ready", "1 once the model is loaded and warmed up, 0 while loading or "
                            "shutting down", registry=r)
         self.build = Info("pixeltriage_build", "version, checkpoint, device and dtype", registry=r)

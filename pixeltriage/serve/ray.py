@@ -145,7 +145,7 @@ def replica_metrics(_actor_object) -> tuple[str, list]:
     """Run in a replica (`__ray_call__`): (its id, its metric families, as its own /metrics would expose them)."""
     replica, servable = _local_replica()
     service = servable.service
-    service.update_vision_counts()
+    service.update_scorer_metrics()
     return replica, list(service.metrics.registry.collect())
 
 

@@ -682,16 +682,16 @@ class Service:
 
     # -- /info, /metrics -----------------------------------------------------------------------------------------
     def exposition(self) -> tuple[bytes, str]:
-        """The metrics in Prometheus text format and its content type, the vision tower's counts brought up to
-        date first."""
-        self.update_vision_counts()
+        """The metrics in Prometheus text format and its content type, the scorer's brought up to date first."""
+        self.update_scorer_metrics()
         return self.metrics.expose()
 
-    def update_vision_counts(self) -> None:
-        """Bring the vision tower's counters up to date (`Metrics.vision_counts` adds what they gained since its
-        last call)."""
+    def update_scorer_metrics(self) -> None:
+        """Bring what the metrics read off the scorer up to date: the vision tower's counters
+        (`Metrics.vision_counts` adds what they gained since its last call) and the workspace's bytes."""
         if self.scorer is not None:
             self.metrics.vision_counts(self.scorer.vision_counts)
+            self.metrics.workspace_bytes.set(self.scorer.workspace.nbytes)
 
     def build_info(self) -> dict:
         from pixeltriage import __version__

@@ -122,3 +122,33 @@ def test_the_config_takes_a_positive_idle_time_or_none():
     for bad in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match="trim_idle_s"):
             ServeConfig(trim_idle_s=bad)
+
+
+def test_real_servers_give_their_workspace_back_when_idle_and_not_without_the_trim(served, client, tiny_checkpoint,
+                                                                                   tmp_path):
+    """Servers on loopback, scored over HTTP: the main one (an idle trim after 1 s) shows its workspace's bytes at 0
+    once idle after a question; one started with --trim-idle-s 0 keeps them after the same question and an idle
+    spell longer than the main one's."""
+    import httpx
+    from serving import API_KEY, ServerProcess, episode, metric
+
+    def held(server) -> float:
+        page = httpx.get(server.url + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}, timeout=30)
+        assert page.status_code == 200
+        return metric(page.text, "pixeltriage_workspace_bytes")
+
+    client.score(*episode(31))
+    wait_for("the main server's workspace given back at idle", lambda: held(served) == 0, 60)
+    keeper = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--trim-idle-s", "0")
+    try:
+        keeper.wait_ready()
+        question, memories = episode(32)
+        from pixeltriage.serve import Client
+
+        with Client(keeper.url, retries=0) as plain:
+            plain.score(question, memories)
+        assert held(keeper) > 0
+        time.sleep(1.5)                             # past the main server's idle time: nothing gives it back here
+        assert held(keeper) > 0
+    finally:
+        keeper.stop()
