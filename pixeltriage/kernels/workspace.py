@@ -58,16 +58,17 @@ class Workspace:
     @contextlib.contextmanager
     def active(self) -> Iterator[bool]:
         """Make this workspace the one `take` serves in this thread (and context) for the block; yields whether it
-        is (False: switched off, or another forward holds it, which then keeps it)."""
-        if not enabled() or not self._lock.acquire(blocking=False):
-            yield False
-            return
-        token = _ACTIVE.set(self)
+        is. False (switched off, or another forward holds it, which then keeps it, a forward of this thread's
+        included): no workspace serves the block, so a forward nested in another never takes the outer one's
+        buffers."""
+        acquired = enabled() and self._lock.acquire(blocking=False)
+        token = _ACTIVE.set(self if acquired else None)
         try:
-            yield True
+            yield acquired
         finally:
             _ACTIVE.reset(token)
-            self._lock.release()
+            if acquired:
+                self._lock.release()
 
     def take(self, role: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised contiguous CPU tensor of `shape` and `dtype` on `role`'s buffer (grown if smaller), or

@@ -46,7 +46,8 @@ def test_what_would_pass_max_bytes_is_not_kept():
 
 def test_one_forward_at_a_time_and_the_switch(monkeypatch):
     """While one thread's forward holds the workspace, another's runs without one (takes None) and never waits;
-    once released, the other thread gets it. PIXELTRIAGE_WORKSPACE=0: never active."""
+    once released, the other thread gets it. A forward nested in one of the same thread's runs without it too
+    (never on the outer one's buffers). PIXELTRIAGE_WORKSPACE=0: never active."""
     ws = Workspace()
     seen = []
 
@@ -64,6 +65,14 @@ def test_one_forward_at_a_time_and_the_switch(monkeypatch):
     thread.start()
     thread.join(timeout=60)
     assert seen[1][0] and seen[1][1].shape == (2, 2)
+    with ws.active():                                       # a forward nested in one of this thread's
+        outer = workspace.take("a", (2, 2), torch.float32, "cpu")
+        with ws.active() as on, Workspace().active() as other:          # the innermost active one serves
+            inner = workspace.take("b", (2, 2), torch.float32, "cpu")
+            assert not on and other and inner.data_ptr() != outer.data_ptr() and "b" not in ws._buffers
+        with ws.active() as on:
+            assert not on and workspace.take("a", (2, 2), torch.float32, "cpu") is None
+        assert workspace.take("a", (2, 2), torch.float32, "cpu").data_ptr() == outer.data_ptr()
     monkeypatch.setenv("PIXELTRIAGE_WORKSPACE", "0")
     with ws.active() as on:
         assert not on and workspace.take("a", (2, 2), torch.float32, "cpu") is None
