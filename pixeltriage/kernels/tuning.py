@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from pixeltriage.kernels import native
+from pixeltriage.kernels import native, workspace
 from pixeltriage.paths import cache_dir, locked
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,13 @@ def malloc_condition() -> str:
     return "malloc tuned" if malloc_tuned else "malloc as is"
 
 
+def workspace_condition() -> str:
+    """Whether forwards write their widest intermediates into a workspace (`kernels.workspace`, on unless
+    PIXELTRIAGE_WORKSPACE=0): in a process with malloc as is it decides which of them page-fault, so what the
+    forward's MLP measures in row blocks against whole depends on it too."""
+    return "workspace on" if workspace.enabled() else "workspace off"
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu() -> str:
     """The CPU's part of `machine_key`: its model and flags (hashed), read once per process (reading /proc/cpuinfo
@@ -56,8 +63,9 @@ def _cpu() -> str:
 
 def machine_key() -> str:
     """What a measured choice depends on: the CPU's model and flags (hashed), torch's version, the process's malloc
-    condition (`malloc_condition`), its thread count."""
-    return f"{_cpu()} torch {torch.__version__}, {malloc_condition()} x{torch.get_num_threads()}"
+    condition (`malloc_condition`) and workspace (`workspace_condition`), its thread count."""
+    return (f"{_cpu()} torch {torch.__version__}, {malloc_condition()}, {workspace_condition()} "
+            f"x{torch.get_num_threads()}")
 
 
 def path() -> Path:

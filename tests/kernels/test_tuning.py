@@ -61,8 +61,13 @@ def test_the_test_run_keeps_its_records_apart_from_the_cache():
 
 
 def test_the_machine_key_names_the_cpu_torch_and_threads(monkeypatch):
+    monkeypatch.delenv("PIXELTRIAGE_WORKSPACE", raising=False)
     key = tuning.machine_key()
     assert torch.__version__ in key and key.endswith(f"x{torch.get_num_threads()}")
+    assert f", {tuning.malloc_condition()}, workspace on x" in key
+    monkeypatch.setenv("PIXELTRIAGE_WORKSPACE", "0")           # forwards without a workspace: measured apart
+    assert tuning.machine_key() == key.replace("workspace on", "workspace off")
+    monkeypatch.delenv("PIXELTRIAGE_WORKSPACE")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
