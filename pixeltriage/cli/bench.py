@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
 
     from pixeltriage.engine.cpu_memory import tune_malloc
 
-    tune_malloc()              # as the engine's other processes do; the figures are measured with it
+    if args._bench not in UNTUNED:
+        tune_malloc()          # as the engine's other processes do; the figures are measured with it
     module = importlib.import_module(f"pixeltriage.bench.{args._bench}")
     return getattr(module, f"run_{args._bench}")(args)
 
@@ -163,6 +164,18 @@ def _add_soak(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _add_workspace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="bench-small", choices=DEMO_PRESETS)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--pairs", type=int_at_least(1), default=11, help="timed pairs of forwards (default 11)")
+    p.add_argument("--memories", type=int_at_least(0), default=10)
+    p.add_argument("--tokens", type=int_at_least(1), default=2300, help="target state length (default 2300)")
+    p.add_argument("--tune-malloc", action="store_true",
+                   help="tune malloc first (pixeltriage.tune_malloc); default: as a host that did not")
+    add_threads_argument(p)
+    p.add_argument("--json", action="store_true")
+
+
 def _image_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
@@ -192,4 +205,8 @@ BENCHES = {
     "serve": ("the scoring service under closed- and open-loop load vs in-process Scorer.score", _add_serve),
     "soak": ("one server for --duration s of normal, oversized, malformed, cut-off and overload traffic: statuses, "
              "p50/p99, RSS, lost or mixed-up answers; exit 1 when a goal is not met", _add_soak),
+    "workspace": ("the CPU forward with and without the Scorer's workspace, alternating in one process with malloc "
+                  "as a host leaves it: time, page faults, system time", _add_workspace),
 }
+# the benches that leave malloc as they find it (they measure what tune_malloc would change)
+UNTUNED = ("workspace",)
