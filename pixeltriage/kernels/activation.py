@@ -76,7 +76,7 @@ def _native_silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> 
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
     if out is None:
         out = torch.empty(rows, inner, dtype=gate_up.dtype)
-    simd.checked_out(out, (rows, inner), gate_up)
+    native.checked_out(out, (rows, inner), gate_up)
     ok = native.call("pt_silu_mul", gate_up.data_ptr(), native.is_bf16(gate_up), gate_up.stride(0), rows, inner,
                      out.data_ptr())
     return out if ok else None

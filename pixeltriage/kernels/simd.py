@@ -60,15 +60,6 @@ def status() -> str:
     return status + (" (no AVX-512 BF16: declines)" if lib is not None and not available() else "")
 
 
-def checked_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """`out` where a kernel may write `shape` rows into it (contiguous, `like`'s dtype and device), else ValueError:
-    the C passes write out's bytes as that shape, whatever its strides say."""
-    if out.shape != shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} (contiguous: {out.is_contiguous()}) "
-                         f"is not the result's {shape} {like.dtype} on {like.device}")
-    return out
-
-
 def _takes(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1 and available()
 
@@ -80,7 +71,9 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if not _takes(gate_up) or gate_up.shape[1] % 2:
         return None
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inner, dtype=gate_up.dtype) if out is None else checked_out(out, (rows, inner), gate_up)
+    if out is None:
+        out = torch.empty(rows, inner, dtype=gate_up.dtype)
+    native.checked_out(out, (rows, inner), gate_up)
     ok = library().pt_simd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, inner, out.data_ptr(),
                                     torch.get_num_threads()) == 0
     return out if ok else None

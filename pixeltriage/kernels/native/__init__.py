@@ -263,6 +263,15 @@ def is_bf16(t) -> int:
     return int(str(t.dtype) == "torch.bfloat16")
 
 
+def checked_out(out, shape: tuple[int, ...], like):
+    """`out`, where a kernel may write `shape` into it (contiguous, `like`'s dtype and device), else ValueError: the
+    C passes write out's bytes as that shape whatever its strides say, so a caller's buffer is checked first."""
+    if out.shape != shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} (contiguous: {out.is_contiguous()}) "
+                         f"is not the result's {shape} {like.dtype} on {like.device}")
+    return out
+
+
 def call(kernel: str, *args) -> bool:
     """Run `kernel` with `args` and this process's torch thread count appended; True when the library is built
     and the kernel returned 0 (a kernel refuses arguments it does not handle before it writes anything, so on
