@@ -34,8 +34,9 @@ import torch
 
 SWITCH = "PIXELTRIAGE_WORKSPACE"
 # What a workspace holds at most: the CPU's 4096-token forwards need ~180 MiB at bench-small's widths (in_proj 64,
-# gate_up 48, qkv 40, the SwiGLU product 24), ~140 MiB at 2b's (its MLP in 1024-row blocks). A role's buffer that
-# would take the total past it is not kept: that forward allocates it as it would without a workspace.
+# gate_up 48, qkv 40, the SwiGLU product 24), ~250 MiB at 2b's with its MLP whole (gate_up 96, the product 48; ~140
+# in 1024-row blocks). A role's buffer that would take the total past it is not kept: that forward allocates it as
+# it would without a workspace.
 MAX_BYTES = 256 * 2 ** 20
 
 _ACTIVE: contextvars.ContextVar["Workspace | None"] = contextvars.ContextVar("pixeltriage_workspace", default=None)
