@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
 import threading
 from typing import Iterator, Sequence
@@ -74,12 +75,9 @@ class Workspace:
     def take(self, role: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised contiguous CPU tensor of `shape` and `dtype` on `role`'s buffer (grown if smaller), or
         None where growing it would hold more than `max_bytes` in all (the role's buffer stays as it was)."""
-        size = 1
-        for n in shape:
-            if n < 0:
-                raise ValueError(f"workspace role {role!r}: negative size in shape {tuple(shape)}")
-            size *= n
-        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        if any(n < 0 for n in shape):
+            raise ValueError(f"workspace role {role!r}: negative size in shape {tuple(shape)}")
+        nbytes = math.prod(shape) * dtype.itemsize
         buf = self._buffers.get(role)
         if buf is None or buf.numel() < nbytes:
             if self.nbytes - (0 if buf is None else buf.numel()) + nbytes > self.max_bytes:
