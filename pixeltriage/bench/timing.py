@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from pixeltriage.kernels import native, workspace
+from pixeltriage.kernels import native
 from pixeltriage.kernels.linear import linear, plain_onednn
 
 CPU = torch.device("cpu")
@@ -124,7 +124,7 @@ def cpu_machine(cpuinfo: str | None = None) -> dict:
     units its flags show (`BF16_UNITS`), torch's version and the threads torch runs, whether this process's malloc
     was tuned (`tune_malloc`: without it, and before the Scorer's workspace, a bench-small bf16 forward took ~100,000
     page faults and its Gated DeltaNet stage ~1.4x the time; a float32 forward whose layers run oneDNN's primitive
-    still faults) and whether the Scorer's forwards use their workspace (`kernels.workspace`,
+    still faults) and whether the Scorer's forwards use their workspace (`tuning.workspace_condition`,
     PIXELTRIAGE_WORKSPACE). cpuinfo: /proc/cpuinfo's text (read here when None; where it cannot be read, the
     platform's processor name and no units)."""
     from pixeltriage.kernels import tuning
@@ -137,7 +137,7 @@ def cpu_machine(cpuinfo: str | None = None) -> dict:
             "bf16_units": [unit for unit in BF16_UNITS if unit in flags],
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "malloc": tuning.malloc_condition(),
-            "workspace": "workspace on" if workspace.enabled() else "workspace off (PIXELTRIAGE_WORKSPACE=0)"}
+            "workspace": tuning.workspace_condition()}
 
 
 def machine_line(m: dict) -> str:

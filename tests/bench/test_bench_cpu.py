@@ -163,8 +163,8 @@ def test_the_machine_a_figure_comes_from():
 def test_the_machine_record_says_when_the_workspace_is_off(monkeypatch):
     monkeypatch.setenv("PIXELTRIAGE_WORKSPACE", "0")
     m = cpu_machine("model name : Zen\nflags : fpu avx2\n")
-    assert m["workspace"] == "workspace off (PIXELTRIAGE_WORKSPACE=0)"
-    assert machine_line(m).endswith("; workspace off (PIXELTRIAGE_WORKSPACE=0)")
+    assert m["workspace"] == "workspace off"
+    assert machine_line(m).endswith("; workspace off")
 
 
 def test_paired_speedups_cancel_a_steady_drift():
