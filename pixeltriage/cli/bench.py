@@ -59,12 +59,17 @@ def _add_cost(p: argparse.ArgumentParser) -> None:
                         help="System One state tokens besides thumbnails (default: 128 per memory)")
 
 
-def _add_cpu(p: argparse.ArgumentParser) -> None:
+def _add_cpu_state(p: argparse.ArgumentParser) -> None:
+    """--preset, --dtype, --memories, --tokens: the demo checkpoint and packed state the CPU forward benches run."""
     p.add_argument("--preset", default="bench-small", choices=DEMO_PRESETS)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed engine runs after one warm-up (default 5)")
     p.add_argument("--memories", type=int_at_least(0), default=10)
     p.add_argument("--tokens", type=int_at_least(1), default=2300, help="target state length (default 2300)")
+
+
+def _add_cpu(p: argparse.ArgumentParser) -> None:
+    _add_cpu_state(p)
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed engine runs after one warm-up (default 5)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true")
 
@@ -165,11 +170,8 @@ def _add_soak(p: argparse.ArgumentParser) -> None:
 
 
 def _add_workspace(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="bench-small", choices=DEMO_PRESETS)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    _add_cpu_state(p)
     p.add_argument("--pairs", type=int_at_least(1), default=11, help="timed pairs of forwards (default 11)")
-    p.add_argument("--memories", type=int_at_least(0), default=10)
-    p.add_argument("--tokens", type=int_at_least(1), default=2300, help="target state length (default 2300)")
     p.add_argument("--tune-malloc", action="store_true",
                    help="tune malloc first (pixeltriage.tune_malloc); default: as a host that did not")
     add_threads_argument(p)
