@@ -19,6 +19,7 @@ from pixeltriage.kernels.activation import sigmoid_gate_, silu_mul
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.linear import in_row_blocks, linear
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
+from pixeltriage.kernels.prepack import packed_label, row_slice
 from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
 from pixeltriage.weights.layout import FullAttentionWeights, LayerWeights, LinearAttentionWeights, TextWeights
 
@@ -66,11 +67,13 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     n_main = cfg.linear_conv_dim + cfg.linear_value_dim
     # the workspace's "in_proj" (where a workspace is active): read through z after the delta rule
-    qkv, z = linear(x, w.in_proj[:n_main], into="in_proj").split([cfg.linear_conv_dim, cfg.linear_value_dim], dim=-1)
+    # (in_proj may be kept as its packed main part and its plain b/a rows: `kernels.prepack`)
+    qkv, z = linear(x, row_slice(w.in_proj, 0, n_main), into="in_proj").split([cfg.linear_conv_dim,
+                                                                                cfg.linear_value_dim], dim=-1)
     # b and a become beta and the log decay, whose errors compound through the decay's cumulative sums: they
     # leave their (2 * Hv-column) projection in float32, never rounded to bf16. On the parity checkpoints this
     # alone took the bf16-vs-float32 score gap from 0.021 to 0.004 where it was largest.
-    b, a = (x.float() @ w.in_proj[n_main:].float().t()).split([hv, hv], dim=-1)
+    b, a = (x.float() @ row_slice(w.in_proj, n_main).float().t()).split([hv, hv], dim=-1)
     # beta and the log decay in float64, rounded once to float32. torch's vectorised sigmoid/softplus/exp and their
     # scalar loop over the last (size % 16) elements differ by an ulp, so in float32 the last tokens of a state (where
     # its decision rows are) got beta and g that depended on what else shared its varlen batch whenever T * Hv is
@@ -105,8 +108,8 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
         qg, k, v = linear(x, w.qkv, into="qkv").split([q_width, nkv * hd, nkv * hd], dim=-1)
         q_cos, q_sin = cos, sin
     else:
-        k, v = linear(x, w.qkv[q_width:], into="qkv").split([nkv * hd, nkv * hd], dim=-1)
-        qg = linear(x.index_select(0, rows), w.qkv[:q_width])
+        k, v = linear(x, row_slice(w.qkv, q_width), into="qkv").split([nkv * hd, nkv * hd], dim=-1)
+        qg = linear(x.index_select(0, rows), row_slice(w.qkv, 0, q_width))
         q_cos, q_sin = cos.index_select(0, rows), sin.index_select(0, rows)
     num_q = qg.shape[0]
     q, gate = qg.view(num_q, nh, 2 * hd).chunk(2, dim=-1)
@@ -140,12 +143,12 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
 
 
 def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    """down(silu(gate) * up), in row blocks where this machine measured that faster for the shape (`in_row_blocks`);
-    gate_up and the SwiGLU product in the workspace's buffers where one is active (each read before the next
-    block's)."""
+    """down(silu(gate) * up), in row blocks where this machine measured that faster for the shape and the weights'
+    layout (`in_row_blocks`); gate_up and the SwiGLU product in the workspace's buffers where one is active (each
+    read before the next block's)."""
+    label = f"decoder MLP [{x.shape[1]} -> {layer.down.shape[1]}] {x.dtype}{packed_label(layer.gate_up, layer.down)}"
     return in_row_blocks(lambda t: linear(silu_mul(linear(t, layer.gate_up, into="gate_up"), into="swiglu"),
-                                          layer.down),
-                         x, f"decoder MLP [{x.shape[1]} -> {layer.down.shape[1]}] {x.dtype}")
+                                          layer.down), x, label)
 
 
 def decoder_forward(embeds: torch.Tensor, position_ids: torch.Tensor, weights: TextWeights,

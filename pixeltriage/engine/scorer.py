@@ -19,7 +19,7 @@ from pixeltriage.engine.types import Memory, Scores, memory_list
 from pixeltriage.engine.vision import vision_forward
 from pixeltriage.errors import (CacheMissError, CheckpointError, CorruptEntryError, InvalidMemoryError,
                                 NonFiniteScoreError)
-from pixeltriage.kernels import registry
+from pixeltriage.kernels import prepack, registry
 from pixeltriage.kernels.head import TORCH as HEAD_TORCH
 from pixeltriage.kernels.head import TRITON as HEAD_TRITON
 from pixeltriage.kernels.head import HeadOutput, decision_head, final_norm_rows, resolve_head_backend
@@ -75,6 +75,8 @@ class Scorer:
         # the CPU decoder's widest intermediates, kept warm between layers and forwards (`kernels.workspace`);
         # `workspace.release()` gives them back
         self.workspace = Workspace()
+        # the decoder's weights to reorder for oneDNN on the first forward (`kernels.prepack`; the load decides)
+        self._prepack = prepack.OnFirstForward()
         self._lock = threading.Lock()
 
     @classmethod
@@ -125,7 +127,7 @@ class Scorer:
         scorer = type(self)(self.model_config, self.image_config, self.triage_config, self.packer.encoder,
                             self.weights, self.device, self.dtype, cache, self.head_backend)
         scorer._fingerprint, scorer.checkpoint_fingerprint = self._fingerprint, self.checkpoint_fingerprint
-        scorer.workspace = self.workspace
+        scorer.workspace, scorer._prepack = self.workspace, self._prepack
         return scorer
 
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool | None = None) -> None:
@@ -148,6 +150,8 @@ class Scorer:
         device and dtype; the head as this scorer resolved it): for logs, /info, gpu_check and profiles."""
         names = registry.choices(self.device, self.dtype)
         names["head"] = {"triton": HEAD_TRITON.name, "torch": HEAD_TORCH.name}[self.head_backend]
+        if self._prepack.roles:
+            names["prepacked"] = f"oneDNN's layout, reordered by the first forward: {', '.join(self._prepack.roles)}"
         return names
 
     @classmethod
@@ -166,8 +170,12 @@ class Scorer:
         if path.is_file():
             return cls._load_packed(path, device, dtype, cache, head_backend, adapter, bool(verify))
         ckpt = load_directory(path, dtype, device, Path(adapter) if adapter is not None else None, verify is not False)
-        return cls(ckpt.model_config, ckpt.image_config, ckpt.triage_config, TextEncoder(ckpt.tokenizer_file),
-                   ckpt.weights, device, dtype, cache, head_backend)
+        scorer = cls(ckpt.model_config, ckpt.image_config, ckpt.triage_config, TextEncoder(ckpt.tokenizer_file),
+                     ckpt.weights, device, dtype, cache, head_backend)
+        # bf16 on the CPU: the decoder's weights reordered for oneDNN by the first forward, where this machine
+        # measured that faster (`kernels.prepack`; the first load on a machine times it, ~0.5 s)
+        scorer._prepack = prepack.OnFirstForward(prepack.chosen_roles(device, dtype))
+        return scorer
 
     @classmethod
     def _load_packed(cls, path: Path, device, dtype, cache, head_backend, adapter, verify: bool) -> "Scorer":
@@ -189,6 +197,9 @@ class Scorer:
                      cache, head_backend)
         scorer._fingerprint = packed.vision_fingerprint(dtype) if device.type == "cpu" else None  # CPU-computed
         scorer.checkpoint_fingerprint = packed.fingerprint
+        # as in `_load`; each mapped plain weight's pages go back to the OS once it is reordered
+        scorer._prepack = prepack.OnFirstForward(prepack.chosen_roles(device, dtype),
+                                                 release=lambda plain: packed.drop_pages([plain]))
         return scorer
 
     # -- state ---------------------------------------------------------------------------------
@@ -294,6 +305,7 @@ class Scorer:
     @torch.inference_mode()
     def last_hidden(self, state: State, visual: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's last output, before the final norm: [T, hidden] float32."""
+        self._prepack.apply(self.weights, self.model_config.text)
         embeds, positions = self._embeds(state, visual), state.position_ids.to(self.device)
         if self.graphs is not None:
             return self.graphs.run(embeds, positions)
@@ -308,6 +320,7 @@ class Scorer:
         rows: only these rows of that concatenation ([R] indices on the scorer's device) -> [R, hidden], with the
         last layer computed at them only (see `decoder_forward`; a CUDA graph replay computes every row and
         returns these, see `DecoderGraphs.run`)."""
+        self._prepack.apply(self.weights, self.model_config.text)
         if len(states) == 1 and self.graphs is not None:
             state = states[0]
             return self.graphs.run(self._embeds(state), state.position_ids.to(self.device), rows)

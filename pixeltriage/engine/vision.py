@@ -7,6 +7,7 @@ from pixeltriage.config import VisionConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.linear import in_row_blocks, linear, linear_act
+from pixeltriage.kernels.prepack import packed_label
 from pixeltriage.kernels.norm import add_layer_norm
 from pixeltriage.kernels.rotary import apply_rotary_float, vision_rotary_cos_sin
 from pixeltriage.weights.layout import VisionBlockWeights, VisionWeights
@@ -83,11 +84,13 @@ def _vision_forward(pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, i
 
 
 def vision_mlp(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConfig) -> torch.Tensor:
-    """fc2(act(fc1(x))), in row blocks where this machine measured that faster for the shape (`in_row_blocks`)."""
+    """fc2(act(fc1(x))), in row blocks where this machine measured that faster for the shape and the weights' layout
+    (`in_row_blocks`)."""
     def mlp(t: torch.Tensor) -> torch.Tensor:
         return linear(linear_act(t, block.fc1_w, block.fc1_b, cfg.hidden_act), block.fc2_w, block.fc2_b)
 
-    return in_row_blocks(mlp, x, f"ViT MLP [{x.shape[1]} -> {block.fc1_w.shape[0]}] {x.dtype}")
+    label = f"ViT MLP [{x.shape[1]} -> {block.fc1_w.shape[0]}] {x.dtype}{packed_label(block.fc1_w, block.fc2_w)}"
+    return in_row_blocks(mlp, x, label)
 
 
 def vision_attention(x: torch.Tensor, block: VisionBlockWeights, cfg: VisionConfig, cos: torch.Tensor,

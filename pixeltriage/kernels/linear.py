@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from pixeltriage.kernels import registry, tuning, workspace
 from pixeltriage.kernels.activation import gelu_tanh_
+from pixeltriage.kernels.prepack import Packed, Rows
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ def _call_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return None
     try:
+        if isinstance(weight, Packed):                # reordered for the primitive once (`kernels.prepack`)
+            return weight(x, bias, attr, algorithm)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
     except RuntimeError as e:
         _STATE["ok"] = False
@@ -204,6 +207,8 @@ def plain_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
     kernel = registry.choose("linear", x.device, x.dtype)
+    if isinstance(weight, Packed) and act not in _POST_OPS:      # no epilogue for it: the packed product, then act
+        return activation(act)(weight(x, bias))
     if kernel is THEN_ACTIVATION:
         return activation(act, in_place=True)(linear(x, weight, bias))   # the product's output is ours
     out = _call_onednn(x, weight, bias, *_POST_OPS[act]) if kernel is ONEDNN and act in _POST_OPS else None
@@ -216,7 +221,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     into: a workspace role (`kernels.workspace`): where a workspace is active and the kernel is torch's product (no
     bias, x 2-D on the CPU, not oneDNN's float32 primitive), the product is written into the role's buffer by
-    `torch.mm`'s out= form (the same library call, the same values) and that buffer is returned."""
+    `torch.mm`'s out= form (the same library call, the same values) and that buffer is returned.
+
+    weight: a tensor, or a weight reordered for oneDNN (`kernels.prepack`: `Packed`, `Rows`), run on its primitive
+    (which has no output argument: `into` is not used)."""
+    if isinstance(weight, (Packed, Rows)):
+        return weight(x, bias)
     kernel = registry.choose("projection", x.device, x.dtype)
     if into is not None and bias is None and x.dim() == 2 and kernel is not ONEDNN_PROJECTION:
         out = workspace.take(into, (x.shape[0], weight.shape[0]), x.dtype, x.device)
@@ -226,6 +236,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    if isinstance(weight, (Packed, Rows)):         # reordered for oneDNN, which has failed since: the plain weight
+        weight = weight.plain()
     return activation(act)(F.linear(x, weight, bias))
 
 

@@ -245,6 +245,8 @@ def flatten(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], object]:
     """(name -> tensor in a fixed order, a JSON-able structure that `unflatten` turns back into `obj`)."""
     if isinstance(obj, torch.Tensor):
         return {prefix.rstrip("."): obj}, None
+    if callable(getattr(obj, "plain", None)):      # a weight kept in another layout (kernels.prepack): its plain copy
+        return {prefix.rstrip("."): obj.plain()}, None
     if isinstance(obj, list):
         tensors, items = {}, []
         for i, item in enumerate(obj):

@@ -53,7 +53,8 @@ def test_the_file_is_plain_safetensors_with_embedded_configs(tiny_checkpoint, pa
     assert "text.layers.0.attn.in_proj" in names and "vision.blocks.0.qkv_w" in names
 
 
-def test_loading_at_the_packed_dtype_copies_nothing(packed):
+def test_loading_at_the_packed_dtype_copies_nothing(packed, monkeypatch):
+    monkeypatch.setenv("PIXELTRIAGE_PREPACK", "0")              # no weight reordered for oneDNN (below)
     scorer = Scorer.load(packed[torch.bfloat16], dtype=torch.bfloat16)
     w = scorer.weights
     tensors = [w.text.embed, w.text.norm, w.text.layers[0].attn.in_proj, w.text.layers[-1].down,
@@ -61,6 +62,37 @@ def test_loading_at_the_packed_dtype_copies_nothing(packed):
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(storages) == 1                                    # all views of the one mapped file
     assert w.vision.patch_w.is_contiguous() and w.text.layers[0].attn.in_proj.is_contiguous()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 primitive here")
+def test_weights_reordered_at_load_give_their_mapped_pages_back(tiny_checkpoint, packed, episode, monkeypatch):
+    """bf16 with the decoder's weights reordered for oneDNN (`kernels.prepack`, all six roles): the other tensors
+    stay views of the file, the reordered ones' pages are dropped (`drop_pages`), and the scores are the
+    directory's with the same reordering."""
+    from pixeltriage.kernels import prepack
+    from pixeltriage.weights.packed import PackedCheckpoint
+
+    monkeypatch.setenv("PIXELTRIAGE_PREPACK", "1")
+    monkeypatch.setattr(prepack.tuning, "malloc_tuned", True)
+    scorer = Scorer.load(packed[torch.bfloat16], dtype=torch.bfloat16)
+    w = scorer.weights
+    dropped = []
+    drop_pages = PackedCheckpoint.drop_pages
+    monkeypatch.setattr(PackedCheckpoint, "drop_pages",
+                        lambda self, ts: dropped.append(drop_pages(self, ts)) or dropped[-1])
+    assert scorer.score(*episode) == Scorer.load(tiny_checkpoint, dtype=torch.bfloat16).score(*episode)
+    assert prepack.roles_of(w) == prepack.ROLES                         # by that first forward
+    # four weights a decoder layer, four a vision block, the patch embedding and the merger's two
+    assert len(dropped) == 4 * len(w.text.layers) + 4 * len(w.vision.blocks) + 3 and sum(dropped) > 0
+    assert len({t.untyped_storage().data_ptr() for t in (w.text.embed, w.vision.pos_embed, w.head_decision,
+                                                         w.text.layers[0].attn.conv)}) == 1
+
+    checkpoint = PackedCheckpoint(packed[torch.bfloat16])
+    mapped = checkpoint.mapped()
+    gate_up, embed = mapped.text.layers[0].gate_up, mapped.text.embed
+    want = gate_up.clone()
+    assert checkpoint.drop_pages([gate_up, torch.zeros(4096)]) > 0              # a tensor elsewhere: left alone
+    assert torch.equal(gate_up, want) and embed.isfinite().all()                # read from the file again
 
 
 def test_fingerprints_are_stable_and_follow_the_content(tiny_checkpoint, packed, tmp_path):

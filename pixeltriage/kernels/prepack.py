@@ -1,0 +1,282 @@
+"""The bf16 decoder's weights in oneDNN's blocked layout, reordered once instead of in every product.
+
+torch's bf16 matmul on the CPU is oneDNN's already, but it is handed the weight in its plain [N, K] layout, so each
+call copies the blocks of it that a thread needs into the layout the kernel reads (pairs of K rows interleaved for
+the bf16 dot products). `Packed` reorders the weight once (`mkldnn._reorder_linear_weight`) and runs oneDNN's
+linear primitive on it: the same kernel and the same sums, without the copies. On an AVX512-BF16 EPYC (2 threads,
+2296 rows), each decoder product against torch's: bench-small's in_proj and gate_up 0.922x their time, qkv 0.942x,
+down 0.946x, out_proj 0.954x; 2b's 0.933-0.956x; the outputs the same bits. Whether it is faster is the machine's
+to say (on an AMX Xeon gate_up and in_proj measured slower packed, down and out_proj faster): measured once per
+machine (`choice`: a [2048, 1024] x [1024, 4096] product both ways, kept by `tuning` as "bf16 prepacked weights").
+
+Which weights (`packed_roles`): the decoder's six products, by role, and the vision tower's linear layers
+("vision": run with their bias and activation in the primitive's epilogue, as before; their products alone
+0.84-0.89x). Three of them (in_proj, qkv, gate_up) write
+the forward's widest outputs, which the Scorer's workspace (`kernels.workspace`) keeps warm where malloc is left as
+the host has it; oneDNN's primitive has no output argument, so a packed weight gives up that buffer. Those three are
+packed only where that costs nothing: malloc tuned (`engine.cpu_memory.tune_malloc`, which the CLI and the server
+call) or the workspace off; the others (out_proj, o_proj, down, vision) wherever packing is chosen.
+
+`pack_in_place(weights, cfg, roles)` replaces each chosen weight by a `Packed` (or, for a weight
+the forward slices by rows, a `Rows` of packed and plain parts) and lets the plain one go: no second copy is kept.
+A Scorer decides its roles at load (`chosen_roles`) and packs them in its first forward (`OnFirstForward`).
+`row_slice(w, start, stop)` is how the forward takes rows of a weight that may be either, and `kernels.linear.
+linear` runs either. CPU, bf16, where oneDNN has bf16 primitives for this CPU.
+
+`PIXELTRIAGE_PREPACK`: auto (the default) as above, 1 pack where possible without measuring, 0 never.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from pixeltriage.kernels import tuning
+
+SWITCH = "PIXELTRIAGE_PREPACK"
+RECORD = "bf16 prepacked weights"
+# The product the choice is timed on (a decoder projection's order of size), and the margin packing must win by
+MEASURE_SHAPE = (2048, 1024, 4096)
+MARGIN = 0.97
+# The decoder's products by role; the first three write into the workspace's buffers of the same names
+WORKSPACE_ROLES = ("in_proj", "qkv", "gate_up")
+# ... and those that do not: the decoder's other three, and "vision", every linear layer of the vision tower (patch
+# embedding, each block's qkv, proj, fc1, fc2, the merger's two; with their bias and activation in the primitive)
+OTHER_ROLES = ("out_proj", "o_proj", "down", "vision")
+ROLES = WORKSPACE_ROLES + OTHER_ROLES
+VISION_BLOCK_FIELDS = ("qkv_w", "proj_w", "fc1_w", "fc2_w")
+VISION_FIELDS = ("patch_w", "merger_fc1_w", "merger_fc2_w")
+
+
+def switch() -> str:
+    value = os.environ.get(SWITCH, "auto").strip().lower() or "auto"
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: the bf16 decoder's weights "
+                         "reordered for oneDNN at load where measured faster here), 1 (wherever possible) or 0 (never)")
+    return value
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+class Packed:
+    """A bf16 weight [N, K] reordered for oneDNN's linear primitive; `packed(x)` is x @ weight^T, as `F.linear`."""
+
+    __slots__ = ("weight", "shape", "dtype", "device")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            raise ValueError(f"Packed takes a 2-D bf16 CPU weight, got {tuple(weight.shape)} {weight.dtype} on "
+                             f"{weight.device}")
+        self.weight = _reorder(weight)            # opaque: oneDNN's blocked layout, read by the primitive only
+        self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, attr: str = "none",
+                 algorithm: str = "") -> torch.Tensor:
+        """x @ weight^T + bias, then oneDNN's post-op `attr` (with `algorithm`) in the primitive's epilogue."""
+        if x.dtype != self.dtype or x.shape[-1] != self.shape[1]:
+            raise ValueError(f"input {tuple(x.shape)} {x.dtype} for a packed weight {tuple(self.shape)} {self.dtype}")
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, attr, [], algorithm)
+
+    def plain(self) -> torch.Tensor:
+        """The weight in its plain [N, K] layout again (a copy): for the reference paths and fingerprints."""
+        return self.weight.to_dense()
+
+    def __repr__(self) -> str:
+        return f"Packed({list(self.shape)}, {self.dtype})"
+
+
+class Rows:
+    """A weight the forward uses in row ranges (`row_slice`): each range at `bounds` kept as given, packed or plain
+    (parts: the same order). `rows(x)` over all of them is their products side by side."""
+
+    __slots__ = ("bounds", "parts", "shape", "dtype", "device")
+
+    def __init__(self, bounds: Sequence[int], parts: Sequence["Packed | torch.Tensor"]) -> None:
+        if len(bounds) != len(parts) + 1 or bounds[0] != 0 or any(e <= b for b, e in zip(bounds, bounds[1:])):
+            raise ValueError(f"Rows: bounds {list(bounds)} for {len(parts)} parts")
+        for (b, e), part in zip(zip(bounds, bounds[1:]), parts):
+            if part.shape[0] != e - b:
+                raise ValueError(f"Rows: a part of {part.shape[0]} rows at [{b}, {e})")
+        self.bounds, self.parts = list(bounds), list(parts)
+        self.shape = torch.Size([bounds[-1], parts[0].shape[1]])
+        self.dtype, self.device = parts[0].dtype, parts[0].device
+
+    def part(self, start: int, stop: int) -> "Packed | torch.Tensor":
+        """The part covering rows [start, stop) exactly; ValueError for any other range."""
+        for (b, e), part in zip(zip(self.bounds, self.bounds[1:]), self.parts):
+            if (b, e) == (start, stop):
+                return part
+        raise ValueError(f"rows [{start}, {stop}) of a weight kept in parts at {self.bounds}")
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from pixeltriage.kernels.linear import linear
+
+        out = torch.cat([linear(x, part) for part in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+    def plain(self) -> torch.Tensor:
+        """The whole weight in its plain layout (a copy)."""
+        return torch.cat([part.plain() if isinstance(part, Packed) else part for part in self.parts])
+
+    def __repr__(self) -> str:
+        return f"Rows({self.bounds}, {self.parts})"
+
+
+def packed_label(*weights) -> str:
+    """" packed" where any of a layer's `weights` is kept in oneDNN's layout, else "": for the names of records
+    measured on the layer (its row blocks, `kernels.linear.in_row_blocks`), whose choice may differ between
+    layouts."""
+    return " packed" if any(isinstance(w, (Packed, Rows)) for w in weights) else ""
+
+
+def row_slice(weight: "torch.Tensor | Rows", start: int, stop: int | None = None) -> "torch.Tensor | Packed":
+    """Rows [start, stop) of a weight: a view of a tensor, or the part of a `Rows` kept at that range."""
+    if isinstance(weight, Rows):
+        return weight.part(start, weight.shape[0] if stop is None else stop)
+    return weight[start:stop]
+
+
+def measure(shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int = 7) -> dict:
+    """A packed weight's product against torch's on the plain weight (bf16, `shape` = (M, K, N)), interleaved: the
+    record `tuning` keeps ({"layout": "packed" where the packed one took under MARGIN of the plain one's time, else
+    "plain"; "packed_over_plain": the pairs' median ratio, "quartiles", "shape", "pairs", "measured"}); where the
+    primitive raises, {"layout": "plain", "error": its message, ...}."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
+    record = {"shape": list(shape), "pairs": pairs, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        packed = Packed(w)
+        ratios = tuning.interleaved_ratio(lambda: torch.mm(x, w.t()), lambda: packed(x), pairs=pairs)
+    except RuntimeError as e:                      # a torch whose primitive refuses this CPU: plain
+        return {"layout": "plain", "error": str(e).splitlines()[0][:300] if str(e) else type(e).__name__, **record}
+    ratio = ratios[len(ratios) // 2]
+    return {"layout": "packed" if ratio < MARGIN else "plain", "packed_over_plain": round(ratio, 4),
+            "quartiles": [round(ratios[len(ratios) // 4], 4), round(ratios[3 * len(ratios) // 4], 4)], **record}
+
+
+def choice() -> dict:
+    """This machine's measured layout for bf16 decoder weights (`measure`'s record, kept by `tuning`)."""
+    return tuning.measured(RECORD, measure)
+
+
+def applies(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """None where weights may be packed for a forward on `device` in `dtype`, else why not."""
+    from pixeltriage.kernels import linear
+
+    if torch.device(device).type != "cpu":
+        return f"{torch.device(device).type} forward"
+    if dtype != torch.bfloat16:
+        return f"{dtype} forward"
+    if switch() == "0":
+        return f"{SWITCH}=0"
+    if not linear._fused_available(torch.bfloat16):
+        return "no oneDNN bf16 linear primitive for this CPU"
+    return None
+
+
+def packed_roles(malloc_tuned: bool, workspace_on: bool) -> tuple[str, ...]:
+    """The roles whose weights are packed (where packing is chosen): all six where malloc is tuned or the workspace
+    is off, else the three without a workspace buffer (see the module)."""
+    return ROLES if malloc_tuned or not workspace_on else OTHER_ROLES
+
+
+def chosen_roles(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The roles a Scorer loaded now for `device` and `dtype` packs: none where packing does not apply or this
+    machine measured it slower (measured here the first time), else `packed_roles` for this process."""
+    from pixeltriage.kernels import workspace
+
+    if applies(device, dtype) is not None or (switch() == "auto" and choice()["layout"] != "packed"):
+        return ()
+    return packed_roles(tuning.malloc_tuned, workspace.enabled())
+
+
+def pack_in_place(weights, cfg, roles: Sequence[str],
+                  release: Callable[[torch.Tensor], object] | None = None) -> None:
+    """Replace the weights of `roles` in `weights` (EngineWeights; its layer objects changed in place) by packed
+    ones; those already packed are left. cfg: the text config. The last layer's qkv, which the forward's last rows
+    slice into query and key/value parts, is kept as those two parts; in_proj as its packed main part and its plain
+    b/a rows (a float32 projection). Each plain weight is let go as soon as it is replaced, so that at most one is
+    held twice; release: called with it then (a mapped file gives its pages back: `PackedCheckpoint.drop_pages`)."""
+    from pixeltriage.config import FULL
+
+    unknown = set(roles) - set(ROLES)
+    if unknown:
+        raise ValueError(f"unknown prepack roles {sorted(unknown)}; known: {list(ROLES)}")
+    text = weights.text
+    last = len(text.layers) - 1
+
+    def swap(owner, name: str, make: Callable[[torch.Tensor], "Packed | Rows"], role: str | None = None) -> None:
+        plain = getattr(owner, name)
+        if (role or name) not in roles or not isinstance(plain, torch.Tensor):
+            return
+        setattr(owner, name, make(plain))
+        if release is not None:
+            release(plain)
+
+    for i, (kind, layer) in enumerate(zip(cfg.layer_types, text.layers)):
+        attn = layer.attn
+        if kind == FULL:
+            q_width = cfg.num_attention_heads * 2 * cfg.head_dim
+            swap(attn, "qkv", (lambda w: Rows([0, q_width, w.shape[0]], [Packed(w[:q_width]), Packed(w[q_width:])]))
+                 if i == last else Packed)
+            swap(attn, "o_proj", Packed)
+        else:
+            n_main = cfg.linear_conv_dim + cfg.linear_value_dim
+            # b/a: [2 Hv, hidden], copied out of the plain weight so that the rest of it can go
+            swap(attn, "in_proj", lambda w: Rows([0, n_main, w.shape[0]], [Packed(w[:n_main]), w[n_main:].clone()]))
+            swap(attn, "out_proj", Packed)
+        swap(layer, "gate_up", Packed)
+        swap(layer, "down", Packed)
+    for block in weights.vision.blocks:
+        for name in VISION_BLOCK_FIELDS:
+            swap(block, name, Packed, "vision")
+    for name in VISION_FIELDS:
+        swap(weights.vision, name, Packed, "vision")
+
+
+class OnFirstForward:
+    """The roles a Scorer's weights are to be packed in (`chosen_roles`, decided at load), packed in place by the
+    first forward that calls `apply` (one thread packs, a concurrent one waits for it): a load stays a mapping of the
+    file, and the reorder (~1.8 GB/s on the EPYC above: bench-small ~0.13 s, 2b ~1.4 s) is paid where the weights
+    are first read anyway, by the first forward (the server's warm-up). Shared by the Scorers on the same weights
+    (`Scorer.with_cache`)."""
+
+    def __init__(self, roles: Sequence[str] = (), release: Callable[[torch.Tensor], object] | None = None) -> None:
+        unknown = set(roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown prepack roles {sorted(unknown)}; known: {list(ROLES)}")
+        self.roles = tuple(r for r in ROLES if r in roles)
+        self.done = not self.roles
+        self._release = release
+        self._lock = threading.Lock()
+
+    def apply(self, weights, cfg) -> None:
+        """Pack `weights`' (EngineWeights) weights of `roles` in place, once; after that a flag's check. cfg: the
+        text config."""
+        if self.done:
+            return
+        with self._lock:
+            if not self.done:
+                pack_in_place(weights, cfg, self.roles, self._release)
+                self.done, self._release = True, None
+
+
+def roles_of(weights) -> tuple[str, ...]:
+    """The roles whose weights are packed in `weights` (EngineWeights), in ROLES' order."""
+    found = set()
+    for layer in weights.text.layers:
+        for name in ("in_proj", "qkv", "out_proj", "o_proj"):
+            if isinstance(getattr(layer.attn, name, None), (Packed, Rows)):
+                found.add(name)
+        found.update(name for name in ("gate_up", "down") if isinstance(getattr(layer, name), Packed))
+    vision = [getattr(b, n) for b in weights.vision.blocks for n in VISION_BLOCK_FIELDS]
+    if any(isinstance(w, Packed) for w in vision + [getattr(weights.vision, n) for n in VISION_FIELDS]):
+        found.add("vision")
+    return tuple(r for r in ROLES if r in found)
