@@ -196,7 +196,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach
     gemm_bound_s = flops.total / (rate * 1e12)
     from pixeltriage.bench import tune
-    from pixeltriage.kernels import linear, registry
+    from pixeltriage.kernels import linear
 
     tuned = tune.kept_records(torch_dtype)[0]
     return {
@@ -210,12 +210,14 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "stages": rows,
         "gemm_bound_s": gemm_bound_s, "ceiling_speedup": hf_s / gemm_bound_s,
         # which implementation ran each op (the bf16 delta pass and the ViT's attention on AMX depend on the CPU
-        # and on PIXELTRIAGE_DELTA_BF16): a stage's figure means little without it
-        "kernels": registry.choices("cpu", torch_dtype),
+        # and on PIXELTRIAGE_DELTA_BF16; the decoder's weights reordered at load, `kernels.prepack`): a stage's
+        # figure means little without it
+        "kernels": scorer.kernels(),
         # float32: the GEMM library measured faster on this machine (kernels.linear); float32 and bf16 (AMX): per
         # mask whether the C attention measured faster than SDPA (kernels.attention), with their ratios (bench.tune)
         "float32_gemm": tuned[tune.GEMM], "float32_attention": tuned[tune.ATTENTION],
         "bf16_attention": tuned[tune.BF16_ATTENTION], "bf16_delta": tuned[tune.BF16_DELTA],
+        "bf16_prepack": tuned[tune.PREPACK],
         # the MLPs ran in row blocks or whole, as the warm-up measured (or found kept) per layer shape
         "row_blocks": linear.row_block_records(followed=True),
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
@@ -263,9 +265,10 @@ def print_table(r: dict, out=None) -> None:
         print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
     kernels = r.get("kernels") or {}
-    for op in ("projection", "gated_delta", "attention"):   # the ops whose kernel depends on the CPU and a switch
+    for op in ("projection", "prepacked", "gated_delta", "attention"):   # those depending on the CPU and a switch
         if op in kernels:
-            print(f"  {op + ' kernel':<18} {kernels[op]}", file=out)
+            label = "decoder weights" if op == "prepacked" else op + " kernel"
+            print(f"  {label:<18} {kernels[op]}", file=out)
     gemm = r.get("float32_gemm")
     if gemm and "error" in gemm:
         print(f"  float32 GEMM       {gemm['library']}: oneDNN's primitive failed here ({gemm['error']})", file=out)
@@ -289,6 +292,10 @@ def print_table(r: dict, out=None) -> None:
         engine = f" on {delta['engine']}" if delta.get("engine") else ""
         print(f"  {'bf16 delta pass':<18} {delta['pass']}{ratio}{engine}; measured {delta['measured']}, kept per "
               "machine", file=out)
+    pre = r.get("bf16_prepack")
+    if pre:
+        ratio = f" (packed {pre['packed_over_plain']:.2f}x plain's time)" if "packed_over_plain" in pre else ""
+        print(f"  {'bf16 weights':<18} {pre['layout']}{ratio}; measured {pre['measured']}, kept per machine", file=out)
     for layer, rec in (r.get("row_blocks") or {}).items():
         how = f"in blocks of {rec['rows']} rows" if rec["rows"] else "whole"
         print(f"  {'MLP rows':<18} {layer}: {how} (blocks {rec['blocks_over_whole']:.2f}x the whole's time at "
