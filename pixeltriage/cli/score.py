@@ -64,8 +64,9 @@ def run_score(args: argparse.Namespace) -> int:
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     tune_malloc()
     with Cache(args.cache) if args.cache else contextlib.nullcontext() as cache:
+        # one question: reordering the weights for the next ones (kernels.prepack) would only cost
         scorer = Scorer.load(resolved_checkpoint(args), device=args.device, dtype=device_dtype(args), cache=cache,
-                             verify=args.verify or None)
+                             verify=args.verify or None, reorder_weights=len(episodes) > 1)
         for number, (question, memories) in enumerate(episodes, start=1):
             try:
                 scores = scorer.score(question, memories)

@@ -1,27 +1,29 @@
-"""The bf16 decoder's weights in oneDNN's blocked layout, reordered once instead of in every product.
+"""bf16 weights in oneDNN's blocked layout, reordered once instead of in every product.
 
 torch's bf16 matmul on the CPU is oneDNN's already, but it is handed the weight in its plain [N, K] layout, so each
 call copies the blocks of it that a thread needs into the layout the kernel reads (pairs of K rows interleaved for
-the bf16 dot products). `Packed` reorders the weight once (`mkldnn._reorder_linear_weight`) and runs oneDNN's
-linear primitive on it: the same kernel and the same sums, without the copies. On an AVX512-BF16 EPYC (2 threads,
-2296 rows), each decoder product against torch's: bench-small's in_proj and gate_up 0.922x their time, qkv 0.942x,
-down 0.946x, out_proj 0.954x; 2b's 0.933-0.956x; the outputs the same bits. Whether it is faster is the machine's
-to say (on an AMX Xeon gate_up and in_proj measured slower packed, down and out_proj faster): measured once per
-machine (`choice`: a [2048, 1024] x [1024, 4096] product both ways, kept by `tuning` as "bf16 prepacked weights").
+the bf16 dot products); oneDNN's linear primitive, which the vision tower's layers run for their bias and
+activation epilogue, reorders a plain weight on every call. `Packed` reorders the weight once
+(`mkldnn._reorder_linear_weight`) and runs the primitive on it: the same kernel and the same sums, without the
+copies. On an AVX512-BF16 EPYC (2 threads), each product against the plain weight's: bench-small's decoder (2296
+rows) in_proj and gate_up 0.922x their time, qkv 0.942x, down 0.946x, out_proj 0.954x, 2b's 0.933-0.956x; the
+vision tower's 0.84-0.89x; the outputs the same bits. Whether it is faster is the machine's to say (on an AMX Xeon
+gate_up and in_proj measured slower packed, down and out_proj faster): measured once per machine (`choice`: a
+[2048, 1024] x [1024, 4096] product both ways, kept by `tuning` as "bf16 prepacked weights").
 
-Which weights (`packed_roles`): the decoder's six products, by role, and the vision tower's linear layers
-("vision": run with their bias and activation in the primitive's epilogue, as before; their products alone
-0.84-0.89x). Three of them (in_proj, qkv, gate_up) write
-the forward's widest outputs, which the Scorer's workspace (`kernels.workspace`) keeps warm where malloc is left as
-the host has it; oneDNN's primitive has no output argument, so a packed weight gives up that buffer. Those three are
-packed only where that costs nothing: malloc tuned (`engine.cpu_memory.tune_malloc`, which the CLI and the server
-call) or the workspace off; the others (out_proj, o_proj, down, vision) wherever packing is chosen.
+Which weights (`packed_roles`): the decoder's six products, by role, and "vision", the vision tower's linear
+layers. Three of them (in_proj, qkv, gate_up) write the forward's widest outputs, which the Scorer's workspace
+(`kernels.workspace`) keeps warm where malloc is left as the host has it; oneDNN's primitive has no output argument,
+so a packed weight gives up that buffer. Those three are packed only where that costs nothing: malloc tuned
+(`engine.cpu_memory.tune_malloc`, which the CLI and the server call) or the workspace off; the others (out_proj,
+o_proj, down, vision) wherever packing is chosen.
 
-`pack_in_place(weights, cfg, roles)` replaces each chosen weight by a `Packed` (or, for a weight
-the forward slices by rows, a `Rows` of packed and plain parts) and lets the plain one go: no second copy is kept.
-A Scorer decides its roles at load (`chosen_roles`) and packs them in its first forward (`OnFirstForward`).
-`row_slice(w, start, stop)` is how the forward takes rows of a weight that may be either, and `kernels.linear.
-linear` runs either. CPU, bf16, where oneDNN has bf16 primitives for this CPU.
+`pack_in_place(weights, cfg, roles)` replaces each chosen weight by a `Packed` (or, for a weight the forward slices
+by rows, a `Rows` of packed and plain parts) and lets the plain one go: no second copy is kept. A Scorer decides its
+roles at load (`chosen_roles`; `Scorer.load(..., reorder_weights=False)`: none) and packs them in its first forward
+(`OnFirstForward`). `row_slice(w, start, stop)` is how the forward takes rows of a weight that may be either, and
+`kernels.linear` runs either (`plain()` gives the plain weight back, for the reference paths and fingerprints).
+CPU, bf16, where oneDNN has bf16 primitives for this CPU.
 
 `PIXELTRIAGE_PREPACK`: auto (the default) as above, 1 pack where possible without measuring, 0 never.
 """
@@ -54,8 +56,8 @@ VISION_FIELDS = ("patch_w", "merger_fc1_w", "merger_fc2_w")
 def switch() -> str:
     value = os.environ.get(SWITCH, "auto").strip().lower() or "auto"
     if value not in ("0", "1", "auto"):
-        raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: the bf16 decoder's weights "
-                         "reordered for oneDNN at load where measured faster here), 1 (wherever possible) or 0 (never)")
+        raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: bf16 weights reordered for "
+                         "oneDNN where measured faster here), 1 (wherever possible) or 0 (never)")
     return value
 
 

@@ -152,6 +152,7 @@ def test_a_scorer_with_packed_weights_scores_as_one_without(tiny_checkpoint, mon
     assert prepack.roles_of(plain.weights) == () and "prepacked" not in plain.kernels()
     monkeypatch.setenv(prepack.SWITCH, "1")
     monkeypatch.setattr(prepack.tuning, "malloc_tuned", True)
+    assert "prepacked" not in Scorer.load(tiny_checkpoint, dtype=torch.bfloat16, reorder_weights=False).kernels()
     packed = Scorer.load(tiny_checkpoint, dtype=torch.bfloat16)
     text, cfg = packed.weights.text, packed.model_config.text
     assert prepack.roles_of(packed.weights) == ()                         # the load only decides
