@@ -267,7 +267,7 @@ def print_table(r: dict, out=None) -> None:
     kernels = r.get("kernels") or {}
     for op in ("projection", "prepacked", "gated_delta", "attention"):   # those depending on the CPU and a switch
         if op in kernels:
-            label = "decoder weights" if op == "prepacked" else op + " kernel"
+            label = "weights" if op == "prepacked" else op + " kernel"
             print(f"  {label:<18} {kernels[op]}", file=out)
     gemm = r.get("float32_gemm")
     if gemm and "error" in gemm:

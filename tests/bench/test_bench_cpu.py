@@ -89,6 +89,8 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert tune.kept_records(torch.bfloat16)[0]["float32 attention"] is None
     assert r["bf16_attention"] is None and tune.kept_records(torch.float32)[0]["bf16 attention"] is None
     assert r["bf16_delta"] is None and tune.kept_records(torch.float32)[0]["bf16 delta pass"] is None
+    assert r["bf16_prepack"] is None and tune.kept_records(torch.float32)[0]["bf16 prepacked weights"] is None
+    assert "prepacked" not in r["kernels"] and "bf16 weights" not in buf.getvalue()
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
@@ -140,6 +142,21 @@ def test_the_table_names_the_measured_bf16_delta_pass():
     buf = io.StringIO()
     cpu.print_table({**_TABLE, "bf16_delta": None}, buf)
     assert "bf16 delta pass" not in buf.getvalue()
+
+
+def test_the_table_names_the_bf16_weights_layout():
+    # the record `prepack.measure` keeps (tests/kernels/test_prepack.py) and the roles a Scorer reordered
+    record = {"layout": "packed", "packed_over_plain": 0.9486, "quartiles": [0.83, 0.96], "shape": [2048, 1024, 4096],
+              "pairs": 7, "measured": "2026-12-03 14:30:48"}
+    kernels = {**_TABLE.get("kernels", {}), "prepacked": "oneDNN's layout, reordered by the first forward: down"}
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "bf16_prepack": record, "kernels": kernels}, buf)
+    assert ("bf16 weights       packed (packed 0.95x plain's time); measured 2026-12-03 14:30:48, kept per "
+            "machine") in buf.getvalue()
+    assert "weights            oneDNN's layout, reordered by the first forward: down" in buf.getvalue()
+    buf = io.StringIO()
+    cpu.print_table({**_TABLE, "bf16_prepack": {"layout": "plain", "error": "refused", "measured": "x"}}, buf)
+    assert "bf16 weights       plain; measured x, kept per machine" in buf.getvalue()
 
 
 def test_the_machine_a_figure_comes_from():

@@ -229,6 +229,12 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
     else:
         assert first["records"]["bf16 attention"]["engine"] == native.fast_bf16_engine()
         assert first["records"]["bf16 delta pass"]["engine"] == native.fast_bf16_engine()
+    from pixeltriage.kernels import linear as lin
+
+    if lin._fused_available(torch.bfloat16):             # the bf16 weights' layout: oneDNN's against plain
+        assert first["records"]["bf16 prepacked weights"]["layout"] in ("packed", "plain")
+    else:
+        assert first["not_measured"]["bf16 prepacked weights"] == "no oneDNN bf16 linear primitive for this CPU"
     edited = {key: {**record, "edited": True} for key, record in kept.items()}
     (tmp_path / tuning.FILE).write_text(json.dumps(edited))
     second = tune()
