@@ -19,7 +19,7 @@ from pixeltriage.kernels.activation import sigmoid_gate_, silu_mul
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.linear import in_row_blocks, linear
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
-from pixeltriage.kernels.prepack import packed_label, row_slice
+from pixeltriage.kernels.onednn_weights import packed_label, row_slice
 from pixeltriage.kernels.rotary import mrope_cos_sin, norm_partial_rotary
 from pixeltriage.weights.layout import FullAttentionWeights, LayerWeights, LinearAttentionWeights, TextWeights
 

@@ -7,8 +7,8 @@ from pixeltriage.config import VisionConfig
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels.attention import segment_attention
 from pixeltriage.kernels.linear import in_row_blocks, linear, linear_act
-from pixeltriage.kernels.prepack import packed_label
 from pixeltriage.kernels.norm import add_layer_norm
+from pixeltriage.kernels.onednn_weights import packed_label
 from pixeltriage.kernels.rotary import apply_rotary_float, vision_rotary_cos_sin
 from pixeltriage.weights.layout import VisionBlockWeights, VisionWeights
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from pixeltriage.kernels import registry, tuning, workspace
 from pixeltriage.kernels.activation import gelu_tanh_
-from pixeltriage.kernels.prepack import Packed, Rows
+from pixeltriage.kernels.onednn_weights import Packed, Rows
 
 log = logging.getLogger(__name__)
 

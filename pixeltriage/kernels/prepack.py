@@ -19,10 +19,9 @@ so a packed weight gives up that buffer. Those three are packed only where that 
 o_proj, down, vision) wherever packing is chosen.
 
 `pack_in_place(weights, cfg, roles)` replaces each chosen weight by a `Packed` (or, for a weight the forward slices
-by rows, a `Rows` of packed and plain parts) and lets the plain one go: no second copy is kept. A Scorer decides its
-roles at load (`chosen_roles`; `Scorer.load(..., reorder_weights=False)`: none) and packs them in its first forward
-(`OnFirstForward`). `row_slice(w, start, stop)` is how the forward takes rows of a weight that may be either, and
-`kernels.linear` runs either (`plain()` gives the plain weight back, for the reference paths and fingerprints).
+by rows, a `Rows` of packed and plain parts; both in `kernels.onednn_weights`, which `kernels.linear` runs) and lets
+the plain one go: no second copy is kept. A Scorer decides its roles at load (`chosen_roles`; `Scorer.load(...,
+reorder_weights=False)`: none) and packs them in its first forward (`OnFirstForward`).
 CPU, bf16, where oneDNN has bf16 primitives for this CPU.
 
 `PIXELTRIAGE_PREPACK`: auto (the default) as above, 1 pack where possible without measuring, 0 never.
@@ -36,7 +35,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from pixeltriage.kernels import tuning
+from pixeltriage.kernels import linear, tuning, workspace
+from pixeltriage.kernels.onednn_weights import Packed, Rows
 
 SWITCH = "PIXELTRIAGE_PREPACK"
 RECORD = "bf16 prepacked weights"
@@ -59,88 +59,6 @@ def switch() -> str:
         raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: bf16 weights reordered for "
                          "oneDNN where measured faster here), 1 (wherever possible) or 0 (never)")
     return value
-
-
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-
-
-class Packed:
-    """A bf16 weight [N, K] reordered for oneDNN's linear primitive; `packed(x)` is x @ weight^T, as `F.linear`."""
-
-    __slots__ = ("weight", "shape", "dtype", "device")
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-            raise ValueError(f"Packed takes a 2-D bf16 CPU weight, got {tuple(weight.shape)} {weight.dtype} on "
-                             f"{weight.device}")
-        self.weight = _reorder(weight)            # opaque: oneDNN's blocked layout, read by the primitive only
-        self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, attr: str = "none",
-                 algorithm: str = "") -> torch.Tensor:
-        """x @ weight^T + bias, then oneDNN's post-op `attr` (with `algorithm`) in the primitive's epilogue."""
-        if x.dtype != self.dtype or x.shape[-1] != self.shape[1]:
-            raise ValueError(f"input {tuple(x.shape)} {x.dtype} for a packed weight {tuple(self.shape)} {self.dtype}")
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, attr, [], algorithm)
-
-    def plain(self) -> torch.Tensor:
-        """The weight in its plain [N, K] layout again (a copy): for the reference paths and fingerprints."""
-        return self.weight.to_dense()
-
-    def __repr__(self) -> str:
-        return f"Packed({list(self.shape)}, {self.dtype})"
-
-
-class Rows:
-    """A weight the forward uses in row ranges (`row_slice`): each range at `bounds` kept as given, packed or plain
-    (parts: the same order). `rows(x)` over all of them is their products side by side."""
-
-    __slots__ = ("bounds", "parts", "shape", "dtype", "device")
-
-    def __init__(self, bounds: Sequence[int], parts: Sequence["Packed | torch.Tensor"]) -> None:
-        if len(bounds) != len(parts) + 1 or bounds[0] != 0 or any(e <= b for b, e in zip(bounds, bounds[1:])):
-            raise ValueError(f"Rows: bounds {list(bounds)} for {len(parts)} parts")
-        for (b, e), part in zip(zip(bounds, bounds[1:]), parts):
-            if part.shape[0] != e - b:
-                raise ValueError(f"Rows: a part of {part.shape[0]} rows at [{b}, {e})")
-        self.bounds, self.parts = list(bounds), list(parts)
-        self.shape = torch.Size([bounds[-1], parts[0].shape[1]])
-        self.dtype, self.device = parts[0].dtype, parts[0].device
-
-    def part(self, start: int, stop: int) -> "Packed | torch.Tensor":
-        """The part covering rows [start, stop) exactly; ValueError for any other range."""
-        for (b, e), part in zip(zip(self.bounds, self.bounds[1:]), self.parts):
-            if (b, e) == (start, stop):
-                return part
-        raise ValueError(f"rows [{start}, {stop}) of a weight kept in parts at {self.bounds}")
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from pixeltriage.kernels.linear import linear
-
-        out = torch.cat([linear(x, part) for part in self.parts], dim=-1)
-        return out if bias is None else out + bias
-
-    def plain(self) -> torch.Tensor:
-        """The whole weight in its plain layout (a copy)."""
-        return torch.cat([part.plain() if isinstance(part, Packed) else part for part in self.parts])
-
-    def __repr__(self) -> str:
-        return f"Rows({self.bounds}, {self.parts})"
-
-
-def packed_label(*weights) -> str:
-    """" packed" where any of a layer's `weights` is kept in oneDNN's layout, else "": for the names of records
-    measured on the layer (its row blocks, `kernels.linear.in_row_blocks`), whose choice may differ between
-    layouts."""
-    return " packed" if any(isinstance(w, (Packed, Rows)) for w in weights) else ""
-
-
-def row_slice(weight: "torch.Tensor | Rows", start: int, stop: int | None = None) -> "torch.Tensor | Packed":
-    """Rows [start, stop) of a weight: a view of a tensor, or the part of a `Rows` kept at that range."""
-    if isinstance(weight, Rows):
-        return weight.part(start, weight.shape[0] if stop is None else stop)
-    return weight[start:stop]
 
 
 def measure(shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int = 7) -> dict:
@@ -170,8 +88,6 @@ def choice() -> dict:
 
 def applies(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """None where weights may be packed for a forward on `device` in `dtype`, else why not."""
-    from pixeltriage.kernels import linear
-
     if torch.device(device).type != "cpu":
         return f"{torch.device(device).type} forward"
     if dtype != torch.bfloat16:
@@ -192,8 +108,6 @@ def packed_roles(malloc_tuned: bool, workspace_on: bool) -> tuple[str, ...]:
 def chosen_roles(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
     """The roles a Scorer loaded now for `device` and `dtype` packs: none where packing does not apply or this
     machine measured it slower (measured here the first time), else `packed_roles` for this process."""
-    from pixeltriage.kernels import workspace
-
     if applies(device, dtype) is not None or (switch() == "auto" and choice()["layout"] != "packed"):
         return ()
     return packed_roles(tuning.malloc_tuned, workspace.enabled())

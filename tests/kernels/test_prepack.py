@@ -1,6 +1,6 @@
-"""The bf16 decoder's weights reordered for oneDNN at load (`kernels.prepack`): the packed product against torch's
-on the plain weight, the parts a sliced weight is kept in, which roles are packed, and a Scorer's forward with them
-against one without.
+"""bf16 weights reordered for oneDNN once (`kernels.prepack`, `kernels.onednn_weights`): the packed product against
+torch's on the plain weight, the parts a sliced weight is kept in, which roles are packed, and a Scorer's forward
+with them against one without.
 
 Tolerance of a packed product against the plain one: both are a bf16 rounding of a float32 sum over K, the same
 kernel here (equal bits on the AVX512-BF16 EPYC these figures come from), but oneDNN may sum in another order on
@@ -14,7 +14,7 @@ import torch
 
 from pixeltriage.kernels import linear as lin
 from pixeltriage.kernels import prepack
-from pixeltriage.kernels.prepack import Packed, Rows, row_slice
+from pixeltriage.kernels.onednn_weights import Packed, Rows, packed_label, row_slice
 
 needs_bf16_primitive = pytest.mark.skipif(not lin._fused_available(torch.bfloat16),
                                           reason="no oneDNN bf16 linear primitive for this CPU")
@@ -89,8 +89,8 @@ def test_a_weight_kept_in_row_parts():
     _within_one_rounding(rows(x), x, w)
     _within_one_rounding(lin.linear(x, rows), x, w)
     assert torch.equal(rows.plain(), w)
-    assert prepack.packed_label(w, rows) == prepack.packed_label(Packed(w)) == " packed"
-    assert prepack.packed_label(w, w[:3]) == ""                     # a layer's row-block records: per layout
+    assert packed_label(w, rows) == packed_label(Packed(w)) == " packed"
+    assert packed_label(w, w[:3]) == ""                     # a layer's row-block records: per layout
     view = row_slice(w, 30)
     assert view.data_ptr() == w[30:].data_ptr() and torch.equal(row_slice(w, 2, 5), w[2:5])
     with pytest.raises(ValueError, match="bounds"):
