@@ -217,7 +217,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         # mask whether the C attention measured faster than SDPA (kernels.attention), with their ratios (bench.tune)
         "float32_gemm": tuned[tune.GEMM], "float32_attention": tuned[tune.ATTENTION],
         "bf16_attention": tuned[tune.BF16_ATTENTION], "bf16_delta": tuned[tune.BF16_DELTA],
-        "bf16_prepack": tuned[tune.PREPACK],
+        "bf16_prepack": tuned[tune.PREPACK], "float32_prepack": tuned[tune.PREPACK_F32],
         # the MLPs ran in row blocks or whole, as the warm-up measured (or found kept) per layer shape
         "row_blocks": linear.row_block_records(followed=True),
         # and the machine: figures from a CPU without bf16 units are not comparable with those from one with AMX
@@ -292,10 +292,11 @@ def print_table(r: dict, out=None) -> None:
         engine = f" on {delta['engine']}" if delta.get("engine") else ""
         print(f"  {'bf16 delta pass':<18} {delta['pass']}{ratio}{engine}; measured {delta['measured']}, kept per "
               "machine", file=out)
-    pre = r.get("bf16_prepack")
-    if pre:
-        ratio = f" (packed {pre['packed_over_plain']:.2f}x plain's time)" if "packed_over_plain" in pre else ""
-        print(f"  {'bf16 weights':<18} {pre['layout']}{ratio}; measured {pre['measured']}, kept per machine", file=out)
+    for key, label in (("bf16_prepack", "bf16 weights"), ("float32_prepack", "float32 weights")):
+        pre = r.get(key)
+        if pre:
+            ratio = f" (packed {pre['packed_over_plain']:.2f}x plain's time)" if "packed_over_plain" in pre else ""
+            print(f"  {label:<18} {pre['layout']}{ratio}; measured {pre['measured']}, kept per machine", file=out)
     for layer, rec in (r.get("row_blocks") or {}).items():
         how = f"in blocks of {rec['rows']} rows" if rec["rows"] else "whole"
         print(f"  {'MLP rows':<18} {layer}: {how} (blocks {rec['blocks_over_whole']:.2f}x the whole's time at "

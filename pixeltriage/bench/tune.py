@@ -1,7 +1,7 @@
 """`pixeltriage bench tune`: the choices this machine measured once and keeps (`kernels.tuning`): float32's GEMM
 library (`kernels.linear`), per dtype and mask the C attention kernel against SDPA (`kernels.attention`), and the
-bf16 delta pass against the float32 pass (`kernels.gated_delta.bf16`), the bf16 decoder's weights reordered for
-oneDNN against plain (`kernels.prepack`); measured now where not yet kept, or anew
+bf16 delta pass against the float32 pass (`kernels.gated_delta.bf16`), the weights reordered for oneDNN
+against plain, per dtype (`kernels.prepack`); measured now where not yet kept, or anew
 with --again. Also the MLP row blocks a forward measured per layer shape (`kernels.linear.in_row_blocks`), which
 --again forgets too."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pixeltriage.bench.timing import set_threads
 
 
 GEMM, ATTENTION, BF16_ATTENTION, BF16_DELTA = "float32 GEMM", "float32 attention", "bf16 attention", "bf16 delta pass"
-PREPACK = "bf16 prepacked weights"
+PREPACK, PREPACK_F32 = "bf16 prepacked weights", "float32 prepacked weights"
 
 
 def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
@@ -24,13 +24,15 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
     (None: any) does not follow it}, {name: why not}). GEMM: unless PIXELTRIAGE_ONEDNN decides, or torch has no
     oneDNN primitive; float32 attention: where the C kernels are built; bf16 attention and the bf16 delta pass:
     where the CPU has AMX or AVX512-BF16 (the delta pass unless PIXELTRIAGE_DELTA_BF16 decides); prepacked
-    weights: where oneDNN has bf16 primitives for this CPU, unless PIXELTRIAGE_PREPACK decides."""
+    weights: in bf16 where oneDNN has bf16 primitives for this CPU, in float32 where its projections run oneDNN's
+    primitive, unless PIXELTRIAGE_PREPACK decides."""
     from pixeltriage.kernels import attention, linear, native
     from pixeltriage.kernels.gated_delta import bf16
 
     from pixeltriage.kernels import prepack
 
-    records, why = {GEMM: None, ATTENTION: None, BF16_ATTENTION: None, BF16_DELTA: None, PREPACK: None}, {}
+    records, why = {GEMM: None, ATTENTION: None, BF16_ATTENTION: None, BF16_DELTA: None, PREPACK: None,
+                    PREPACK_F32: None}, {}
     if dtype not in (None, torch.float32):
         why[GEMM] = why[ATTENTION] = f"{dtype} forward"
     else:
@@ -60,14 +62,15 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
             why[BF16_DELTA] = f"{bf16.SWITCH}={bf16.switch()} decides"
         else:
             records[BF16_DELTA] = bf16.delta_choice()
-    if dtype not in (None, torch.bfloat16):
-        why[PREPACK] = f"{dtype} forward"
-    elif prepack.applies("cpu", torch.bfloat16) is not None:
-        why[PREPACK] = prepack.applies("cpu", torch.bfloat16)
-    elif prepack.switch() != "auto":
-        why[PREPACK] = f"{prepack.SWITCH}={prepack.switch()} decides"
-    else:
-        records[PREPACK] = prepack.choice()
+    for name, prepack_dtype in ((PREPACK, torch.bfloat16), (PREPACK_F32, torch.float32)):
+        if dtype not in (None, prepack_dtype):
+            why[name] = f"{dtype} forward"
+        elif prepack.applies("cpu", prepack_dtype) is not None:
+            why[name] = prepack.applies("cpu", prepack_dtype)
+        elif prepack.switch() != "auto":
+            why[name] = f"{prepack.SWITCH}={prepack.switch()} decides"
+        else:
+            records[name] = prepack.choice(prepack_dtype)
     return records, why
 
 

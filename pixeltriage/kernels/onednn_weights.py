@@ -14,14 +14,15 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Packed:
-    """A bf16 weight [N, K] reordered for oneDNN's linear primitive; `packed(x)` is x @ weight^T, as `F.linear`."""
+    """A bf16 or float32 weight [N, K] reordered for oneDNN's linear primitive; `packed(x)` is x @ weight^T, as
+    `F.linear`."""
 
     __slots__ = ("weight", "shape", "dtype", "device")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-            raise ValueError(f"Packed takes a 2-D bf16 CPU weight, got {tuple(weight.shape)} {weight.dtype} on "
-                             f"{weight.device}")
+        if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
+            raise ValueError(f"Packed takes a 2-D bf16 or float32 CPU weight, got {tuple(weight.shape)} "
+                             f"{weight.dtype} on {weight.device}")
         self.weight = _reorder(weight)            # opaque: oneDNN's blocked layout, read by the primitive only
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
 

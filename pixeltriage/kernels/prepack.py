@@ -1,4 +1,5 @@
-"""bf16 weights in oneDNN's blocked layout, reordered once instead of in every product.
+"""Weights in oneDNN's blocked layout, reordered once instead of in every product (bf16, and float32 where its
+projections run oneDNN's primitive).
 
 torch's bf16 matmul on the CPU is oneDNN's already, but it is handed the weight in its plain [N, K] layout, so each
 call copies the blocks of it that a thread needs into the layout the kernel reads (pairs of K rows interleaved for
@@ -22,7 +23,9 @@ o_proj, down, vision) wherever packing is chosen.
 by rows, a `Rows` of packed and plain parts; both in `kernels.onednn_weights`, which `kernels.linear` runs) and lets
 the plain one go: no second copy is kept. A Scorer decides its roles at load (`chosen_roles`; `Scorer.load(...,
 reorder_weights=False)`: none) and packs them in its first forward (`OnFirstForward`).
-CPU, bf16, where oneDNN has bf16 primitives for this CPU.
+CPU only: bf16 where oneDNN has bf16 primitives for this CPU; float32 where the projections run oneDNN's primitive
+(`kernels.linear`), every role (none writes into the workspace there), measured under its own record (malloc
+tuned, [2048, 1024] x [1024, 4096]: 0.953x here; the forward 0.950x).
 
 `PIXELTRIAGE_PREPACK`: auto (the default) as above, 1 pack where possible without measuring, 0 never.
 """
@@ -39,7 +42,8 @@ from pixeltriage.kernels import linear, tuning, workspace
 from pixeltriage.kernels.onednn_weights import Packed, Rows
 
 SWITCH = "PIXELTRIAGE_PREPACK"
-RECORD = "bf16 prepacked weights"
+# the choice's record per dtype (`tuning`)
+RECORDS = {torch.bfloat16: "bf16 prepacked weights", torch.float32: "float32 prepacked weights"}
 # The product the choice is timed on (a decoder projection's order of size), and the margin packing must win by
 MEASURE_SHAPE = (2048, 1024, 4096)
 MARGIN = 0.97
@@ -56,24 +60,27 @@ VISION_FIELDS = ("patch_w", "merger_fc1_w", "merger_fc2_w")
 def switch() -> str:
     value = os.environ.get(SWITCH, "auto").strip().lower() or "auto"
     if value not in ("0", "1", "auto"):
-        raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: bf16 weights reordered for "
+        raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: weights reordered for "
                          "oneDNN where measured faster here), 1 (wherever possible) or 0 (never)")
     return value
 
 
-def measure(shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int = 7) -> dict:
-    """A packed weight's product against torch's on the plain weight (bf16, `shape` = (M, K, N)), interleaved: the
-    record `tuning` keeps ({"layout": "packed" where the packed one took under MARGIN of the plain one's time, else
-    "plain"; "packed_over_plain": the pairs' median ratio, "quartiles", "shape", "pairs", "measured"}); where the
-    primitive raises, {"layout": "plain", "error": its message, ...}."""
+def measure(dtype: torch.dtype = torch.bfloat16, shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int = 7) -> dict:
+    """A packed weight's product against the plain weight's as the forward runs it (bf16: torch's product; float32:
+    oneDNN's primitive, where `applies`), in `dtype`, `shape` = (M, K, N), interleaved: the record `tuning` keeps
+    ({"layout": "packed" where the packed one took under MARGIN of the plain one's time, else "plain";
+    "packed_over_plain": the pairs' median ratio, "quartiles", "shape", "pairs", "measured"}); where the primitive
+    raises, {"layout": "plain", "error": its message, ...}."""
     m, k, n = shape
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype)
     record = {"shape": list(shape), "pairs": pairs, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         packed = Packed(w)
-        ratios = tuning.interleaved_ratio(lambda: torch.mm(x, w.t()), lambda: packed(x), pairs=pairs)
+        plain = (lambda: torch.mm(x, w.t())) if dtype == torch.bfloat16 else \
+            (lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+        ratios = tuning.interleaved_ratio(plain, lambda: packed(x), pairs=pairs)
     except RuntimeError as e:                      # a torch whose primitive refuses this CPU: plain
         return {"layout": "plain", "error": str(e).splitlines()[0][:300] if str(e) else type(e).__name__, **record}
     ratio = ratios[len(ratios) // 2]
@@ -81,36 +88,39 @@ def measure(shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int = 7) -> dict
             "quartiles": [round(ratios[len(ratios) // 4], 4), round(ratios[3 * len(ratios) // 4], 4)], **record}
 
 
-def choice() -> dict:
-    """This machine's measured layout for bf16 decoder weights (`measure`'s record, kept by `tuning`)."""
-    return tuning.measured(RECORD, measure)
+def choice(dtype: torch.dtype = torch.bfloat16) -> dict:
+    """This machine's measured layout for weights in `dtype` (`measure`'s record, kept by `tuning`)."""
+    return tuning.measured(RECORDS[dtype], lambda: measure(dtype))
 
 
 def applies(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """None where weights may be packed for a forward on `device` in `dtype`, else why not."""
     if torch.device(device).type != "cpu":
         return f"{torch.device(device).type} forward"
-    if dtype != torch.bfloat16:
+    if dtype not in RECORDS:
         return f"{dtype} forward"
     if switch() == "0":
         return f"{SWITCH}=0"
-    if not linear._fused_available(torch.bfloat16):
+    if dtype == torch.bfloat16 and not linear._fused_available(torch.bfloat16):
         return "no oneDNN bf16 linear primitive for this CPU"
+    if dtype == torch.float32 and not linear.plain_onednn("cpu", torch.float32):
+        return "float32 projections on F.linear here (kernels.linear), not oneDNN's primitive"
     return None
 
 
-def packed_roles(malloc_tuned: bool, workspace_on: bool) -> tuple[str, ...]:
-    """The roles whose weights are packed (where packing is chosen): all six where malloc is tuned or the workspace
-    is off, else the three without a workspace buffer (see the module)."""
-    return ROLES if malloc_tuned or not workspace_on else OTHER_ROLES
+def packed_roles(malloc_tuned: bool, workspace_on: bool, dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
+    """The roles whose weights are packed (where packing is chosen): all where malloc is tuned or the workspace is
+    off, or in float32 (whose products are oneDNN's primitive's already: none writes into the workspace), else those
+    without a workspace buffer (see the module)."""
+    return ROLES if malloc_tuned or not workspace_on or dtype == torch.float32 else OTHER_ROLES
 
 
 def chosen_roles(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
     """The roles a Scorer loaded now for `device` and `dtype` packs: none where packing does not apply or this
     machine measured it slower (measured here the first time), else `packed_roles` for this process."""
-    if applies(device, dtype) is not None or (switch() == "auto" and choice()["layout"] != "packed"):
+    if applies(device, dtype) is not None or (switch() == "auto" and choice(dtype)["layout"] != "packed"):
         return ()
-    return packed_roles(tuning.malloc_tuned, workspace.enabled())
+    return packed_roles(tuning.malloc_tuned, workspace.enabled(), dtype)
 
 
 def pack_in_place(weights, cfg, roles: Sequence[str],

@@ -62,7 +62,9 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert len(r["paired_speedups"]) == 2
     from pixeltriage.kernels import registry
 
-    assert r["kernels"] == registry.choices("cpu", torch.float32) and "gated_delta" in r["kernels"]
+    # the Scorer's kernels: the registry's choices, and the weights its first forward reordered (kernels.prepack)
+    assert {op: k for op, k in r["kernels"].items() if op != "prepacked"} == registry.choices("cpu", torch.float32)
+    assert "gated_delta" in r["kernels"]
     assert r["machine"] == dict(cpu_machine(), torch_threads=1) and r["machine"]["torch_threads"] == r["threads"]
     buf = io.StringIO()
     cpu.print_table(r, buf)
@@ -90,7 +92,13 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert r["bf16_attention"] is None and tune.kept_records(torch.float32)[0]["bf16 attention"] is None
     assert r["bf16_delta"] is None and tune.kept_records(torch.float32)[0]["bf16 delta pass"] is None
     assert r["bf16_prepack"] is None and tune.kept_records(torch.float32)[0]["bf16 prepacked weights"] is None
-    assert "prepacked" not in r["kernels"] and "bf16 weights" not in buf.getvalue()
+    assert "bf16 weights" not in buf.getvalue()
+    from pixeltriage.kernels import prepack
+
+    # float32: the weights reordered for oneDNN where its projections run the primitive (and measured faster)
+    assert r["float32_prepack"] == tune.kept_records(torch.float32)[0]["float32 prepacked weights"]
+    assert (r["float32_prepack"] is None) == (prepack.applies("cpu", torch.float32) is not None)
+    assert ("prepacked" in r["kernels"]) == bool(prepack.chosen_roles("cpu", torch.float32))
     assert "speed-up" in buf.getvalue() and "before" in buf.getvalue() and "beside it" in buf.getvalue()
     assert "beside the engine runs" in buf.getvalue()
     assert f"ceiling       {r['ceiling_speedup']:.2f}x" in buf.getvalue()
@@ -155,8 +163,10 @@ def test_the_table_names_the_bf16_weights_layout():
             "machine") in buf.getvalue()
     assert "weights            oneDNN's layout, reordered by the first forward: down" in buf.getvalue()
     buf = io.StringIO()
-    cpu.print_table({**_TABLE, "bf16_prepack": {"layout": "plain", "error": "refused", "measured": "x"}}, buf)
+    cpu.print_table({**_TABLE, "bf16_prepack": {"layout": "plain", "error": "refused", "measured": "x"},
+                     "float32_prepack": {**record, "packed_over_plain": 0.93}}, buf)
     assert "bf16 weights       plain; measured x, kept per machine" in buf.getvalue()
+    assert "float32 weights    packed (packed 0.93x plain's time)" in buf.getvalue()
 
 
 def test_the_machine_a_figure_comes_from():

@@ -235,6 +235,10 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
         assert first["records"]["bf16 prepacked weights"]["layout"] in ("packed", "plain")
     else:
         assert first["not_measured"]["bf16 prepacked weights"] == "no oneDNN bf16 linear primitive for this CPU"
+    if first["records"]["float32 GEMM"] and first["records"]["float32 GEMM"]["library"] == "oneDNN":
+        assert first["records"]["float32 prepacked weights"]["layout"] in ("packed", "plain")
+    else:
+        assert first["not_measured"]["float32 prepacked weights"].startswith("float32 projections on F.linear")
     edited = {key: {**record, "edited": True} for key, record in kept.items()}
     (tmp_path / tuning.FILE).write_text(json.dumps(edited))
     second = tune()
