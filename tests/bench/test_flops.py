@@ -69,7 +69,10 @@ def token_ids(text_tokens: int, grids, merge_unit: int) -> torch.Tensor:
 
 
 def count(module, **inputs) -> dict[str, int]:
-    """Matmul FLOPs per module (FlopCounterMode's fully qualified names) of one no-grad forward."""
+    """Matmul FLOPs per module (FlopCounterMode's fully qualified names) of one no-grad forward. The parameters stop
+    asking for gradients first: transformers 5.25 calls Qwen3.5's conv through a hub-kernel module that takes the
+    conv's weight as an input, and FlopCounterMode's module tracker refuses a leaf input that requires grad."""
+    module.requires_grad_(False)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         module(**inputs)
     return {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
