@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -123,6 +123,29 @@ def chosen_roles(device: torch.device | str, dtype: torch.dtype) -> tuple[str, .
     return packed_roles(tuning.malloc_tuned, workspace.enabled(), dtype)
 
 
+def _check_roles(roles: Sequence[str]) -> None:
+    unknown = set(roles) - set(ROLES)
+    if unknown:
+        raise ValueError(f"unknown prepack roles {sorted(unknown)}; known: {list(ROLES)}")
+
+
+def _places(weights) -> Iterator[tuple[str, object, str]]:
+    """(role, owner, field) of every weight a role covers in `weights` (EngineWeights): the one table
+    `pack_in_place` and `roles_of` read."""
+    from pixeltriage.weights.layout import FullAttentionWeights
+
+    for layer in weights.text.layers:
+        for name in ("qkv", "o_proj") if isinstance(layer.attn, FullAttentionWeights) else ("in_proj", "out_proj"):
+            yield name, layer.attn, name
+        yield "gate_up", layer, "gate_up"
+        yield "down", layer, "down"
+    for block in weights.vision.blocks:
+        for name in VISION_BLOCK_FIELDS:
+            yield "vision", block, name
+    for name in VISION_FIELDS:
+        yield "vision", weights.vision, name
+
+
 def pack_in_place(weights, cfg, roles: Sequence[str],
                   release: Callable[[torch.Tensor], object] | None = None) -> None:
     """Replace the weights of `roles` in `weights` (EngineWeights; its layer objects changed in place) by packed
@@ -130,54 +153,34 @@ def pack_in_place(weights, cfg, roles: Sequence[str],
     slice into query and key/value parts, is kept as those two parts; in_proj as its packed main part and its plain
     b/a rows (a float32 projection). Each plain weight is let go as soon as it is replaced, so that at most one is
     held twice; release: called with it then (a mapped file gives its pages back: `PackedCheckpoint.drop_pages`)."""
-    from pixeltriage.config import FULL
-
-    unknown = set(roles) - set(ROLES)
-    if unknown:
-        raise ValueError(f"unknown prepack roles {sorted(unknown)}; known: {list(ROLES)}")
-    text = weights.text
-    last = len(text.layers) - 1
-
-    def swap(owner, name: str, make: Callable[[torch.Tensor], "Packed | Rows"], role: str | None = None) -> None:
+    _check_roles(roles)
+    last_attn = weights.text.layers[-1].attn
+    q_width = cfg.num_attention_heads * 2 * cfg.head_dim
+    n_main = cfg.linear_conv_dim + cfg.linear_value_dim
+    for role, owner, name in _places(weights):
         plain = getattr(owner, name)
-        if (role or name) not in roles or not isinstance(plain, torch.Tensor):
-            return
-        setattr(owner, name, make(plain))
+        if role not in roles or not isinstance(plain, torch.Tensor):
+            continue
+        if name == "qkv" and owner is last_attn:
+            packed = Rows([0, q_width, plain.shape[0]], [Packed(plain[:q_width]), Packed(plain[q_width:])])
+        elif name == "in_proj":            # b/a: [2 Hv, hidden], copied out of the plain weight so that it can go
+            packed = Rows([0, n_main, plain.shape[0]], [Packed(plain[:n_main]), plain[n_main:].clone()])
+        else:
+            packed = Packed(plain)
+        setattr(owner, name, packed)
         if release is not None:
             release(plain)
-
-    for i, (kind, layer) in enumerate(zip(cfg.layer_types, text.layers)):
-        attn = layer.attn
-        if kind == FULL:
-            q_width = cfg.num_attention_heads * 2 * cfg.head_dim
-            swap(attn, "qkv", (lambda w: Rows([0, q_width, w.shape[0]], [Packed(w[:q_width]), Packed(w[q_width:])]))
-                 if i == last else Packed)
-            swap(attn, "o_proj", Packed)
-        else:
-            n_main = cfg.linear_conv_dim + cfg.linear_value_dim
-            # b/a: [2 Hv, hidden], copied out of the plain weight so that the rest of it can go
-            swap(attn, "in_proj", lambda w: Rows([0, n_main, w.shape[0]], [Packed(w[:n_main]), w[n_main:].clone()]))
-            swap(attn, "out_proj", Packed)
-        swap(layer, "gate_up", Packed)
-        swap(layer, "down", Packed)
-    for block in weights.vision.blocks:
-        for name in VISION_BLOCK_FIELDS:
-            swap(block, name, Packed, "vision")
-    for name in VISION_FIELDS:
-        swap(weights.vision, name, Packed, "vision")
 
 
 class OnFirstForward:
     """The roles a Scorer's weights are to be packed in (`chosen_roles`, decided at load), packed in place by the
     first forward that calls `apply` (one thread packs, a concurrent one waits for it): a load stays a mapping of the
-    file, and the reorder (~1.8 GB/s on the EPYC above: bench-small ~0.13 s, 2b ~1.4 s) is paid where the weights
-    are first read anyway, by the first forward (the server's warm-up). Shared by the Scorers on the same weights
+    file, and the reorder (on the EPYC above: bench-small 0.11 s, 2b 1.7 s from memory, 2.3-2.7 s from a packed
+    file) is paid where the weights are first read anyway, by the first forward (the server's warm-up). Shared by the Scorers on the same weights
     (`Scorer.with_cache`)."""
 
     def __init__(self, roles: Sequence[str] = (), release: Callable[[torch.Tensor], object] | None = None) -> None:
-        unknown = set(roles) - set(ROLES)
-        if unknown:
-            raise ValueError(f"unknown prepack roles {sorted(unknown)}; known: {list(ROLES)}")
+        _check_roles(roles)
         self.roles = tuple(r for r in ROLES if r in roles)
         self.done = not self.roles
         self._release = release
@@ -196,13 +199,5 @@ class OnFirstForward:
 
 def roles_of(weights) -> tuple[str, ...]:
     """The roles whose weights are packed in `weights` (EngineWeights), in ROLES' order."""
-    found = set()
-    for layer in weights.text.layers:
-        for name in ("in_proj", "qkv", "out_proj", "o_proj"):
-            if isinstance(getattr(layer.attn, name, None), (Packed, Rows)):
-                found.add(name)
-        found.update(name for name in ("gate_up", "down") if isinstance(getattr(layer, name), Packed))
-    vision = [getattr(b, n) for b in weights.vision.blocks for n in VISION_BLOCK_FIELDS]
-    if any(isinstance(w, Packed) for w in vision + [getattr(weights.vision, n) for n in VISION_FIELDS]):
-        found.add("vision")
+    found = {role for role, owner, name in _places(weights) if isinstance(getattr(owner, name), (Packed, Rows))}
     return tuple(r for r in ROLES if r in found)
