@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -77,7 +77,6 @@ class Scorer:
         self.workspace = Workspace()
         # the decoder's weights to reorder for oneDNN on the first forward (`kernels.prepack`; the load decides)
         self._prepack = prepack.OnFirstForward()
-        self._prepack_release: Callable[[torch.Tensor], object] | None = None    # a packed file's drop_pages
         self._lock = threading.Lock()
 
     @classmethod
@@ -104,10 +103,10 @@ class Scorer:
         True reads them all and re-hashes the file against its fingerprint.
         cuda_graphs: on CUDA, capture the decoder as CUDA graphs at load (True: `graphs.DEFAULT_BUCKETS` of state
         length; or the bucket lengths), replayed by single-question scoring; see `enable_cuda_graphs`.
-        reorder_weights: bf16 on a CPU where oneDNN has bf16 primitives, the first forward reorders the weights for
-        them in place where that measured faster on this machine (`kernels.prepack`: the forward ~0.83-0.95x its
-        time on a 2-core EPYC, the first one slower by the reorder, ~0.1 s at bench-small, 2-2.5 s at 2b). False for a
-        process that scores once.
+        reorder_weights: on the CPU (bf16 where oneDNN has bf16 primitives, float32 where the projections run its
+        primitive), the first forward reorders the weights for oneDNN in place where that measured faster on this
+        machine (`kernels.prepack`: later forwards 0.83-0.95x their time on a 2-core EPYC; the first slower by the
+        reorder, 0.11 s at bench-small, 1.7-2.7 s at 2b). False for a process that scores once.
         revision, allow_download: for a hub id ("org/name" or "org/name@revision", when no local path of that name
         exists), read from huggingface_hub's local cache; it is downloaded (safetensors and JSON files only) only
         with allow_download=True, and never while HF_HUB_OFFLINE=1 (`pixeltriage.hub.resolve_checkpoint`).
@@ -118,13 +117,7 @@ class Scorer:
             raise ValueError(f"cuda_graphs needs a CUDA device, not {device!r}")
         path = resolve_checkpoint(path, revision, allow_download=allow_download)
         with _gc_paused():
-            scorer = cls._load(path, device, dtype, cache, head_backend, adapter, allow_slow, verify)
-        if reorder_weights:
-            # bf16 on the CPU: the weights reordered for oneDNN by the first forward, where this machine measured
-            # that faster (`kernels.prepack`; the first load on a machine times it, ~0.5 s)
-            scorer._prepack = prepack.OnFirstForward(prepack.chosen_roles(scorer.device, scorer.dtype),
-                                                     release=scorer._prepack_release)
-        scorer._prepack_release = None
+            scorer = cls._load(path, device, dtype, cache, head_backend, adapter, allow_slow, verify, reorder_weights)
         # every op's kernel decided here, not in the first forward: in float32 on the CPU that may time the two GEMM
         # libraries and the two attentions once on a new machine (~3 s; kernels.linear and kernels.attention, kept
         # by kernels.tuning)
@@ -166,7 +159,8 @@ class Scorer:
         return names
 
     @classmethod
-    def _load(cls, path: Path, device, dtype, cache, head_backend, adapter, allow_slow, verify) -> "Scorer":
+    def _load(cls, path: Path, device, dtype, cache, head_backend, adapter, allow_slow, verify,
+              reorder_weights: bool = True) -> "Scorer":
         device = torch.device(device)
         dtype = parse_dtype(dtype)
         resolve_head_backend(head_backend, device)             # an unavailable choice fails before any loading
@@ -178,14 +172,20 @@ class Scorer:
             native.library()            # built (first time on this machine) or found now, not in the first forward
             log.info("native CPU kernels: %s", native.status())
         log.info("kernels: %s", registry.choices(device, dtype))
+        # the weights the first forward reorders for oneDNN, where this machine measured that faster
+        # (`kernels.prepack`; the first load on a machine times it, ~0.5 s)
+        roles = prepack.chosen_roles(device, dtype) if reorder_weights else ()
         if path.is_file():
-            return cls._load_packed(path, device, dtype, cache, head_backend, adapter, bool(verify))
+            return cls._load_packed(path, device, dtype, cache, head_backend, adapter, bool(verify), roles)
         ckpt = load_directory(path, dtype, device, Path(adapter) if adapter is not None else None, verify is not False)
-        return cls(ckpt.model_config, ckpt.image_config, ckpt.triage_config, TextEncoder(ckpt.tokenizer_file),
-                   ckpt.weights, device, dtype, cache, head_backend)
+        scorer = cls(ckpt.model_config, ckpt.image_config, ckpt.triage_config, TextEncoder(ckpt.tokenizer_file),
+                     ckpt.weights, device, dtype, cache, head_backend)
+        scorer._prepack = prepack.OnFirstForward(roles)
+        return scorer
 
     @classmethod
-    def _load_packed(cls, path: Path, device, dtype, cache, head_backend, adapter, verify: bool) -> "Scorer":
+    def _load_packed(cls, path: Path, device, dtype, cache, head_backend, adapter, verify: bool,
+                     roles: Sequence[str] = ()) -> "Scorer":
         if adapter is not None:
             raise CheckpointError(f"{path}: a packed checkpoint has its adapter merged already; merge another at "
                                   "pack time (pixeltriage pack SRC DST --adapter DIR)")
@@ -204,8 +204,8 @@ class Scorer:
                      cache, head_backend)
         scorer._fingerprint = packed.vision_fingerprint(dtype) if device.type == "cpu" else None  # CPU-computed
         scorer.checkpoint_fingerprint = packed.fingerprint
-        # weights reordered for oneDNN (`load`) give their mapped pages back to the OS one by one
-        scorer._prepack_release = lambda plain: packed.drop_pages([plain])
+        # weights reordered for oneDNN give their mapped pages back to the OS one by one
+        scorer._prepack = prepack.OnFirstForward(roles, release=lambda plain: packed.drop_pages([plain]))
         return scorer
 
     # -- state ---------------------------------------------------------------------------------
