@@ -210,7 +210,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         "stages": rows,
         "gemm_bound_s": gemm_bound_s, "ceiling_speedup": hf_s / gemm_bound_s,
         # which implementation ran each op (the bf16 delta pass and the ViT's attention on AMX depend on the CPU
-        # and on PIXELTRIAGE_DELTA_BF16; the decoder's weights reordered at load, `kernels.prepack`): a stage's
+        # and on PIXELTRIAGE_DELTA_BF16; the weights the first forward reordered, `kernels.prepack`): a stage's
         # figure means little without it
         "kernels": scorer.kernels(),
         # float32: the GEMM library measured faster on this machine (kernels.linear); float32 and bf16 (AMX): per
@@ -265,9 +265,10 @@ def print_table(r: dict, out=None) -> None:
         print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
     kernels = r.get("kernels") or {}
-    for op in ("projection", "prepacked", "gated_delta", "attention"):   # those depending on the CPU and a switch
+    # those depending on the CPU and a switch
+    for op, label in (("projection", "projection kernel"), ("prepacked", "weights"),
+                      ("gated_delta", "gated_delta kernel"), ("attention", "attention kernel")):
         if op in kernels:
-            label = "weights" if op == "prepacked" else op + " kernel"
             print(f"  {label:<18} {kernels[op]}", file=out)
     gemm = r.get("float32_gemm")
     if gemm and "error" in gemm:

@@ -26,10 +26,8 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
     where the CPU has AMX or AVX512-BF16 (the delta pass unless PIXELTRIAGE_DELTA_BF16 decides); prepacked
     weights: in bf16 where oneDNN has bf16 primitives for this CPU, in float32 where its projections run oneDNN's
     primitive, unless PIXELTRIAGE_PREPACK decides."""
-    from pixeltriage.kernels import attention, linear, native
+    from pixeltriage.kernels import attention, linear, native, prepack
     from pixeltriage.kernels.gated_delta import bf16
-
-    from pixeltriage.kernels import prepack
 
     records, why = {GEMM: None, ATTENTION: None, BF16_ATTENTION: None, BF16_DELTA: None, PREPACK: None,
                     PREPACK_F32: None}, {}
@@ -65,8 +63,8 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
     for name, prepack_dtype in ((PREPACK, torch.bfloat16), (PREPACK_F32, torch.float32)):
         if dtype not in (None, prepack_dtype):
             why[name] = f"{dtype} forward"
-        elif prepack.applies("cpu", prepack_dtype) is not None:
-            why[name] = prepack.applies("cpu", prepack_dtype)
+        elif (reason := prepack.applies("cpu", prepack_dtype)) is not None:
+            why[name] = reason
         elif prepack.switch() != "auto":
             why[name] = f"{prepack.SWITCH}={prepack.switch()} decides"
         else:
