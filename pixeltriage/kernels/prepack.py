@@ -132,10 +132,8 @@ def _check_roles(roles: Sequence[str]) -> None:
 def _places(weights) -> Iterator[tuple[str, object, str]]:
     """(role, owner, field) of every weight a role covers in `weights` (EngineWeights): the one table
     `pack_in_place` and `roles_of` read."""
-    from pixeltriage.weights.layout import FullAttentionWeights
-
-    for layer in weights.text.layers:
-        for name in ("qkv", "o_proj") if isinstance(layer.attn, FullAttentionWeights) else ("in_proj", "out_proj"):
+    for layer in weights.text.layers:       # a full-attention layer's weights have qkv, a Gated DeltaNet's in_proj
+        for name in ("qkv", "o_proj") if hasattr(layer.attn, "qkv") else ("in_proj", "out_proj"):
             yield name, layer.attn, name
         yield "gate_up", layer, "gate_up"
         yield "down", layer, "down"
