@@ -316,9 +316,23 @@ class Cache:
                 raise
             raise PixelTriageError(f"{self.path}: not a usable cache database ({e})") from None
 
+    def _switch_to_wal(self, conn: sqlite3.Connection) -> str:
+        """`PRAGMA journal_mode = WAL`, retried until `busy_timeout_ms`: the switch takes the file's exclusive lock
+        from a shared one, and when two connections open a new file at once SQLite answers one of them "database
+        is locked" at once instead of waiting (its busy handler is not called where waiting could deadlock)."""
+        deadline = time.monotonic() + self.busy_timeout_ms / 1000
+        pause = 0.001
+        while True:
+            try:
+                return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
     def _create_tables(self) -> None:
-        conn = self.connection()
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        mode = self._switch_to_wal(self.connection())
         if mode.lower() != "wal":
             raise PixelTriageError(f"cache {self.path}: cannot switch to WAL mode (journal_mode is {mode})")
         with self.transaction() as conn:
