@@ -13,6 +13,10 @@ from pixeltriage.delivery.profiles import (ANSWERING_MODEL_NAMES, DEFAULT_ANSWER
                                            UnknownAnsweringModelError, answering_model)
 
 
+# the fewest episodes for which `score` has the weights reordered for oneDNN (see where the Scorer is loaded)
+REORDER_FROM = 4
+
+
 def answering_model_argument(value: str) -> AnsweringModel:
     """--answering-model: a name in the registry, or a directory holding the model's preprocessor_config.json."""
     try:
@@ -64,9 +68,10 @@ def run_score(args: argparse.Namespace) -> int:
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     tune_malloc()
     with Cache(args.cache) if args.cache else contextlib.nullcontext() as cache:
-        # one question: reordering the weights for the next ones (kernels.prepack) would only cost
+        # reordering the weights for oneDNN (kernels.prepack) costs a 2b forward ~2.3 s once and saves ~0.55 s in
+        # each one after it (docs/performance.md): it pays from about four questions on, not for fewer
         scorer = Scorer.load(resolved_checkpoint(args), device=args.device, dtype=device_dtype(args), cache=cache,
-                             verify=args.verify or None, reorder_weights=len(episodes) > 1)
+                             verify=args.verify or None, reorder_weights=len(episodes) >= REORDER_FROM)
         for number, (question, memories) in enumerate(episodes, start=1):
             try:
                 scores = scorer.score(question, memories)

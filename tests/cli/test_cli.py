@@ -38,6 +38,23 @@ def test_score_json(tiny_checkpoint, tmp_path, capsys):
     assert vt["open_all"] > vt["delivery"] > 0
 
 
+def test_score_reorders_the_weights_only_for_episodes_enough_to_pay_for_it(tiny_checkpoint, tmp_path, capsys,
+                                                                          monkeypatch):
+    from pixeltriage.cli.score import REORDER_FROM
+    from pixeltriage.engine.scorer import Scorer
+
+    asked, load = [], Scorer.load.__func__
+    monkeypatch.setattr(Scorer, "load", classmethod(lambda cls, *a, **kw: asked.append(kw["reorder_weights"])
+                                                    or load(cls, *a, **kw)))
+    one = json.loads(write_episode(tmp_path).read_text())
+    for count in (1, REORDER_FROM - 1, REORDER_FROM):
+        path = tmp_path / f"episodes{count}.json"
+        path.write_text(json.dumps([one] * count))
+        assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(path), "--json"]) == 0
+    assert asked == [False, False, True]
+    capsys.readouterr()
+
+
 def test_score_table_and_bad_episode(tiny_checkpoint, tmp_path, capsys):
     episode = write_episode(tmp_path)
     assert main(["score", "--checkpoint", str(tiny_checkpoint), "--episode", str(episode)]) == 0
