@@ -14,6 +14,7 @@ def _spy(monkeypatch, owner, name, spans, key):
     original = getattr(owner, name)
 
     def timed(*args, **kwargs):
+        spans.setdefault(f"{key} kwargs", []).append(kwargs)
         t0 = time.perf_counter()
         try:
             return original(*args, **kwargs)
@@ -29,7 +30,7 @@ def test_child_measures_each_method(tiny_checkpoint, tmp_path, monkeypatch, meth
     score. The load and the score are timed from inside by spies; the child's windows must contain them. This is
     an order check on one clock, not a speed assertion (moving either stamp off its work fails it)."""
     path = tiny_checkpoint
-    if method == "packed":
+    if method in ("packed", "packed_reordered"):
         path = tmp_path / "p.safetensors"
         pack_checkpoint(tiny_checkpoint, path, dtype=torch.bfloat16)
     spans: dict = {}
@@ -60,6 +61,8 @@ def test_child_measures_each_method(tiny_checkpoint, tmp_path, monkeypatch, meth
     assert out["first_s"] - out["load_s"] >= score_b - score_a   # the first-score window holds the score call
     assert t_call + out["import_s"] + out["first_s"] <= t_back
     assert out["peak_rss"] > 50 * 2**20
+    if method != "transformers":     # loaded as `pixeltriage score` loads for one question, or reordering
+        assert spans["load kwargs"][0]["reorder_weights"] is (method == "packed_reordered")
 
 
 def test_weights_bytes_counts_what_is_loaded(tiny_checkpoint):
