@@ -27,6 +27,7 @@ from pixeltriage.kernels.workspace import Workspace
 from pixeltriage.weights.layout import EngineWeights, parse_dtype
 from pixeltriage.weights.loader import check_finite, load_directory
 from pixeltriage.weights.packed import PackedCheckpoint, vision_fingerprint
+from pixeltriage.weights.pages import drop_file_pages
 
 if TYPE_CHECKING:
     from pixeltriage.engine.cache import Cache
@@ -177,16 +178,18 @@ class Scorer:
         # (`kernels.prepack`; the first load on a machine times it, ~0.5 s)
         roles = prepack.chosen_roles(device, dtype) if reorder_weights else ()
         if path.is_file():
-            return cls._load_packed(path, device, dtype, cache, head_backend, adapter, bool(verify), roles)
-        ckpt = load_directory(path, dtype, device, Path(adapter) if adapter is not None else None, verify is not False)
-        scorer = cls(ckpt.model_config, ckpt.image_config, ckpt.triage_config, TextEncoder(ckpt.tokenizer_file),
-                     ckpt.weights, device, dtype, cache, head_backend)
-        scorer._prepack = prepack.OnFirstForward(roles)
+            scorer = cls._load_packed(path, device, dtype, cache, head_backend, adapter, bool(verify))
+        else:
+            ckpt = load_directory(path, dtype, device, Path(adapter) if adapter is not None else None,
+                                  verify is not False)
+            scorer = cls(ckpt.model_config, ckpt.image_config, ckpt.triage_config, TextEncoder(ckpt.tokenizer_file),
+                         ckpt.weights, device, dtype, cache, head_backend)
+        # each weight reordered, where it was a view of the checkpoint's file, gives its pages back as it goes
+        scorer._prepack = prepack.OnFirstForward(roles, release=lambda plain: drop_file_pages([plain]))
         return scorer
 
     @classmethod
-    def _load_packed(cls, path: Path, device, dtype, cache, head_backend, adapter, verify: bool,
-                     roles: Sequence[str] = ()) -> "Scorer":
+    def _load_packed(cls, path: Path, device, dtype, cache, head_backend, adapter, verify: bool) -> "Scorer":
         if adapter is not None:
             raise CheckpointError(f"{path}: a packed checkpoint has its adapter merged already; merge another at "
                                   "pack time (pixeltriage pack SRC DST --adapter DIR)")
@@ -205,8 +208,6 @@ class Scorer:
                      cache, head_backend)
         scorer._fingerprint = packed.vision_fingerprint(dtype) if device.type == "cpu" else None  # CPU-computed
         scorer.checkpoint_fingerprint = packed.fingerprint
-        # weights reordered for oneDNN give their mapped pages back to the OS one by one
-        scorer._prepack = prepack.OnFirstForward(roles, release=lambda plain: packed.drop_pages([plain]))
         return scorer
 
     # -- state ---------------------------------------------------------------------------------

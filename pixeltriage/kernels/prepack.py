@@ -150,7 +150,7 @@ def pack_in_place(weights, cfg, roles: Sequence[str],
     ones; those already packed are left. cfg: the text config. The last layer's qkv, which the forward's last rows
     slice into query and key/value parts, is kept as those two parts; in_proj as its packed main part and its plain
     b/a rows (a float32 projection). Each plain weight is let go as soon as it is replaced, so that at most one is
-    held twice; release: called with it then (a mapped file gives its pages back: `PackedCheckpoint.drop_pages`)."""
+    held twice; release: called with it then (the Scorer's gives a mapped file's pages back: `weights.pages`)."""
     _check_roles(roles)
     last_attn = weights.text.layers[-1].attn
     q_width = cfg.num_attention_heads * 2 * cfg.head_dim

@@ -15,6 +15,7 @@ import torch
 from pixeltriage.config import FULL, ModelConfig
 from pixeltriage.errors import CheckpointError
 from pixeltriage.weights.reader import TensorSource
+from pixeltriage.weights.pages import drop_file_pages
 
 HEAD_DECISION = "head.decision.weight"
 HEAD_CANDIDATE = "head.candidate.weight"
@@ -143,10 +144,16 @@ class _Taker:
         if not tensor.is_floating_point():
             raise CheckpointError(f"{self.source.file_of(name)}: tensor '{name}' has dtype {tensor.dtype}, "
                                   "expected a floating point dtype")
-        return tensor.to(device=self.device, dtype=field_dtype(field, self.dtype))
+        out = tensor.to(device=self.device, dtype=field_dtype(field, self.dtype))
+        if out.data_ptr() != tensor.data_ptr():
+            drop_file_pages([tensor])            # a copy now: the file's pages of it are not read again
+        return out
 
     def cat(self, names: list[str], shapes: list[tuple[int, ...]], dim: int = 0) -> torch.Tensor:
-        return torch.cat([self(n, s) for n, s in zip(names, shapes)], dim=dim)
+        parts = [self(n, s) for n, s in zip(names, shapes)]
+        out = torch.cat(parts, dim=dim)
+        drop_file_pages(parts)                   # fused into `out`: those that are views of the file
+        return out
 
 
 def build_engine_weights(source: TensorSource, cfg: ModelConfig, head_dim: int, dtype: torch.dtype,

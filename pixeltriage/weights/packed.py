@@ -38,6 +38,7 @@ from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
 from pixeltriage.errors import CheckpointError
 from pixeltriage.weights import layout as layout_mod
 from pixeltriage.weights.layout import flatten, tensor_bytes, unflatten
+from pixeltriage.weights.pages import drop_file_pages
 from pixeltriage.weights.loader import check_finite, load_directory
 from pixeltriage.weights.reader import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_header, weight_files
 
@@ -238,7 +239,6 @@ class PackedCheckpoint:
         with open(self.path, "rb") as f:
             buf = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         raw = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))      # keeps `buf` alive through its base
-        self._mapping = (buf, raw.data_ptr(), size)                       # for `drop_pages`
         tensors = {}
         for name, info in self.header.items():
             t_dtype = _FROM_NAME.get(info.get("dtype"))
@@ -256,26 +256,6 @@ class PackedCheckpoint:
                 view.clone().view(t_dtype).view(shape)
         return unflatten(self.structure, tensors, source=str(self.path))
 
-    def drop_pages(self, tensors) -> int:
-        """Let the OS take back the pages of `tensors` (views of the last `mapped()` that nothing reads any more,
-        e.g. weights reordered into copies): the whole pages inside each one's bytes are dropped from this
-        process (madvise DONTNEED: clean pages of the file, read from it again should anything touch them), so its
-        resident memory does not hold a weight twice. Tensors elsewhere are left alone. -> the bytes dropped."""
-        if getattr(self, "_mapping", None) is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return 0
-        buf, base, size = self._mapping
-        page, dropped = mmap.PAGESIZE, 0
-        for t in tensors:
-            begin = t.data_ptr() - base
-            end = begin + t.numel() * t.element_size()
-            if begin < 0 or end > size or buf.closed:
-                continue
-            first, last = -(-begin // page) * page, end // page * page      # whole pages inside [begin, end)
-            if last > first:
-                buf.madvise(mmap.MADV_DONTNEED, first, last - first)
-                dropped += last - first
-        return dropped
-
     def weights(self, dtype: torch.dtype, device: torch.device, mapped=None):
         """The weights at `dtype` on `device`: the `mapped()` views themselves at the packed dtype on the CPU, else
         one cast per tensor; the fields the layout keeps in float32 (`layout.FLOAT32_FIELDS`) stay float32."""
@@ -287,6 +267,7 @@ class PackedCheckpoint:
             target = layout_mod.field_dtype(name.rsplit(".", 1)[-1], dtype)
             if t.dtype != target or device.type != "cpu":
                 tensors[name] = t.to(device=device, dtype=target)
+                drop_file_pages([t])            # a copy now: the file's pages of it are not read again
         return unflatten(structure, tensors, source=str(self.path))
 
 

@@ -67,32 +67,25 @@ def test_loading_at_the_packed_dtype_copies_nothing(packed, monkeypatch):
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 primitive here")
 def test_weights_reordered_at_load_give_their_mapped_pages_back(tiny_checkpoint, packed, episode, monkeypatch):
     """bf16 with the decoder's weights reordered for oneDNN (`kernels.prepack`, all six roles): the other tensors
-    stay views of the file, the reordered ones' pages are dropped (`drop_pages`), and the scores are the
+    stay views of the file, the reordered ones' pages are dropped (`weights.pages`), and the scores are the
     directory's with the same reordering."""
+    import pixeltriage.engine.scorer as scorer_module
     from pixeltriage.kernels import prepack
-    from pixeltriage.weights.packed import PackedCheckpoint
 
     monkeypatch.setenv("PIXELTRIAGE_PREPACK", "1")
     monkeypatch.setattr(prepack.tuning, "malloc_tuned", True)
+    expected = Scorer.load(tiny_checkpoint, dtype=torch.bfloat16).score(*episode)
     scorer = Scorer.load(packed[torch.bfloat16], dtype=torch.bfloat16)
     w = scorer.weights
     dropped = []
-    drop_pages = PackedCheckpoint.drop_pages
-    monkeypatch.setattr(PackedCheckpoint, "drop_pages",
-                        lambda self, ts: dropped.append(drop_pages(self, ts)) or dropped[-1])
-    assert scorer.score(*episode) == Scorer.load(tiny_checkpoint, dtype=torch.bfloat16).score(*episode)
+    drop = scorer_module.drop_file_pages
+    monkeypatch.setattr(scorer_module, "drop_file_pages", lambda ts: dropped.append(drop(ts)) or dropped[-1])
+    assert scorer.score(*episode) == expected
     assert prepack.roles_of(w) == prepack.ROLES                         # by that first forward
     # four weights a decoder layer, four a vision block, the patch embedding and the merger's two
     assert len(dropped) == 4 * len(w.text.layers) + 4 * len(w.vision.blocks) + 3 and sum(dropped) > 0
     assert len({t.untyped_storage().data_ptr() for t in (w.text.embed, w.vision.pos_embed, w.head_decision,
                                                          w.text.layers[0].attn.conv)}) == 1
-
-    checkpoint = PackedCheckpoint(packed[torch.bfloat16])
-    mapped = checkpoint.mapped()
-    gate_up, embed = mapped.text.layers[0].gate_up, mapped.text.embed
-    want = gate_up.clone()
-    assert checkpoint.drop_pages([gate_up, torch.zeros(4096)]) > 0              # a tensor elsewhere: left alone
-    assert torch.equal(gate_up, want) and embed.isfinite().all()                # read from the file again
 
 
 def test_fingerprints_are_stable_and_follow_the_content(tiny_checkpoint, packed, tmp_path):
