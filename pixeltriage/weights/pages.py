@@ -34,7 +34,10 @@ def _madvise():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:                          # find_library runs ldconfig: only when needed
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         function = libc.madvise
     except (OSError, AttributeError) as e:
         log.debug("madvise unavailable: %s", e)
