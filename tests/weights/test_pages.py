@@ -1,6 +1,7 @@
 """`weights.pages.drop_file_pages`: a file-mapped tensor's pages leave the process's resident memory and read back
 the same; memory that is not a file's is never touched; the loads drop what they copied."""
 import gc
+import shutil
 import sys
 
 import pytest
@@ -56,13 +57,15 @@ def test_memory_that_is_not_a_files_is_left_alone(mapped_file):
     assert pages.drop_file_pages([]) == 0
 
 
-def test_a_directory_load_drops_the_pages_it_copied(tiny_checkpoint, monkeypatch):
+def test_a_directory_load_drops_the_pages_it_copied(tiny_checkpoint, tmp_path, monkeypatch):
     """A bf16 load fuses and casts the checkpoint's tensors into copies: without the drop every page read stays
     resident; with it, the file's resident pages are those the weights still view."""
-    files = sorted(tiny_checkpoint.glob("*.safetensors"))
+    checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "checkpoint")   # files no other test's Scorer maps
+    files = sorted(checkpoint.glob("*.safetensors"))
 
     def resident_after_load() -> int:
-        scorer = Scorer.load(tiny_checkpoint, dtype=torch.bfloat16, reorder_weights=False)
+        assert sum(resident_of(f) for f in files) == 0          # no earlier load's mapping left to count
+        scorer = Scorer.load(checkpoint, dtype=torch.bfloat16, reorder_weights=False)
         resident = sum(resident_of(f) for f in files)
         del scorer
         gc.collect()
