@@ -23,11 +23,11 @@ PIXELTRIAGE_MALLOC_TRIM=0 turns it off.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
-import sys
+
+from pixeltriage.libc import libc_function
 
 log = logging.getLogger(__name__)
 
@@ -41,31 +41,12 @@ def _opted_out(variable: str) -> bool:
 
 
 @functools.cache
-def _glibc_function(name: str, argtypes: tuple, restype):
-    """`name` from the C library on Linux, typed; None where it is missing (not glibc: musl has no mallopt or
-    malloc_trim; no libc found)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-        except OSError:                         # find_library runs ldconfig: only when needed
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        function = getattr(libc, name)
-    except (OSError, AttributeError) as e:
-        log.debug("%s unavailable: %s", name, e)
-        return None
-    function.argtypes, function.restype = list(argtypes), restype
-    return function
-
-
-@functools.cache
 def tune_malloc() -> bool:
     """Apply the settings once per process; True when they are in effect (glibc on Linux, not opted out)."""
     if _opted_out("PIXELTRIAGE_MALLOC_TUNING"):
         log.debug("malloc tuning disabled by PIXELTRIAGE_MALLOC_TUNING")
         return False
-    mallopt = _glibc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
     if mallopt is None:
         return False
     applied = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
@@ -80,7 +61,7 @@ def tune_malloc() -> bool:
 
 def can_trim() -> bool:
     """Whether `trim_malloc` gives memory back here (glibc on Linux, PIXELTRIAGE_MALLOC_TRIM not 0)."""
-    return not _opted_out("PIXELTRIAGE_MALLOC_TRIM") and _glibc_function(
+    return not _opted_out("PIXELTRIAGE_MALLOC_TRIM") and libc_function(
         "malloc_trim", (ctypes.c_size_t,), ctypes.c_int) is not None
 
 
@@ -90,5 +71,5 @@ def trim_malloc() -> bool:
     while it trims it."""
     if not can_trim():
         return False
-    _glibc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)(0)
+    libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)(0)
     return True

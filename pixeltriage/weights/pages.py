@@ -14,41 +14,19 @@ since dropping it would zero it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
-import logging
 import mmap
-import sys
 from typing import Iterable
 
 import torch
 
-log = logging.getLogger(__name__)
+from pixeltriage.libc import libc_function
 
 MADV_DONTNEED = 4          # Linux
 
 
-@functools.cache
-def _madvise():
-    """libc's madvise, typed; None where there is none to call (not Linux, no C library found)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        except OSError:                          # find_library runs ldconfig: only when needed
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.madvise
-    except (OSError, AttributeError) as e:
-        log.debug("madvise unavailable: %s", e)
-        return None
-    function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return function
-
-
 def file_mappings() -> list[tuple[int, int]]:
     """(start, end) of each of this process's mappings of a file (/proc/self/maps: a path, not [heap], [stack] or
-    an anonymous region), sorted; [] where there is no such table."""
+    an anonymous region); [] where there is no such table."""
     spans = []
     try:
         with open("/proc/self/maps") as f:
@@ -59,24 +37,28 @@ def file_mappings() -> list[tuple[int, int]]:
                     spans.append((int(start, 16), int(end, 16)))
     except OSError:
         return []
-    return sorted(spans)
+    return spans
 
 
 def drop_file_pages(tensors: Iterable[torch.Tensor]) -> int:
     """Drop this process's resident pages of `tensors` where they are views of a mapped file: the whole pages
     inside each one's bytes (pages it shares with its neighbours stay). CPU tensors in other memory, strided views
     (whose bytes interleave with others') and other devices' tensors are left alone. -> the bytes dropped."""
-    madvise = _madvise()
-    tensors = [t for t in tensors if t.device.type == "cpu" and t.numel() and t.is_contiguous()]
-    if madvise is None or not tensors:
-        return 0
-    spans, page, dropped = file_mappings(), mmap.PAGESIZE, 0
+    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
+    page, ranges = mmap.PAGESIZE, []
     for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            continue
         begin = t.data_ptr()
         end = begin + t.numel() * t.element_size()
-        if not any(start <= begin and end <= stop for start, stop in spans):
-            continue
         first, last = -(-begin // page) * page, end // page * page       # whole pages inside [begin, end)
-        if last > first and madvise(first, last - first, MADV_DONTNEED) == 0:
+        if last > first:
+            ranges.append((begin, end, first, last))
+    if madvise is None or not ranges:         # small tensors (norms, biases) hold no whole page: no table read
+        return 0
+    spans, dropped = file_mappings(), 0
+    for begin, end, first, last in ranges:
+        if any(start <= begin and end <= stop for start, stop in spans) and \
+                madvise(first, last - first, MADV_DONTNEED) == 0:
             dropped += last - first
     return dropped
