@@ -207,9 +207,8 @@ def plain_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
     kernel = registry.choose("linear", x.device, x.dtype)
-    if isinstance(weight, Packed) and act not in _POST_OPS:      # no epilogue for it: the packed product, then act
-        return activation(act)(weight(x, bias))
-    if kernel is THEN_ACTIVATION:
+    # a packed weight with an activation oneDNN has no epilogue for (`kernels.prepack`): its product, then the act
+    if kernel is THEN_ACTIVATION or (isinstance(weight, Packed) and act not in _POST_OPS):
         return activation(act, in_place=True)(linear(x, weight, bias))   # the product's output is ours
     out = _call_onednn(x, weight, bias, *_POST_OPS[act]) if kernel is ONEDNN and act in _POST_OPS else None
     return out if out is not None else linear_act_reference(x, weight, bias, act)
