@@ -30,7 +30,6 @@ from pathlib import Path
 
 
 METHODS = ("packed", "directory", "transformers", "packed_reordered")
-_PATH_OF = {"packed": "packed", "packed_reordered": "packed", "directory": "directory", "transformers": "directory"}
 
 
 def _child(method: str, path: str, dtype_name: str) -> dict:
@@ -122,7 +121,7 @@ def load_report(preset: str = "2b", dtype: str = "bfloat16", repeats: int = 3, p
     if not packed.is_file() or packed.stat().st_mtime < (directory / "config.json").stat().st_mtime:
         progress(f"packing {directory} -> {packed}")
         pack_checkpoint(directory, packed, dtype=torch_dtype)
-    paths = {m: {"packed": packed, "directory": directory}[_PATH_OF[m]] for m in METHODS}
+    paths = {"packed": packed, "directory": directory, "transformers": directory, "packed_reordered": packed}
     trials: dict[str, list[dict]] = {m: [] for m in METHODS}
     for m in METHODS:                      # warm the page cache for every method; not timed
         progress(f"warm-up: {m}")
