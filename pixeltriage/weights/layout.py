@@ -140,20 +140,24 @@ class _Taker:
 
     def __call__(self, name: str, shape: tuple[int, ...], field: str = "") -> torch.Tensor:
         """The tensor at the engine dtype, or at the dtype the layout keeps engine field `field` in."""
-        tensor = self.source.take(name, shape)
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{self.source.file_of(name)}: tensor '{name}' has dtype {tensor.dtype}, "
-                                  "expected a floating point dtype")
-        out = tensor.to(device=self.device, dtype=field_dtype(field, self.dtype))
+        tensor, out = self._take(name, shape, field)
         if out.data_ptr() != tensor.data_ptr():
             drop_file_pages([tensor])            # a copy now: the file's pages of it are not read again
         return out
 
     def cat(self, names: list[str], shapes: list[tuple[int, ...]], dim: int = 0) -> torch.Tensor:
-        parts = [self(n, s) for n, s in zip(names, shapes)]
-        out = torch.cat(parts, dim=dim)
-        drop_file_pages(parts)                   # fused into `out`: those that are views of the file
+        taken = [self._take(n, s) for n, s in zip(names, shapes)]
+        out = torch.cat([part for _, part in taken], dim=dim)
+        drop_file_pages([tensor for tensor, _ in taken])     # as read, all fused into `out`: those views of the file
         return out
+
+    def _take(self, name: str, shape: tuple[int, ...], field: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tensor as read, that tensor at the engine dtype or field `field`'s: itself where no cast is due)."""
+        tensor = self.source.take(name, shape)
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{self.source.file_of(name)}: tensor '{name}' has dtype {tensor.dtype}, "
+                                  "expected a floating point dtype")
+        return tensor, tensor.to(device=self.device, dtype=field_dtype(field, self.dtype))
 
 
 def build_engine_weights(source: TensorSource, cfg: ModelConfig, head_dim: int, dtype: torch.dtype,
