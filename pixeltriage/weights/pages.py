@@ -21,8 +21,6 @@ import torch
 
 from pixeltriage.libc import libc_function
 
-MADV_DONTNEED = 4          # Linux
-
 
 def file_mappings() -> list[tuple[int, int]]:
     """(start, end) of each of this process's mappings of a file (/proc/self/maps: a path, not [heap], [stack] or
@@ -59,6 +57,6 @@ def drop_file_pages(tensors: Iterable[torch.Tensor]) -> int:
     spans, dropped = file_mappings(), 0
     for begin, end, first, last in ranges:
         if any(start <= begin and end <= stop for start, stop in spans) and \
-                madvise(first, last - first, MADV_DONTNEED) == 0:
+                madvise(first, last - first, mmap.MADV_DONTNEED) == 0:
             dropped += last - first
     return dropped
