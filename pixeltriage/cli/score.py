@@ -68,8 +68,8 @@ def run_score(args: argparse.Namespace) -> int:
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     tune_malloc()
     with Cache(args.cache) if args.cache else contextlib.nullcontext() as cache:
-        # reordering the weights for oneDNN (kernels.prepack) costs a 2b forward 2.3-4 s once and saves ~0.55 s in
-        # each one after it (docs/performance.md): it pays from four to seven questions on, not for fewer
+        # the weights reordered for oneDNN (kernels.prepack) pay for their reorder only over several questions
+        # (docs/api.md, `reorder_weights`)
         scorer = Scorer.load(resolved_checkpoint(args), device=args.device, dtype=device_dtype(args), cache=cache,
                              verify=args.verify or None, reorder_weights=len(episodes) >= REORDER_FROM)
         for number, (question, memories) in enumerate(episodes, start=1):

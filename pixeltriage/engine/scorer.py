@@ -106,9 +106,8 @@ class Scorer:
         length; or the bucket lengths), replayed by single-question scoring; see `enable_cuda_graphs`.
         reorder_weights: on the CPU (bf16 where oneDNN has bf16 primitives, float32 where the projections run its
         primitive), the first forward reorders the weights for oneDNN in place where that measured faster on this
-        machine (`kernels.prepack`: later forwards 0.83-0.95x their time on a 2-core EPYC; the first slower by the
-        reorder, 0.11 s at bench-small, 1.7-4 s at 2b, where it pays from four to seven questions on). False for a
-        process that scores fewer.
+        machine (`kernels.prepack`): later forwards faster, the first slower by the reorder (what each costs and
+        after how many questions it pays: docs/api.md). False for a process that scores fewer.
         revision, allow_download: for a hub id ("org/name" or "org/name@revision", when no local path of that name
         exists), read from huggingface_hub's local cache; it is downloaded (safetensors and JSON files only) only
         with allow_download=True, and never while HF_HUB_OFFLINE=1 (`pixeltriage.hub.resolve_checkpoint`).

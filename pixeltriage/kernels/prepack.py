@@ -173,8 +173,8 @@ def pack_in_place(weights, cfg, roles: Sequence[str],
 class OnFirstForward:
     """The roles a Scorer's weights are to be packed in (`chosen_roles`, decided at load), packed in place by the
     first forward that calls `apply` (one thread packs, a concurrent one waits for it): a load stays a mapping of the
-    file, and the reorder (on the EPYCs above: bench-small 0.11 s, 2b 1.7-2.3 s from memory, 2.3-3.5 s from a
-    packed file) is paid where the weights are first read anyway, by the first forward (the server's warm-up).
+    file, and the reorder (its cost: docs/performance.md, "Weights reordered for oneDNN once") is paid where the
+    weights are first read anyway, by the first forward (the server's warm-up).
     Shared by the Scorers on the same weights (`Scorer.with_cache`)."""
 
     def __init__(self, roles: Sequence[str] = (), release: Callable[[torch.Tensor], object] | None = None) -> None:
