@@ -45,8 +45,10 @@ from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_TAGS,
                                        ErrorBody, MemoryInfo, MemoryPut, Policy, RerankRequest, RerankResponse,
                                        RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse, Status, Strict,
                                        TEIRank, TEIRerankRequest, status_of)
-from pixeltriage.serve.service import (Admission, Answer, ClientDisconnected, FieldError, Question, Reranked,
-                                       RerankQuestion, Service)
+from pixeltriage.serve import status as service_status
+from pixeltriage.serve.infer import (Admission, Answer, ClientDisconnected, FieldError, Question, Reranked,
+                                     RerankQuestion)
+from pixeltriage.serve.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +160,14 @@ def _add_scoring_routes(app: FastAPI, service: Service) -> None:
     async def score(body: ScoreRequest, request: Request):
         """Score one question and its memories (one state, one forward shared with whatever else is ready)."""
         question = Question(body.question, body.memories, body.policy, body.id)
-        return _answer(await service.score(question, _admission(request, body.timeout_s, body.priority)))
+        return _answer(await service.infer.score(question, _admission(request, body.timeout_s, body.priority)))
 
     @_post(app, "/v1/score/batch", response_model=BatchResponse, tags=["scoring"])
     async def score_batch(body: BatchRequest, request: Request):
         """Score several questions, each as its own state; they are split across forwards as the budget needs."""
         questions = [Question(q.question, q.memories, q.policy or body.policy, q.id, f"questions[{j}].")
                      for j, q in enumerate(body.questions)]
-        return _answer(await service.score_batch(questions, _admission(request, body.timeout_s, body.priority)))
+        return _answer(await service.infer.score_batch(questions, _admission(request, body.timeout_s, body.priority)))
 
 
 def _admission(request: Request, timeout: float | None, priority: int) -> Admission:
@@ -256,8 +258,8 @@ async def _rerank(service: Service, request: Request, body: RerankRequest, docum
                                   "raw_scores: false only", "raw_scores")
     rerank = RerankQuestion(body.query, documents, body.policy or Policy(k=DEFAULT_OPEN_K), collection,
                             body.truncate is not False, body.max_tokens_per_doc,
-                            body.pixeltriage_score or service.rerank_score)
-    return await service.rerank(rerank, _admission(request, body.timeout_s, 0))
+                            body.pixeltriage_score or service.infer.rerank_score)
+    return await service.infer.rerank(rerank, _admission(request, body.timeout_s, 0))
 
 
 # -- the write-time cache --------------------------------------------------------------------------------------------
@@ -266,18 +268,18 @@ def _add_memory_routes(app: FastAPI, service: Service) -> None:
     async def put_memory(body: MemoryPut, request: Request):
         """Put an image (base64, or a path under --image-root) and its note into the write-time cache -> its key.
         Idempotent: a second put keeps the row; a non-empty note replaces the stored one."""
-        return _json((await service.put_memory(body)).model_dump())
+        return _json((await service.infer.put_memory(body)).model_dump())
 
     @app.get("/v1/memories/{key}", response_model=MemoryInfo, responses=ERROR_RESPONSES, tags=["memories"])
     async def get_memory(key: str = Path(pattern=CACHE_KEY)):
         """A cached image's note, sizes and whether its vision features are stored for this server's model."""
-        return _json((await service.memory(key)).model_dump())
+        return _json((await service.infer.memory(key)).model_dump())
 
     @_post(app, "/v1/retrieve", response_model=RetrieveResponse, tags=["memories"])
     async def retrieve(body: RetrieveRequest, request: Request):
         """Rank the cached images for a question by their best region (MaxSim over SigLIP 2 vectors stored at write
         time by /v1/memories), or by the whole image with `whole_image`: what to hand /v1/score."""
-        return _json((await service.retrieve(body)).model_dump())
+        return _json((await service.infer.retrieve(body)).model_dump())
 
 
 # -- status ----------------------------------------------------------------------------------------------------------
@@ -298,12 +300,12 @@ def _add_status_routes(app: FastAPI, service: Service) -> None:
     async def info():
         """Checkpoint fingerprints, model shape, device, dtype, the kernel each op uses, limits, version, and the
         event loop and HTTP parser the server runs on."""
-        return _json(service.info())
+        return _json(service_status.info(service))
 
     @app.get("/metrics", tags=["status"], response_class=Response)
     async def metrics():
         """Prometheus text format (the service's own registry)."""
-        body, content_type = service.exposition()
+        body, content_type = service_status.exposition(service)
         return Response(body, media_type=content_type)
 
 
