@@ -1,5 +1,5 @@
 """What the framework adapters share, free of any framework: an item's image and text as a `Memory`, one scoring
-call per question (in process or remote), and the top-k delivery decision.
+call per question (in process or remote), and what an adapter writes of the delivery decision.
 
 An item (a LlamaIndex node, a LangChain document) is scored when it carries an image or a write-time cache key;
 System One scores image memories only, so an item with neither is passed through unscored. Image values are
@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from pixeltriage.delivery.policy import by_gain, top_k
+from pixeltriage.delivery.decision import Decision
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import InvalidMemoryError, InvalidRequestError
 
@@ -74,25 +74,12 @@ def memory_of(image: Any, image_what: str, metadata: Mapping[str, Any], text: st
     return Memory(key=key, note=note, dialogue=dialogue, date=date)
 
 
-@dataclass(frozen=True)
-class Decision:
-    """One question's scores over its scored items and the delivery under top-k.
-
-    order: positions in `scores.gains` by descending gain, the earlier retrieved first among equal gains (the
-    order `top_k` opens in); open: per scored item, whether its pixels are delivered."""
-
-    scores: Scores
-    open: list[bool]
-    order: list[int]
-
-    def written(self, rank: int) -> dict[str, Any]:
-        """The metadata (`WRITTEN_KEYS`) an adapter writes on the scored item at position `rank`."""
-        return {OPEN: self.open[rank], GAIN: self.scores.gains[rank], P_VIS: self.scores.p_vis,
-                RELEVANCE: self.scores.relevance[rank]}
-
-
-def decide(scores: Scores, k: int) -> Decision:
-    return Decision(scores, top_k(scores, k), by_gain(scores.gains))
+def written(decision: Decision, rank: int) -> dict[str, Any]:
+    """The metadata (`WRITTEN_KEYS`) an adapter writes on the scored item at position `rank` of `decision` (its
+    scores in `decision.scores`, the top-k delivery `decide(scores, k)` made of them)."""
+    scores = decision.scores
+    return {OPEN: decision.open[rank], GAIN: scores.gains[rank], P_VIS: scores.p_vis,
+            RELEVANCE: scores.relevance[rank]}
 
 
 def score(scorer: Any, question: str, memories: Sequence[Memory]) -> Scores:

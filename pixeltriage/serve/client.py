@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import httpx
 
+from pixeltriage.delivery.decision import Decision, VisualTokens
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
 from pixeltriage.engine.types import Memory, Scores, user_text
 from pixeltriage.errors import (CacheMissError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
@@ -41,17 +42,15 @@ PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I;16")
 
 
 @dataclass(frozen=True)
-class Decision:
-    """A scored question with the server's delivery under a policy.
+class Decided:
+    """A scored question with the server's delivery under a policy (what `decide` returns).
 
-    open: per memory, whether its pixels are delivered (None without a policy); gate_open: whether the rate gate
-    let images through; visual_tokens: {"model", "open_all", "delivery"} when every image's size is known;
-    timing: the server's queue / preprocess / forward / total milliseconds and the batch it ran in."""
+    decision: the delivery (`pixeltriage.delivery.decision.Decision`: scores, open, gate_open, visual_tokens; None
+    for an answer without a policy); state_tokens: the packed state's length; timing: the server's queue /
+    preprocess / forward / total milliseconds and the batch it ran in; id: the request's, echoed."""
 
     scores: Scores
-    open: list[bool] | None
-    gate_open: bool | None
-    visual_tokens: dict | None
+    decision: Decision | None
     state_tokens: int
     timing: dict
     id: str | None = None
@@ -167,11 +166,14 @@ def scores_of(result: dict) -> Scores:
                   relevance_none=result["relevance_none"])
 
 
-def decision_of(result: dict) -> Decision:
-    delivery = result.get("delivery")
-    return Decision(scores=scores_of(result), open=delivery["open"] if delivery else None,
-                    gate_open=delivery["gate_open"] if delivery else None, visual_tokens=result.get("visual_tokens"),
-                    state_tokens=result["state_tokens"], timing=result["timing"], id=result.get("id"))
+def decision_of(result: dict) -> Decided:
+    scores, delivery, visual = scores_of(result), result.get("delivery"), result.get("visual_tokens")
+    decision = None
+    if delivery:
+        decision = Decision(scores, list(delivery["open"]), delivery["gate_open"],
+                            VisualTokens(**visual) if visual else None)
+    return Decided(scores=scores, decision=decision, state_tokens=result["state_tokens"], timing=result["timing"],
+                   id=result.get("id"))
 
 
 def reranking_of(response: dict) -> Reranking:
@@ -310,7 +312,7 @@ class Client(_Base):
     def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
                token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
                answering_model: str = DEFAULT_ANSWERING_MODEL, timeout_s: float | None = None, priority: int = 0,
-               id: str | None = None) -> Decision:
+               id: str | None = None) -> Decided:
         """Scores and the server's delivery under a policy (top k, a visual-token budget, a rate gate)."""
         body = question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
                                                                  answering_model),
@@ -419,7 +421,7 @@ class AsyncClient(_Base):
     async def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
                      token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
                      answering_model: str = DEFAULT_ANSWERING_MODEL, timeout_s: float | None = None, priority: int = 0,
-                     id: str | None = None) -> Decision:
+                     id: str | None = None) -> Decided:
         body = question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
                                                                  answering_model),
                               timeout_s=timeout_s, priority=priority, id=id)

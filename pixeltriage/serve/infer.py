@@ -6,6 +6,7 @@ service's life (load, warm-up, drain, idle trim) is `service.Service`, which bui
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import threading
@@ -15,6 +16,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
+from pixeltriage.delivery.decision import Decision, decide, rerank_order
+from pixeltriage.delivery.policy import RateGate
+from pixeltriage.engine.types import Scores
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, NoCacheError,
                                 OverloadedError, StateTooLongError)
 from pixeltriage.serve import schemas
@@ -25,7 +29,6 @@ from pixeltriage.serve.metrics import Metrics
 from pixeltriage.serve.schemas import MemoryIn, Policy
 
 if TYPE_CHECKING:
-    from pixeltriage.delivery.policy import RateGate
     from pixeltriage.engine.cache import Cache
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.retrieval.index import RegionIndex
@@ -150,9 +153,7 @@ class Gates:
         self._gates: OrderedDict[tuple[str, float], "RateGate"] = OrderedDict()
         self._lock = threading.Lock()
 
-    def decide(self, stream: str, rate: float, decide: Callable[["RateGate"], dict]) -> dict:
-        from pixeltriage.delivery.policy import RateGate
-
+    def decide(self, stream: str, rate: float, decide: Callable[[RateGate], Decision]) -> Decision:
         with self._lock:
             gate = self._gates.pop((stream, rate), None) or RateGate(rate, self.window)
             self._gates[(stream, rate)] = gate
@@ -219,7 +220,14 @@ class Infer:
 
     def _response(self, scored: Scored, question: Question, timing: RequestTiming) -> schemas.ScoreResponse:
         scores, t = scored.scores, scored.timing
-        delivery, visual = self.decide(scores, scored.meta, question.policy)
+        decision, policy = self.decide(scores, scored.meta, question.policy), question.policy
+        delivery = visual = None
+        if decision is not None:
+            delivery = schemas.Delivery(open=decision.open, opened=[i + 1 for i, o in enumerate(decision.open) if o],
+                                        gate_open=decision.gate_open, k=policy.k, token_budget=policy.token_budget,
+                                        gate_rate=policy.gate_rate)
+            if decision.visual_tokens is not None:
+                visual = schemas.VisualTokens(**dataclasses.asdict(decision.visual_tokens))
         return schemas.ScoreResponse(
             id=question.id, p_vis=scores.p_vis, gains=scores.gains, relevance=scores.relevance,
             relevance_none=scores.relevance_none, state_tokens=scored.tokens, delivery=delivery,
@@ -263,22 +271,16 @@ class Infer:
 
         return prepare
 
-    def decide(self, scores, sizes: list, policy: Policy | None) -> tuple[dict | None, dict | None]:
-        """(delivery, visual_tokens) of the response for one scored question."""
-        from pixeltriage.delivery.report import delivery
-
+    def decide(self, scores: Scores, sizes: list, policy: Policy | None) -> Decision | None:
+        """The delivery of one scored question under its policy, behind the policy's rate gate (None: no policy)."""
         if policy is None:
-            return None, None
+            return None
 
-        def run(gate):
-            return delivery(scores, policy.k, gate, sizes, policy.answering_model, policy.token_budget)
+        def run(gate: RateGate | None) -> Decision:
+            return decide(scores, policy.k, gate, sizes, policy.answering_model, policy.token_budget)
 
-        decided = (self.gates.decide(policy.gate_stream, policy.gate_rate, run) if policy.gate_rate is not None
-                   else run(None))
-        opened = decided["open"]
-        out = {"open": opened, "opened": [i + 1 for i, o in enumerate(opened) if o], "gate_open": decided["gate_open"],
-               "k": policy.k, "token_budget": policy.token_budget, "gate_rate": policy.gate_rate}
-        return out, decided.get("visual_tokens")
+        return self.gates.decide(policy.gate_stream, policy.gate_rate, run) if policy.gate_rate is not None \
+            else run(None)
 
     # -- rerank ----------------------------------------------------------------------------------------------------
     async def rerank(self, rerank: RerankQuestion, admission: Admission) -> Answer[Reranked]:
@@ -291,20 +293,21 @@ class Infer:
         (scored,), timing = await self._run([prepare], admission)
         sizes, query_cut, cuts = scored.meta
         scores = scored.scores
-        delivery, _ = self.decide(scores, sizes, rerank.policy)
+        decision = self.decide(scores, sizes, rerank.policy)
         results, i = [], 0
         for d in docs:
             extra = {"image": d.memory is not None, "gain": None, "relevance": None, "p_vis": scores.p_vis,
                      "open": False, "truncated": False}
             if d.memory is not None:
-                extra.update(gain=scores.gains[i], relevance=scores.relevance[i], open=delivery["open"][i],
+                extra.update(gain=scores.gains[i], relevance=scores.relevance[i], open=decision.open[i],
                              truncated=cuts[i])
                 i += 1
             results.append(schemas.RerankResult(index=d.index, relevance_score=extra[rerank.score] or 0.0,
                                                 document=schemas.RerankDocument(text=d.text),
                                                 pixeltriage=schemas.RerankExtra(**extra)))
         # images first (a document without one has nothing to open: its gain is 0), then by score, then as given
-        results.sort(key=lambda r: (not r.pixeltriage.image, -r.relevance_score, r.index))
+        results = [results[j] for j in rerank_order([r.relevance_score if r.pixeltriage.image else None
+                                                     for r in results])]
         summary = schemas.RerankSummary(p_vis=scores.p_vis, relevance_none=scores.relevance_none,
                                         opened=sorted(r.index for r in results if r.pixeltriage.open),
                                         state_tokens=scored.tokens, query_truncated=query_cut)
