@@ -2,7 +2,8 @@
 clients read back, what the framework adapters write on their items and what `pixeltriage score` reports.
 
 - `decide`: a policy (the k highest gains, a visual-token budget, a rate gate) applied to the scores -> `Decision`.
-- `rerank_order`: a reranked list's order, the scored items by descending score, then the items without a score.
+- `rerank_order`: a reranked list's order, the scored items by descending score, then the items without a score;
+  `RankedDocument`: one document of a reranked list, as the service answers it and its clients read it.
 """
 from __future__ import annotations
 
@@ -75,6 +76,24 @@ def decide(scores: Scores, k: int | None = None, gate: RateGate | None = None,
     if known:
         visual = VisualTokens(model.name, delivery_cost([True] * n, sizes, model), delivery_cost(opened, sizes, model))
     return Decision(scores, opened, gate_open, visual)
+
+
+@dataclass(frozen=True)
+class RankedDocument:
+    """One document of a reranked list: `index` in the request, `relevance_score` (what the list is ordered by: the
+    gain, or the relevance; 0.0 for a document without an image), `image` (it carried an image or a cache key and
+    was scored), its `gain` and `relevance` (None without an image), `open` (the delivery opens its pixels),
+    `truncated` (a text of it was cut to the token budget), `document` (its text: the clients get it back with
+    return_documents)."""
+
+    index: int
+    relevance_score: float
+    image: bool
+    gain: float | None
+    relevance: float | None
+    open: bool
+    truncated: bool
+    document: str | None = None
 
 
 def rerank_order(scores: Sequence[float | None]) -> list[int]:

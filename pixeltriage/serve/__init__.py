@@ -17,7 +17,7 @@ _EXPORTS = {
     "Decided": "pixeltriage.serve.client",
     "Decision": "pixeltriage.delivery.decision",
     "Reranking": "pixeltriage.serve.client",
-    "RankedDocument": "pixeltriage.serve.client",
+    "RankedDocument": "pixeltriage.delivery.decision",
     "ServeConfig": "pixeltriage.serve.config",
     "Service": "pixeltriage.serve.service",
     "ModelSpec": "pixeltriage.serve.service",
@@ -39,12 +39,12 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:
-    from pixeltriage.delivery.decision import Decision
+    from pixeltriage.delivery.decision import Decision, RankedDocument
     from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidRequestError, OverloadedError,
                                     ServiceError, ServiceUnavailableError)
     from pixeltriage.serve.app import create_app
     from pixeltriage.serve.batcher import Batcher
-    from pixeltriage.serve.client import AsyncClient, Client, Decided, RankedDocument, Reranking
+    from pixeltriage.serve.client import AsyncClient, Client, Decided, Reranking
     from pixeltriage.serve.config import ServeConfig
     from pixeltriage.serve.process import ServerProcess
     from pixeltriage.serve.service import ModelSpec, Service

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from pixeltriage.delivery.decision import Decision, VisualTokens
+from pixeltriage.delivery.decision import Decision, RankedDocument, VisualTokens
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
 from pixeltriage.engine.types import Memory, Scores, user_text
 from pixeltriage.errors import (CacheMissError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
@@ -57,28 +57,11 @@ class Decided:
 
 
 @dataclass(frozen=True)
-class RankedDocument:
-    """One document of a rerank answer (`schemas.RerankResult` with its `pixeltriage` fields): `index` in the request,
-    `relevance_score` (the gain, or the relevance under score="relevance"; 0.0 for a document without an image),
-    `image` (it carried an image or a cache key and was scored), its `gain` and `relevance` (None without an image),
-    `open` (the policy delivers its pixels), `truncated` (a text of it was cut to the token budget), `document` (its
-    text, with return_documents)."""
-
-    index: int
-    relevance_score: float
-    image: bool
-    gain: float | None
-    relevance: float | None
-    open: bool
-    truncated: bool
-    document: str | None = None
-
-
-@dataclass(frozen=True)
 class Reranking:
     """A rerank answer (`schemas.RerankResponse` and its `pixeltriage` summary): `results` by descending score (the
-    first top_n), the query's `p_vis` and `relevance_none`, the `opened` documents by index, the packed state's tokens,
-    whether the query was cut; `raw` is the route's JSON as it came (Cohere's `meta`, Jina's `usage`)."""
+    first top_n, each a `RankedDocument`), the query's `p_vis` and `relevance_none`, the `opened` documents by index,
+    the packed state's tokens, whether the query was cut; `raw` is the route's JSON as it came (Cohere's `meta`,
+    Jina's `usage`)."""
 
     id: str
     model: str | None

@@ -1,12 +1,15 @@
-"""The inference facade: `Infer` takes typed questions (`Question`, `RerankQuestion`), prepares them, submits them to
-the batcher, waits (deadline, disconnect), decides their delivery and answers; it also runs the write-time cache's
-calls (`put_memory`, `memory`, `retrieve`). The ASGI app (`app.py`) only translates HTTP to these calls and back; the
-service's life (load, warm-up, drain, idle trim) is `service.Service`, which builds one `Infer` once loaded.
+"""The inference facade, as Text Embeddings Inference's `Infer`: typed questions in (`Question`, `RerankQuestion`),
+domain answers out (`ScoredQuestion`, `Reranked`: the library's Scores and Decision, never an HTTP schema). A
+question is checked, prepared on a preparation thread (decoded, tokenized, packed), submitted to the batcher and
+waited for (deadline, disconnect); its delivery is decided behind its rate gate; the request's time is observed.
+`put_memory`, `memory` and `retrieve` run the write-time cache's calls on worker threads, bounded as the queue is.
+
+The ASGI app (`app.py`) maps HTTP to these calls and back; the service's life (load, warm-up, drain, idle trim) is
+`service.Service`, which builds one `Infer` once the scorer is loaded.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import re
 import threading
@@ -16,22 +19,22 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
-from pixeltriage.delivery.decision import Decision, decide, rerank_order
+from pixeltriage.delivery.decision import Decision, RankedDocument, decide, rerank_order
 from pixeltriage.delivery.policy import RateGate
 from pixeltriage.engine.types import Scores
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, NoCacheError,
                                 OverloadedError, StateTooLongError)
-from pixeltriage.serve import schemas
-from pixeltriage.serve.batcher import Batcher, Prepare, Scored
+from pixeltriage.serve.batcher import Batcher, Prepare, Scored, Timing
 from pixeltriage.serve.config import ServeConfig
 from pixeltriage.serve.inputs import ImageRoot, RerankDoc, image_bytes, rerank_doc, to_memory
 from pixeltriage.serve.metrics import Metrics
-from pixeltriage.serve.schemas import MemoryIn, Policy
+from pixeltriage.serve.schemas import RERANK_SCORES, MemoryIn, Policy
 
 if TYPE_CHECKING:
     from pixeltriage.engine.cache import Cache
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.retrieval.index import RegionIndex
+    from pixeltriage.retrieval.types import Hit
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ class RerankQuestion:
     """One rerank: the query and the request's documents (strings or objects, as `rerank_doc` reads them), scored
     as one question's memories. collection: the body's field that holds them ("documents", TEI's "texts");
     max_tokens: the client's own cut of each document's text (None: the library's budget only); score: what each
-    result's `relevance_score` carries, "gain" (Scores.gains) or "relevance" (Scores.relevance)."""
+    result's `relevance_score` carries, "gain" (Scores.gains) or "relevance" (Scores.relevance); None: the
+    server's --rerank-score."""
 
     query: str
     documents: Sequence[Any]
@@ -62,11 +66,11 @@ class RerankQuestion:
     collection: str = "documents"
     truncate: bool = True
     max_tokens: int | None = None
-    score: str = "gain"
+    score: str | None = None
 
     def __post_init__(self):
-        if self.score not in schemas.RERANK_SCORES:
-            raise ValueError(f"a rerank scores by one of {schemas.RERANK_SCORES}, not {self.score!r}")
+        if self.score is not None and self.score not in RERANK_SCORES:
+            raise ValueError(f"a rerank scores by one of {RERANK_SCORES}, not {self.score!r}")
 
 
 @dataclass(frozen=True)
@@ -92,23 +96,57 @@ class RequestTiming:
     total: float
 
 
-Response = TypeVar("Response")
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
-class Answer(Generic[Response]):
-    """A scoring call's answer: the response model (or list of models) and the request's timing."""
+class Answer(Generic[Result]):
+    """A scoring call's answer: its result (one question's, a batch's list of them, or a rerank's) and the request's
+    timing."""
 
-    response: Response
+    result: Result
     timing: RequestTiming
 
 
 @dataclass(frozen=True)
-class Reranked:
-    """A rerank's results, every document by descending score (images first), and its summary."""
+class ScoredQuestion:
+    """One question's answer: the caller's id (echoed), its scores, its delivery under its policy (None without
+    one), its packed state's tokens and where its own time went (the forward it ran in, that forward's batch)."""
 
-    results: list[schemas.RerankResult]
-    summary: schemas.RerankSummary
+    id: str | None
+    scores: Scores
+    decision: Decision | None
+    state_tokens: int
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class Reranked:
+    """A rerank's answer: every document in `rerank_order` (the scored ones by descending score, then those without
+    an image, as given), the query's scores and the delivery over its scored documents, the packed state's tokens,
+    and whether the query was cut to its budget."""
+
+    documents: list[RankedDocument]
+    scores: Scores
+    decision: Decision
+    state_tokens: int
+    query_truncated: bool
+
+
+@dataclass(frozen=True)
+class CachedMemory:
+    """A cached image's metadata: its key and note, the original's displayed size (None for rows written before sizes
+    were recorded), its thumbnail's size, whether this server's model has its vision features stored, and whether
+    its regions are indexed (None: the server has no region index)."""
+
+    key: str
+    note: str
+    width: int | None
+    height: int | None
+    thumbnail_width: int
+    thumbnail_height: int
+    features_cached: bool
+    regions_indexed: bool | None
 
 
 class ClientDisconnected(Exception):
@@ -172,7 +210,6 @@ class Infer:
                  index: "RegionIndex | None" = None):
         self.config, self.scorer, self.batcher, self.metrics = config, scorer, batcher, metrics
         self.index = index                         # the region index, when the server was given an encoder
-        self.rerank_score = config.rerank_score   # a rerank's `relevance_score` when its request does not choose
         self.gates = Gates(config.gate_window, config.max_gates)
         self.image_root = ImageRoot(config.image_root, config.payload_limit) if config.image_root else None
         self.pending_writes = 0                    # cache calls waiting for or running on a worker thread
@@ -182,28 +219,28 @@ class Infer:
         return self.scorer.cache
 
     # -- scoring -------------------------------------------------------------------------------------------------
-    async def score(self, question: Question, admission: Admission) -> Answer[schemas.ScoreResponse]:
+    async def score(self, question: Question, admission: Admission) -> Answer[ScoredQuestion]:
         """Score one question (one state, one forward shared with whatever else is ready)."""
         answer = await self._score([question], admission)
-        return Answer(answer.response[0], answer.timing)
+        return Answer(answer.result[0], answer.timing)
 
     async def score_batch(self, questions: Sequence[Question],
-                          admission: Admission) -> Answer[schemas.BatchResponse]:
+                          admission: Admission) -> Answer[list[ScoredQuestion]]:
         """Score several questions, each as its own state, split across forwards as the budget needs."""
         if len(questions) > self.config.max_client_batch:
             raise InvalidRequestError(f"{len(questions)} questions; this server takes at most "
                                       f"{self.config.max_client_batch} per request (--max-client-batch): send "
                                       "the rest in another request", "questions")
-        answer = await self._score(questions, admission)
-        return Answer(schemas.BatchResponse(results=answer.response), answer.timing)
+        return await self._score(questions, admission)
 
     async def _score(self, questions: Sequence[Question],
-                     admission: Admission) -> Answer[list[schemas.ScoreResponse]]:
+                     admission: Admission) -> Answer[list[ScoredQuestion]]:
         for q in questions:
             self.check_question(q.memories, q.field)
         log.debug("%d question(s), %d memories", len(questions), sum(len(q.memories) for q in questions))
         scored, timing = await self._run([self.prepare(q) for q in questions], admission)
-        return Answer([self._response(s, q, timing) for s, q in zip(scored, questions)], timing)
+        return Answer([ScoredQuestion(q.id, s.scores, self.decide(s.scores, s.meta, q.policy), s.tokens, s.timing)
+                       for s, q in zip(scored, questions)], timing)
 
     async def _run(self, prepares: Sequence[Prepare], admission: Admission) -> tuple[list[Scored], RequestTiming]:
         """Submit prepared questions to the batcher and wait for them (deadline, disconnect)."""
@@ -217,24 +254,6 @@ class Infer:
         return scored, RequestTiming(queue=max(s.timing.queue for s in scored),
                                      preprocess=max(s.timing.preprocess for s in scored),
                                      forward=max(s.timing.forward for s in scored), total=total)
-
-    def _response(self, scored: Scored, question: Question, timing: RequestTiming) -> schemas.ScoreResponse:
-        scores, t = scored.scores, scored.timing
-        decision, policy = self.decide(scores, scored.meta, question.policy), question.policy
-        delivery = visual = None
-        if decision is not None:
-            delivery = schemas.Delivery(open=decision.open, opened=[i + 1 for i, o in enumerate(decision.open) if o],
-                                        gate_open=decision.gate_open, k=policy.k, token_budget=policy.token_budget,
-                                        gate_rate=policy.gate_rate)
-            if decision.visual_tokens is not None:
-                visual = schemas.VisualTokens(**dataclasses.asdict(decision.visual_tokens))
-        return schemas.ScoreResponse(
-            id=question.id, p_vis=scores.p_vis, gains=scores.gains, relevance=scores.relevance,
-            relevance_none=scores.relevance_none, state_tokens=scored.tokens, delivery=delivery,
-            visual_tokens=visual,
-            timing=schemas.Timing(queue_ms=1000 * t.queue, preprocess_ms=1000 * t.preprocess,
-                                  forward_ms=1000 * t.forward, total_ms=1000 * timing.total,
-                                  batch_questions=t.batch_questions, batch_tokens=t.batch_tokens))
 
     def check_question(self, memories: Sequence[MemoryIn], prefix: str) -> None:
         if len(memories) > self.config.max_memories:
@@ -284,8 +303,8 @@ class Infer:
 
     # -- rerank ----------------------------------------------------------------------------------------------------
     async def rerank(self, rerank: RerankQuestion, admission: Admission) -> Answer[Reranked]:
-        """Score the documents that carry an image (or a key) as one question's memories -> every document's
-        result by descending score (a document without an image scores 0, after every image) and the summary."""
+        """Score the documents that carry an image (or a key) as one question's memories -> every document ranked
+        by its score (a document without an image scores 0, after every image), and the query's summary."""
         self.check_documents(rerank.documents, rerank.collection)
         docs = [rerank_doc(d, rerank.collection, j) for j, d in enumerate(rerank.documents)]
         log.debug("rerank: %d documents, %d with images", len(docs), sum(d.memory is not None for d in docs))
@@ -294,24 +313,17 @@ class Infer:
         sizes, query_cut, cuts = scored.meta
         scores = scored.scores
         decision = self.decide(scores, sizes, rerank.policy)
-        results, i = [], 0
+        by = scores.gains if (rerank.score or self.config.rerank_score) == "gain" else scores.relevance
+        ranked, i = [], 0
         for d in docs:
-            extra = {"image": d.memory is not None, "gain": None, "relevance": None, "p_vis": scores.p_vis,
-                     "open": False, "truncated": False}
-            if d.memory is not None:
-                extra.update(gain=scores.gains[i], relevance=scores.relevance[i], open=decision.open[i],
-                             truncated=cuts[i])
-                i += 1
-            results.append(schemas.RerankResult(index=d.index, relevance_score=extra[rerank.score] or 0.0,
-                                                document=schemas.RerankDocument(text=d.text),
-                                                pixeltriage=schemas.RerankExtra(**extra)))
-        # images first (a document without one has nothing to open: its gain is 0), then by score, then as given
-        results = [results[j] for j in rerank_order([r.relevance_score if r.pixeltriage.image else None
-                                                     for r in results])]
-        summary = schemas.RerankSummary(p_vis=scores.p_vis, relevance_none=scores.relevance_none,
-                                        opened=sorted(r.index for r in results if r.pixeltriage.open),
-                                        state_tokens=scored.tokens, query_truncated=query_cut)
-        return Answer(Reranked(results, summary), timing)
+            if d.memory is None:        # nothing to open: after every image, scored 0
+                ranked.append(RankedDocument(d.index, 0.0, False, None, None, False, False, d.text))
+                continue
+            ranked.append(RankedDocument(d.index, by[i], True, scores.gains[i], scores.relevance[i], decision.open[i],
+                                         cuts[i], d.text))
+            i += 1
+        order = rerank_order([r.relevance_score if r.image else None for r in ranked])
+        return Answer(Reranked([ranked[j] for j in order], scores, decision, scored.tokens, query_cut), timing)
 
     def check_documents(self, documents: Sequence, field: str) -> None:
         """A rerank request's documents are one question's memories (one state, never split: the gains are relative
@@ -382,38 +394,39 @@ class Infer:
                     "(the default) cuts it there"))
 
     # -- the write-time cache ------------------------------------------------------------------------------------
-    async def put_memory(self, put: schemas.MemoryPut) -> schemas.MemoryInfo:
-        """Put an image and its note into the write-time cache -> its metadata (NoCacheError without a cache)."""
+    async def put_memory(self, image: str | None, path: str | None, note: str) -> CachedMemory:
+        """Put an image (base64, or a path under the image root) and its note into the write-time cache -> its
+        metadata (NoCacheError without a cache)."""
         self._need_cache()
-        return schemas.MemoryInfo(**await self._write(self._put_memory, put.image, put.path, put.note))
+        return await self._write(self._put_memory, image, path, note)
 
-    async def memory(self, key: str) -> schemas.MemoryInfo:
+    async def memory(self, key: str) -> CachedMemory:
         """A cached image's metadata; CacheMissError when absent or damaged (NoCacheError without a cache)."""
         self._need_cache()
-        return schemas.MemoryInfo(**await self._write(self.memory_info, key))
+        return await self._write(self.memory_info, key)
 
-    async def retrieve(self, request: schemas.RetrieveRequest) -> schemas.RetrieveResponse:
-        """The region index's ranking of the cached images for a question (NoCacheError without an index)."""
+    async def retrieve(self, question: str, top: int, whole_image: bool) -> list["Hit"]:
+        """The region index's ranking of the cached images for `question` (MaxSim over their regions, or the
+        whole-image control); NoCacheError without an index."""
         if self.index is None:
             raise NoCacheError("this server has no region index; start it with --cache DB --index-encoder DIR")
-        hits = await self._write(self._retrieve, request.question, request.top, request.whole_image)
-        return schemas.RetrieveResponse(hits=hits)
+        return await self._write(self.index.search, question, top, whole_image=whole_image)
 
     def _need_cache(self) -> None:
         if self.cache is None:
             raise NoCacheError("this server has no write-time cache; start it with --cache DB")
 
-    async def _write(self, fn, *args):
+    async def _write(self, fn, *args, **kwargs):
         """Run one cache call on a worker thread; past max_queued waiting calls, 429 (they decode images too)."""
         if self.pending_writes >= self.config.max_queued:
             raise OverloadedError(f"{self.pending_writes} cache writes are waiting", 1)
         self.pending_writes += 1
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.to_thread(fn, *args, **kwargs)
         finally:
             self.pending_writes -= 1
 
-    def _put_memory(self, image: str | None, path: str | None, note: str) -> dict:
+    def _put_memory(self, image: str | None, path: str | None, note: str) -> CachedMemory:
         """Decode (or read from under the image root) and `Cache.put` one image -> its metadata."""
         data = image_bytes(image, path, "", self.image_root)
         try:
@@ -422,23 +435,18 @@ class Infer:
             raise InvalidRequestError(e.reason, "image" if image is not None else "path") from None
         return self.memory_info(key)
 
-    def memory_info(self, key: str) -> dict:
+    def memory_info(self, key: str) -> CachedMemory:
         """A cached image's metadata; CacheMissError when absent or damaged."""
         cache = self.cache
         thumbnail, note = cache.entry(key)
         size = cache.size(key)
         features = cache.get_features(key, self.scorer.vision_fingerprint) is not None
-        return {"key": key, "note": note, "width": size[0] if size else None, "height": size[1] if size else None,
-                "thumbnail_width": thumbnail.width, "thumbnail_height": thumbnail.height, "features_cached": features,
-                "regions_indexed": None if self.index is None else self._indexed(key)}
+        return CachedMemory(key, note, size[0] if size else None, size[1] if size else None, thumbnail.width,
+                            thumbnail.height, features, None if self.index is None else self._indexed(key))
 
     def _indexed(self, key: str) -> bool:
         self.index.refresh()                       # rows written since the last search, by any process
         return key in self.index
-
-    def _retrieve(self, question: str, top: int, whole_image: bool) -> list[dict]:
-        """The region index's ranking of the cached images for `question` (MaxSim, or the whole-image control)."""
-        return [hit.to_dict() for hit in self.index.search(question, top, whole_image=whole_image)]
 
 
 async def _wait(futures: list[Future], deadline: float,
