@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from pixeltriage.config import default_dtype
 from pixeltriage.errors import OverloadedError, ServiceUnavailableError
-from pixeltriage.serve import status
 from pixeltriage.serve.batcher import Batcher
 from pixeltriage.serve.config import ServeConfig
 from pixeltriage.serve.infer import Infer
@@ -191,7 +190,6 @@ class Service:
                 self._trim.start()
             self.status = "ready"
         self.metrics.ready.set(1)
-        self.metrics.build.info({k: str(v) for k, v in status.build_info(self).items()})
         log.info("ready in %.1f s: batch budget %d tokens, queue %d questions", time.monotonic() - start, budget,
                  self.config.max_queued)
 

@@ -68,9 +68,10 @@ def exposition(service: "Service") -> tuple[bytes, str]:
 
 
 def update_scorer_metrics(service: "Service") -> None:
-    """Bring what the metrics read off the scorer up to date: the vision tower's counters (`Metrics.vision_counts`
-    adds what they gained since its last call) and the workspace's bytes."""
+    """Bring what the metrics read off the loaded scorer up to date: the build (`build_info`), the vision tower's
+    counters (`Metrics.vision_counts` adds what they gained since its last call) and the workspace's bytes."""
     if service.scorer is not None:
+        service.metrics.build.info({k: str(v) for k, v in build_info(service).items()})
         service.metrics.vision_counts(service.scorer.vision_counts)
         service.metrics.workspace_bytes.set(service.scorer.workspace.nbytes)
 

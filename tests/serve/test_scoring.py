@@ -138,6 +138,8 @@ def test_metrics_count_what_happened(http):
         assert name in text, name
     assert metric(text, "pixeltriage_ready") == 1.0
     assert metric(text, "pixeltriage_questions_total") == metric(text, "pixeltriage_batch_questions_sum")
+    build = next(line for line in text.splitlines() if line.startswith("pixeltriage_build_info{"))
+    assert 'device="cpu"' in build and 'dtype="float32"' in build, build
 
 
 def test_info_and_openapi(http, served):
