@@ -30,7 +30,7 @@ from pixeltriage.config import FULL, LINEAR, ModelConfig
 from pixeltriage.delivery.profiles import CHECKPOINTS
 from pixeltriage.delivery.profiles import answering_model as answering_profile
 from pixeltriage.delivery.rules import GridRule
-from pixeltriage.engine.image import smart_resize  # the Qwen processors' resize, one implementation
+from pixeltriage.engine.patches import smart_resize  # the Qwen processors' resize, one implementation
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS
 
 # The delta rule's chunk in the analytic count: transformers' 64, the same work definition for every implementation.

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from PIL import Image, ImageDraw, ImageFont
 
 from pixeltriage.delivery.cost import check_delivery
-from pixeltriage.engine.image import open_image, to_rgb
+from pixeltriage.media.image import open_image, to_rgb
 from pixeltriage.engine.types import ImageSource, Memory
 from pixeltriage.errors import InvalidMemoryError
 

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError, CorruptEntryError, image_key
-from pixeltriage.engine.image import encode_png, make_thumbnail, to_rgb
+from pixeltriage.media.image import encode_png, make_thumbnail, to_rgb
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -464,7 +464,7 @@ def test_entry_of_repairs_a_row_that_passes_its_checksum_but_does_not_decode(tmp
 
 
 def test_entry_of_errors_name_the_memory_and_match_the_image_module(tmp_path):
-    from pixeltriage.engine.image import open_image
+    from pixeltriage.media.image import open_image
 
     empty = tmp_path / "empty.png"
     empty.write_bytes(b"")
