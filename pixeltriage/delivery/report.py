@@ -7,10 +7,10 @@ import sys
 
 from pixeltriage.delivery.cost import Model, delivery_cost
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL, answering_model
-from pixeltriage.media.image import display_size
 from pixeltriage.delivery.policy import RateGate, by_gain, token_budget, top_k
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import CacheMissError
+from pixeltriage.media.image import display_size
 
 
 def image_size(memory: Memory, index: int, cache=None) -> tuple[int, int] | None:

@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from pixeltriage.media.image import display_size, encode_png, local_path, thumbnail
-from pixeltriage.engine.types import ImageSource
 # the cache's own errors live in pixeltriage.errors (the clients raise them without torch); imported from here too
 from pixeltriage.errors import CacheMissError, CorruptEntryError, InvalidMemoryError, PixelTriageError  # noqa: F401
+from pixeltriage.media.image import display_size, encode_png, local_path, thumbnail
+from pixeltriage.media.sources import ImageSource
 
 if TYPE_CHECKING:
     import torch

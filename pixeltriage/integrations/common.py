@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 from pixeltriage.delivery.policy import by_gain, top_k
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import InvalidMemoryError, InvalidRequestError
+from pixeltriage.media.sources import decode_base64
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 MAX_URL_BYTES = 64 << 20           # a fetched image larger than this is refused before it is read whole
@@ -166,7 +167,7 @@ def image_value(value: Any, index: int, what: str, allow_urls: bool) -> Any:
     if len(value) < MIN_BASE64_CHARS:
         raise InvalidMemoryError(f"{what}: {_short(value)}: no such file", index)
     try:
-        return _decode(value)
+        return decode_base64(value, None)
     except InvalidRequestError:
         raise InvalidMemoryError(f"{what}: {_short(value)} is neither an existing file, a data: URI nor base64",
                                  index) from None
@@ -198,19 +199,11 @@ def _text(metadata: Mapping[str, Any], field: str, index: int) -> str | None:
 
 def base64_image(text: str, index: int, what: str) -> bytes:
     """The bytes of an image given as base64 text or a base64 `data:` URI, decoded as the server decodes a request's
-    image (`serve.inputs.decode_image`); its refusal as the item's InvalidMemoryError."""
+    image (`media.sources.decode_base64`); its refusal as the item's InvalidMemoryError."""
     try:
-        return _decode(text)
+        return decode_base64(text, None)
     except InvalidRequestError as e:
         raise InvalidMemoryError(f"{what}: {_short(text)}: {e}", index) from None
-
-
-def _decode(text: str) -> bytes:
-    # imported on first use: serve.inputs reads the request schemas (pydantic), which `import pixeltriage.integrations`
-    # does not need
-    from pixeltriage.serve.inputs import decode_image
-
-    return decode_image(text, None)
 
 
 def _empty(index: int, what: str) -> bytes:

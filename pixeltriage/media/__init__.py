@@ -1,2 +1,2 @@
-"""An image in any form the engine takes (a PIL image, bytes, a local path) -> decoded, oriented RGB pixels and
-thumbnails, under one set of checks."""
+"""An image in any form (a PIL image, bytes, a local path, base64 or a data URI, a path under a served folder) ->
+decoded, oriented RGB pixels and thumbnails, under one set of checks."""

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Iterator, S
 from pixeltriage.config import default_dtype
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, NoCacheError,
                                 OverloadedError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.media.sources import ImageRoot
 from pixeltriage.serve import schemas
 from pixeltriage.serve.batcher import Batcher, Prepare, Scored
 from pixeltriage.serve.config import ServeConfig
-from pixeltriage.serve.inputs import ImageRoot, RerankDoc, image_bytes, rerank_doc, to_memory
+from pixeltriage.serve.inputs import RerankDoc, image_bytes, rerank_doc, to_memory
 from pixeltriage.serve.metrics import Metrics
 from pixeltriage.serve.schemas import MemoryIn, Policy
 
