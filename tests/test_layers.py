@@ -11,6 +11,7 @@ LAYERS = [
      "pixeltriage.libc", "pixeltriage.media"},
     {"pixeltriage.kernels"},
     {"pixeltriage.weights"},
+    {"pixeltriage.store"},
     {"pixeltriage.engine"},
     {"pixeltriage.episode", "pixeltriage.delivery"},
     {"pixeltriage.retrieval"},

@@ -31,10 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
 
     if args.cache_command == "stats":
-        from pixeltriage.retrieval.store import RegionStore
+        from pixeltriage.store.regions import RegionStore
 
         with Cache(args.db) as cache:
             stats = cache.stats()

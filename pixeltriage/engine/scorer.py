@@ -30,7 +30,7 @@ from pixeltriage.weights.packed import PackedCheckpoint, vision_fingerprint
 from pixeltriage.weights.pages import drop_file_pages
 
 if TYPE_CHECKING:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.engine.graphs import DecoderGraphs
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Scorer:
         self.device = device
         self.dtype = dtype
         if cache is not None:
-            from pixeltriage.engine.cache import THUMBNAIL_SIDE
+            from pixeltriage.store.cache import THUMBNAIL_SIDE
 
             if triage_cfg.thumbnail_size != THUMBNAIL_SIDE:
                 raise CheckpointError(f"{triage_cfg.source}: state.thumbnail_size is {triage_cfg.thumbnail_size}, but the "

@@ -32,7 +32,7 @@ from pixeltriage.serve.schemas import MemoryIn, Policy
 
 if TYPE_CHECKING:
     from pixeltriage.retrieval.index import RegionIndex
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.delivery.policy import RateGate
     from pixeltriage.engine.scorer import Scorer
 
@@ -58,7 +58,7 @@ class ModelSpec:
     def load(self) -> "Scorer":
         import torch
 
-        from pixeltriage.engine.cache import Cache
+        from pixeltriage.store.cache import Cache
         from pixeltriage.engine.scorer import Scorer
 
         if self.threads is not None:

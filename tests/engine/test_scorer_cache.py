@@ -14,7 +14,7 @@ from PIL import Image
 
 from pixeltriage import Cache, InvalidMemoryError, Memory, Scorer, visual_tokens
 from pixeltriage.cli import main
-from pixeltriage.engine.cache import SCHEMA_VERSION
+from pixeltriage.store.cache import SCHEMA_VERSION
 
 ATOL = 1e-6
 

@@ -1,4 +1,4 @@
-"""Cache files written before the region tables left the cache's schema (cache schema 3, where `engine/cache.py` made
+"""Cache files written before the region tables left the cache's schema (cache schema 3, where the cache made
 them) keep working: their thumbnails, notes, sizes, features and region vectors read back, they take new rows, and
 they end on the schema a new file has.
 
@@ -15,10 +15,10 @@ import torch
 from PIL import Image
 from safetensors.torch import save
 
-from pixeltriage.engine.cache import SCHEMA_VERSION, Cache
 from pixeltriage.retrieval.index import RegionIndex, index_fingerprint
 from pixeltriage.retrieval.regions import RegionGrid
-from pixeltriage.retrieval.store import RegionStore
+from pixeltriage.store.cache import SCHEMA_VERSION, Cache
+from pixeltriage.store.regions import RegionStore
 from region_toys import ColourEncoder
 
 SCHEMA_3 = (

@@ -33,8 +33,8 @@ from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from pixeltriage.engine.cache import Cache, CacheMissError
 from pixeltriage.errors import PixelTriageError
+from pixeltriage.store.cache import Cache, CacheMissError
 
 log = logging.getLogger(__name__)
 

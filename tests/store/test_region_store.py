@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError
 from pixeltriage.errors import PixelTriageError
-from pixeltriage.retrieval.store import REGION_SCHEMA_VERSION, RegionStore
+from pixeltriage.store.cache import SCHEMA_VERSION, Cache, CacheMissError
+from pixeltriage.store.regions import REGION_SCHEMA_VERSION, RegionStore
 
 
 def noise_png(seed: int, size=(48, 32)) -> bytes:
@@ -127,7 +127,7 @@ def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, stor
             conn.execute("UPDATE regions SET vectors = ?, checksum = ? WHERE key = ?", (*row, a))
         else:
             conn.execute("UPDATE regions SET count = 4, dim = 10 WHERE key = ?", (a,))
-    with caplog.at_level(logging.WARNING, logger="pixeltriage.retrieval.store"):
+    with caplog.at_level(logging.WARNING, logger="pixeltriage.store.regions"):
         assert [r.key for r in store.rows("enc")] == [b]
     assert f"region vectors of {a} (enc) are corrupt" in caplog.text
     assert store.fingerprints() == {"enc": 1} and store.state("enc")[1] == 1      # deleted
@@ -151,7 +151,7 @@ def test_a_row_of_another_shape_than_asked_is_deleted_with_a_warning(cache, stor
     store.put(a, "enc", vectors(1, rows=3, dim=4))
     store.put(b, "enc", vectors(2))
     assert store.get(a, "enc").shape == (3, 4)                      # no shape asked: any sound row
-    with caplog.at_level(logging.WARNING, logger="pixeltriage.retrieval.store"):
+    with caplog.at_level(logging.WARNING, logger="pixeltriage.store.regions"):
         assert [r.key for r in store.rows("enc", shape=(5, 8))] == [b]
     assert f"region vectors of {a} (enc) have shape (3, 4), expected (5, 8); deleting the row" in caplog.text
     assert store.keys_without("enc") == [a] and store.state("enc")[1] == 1

@@ -16,9 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
-from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError, CorruptEntryError, image_key
-from pixeltriage.media.image import encode_png, make_thumbnail, to_rgb
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
+from pixeltriage.media.image import encode_png, make_thumbnail, to_rgb
+from pixeltriage.store.cache import SCHEMA_VERSION, Cache, CacheMissError, CorruptEntryError, image_key
 
 REPO = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT = 600  # the interpreter start (torch import) can be slow on a loaded machine
@@ -269,7 +269,7 @@ WRITER = r"""
 import io, random, sys, time
 from pathlib import Path
 from PIL import Image
-from pixeltriage.engine.cache import Cache
+from pixeltriage.store.cache import Cache
 
 def noise_png(seed, size):
     rng = random.Random(seed)
@@ -436,7 +436,7 @@ def test_cli_errors(tmp_path, capsys):
 
 
 def test_entry_of_reads_when_stored_and_puts_when_not(tmp_path):
-    from pixeltriage.engine.cache import image_key
+    from pixeltriage.store.cache import image_key
 
     img = Image.new("RGB", (500, 300), (10, 120, 200))
     with Cache(tmp_path / "c.db") as cache:

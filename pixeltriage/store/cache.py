@@ -30,7 +30,7 @@ on open: a version-1 file gains the two size columns (NULL for its old rows); ve
 this schema, and its trigger deleted their rows too (they stay in the file, kept by the region store).
 
 Tables beside these: the file may hold tables of other modules that keep rows per image (the region vectors of
-`pixeltriage.retrieval.store`). They use this object's connections (`connection()`, one per thread) and write
+`pixeltriage.store.regions`). They use this object's connections (`connection()`, one per thread) and write
 in `transaction()`, so the whole file follows one discipline, and they create and migrate their own tables.
 """
 from __future__ import annotations

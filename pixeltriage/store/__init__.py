@@ -1,0 +1,2 @@
+"""The write-time store: one SQLite file per cache, holding the scorer's rows (thumbnails, notes, sizes, vision
+features: `cache`) and the region vectors of retrieval (`regions`), under one connection discipline."""
