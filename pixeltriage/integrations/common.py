@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
-import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -20,9 +19,9 @@ from typing import Any, Mapping, Sequence
 from pixeltriage.delivery.policy import by_gain, top_k
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import InvalidMemoryError, InvalidRequestError
+from pixeltriage.media.policy import is_url
 from pixeltriage.media.sources import decode_base64
 
-URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 MAX_URL_BYTES = 64 << 20           # a fetched image larger than this is refused before it is read whole
 URL_TIMEOUT_S = 30.0
 # a shorter str is a path, never base64: the smallest image files (a 1x1 PNG, 67 bytes) take 92 base64 characters,
@@ -156,7 +155,7 @@ def image_value(value: Any, index: int, what: str, allow_urls: bool) -> Any:
                                  f"{type(value).__name__}", index)
     if value[:5].lower() == "data:":
         return base64_image(value, index, what)
-    if URL.match(value):
+    if is_url(value):
         if not allow_urls:
             raise InvalidMemoryError(f"{what}: {_short(value)} is a URL, and URL images are not fetched unless the "
                                      "adapter is built with allow_url_images=True; pass a local path, base64 or bytes",

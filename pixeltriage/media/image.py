@@ -11,13 +11,13 @@ import contextlib
 import io
 import math
 import os
-import re
 import struct
 
 import numpy as np
 from PIL import Image, ImageOps, TiffImagePlugin, UnidentifiedImageError, WebPImagePlugin  # noqa: F401
 
 from pixeltriage.errors import InvalidMemoryError
+from pixeltriage.media.sources import local_path
 
 # Refused before any pixel data is decoded: equal to PIL's own default `Image.MAX_IMAGE_PIXELS`
 # (about 9459 x 9459, ~268 MB as RGB), so PIL's bomb warning and this limit agree.
@@ -30,7 +30,6 @@ IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
 
 PNG_COMPRESS_LEVEL = 6
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
 _INT_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")
 # PIL decoders raise any of these on malformed or hostile data (and the processor's resize, engine.patches).
@@ -96,23 +95,6 @@ def _oriented_size(img: Image.Image) -> tuple[int, int]:
     except Exception:  # a damaged EXIF block: PIL's exif_transpose would ignore it too
         orientation = 1
     return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
-
-
-def local_path(source, index: int | None = None) -> str:
-    path = os.fsdecode(os.fspath(source))
-    if _URL.match(path):
-        raise InvalidMemoryError(f"{path}: URLs are not accepted; pass a local file path or the image bytes", index)
-    if not path:
-        raise InvalidMemoryError("image path is empty", index)
-    if not os.path.exists(path):
-        raise InvalidMemoryError(f"{path}: image file not found", index)
-    if os.path.isdir(path):
-        raise InvalidMemoryError(f"{path}: is a directory, not an image file", index)
-    if not os.path.isfile(path):
-        raise InvalidMemoryError(f"{path}: not a regular file", index)
-    if os.path.getsize(path) == 0:
-        raise InvalidMemoryError(f"{path}: image file is empty (0 bytes)", index)
-    return path
 
 
 def _open_stream(fp, name: str, index: int | None) -> Image.Image:

@@ -1,5 +1,6 @@
-"""The forms an image arrives in, before it is decoded: base64 text or a data URI (the HTTP routes, the framework
-adapters), a path under a served folder (`ImageRoot`), and the types the library takes (`ImageSource`)."""
+"""The forms an image arrives in, before it is decoded: the types the library takes (`ImageSource`), a local file
+(`local_path`, `read_local`), base64 text or a data URI (the HTTP routes, the framework adapters) and a path under
+a served folder (`ImageRoot`)."""
 from __future__ import annotations
 
 import base64
@@ -12,12 +13,12 @@ from typing import Union
 
 from PIL import Image
 
-from pixeltriage.errors import InvalidRequestError
+from pixeltriage.errors import InvalidMemoryError, InvalidRequestError
+from pixeltriage.media.policy import is_url
 
 # what the library takes as an image: a PIL image, its encoded bytes or a local file path
 ImageSource = Union[Image.Image, bytes, bytearray, str, os.PathLike]
 
-URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://|(file|data|http|https|ftp):)", re.IGNORECASE)
 DATA_URI = re.compile(r"^data:([^;,]*)(;[^,]*)?,", re.ASCII | re.IGNORECASE)     # a scheme is case-insensitive
 _WHITESPACE = re.compile(rb"\s+")
 
@@ -52,6 +53,34 @@ def _decode_spaced(text: str, field: str | None) -> bytes:
 
 def _reason(e: Exception) -> str:
     return "non-ASCII characters" if isinstance(e, UnicodeEncodeError) else str(e)
+
+
+def local_path(source, index: int | None = None) -> str:
+    """A path the library reads an image from, as a str: refused (InvalidMemoryError naming `index`) when it is a
+    URL, empty, missing, a directory, not a regular file, or an empty file."""
+    path = os.fsdecode(os.fspath(source))
+    if is_url(path):
+        raise InvalidMemoryError(f"{path}: URLs are not accepted; pass a local file path or the image bytes", index)
+    if not path:
+        raise InvalidMemoryError("image path is empty", index)
+    if not os.path.exists(path):
+        raise InvalidMemoryError(f"{path}: image file not found", index)
+    if os.path.isdir(path):
+        raise InvalidMemoryError(f"{path}: is a directory, not an image file", index)
+    if not os.path.isfile(path):
+        raise InvalidMemoryError(f"{path}: not a regular file", index)
+    if os.path.getsize(path) == 0:
+        raise InvalidMemoryError(f"{path}: image file is empty (0 bytes)", index)
+    return path
+
+
+def read_local(source, index: int | None = None) -> bytes:
+    """The bytes of a local image file, after `local_path`'s checks."""
+    path = local_path(source, index)
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from None
 
 
 class ImageRoot:
@@ -90,7 +119,7 @@ class ImageRoot:
         """The real path of `relative` under the root, or InvalidRequestError naming the rule it breaks."""
         if "\x00" in relative:
             raise InvalidRequestError("a path may not contain NUL bytes", field)
-        if URL.match(relative) or relative.startswith("//"):
+        if is_url(relative) or relative.startswith("//"):
             raise InvalidRequestError("URLs are not accepted; give a path relative to the image root", field)
         if relative.startswith(("/", "\\")) or PureWindowsPath(relative).is_absolute() or os.path.isabs(relative):
             raise InvalidRequestError("absolute paths are not accepted; give a path relative to the image root", field)

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from pixeltriage.engine.types import Memory
 from pixeltriage.errors import InvalidRequestError
-from pixeltriage.media.sources import DATA_URI, URL, ImageRoot, decode_base64
+from pixeltriage.media.policy import is_url
+from pixeltriage.media.sources import DATA_URI, ImageRoot, decode_base64
 from pixeltriage.serve.schemas import CACHE_KEY, DocumentIn, MemoryIn
 
 def image_bytes(image: str | None, path: str | None, field: str, image_root: ImageRoot | None) -> bytes:
@@ -86,7 +87,7 @@ def rerank_doc(document: str | DocumentIn, collection: str, index: int) -> Reran
     if not sources:
         return RerankDoc(None, note or "", index, field)
     (where, (source, value)), = sources.items()
-    if source == "image" and not DATA_URI.match(value) and URL.match(value):
+    if source == "image" and not DATA_URI.match(value) and is_url(value):
         raise InvalidRequestError("image URLs are not fetched by this server: send the image as base64 or a data "
                                   "URI, or put it with POST /v1/memories and send its key", f"{field}.{where}")
     try:

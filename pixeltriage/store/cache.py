@@ -49,8 +49,8 @@ from PIL import Image
 
 # the cache's own errors live in pixeltriage.errors (the clients raise them without torch); imported from here too
 from pixeltriage.errors import CacheMissError, CorruptEntryError, InvalidMemoryError, PixelTriageError  # noqa: F401
-from pixeltriage.media.image import display_size, encode_png, local_path, thumbnail
-from pixeltriage.media.sources import ImageSource
+from pixeltriage.media.image import display_size, encode_png, thumbnail
+from pixeltriage.media.sources import ImageSource, read_local
 
 if TYPE_CHECKING:
     import torch
@@ -380,17 +380,13 @@ class _Transaction:
 
 def _key_and_data(image: ImageSource, index: int | None = None) -> tuple[str, bytes | None]:
     """(key, the encoded bytes when the input was bytes or a file; None for a PIL image). A path goes through
-    the image module's checks (no URLs, an existing non-empty regular file), as every other entry point's does."""
+    `media.sources.local_path`'s checks (no URLs, an existing non-empty regular file), as every entry point's does."""
     if isinstance(image, Image.Image):
         return _sha256(encode_png(image)), None
     if isinstance(image, (bytes, bytearray)):
         data = bytes(image)
     elif isinstance(image, (str, os.PathLike)):
-        path = local_path(image, index)
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from None
+        data = read_local(image, index)
     else:
         raise InvalidMemoryError(f"an image must be a PIL image, bytes or a path, found {type(image).__name__}",
                                  index)
