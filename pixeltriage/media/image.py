@@ -17,15 +17,12 @@ import numpy as np
 from PIL import Image, ImageOps, TiffImagePlugin, UnidentifiedImageError, WebPImagePlugin  # noqa: F401
 
 from pixeltriage.errors import InvalidMemoryError
+from pixeltriage.media import policy
 from pixeltriage.media.sources import local_path
 
-# Refused before any pixel data is decoded: equal to PIL's own default `Image.MAX_IMAGE_PIXELS`
-# (about 9459 x 9459, ~268 MB as RGB), so PIL's bomb warning and this limit agree.
-MAX_IMAGE_PIXELS = 89_478_485
-
-# Formats Image.open may try. Keeps exotic decoders (EPS runs Ghostscript, FITS, PSD, ...) away from
-# untrusted bytes; MPO (multi-picture camera JPEGs) is reached through the JPEG opener. The TIFF and
-# WebP plugins are imported above so that PIL need not load every plugin to find them.
+# Formats a header is read as, in this order. Keeps exotic decoders (EPS runs Ghostscript, FITS, PSD, ...) away
+# from untrusted bytes; MPO (multi-picture camera JPEGs) is reached through the JPEG opener. The TIFF and WebP
+# plugins are imported above so that PIL need not load every plugin to find them.
 IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
 
 PNG_COMPRESS_LEVEL = 6
@@ -45,11 +42,11 @@ def open_image(source, index: int | None = None, *, max_side: int | None = None)
     source: a PIL image, the encoded bytes, or a local file path (str / os.PathLike; URLs refused).
     max_side: when given, JPEG bytes or files are decoded at a reduced DCT scale that keeps the long
         side at least 2 * max_side (the thumbnail is made from it); PIL image sources are left as given.
-    Returns the decoded image in its own mode and size (at most MAX_IMAGE_PIXELS pixels).
+    Returns the decoded image in its own mode and size (at most `policy.MAX_IMAGE_PIXELS` pixels).
     Raises InvalidMemoryError(reason, index) for anything that is not a readable image.
     """
     if isinstance(source, Image.Image):
-        _check_size(source, "image", index)
+        _check_size(source.size, "image", index)
         return _decode(source, "image", index, max_side=None)
     with _opened(source, index) as (img, name):
         return _decode(img, name, index, max_side)
@@ -59,7 +56,7 @@ def display_size(source, index: int | None = None) -> tuple[int, int]:
     """(width, height) of the image as displayed (EXIF orientation applied), read from its header only: what an
     answering model's processor sees, for visual-token costs. Accepts and refuses what `open_image` does."""
     if isinstance(source, Image.Image):
-        _check_size(source, "image", index)
+        _check_size(source.size, "image", index)
         return _oriented_size(source)
     with _opened(source, index) as (img, _):
         return _oriented_size(img)
@@ -98,30 +95,71 @@ def _oriented_size(img: Image.Image) -> tuple[int, int]:
 
 
 def _open_stream(fp, name: str, index: int | None) -> Image.Image:
+    """The image with only its header read (`Image.open(fp, formats=IMAGE_FORMATS)` less PIL's own size check),
+    its size checked against the one limit. Every reader of a header (open_image, display_size) refuses alike."""
     try:
-        # Between 1x and 2x its limit PIL only warns; those are refused below, from the header. No
-        # warnings.catch_warnings here: it swaps the process-wide filter list, which is not thread-safe (a
-        # host's own filters can be lost when two threads decode at once). Where warnings are errors, the
-        # warning is caught below.
-        img = Image.open(fp, formats=IMAGE_FORMATS)
+        img = _read_header(fp, name, index)
+    except InvalidMemoryError:
+        raise                                                      # a WebP canvas past the limit
     except UnidentifiedImageError as e:
         raise InvalidMemoryError(f"{name}: not a recognised image (accepted formats: "
                                  f"{', '.join(IMAGE_FORMATS)})", index) from e
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        # PIL's check inside a format's own parser (a GIF frame past its screen, a WebP canvas past twice PIL's
+        # limit where a host lowered it), or its warning where warnings are errors
         raise InvalidMemoryError(f"{name}: refused as a possible decompression bomb ({e})", index) from e
     except DECODE_ERRORS as e:
         raise InvalidMemoryError(f"{name}: cannot read image header ({e})", index) from e
-    _check_size(img, name, index)             # every reader of a header (open_image, display_size) refuses alike
+    _check_size(img.size, name, index)
     return img
 
 
-def _check_size(img: Image.Image, name: str, index: int | None) -> None:
-    width, height = img.size
+def _read_header(fp, name: str, index: int | None) -> Image.Image:
+    """Image.open's format search without its decompression-bomb check, which compares the size with PIL's own,
+    process-wide `Image.MAX_IMAGE_PIXELS` (a host may change it), warns above it and raises above twice it: the
+    size is checked by the caller against the one limit of ours instead, and a refused image leaves no PIL warning
+    behind. (No `warnings.catch_warnings` around Image.open instead: it swaps the process-wide filter list, which
+    is not thread-safe, so a host's own filters could be lost when two threads decode at once.)"""
+    fp.seek(0)
+    head = fp.read(30)
+    Image.preinit()
+    for fmt in IMAGE_FORMATS:
+        if fmt not in Image.OPEN:
+            Image.init()
+        factory, accept = Image.OPEN[fmt]
+        accepted = accept is None or accept(head[:16])
+        if isinstance(accepted, str) or not accepted:              # a str: the plugin's reason to decline
+            continue
+        if fmt == "WEBP" and (canvas := _webp_canvas(head)) is not None:
+            _check_size(canvas, name, index)                       # its parser allocates the canvas
+        fp.seek(0)
+        try:
+            return factory(fp, "")
+        except (SyntaxError, IndexError, TypeError, struct.error):
+            continue                                               # not this format after all, as in Image.open
+    raise UnidentifiedImageError(f"cannot identify image file {name}")
+
+
+def _webp_canvas(head: bytes) -> tuple[int, int] | None:
+    """The canvas a WebP file's first chunk declares (lossy VP8, lossless VP8L or extended VP8X), None if unread."""
+    chunk = head[12:16]
+    if chunk == b"VP8 " and len(head) >= 30 and head[23:26] == b"\x9d\x01\x2a":
+        return int.from_bytes(head[26:28], "little") & 0x3FFF, int.from_bytes(head[28:30], "little") & 0x3FFF
+    if chunk == b"VP8L" and len(head) >= 25 and head[20] == 0x2F:
+        bits = int.from_bytes(head[21:25], "little")
+        return (bits & 0x3FFF) + 1, (bits >> 14 & 0x3FFF) + 1
+    if chunk == b"VP8X" and len(head) >= 30:
+        return int.from_bytes(head[24:27], "little") + 1, int.from_bytes(head[27:30], "little") + 1
+    return None
+
+
+def _check_size(size: tuple[int, int], name: str, index: int | None) -> None:
+    width, height = size
     if width <= 0 or height <= 0:
         raise InvalidMemoryError(f"{name}: image has zero size ({width}x{height})", index)
-    if width * height > MAX_IMAGE_PIXELS:
-        raise InvalidMemoryError(f"{name}: {width}x{height} = {width * height} pixels exceeds the limit of "
-                                 f"{MAX_IMAGE_PIXELS} (possible decompression bomb)", index)
+    if width * height > policy.MAX_IMAGE_PIXELS:
+        raise InvalidMemoryError(f"{name}: {width}x{height} = {width * height:,} pixels exceeds the limit of "
+                                 f"{policy.MAX_IMAGE_PIXELS:,} pixels (possible decompression bomb)", index)
 
 
 def _decode(img: Image.Image, name: str, index: int | None, max_side: int | None) -> Image.Image:

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import re
 
+# The most pixels (width x height, as the header declares them) an image may have: a larger one is refused from its
+# header, before any pixel is decoded, by this number and never by PIL's (`Image.MAX_IMAGE_PIXELS`, which a host
+# may change). 89,478,485 (about 9459 x 9459, 358 MB as RGBA) is PIL's default, so a host's own PIL use agrees.
+MAX_IMAGE_PIXELS = 89_478_485
+
 # A scheme and "://" (http://, s3://, file:///...), or a scheme that needs no slashes (file:, data:, http:, ...).
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://|(file|data|http|https|ftp):)", re.IGNORECASE)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import re
 import struct
+import warnings
 import zlib
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from PIL import Image, ImageFile
 from images import encoded, random_image
 from pixeltriage.errors import InvalidMemoryError
 from pixeltriage.media import image as image_mod
-from pixeltriage.media.image import encode_png, make_thumbnail, open_image, to_rgb
+from pixeltriage.media import policy
+from pixeltriage.media.image import IMAGE_FORMATS, encode_png, make_thumbnail, open_image, to_rgb
 
 
 # -- thumbnails --------------------------------------------------------------------------------
@@ -179,11 +181,75 @@ def test_invalid_images_raise_with_index(tmp_path, make_source, needle):
     assert str(info.value).startswith("memory 8: ")                  # messages number memories from 1
 
 
-@pytest.mark.parametrize("width,height", [(30000, 30000), (10000, 10000)])
-def test_decompression_bomb_refused(width, height):
-    with pytest.raises(InvalidMemoryError, match="decompression bomb") as info:
-        open_image(_png_declaring(width, height), index=2)
+def _declaring(fmt: str, width: int, height: int) -> bytes:
+    """A small image of `fmt` whose header claims width x height: its size fields rewritten, its pixel data the
+    small image's (or, for PNG, absent)."""
+    if fmt == "PNG":
+        return _png_declaring(width, height)
+    if fmt == "TIFF":
+        return _tiff_declaring(width, height)
+    data = bytearray(encoded(Image.new("RGB", (8, 8)), fmt, **({"lossless": True} if fmt == "WEBP" else {})))
+    if fmt == "GIF":                                              # the logical screen
+        struct.pack_into("<HH", data, 6, width, height)
+    elif fmt == "BMP":                                            # BITMAPINFOHEADER
+        struct.pack_into("<ii", data, 18, width, height)
+    elif fmt == "JPEG":                                           # the baseline frame header
+        struct.pack_into(">HH", data, data.index(b"\xff\xc0") + 5, height, width)
+    elif fmt == "WEBP":                                           # VP8L: 14 bits each of width - 1, height - 1
+        at = data.index(b"VP8L") + 9
+        bits = int.from_bytes(data[at:at + 4], "little") & ~((1 << 28) - 1)
+        data[at:at + 4] = (bits | (width - 1) | (height - 1) << 14).to_bytes(4, "little")
+    return bytes(data)
+
+
+def _tiff_declaring(width: int, height: int) -> bytes:
+    """A little-endian TIFF whose IFD claims width x height (1-bit grey, one strip of 1 byte)."""
+    entries = [(256, 4, width), (257, 4, height), (258, 3, 1), (259, 3, 1), (262, 3, 1), (273, 4, 8),
+               (278, 4, height), (279, 4, 1)]
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", tag, kind, 1, value)
+                                                      for tag, kind, value in entries) + struct.pack("<I", 0)
+    return b"II*\0" + struct.pack("<I", 9) + b"\0" + ifd
+
+
+# 10000 x 10000 lies between PIL's default limit and twice it (where PIL only warns), 16384 x 16384 above twice it
+# (where PIL raises, quoting twice its limit); both are refused by the one limit, in the same words, whether PIL's
+# own check is on or off
+@pytest.mark.parametrize("pil_limit", [Image.MAX_IMAGE_PIXELS, None], ids=["PIL default", "PIL off"])
+@pytest.mark.parametrize("side", [10000, 16384])
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF"])
+def test_the_pixel_limit_is_ours_and_refuses_before_pil_warns(fmt, side, pil_limit, recwarn, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pil_limit)
+    warnings.simplefilter("always")
+    with pytest.raises(InvalidMemoryError) as info:
+        open_image(_declaring(fmt, side, side), index=2)
     assert info.value.index == 2
+    assert info.value.reason.endswith(f"{side}x{side} = {side * side:,} pixels exceeds the limit of 89,478,485 "
+                                      f"pixels (possible decompression bomb)")
+    assert not [w for w in recwarn if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
+@pytest.mark.parametrize("pil_limit", [None, 10 ** 12], ids=["PIL off", "PIL higher"])
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF"])
+def test_a_header_at_the_limit_is_read_whatever_pil_is_set_to(fmt, pil_limit, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pil_limit)
+    assert 9459 * 9459 <= policy.MAX_IMAGE_PIXELS < 9460 * 9460
+    assert image_mod.display_size(_declaring(fmt, 9459, 9459)) == (9459, 9459)
+    with pytest.raises(InvalidMemoryError, match="exceeds the limit of 89,478,485 pixels"):
+        image_mod.display_size(_declaring(fmt, 9460, 9460))
+
+
+def test_headers_are_read_as_pil_reads_them(tmp_path):
+    """The format search without PIL's size check against Image.open itself: the same format, mode, size and
+    pixels for an image of every accepted format (and an MPO, an animated GIF, a CMYK JPEG)."""
+    rgb = random_image("RGB", (40, 30), seed=6)
+    sources = {fmt: encoded(rgb, fmt) for fmt in IMAGE_FORMATS}
+    sources["MPO"] = encoded(rgb, "MPO", save_all=True, append_images=[rgb.transpose(Image.Transpose.ROTATE_180)])
+    sources["animated GIF"] = encoded(rgb, "GIF", save_all=True, append_images=[random_image("RGB", (40, 30))])
+    sources["CMYK JPEG"] = encoded(rgb.convert("CMYK"), "JPEG")
+    for label, data in sources.items():
+        ours, pils = open_image(data), Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        assert (ours.format, ours.mode, ours.size) == (pils.format, pils.mode, pils.size), label
+        assert ours.tobytes() == pils.tobytes(), label
 
 
 def test_bomb_refused_before_decoding_even_without_pil_limit(monkeypatch, tmp_path):
@@ -199,8 +265,8 @@ def test_bomb_refused_before_decoding_even_without_pil_limit(monkeypatch, tmp_pa
 
 
 def test_own_pixel_limit_is_honoured(monkeypatch):
-    monkeypatch.setattr(image_mod, "MAX_IMAGE_PIXELS", 100)
-    with pytest.raises(InvalidMemoryError, match="exceeds the limit of 100"):
+    monkeypatch.setattr(policy, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(InvalidMemoryError, match="exceeds the limit of 100 pixels"):
         open_image(encoded(Image.new("RGB", (20, 20)), "PNG"))
     assert open_image(encoded(Image.new("RGB", (10, 10)), "PNG")).size == (10, 10)
 
