@@ -16,6 +16,7 @@ from PIL import Image
 from pixeltriage.config import ImageConfig
 from pixeltriage.errors import InvalidMemoryError
 from pixeltriage.media.image import DECODE_ERRORS, describe, thumbnail
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -72,7 +73,7 @@ def _to_patches(pixels: torch.Tensor, cfg: ImageConfig) -> torch.Tensor:
     return blocks.reshape(grid_h * grid_w, channels * t * p * p).contiguous()
 
 
-def preprocess(source, cfg: ImageConfig, thumbnail_size: int = 336,
+def preprocess(source, cfg: ImageConfig, thumbnail_size: int = THUMBNAIL_SIDE,
                index: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One memory image -> (pixel_values float32 [N, 3 * T * patch**2], grid_thw (1, grid_h, grid_w)).
 

@@ -221,7 +221,7 @@ def _composite_on_white(img: Image.Image) -> Image.Image:
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
-def make_thumbnail(img: Image.Image, max_side: int = 336) -> Image.Image:
+def make_thumbnail(img: Image.Image, max_side: int = policy.THUMBNAIL_SIDE) -> Image.Image:
     """Scale the longer side to max_side, keeping the aspect ratio; never upscale.
 
     The short side is rounded half up (at least 1 px). Filter: PIL BICUBIC with reducing_gap=3.0
@@ -244,7 +244,7 @@ def _scaled_side(side: int, max_side: int, long_side: int) -> int:
     return max(1, (2 * side * max_side + long_side) // (2 * long_side))
 
 
-def thumbnail(source, side: int = 336, index: int | None = None) -> Image.Image:
+def thumbnail(source, side: int = policy.THUMBNAIL_SIDE, index: int | None = None) -> Image.Image:
     """The RGB thumbnail System One reads: decoded (JPEG at a reduced scale), oriented, converted to RGB, the
     longer side scaled to `side`. The one recipe for fresh and write-time-cached thumbnails."""
     img = open_image(source, index, max_side=side)

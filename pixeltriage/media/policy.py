@@ -1,5 +1,6 @@
 """The one policy every way in applies to an image: the library, the server, both clients and the framework
-adapters. Constants and a pattern only (no PIL), so the clients and the configuration read them for nothing.
+adapters; the thumbnail side, the pixel limit and the URL rule. Constants and a pattern only (no PIL), so the
+clients and the configuration read them for nothing.
 
 URLs: a string that `is_url` is never read as a file or fetched by the library, the server or the clients; a data
 URI is decoded where base64 is accepted (`media.sources.decode_base64`); only the framework adapters fetch, and
@@ -8,6 +9,10 @@ only http(s), when built with `allow_url_images=True`.
 from __future__ import annotations
 
 import re
+
+# The longer side of the thumbnail System One reads: what the write-time cache stores, what the warm-up scores, and
+# what a checkpoint's pixeltriage.json `thumbnail_size` defaults to.
+THUMBNAIL_SIDE = 336
 
 # The most pixels (width x height, as the header declares them) an image may have: a larger one is refused from its
 # header, before any pixel is decoded, by this number and never by PIL's (`Image.MAX_IMAGE_PIXELS`, which a host

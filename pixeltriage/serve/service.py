@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Iterator, S
 from pixeltriage.config import default_dtype
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, NoCacheError,
                                 OverloadedError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 from pixeltriage.media.sources import ImageRoot
 from pixeltriage.serve import schemas
 from pixeltriage.serve.batcher import Batcher, Prepare, Scored
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
     from pixeltriage.engine.scorer import Scorer
 
 log = logging.getLogger(__name__)
-
-WARM_UP_SIDE = 336
 
 
 @dataclass(frozen=True)
@@ -774,7 +773,7 @@ def warm_up(scorer: "Scorer", budget: int) -> None:
 
     plain = scorer.with_cache(None)
     plain.max_batch_tokens = budget
-    image = Image.new("RGB", (WARM_UP_SIDE, WARM_UP_SIDE), (127, 127, 127))
+    image = Image.new("RGB", (THUMBNAIL_SIDE, THUMBNAIL_SIDE), (127, 127, 127))
     state = plain.pack("warm-up", [Memory(image=image, note="warm-up")])
     plain.score_states([state] * max(1, budget // state.num_tokens))
     plain.score_states([state])

@@ -1,4 +1,5 @@
-"""The write-time cache: per stored image, a 336-px thumbnail and a short note, made once when the host stores it.
+"""The write-time cache: per stored image, its thumbnail (`media.policy.THUMBNAIL_SIDE` px on the longer side) and a
+short note, made once when the host stores it.
 
 One SQLite file in WAL mode, safe to use from several threads (one connection per thread) and
 several processes at once (every write is one short `BEGIN IMMEDIATE` transaction, and waits
@@ -50,6 +51,7 @@ from PIL import Image
 # the cache's own errors live in pixeltriage.errors (the clients raise them without torch); imported from here too
 from pixeltriage.errors import CacheMissError, CorruptEntryError, InvalidMemoryError, PixelTriageError  # noqa: F401
 from pixeltriage.media.image import display_size, encode_png, thumbnail
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 from pixeltriage.media.sources import ImageSource, read_local
 
 if TYPE_CHECKING:
@@ -58,7 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 4
-THUMBNAIL_SIDE = 336
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS images (
@@ -162,7 +163,7 @@ class Cache:
         return thumb, stored_note
 
     def thumbnail(self, key: str) -> Image.Image:
-        """The stored 336-px thumbnail (RGB). CacheMissError if absent, CorruptEntryError if damaged."""
+        """The stored thumbnail (RGB). CacheMissError if absent, CorruptEntryError if damaged."""
         return self.entry(key)[0]
 
     def entry(self, key: str) -> tuple[Image.Image, str]:
