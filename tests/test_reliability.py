@@ -2,8 +2,8 @@
 documented error naming the memory; hostile text never changes the state's structure; threads agree with serial
 calls; no pickle, no network, no remote code.
 
-The counts docs/reliability.md reports are the sizes of the case lists below (and of
-tests/test_image.py, tests/test_cache.py), asserted here so the two cannot drift silently.
+The counts docs/reliability.md reports are the sizes of the case lists below (and of tests/media/test_image.py,
+tests/engine/test_patches.py, tests/store/test_cache.py), asserted here so the two cannot drift silently.
 """
 from __future__ import annotations
 

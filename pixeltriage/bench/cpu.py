@@ -28,6 +28,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from pixeltriage.bench.timing import cpu_machine, flop_rate, gemm_tflops, machine_line, set_threads, threads_label
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 
 if TYPE_CHECKING:
     from pixeltriage.engine.state import State
@@ -90,7 +91,7 @@ WORDS = ("the market stall had orchids in painted pots and a vendor who talked a
          "while a cat slept by the crates of lemons and someone asked about the price of the blue vase").split()
 
 
-def bench_image(index: int, size: int = 336) -> Image.Image:
+def bench_image(index: int, size: int = THUMBNAIL_SIDE) -> Image.Image:
     img = Image.new("RGB", (size, size), ((37 * index) % 256, (91 * index) % 256, (53 * index) % 256))
     draw = ImageDraw.Draw(img)
     for j in range(8):

@@ -30,8 +30,9 @@ from pixeltriage.config import FULL, LINEAR, ModelConfig
 from pixeltriage.delivery.profiles import CHECKPOINTS
 from pixeltriage.delivery.profiles import answering_model as answering_profile
 from pixeltriage.delivery.rules import GridRule
-from pixeltriage.engine.image import smart_resize  # the Qwen processors' resize, one implementation
+from pixeltriage.engine.patches import smart_resize  # the Qwen processors' resize, one implementation
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 
 # The delta rule's chunk in the analytic count: transformers' 64, the same work definition for every implementation.
 # The engine's C path runs 32-token chunks, whose intra-chunk products are half as large: at bench-small ~5 of the
@@ -423,7 +424,6 @@ SYSTEM_ONE_CONFIGS: dict[str, dict] = {
     },
 }
 SYSTEM_ONE_HEAD_DIM = 256
-THUMBNAIL_SIZE = 336
 
 
 def system_one_config(name: str = "2b") -> ModelConfig:
@@ -432,7 +432,7 @@ def system_one_config(name: str = "2b") -> ModelConfig:
     return ModelConfig.from_dict(SYSTEM_ONE_CONFIGS[name], source=f"System One preset {name!r}")
 
 
-def paper_state(num_memories: int = 10, thumbnail: tuple[int, int] = (THUMBNAIL_SIZE, THUMBNAIL_SIZE),
+def paper_state(num_memories: int = 10, thumbnail: tuple[int, int] = (THUMBNAIL_SIDE, THUMBNAIL_SIDE),
                 text_tokens: int = 1280, vision: VisionShape | None = None) -> StateShape:
     """The paper's state: n memories with a 336-px thumbnail each. A 336x336 thumbnail resizes to
     320x320 (20x20 patches, 100 tokens); with 1280 other tokens, 10 memories make 2280 tokens

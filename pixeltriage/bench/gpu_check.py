@@ -136,7 +136,7 @@ def timing(preset: str, device: torch.device, scorers: Scorers, memories: int, t
            iters: int, budget: Budget, progress) -> dict:
     """Every (mode, vision, batch) case; cases that no longer fit the budget are recorded as skipped."""
     from pixeltriage.bench.cpu import bench_episode
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
 
     dtype = default_dtype(device)
     progress(f"timing {preset} {dtype} on {device}: loading")

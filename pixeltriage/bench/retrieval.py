@@ -60,10 +60,10 @@ def _ms(seconds: list[float]) -> float:
 
 
 def write_stages(encoder, photos: list[bytes], workdir: Path) -> dict:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.retrieval.encoder import preprocess_images
     from pixeltriage.retrieval.regions import region_crops
-    from pixeltriage.retrieval.store import RegionStore
+    from pixeltriage.store.regions import RegionStore
 
     times: dict[str, list[float]] = {"put": [], "crop": [], "preprocess": [], "encode": [], "store": []}
     rules = getattr(encoder, "image_rules", None)
@@ -93,7 +93,7 @@ def write_stages(encoder, photos: list[bytes], workdir: Path) -> dict:
 
 
 def write_throughput(encoder, photos: list[bytes], batch: int, repeats: int, workdir: Path) -> dict:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.retrieval.index import RegionIndex
 
     out = {}
@@ -168,7 +168,7 @@ class _StoredOnly:
 
 def load_and_refresh(stored: int, dim: int, workdir: Path) -> dict:
     """A cache of `stored` tiny images with random vectors: the per-search check and a cold load."""
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.retrieval.index import RegionIndex
 
     rng = np.random.default_rng(0)

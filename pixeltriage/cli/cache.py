@@ -9,6 +9,7 @@ import os
 import sys
 
 from pixeltriage.cli.common import VERBOSITY, existing_file, new_file
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cache_command", metavar="ACTION")
     sub.required = True
     put = sub.add_parser("put", help="store thumbnails (and notes) of images", parents=[VERBOSITY],
-                         description="Store the 336-px thumbnail of each image, and its note, "
+                         description=f"Store the {THUMBNAIL_SIDE}-px thumbnail of each image, and its note, "
                                      "and print 'KEY<TAB>PATH' per image.")
     put.add_argument("db", type=new_file, help="cache file (created if missing)")
     put.add_argument("images", nargs="+", type=existing_file, help="image files")
@@ -31,10 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
 
     if args.cache_command == "stats":
-        from pixeltriage.retrieval.store import RegionStore
+        from pixeltriage.store.regions import RegionStore
 
         with Cache(args.db) as cache:
             stats = cache.stats()

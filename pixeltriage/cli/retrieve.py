@@ -72,7 +72,7 @@ def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_retrieve(args: argparse.Namespace) -> int:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.retrieval.index import RegionIndex
     from pixeltriage.retrieval.regions import RegionGrid
 

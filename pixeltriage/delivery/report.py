@@ -9,10 +9,10 @@ import sys
 from pixeltriage.delivery.cost import Model
 from pixeltriage.delivery.decision import decide
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
-from pixeltriage.engine.image import display_size
 from pixeltriage.delivery.policy import RateGate
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import CacheMissError
+from pixeltriage.media.image import display_size
 
 
 def image_size(memory: Memory, index: int, cache=None) -> tuple[int, int] | None:

@@ -30,7 +30,7 @@ from pixeltriage.weights.packed import PackedCheckpoint, vision_fingerprint
 from pixeltriage.weights.pages import drop_file_pages
 
 if TYPE_CHECKING:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.engine.graphs import DecoderGraphs
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Scorer:
     """System One for one checkpoint. Thread-safe: `score` may be called from many threads at once.
 
     With a write-time `cache` (pixeltriage.Cache), memories may be given by cache key, every image is read as its
-    cached 336-px thumbnail (an image given by value is put into the cache first), and the vision tower's output
+    cached thumbnail (an image given by value is put into the cache first), and the vision tower's output
     is stored per (image key, `vision_fingerprint`), so a later question with the same memory skips the ViT for it.
     """
 
@@ -56,7 +56,7 @@ class Scorer:
         self.device = device
         self.dtype = dtype
         if cache is not None:
-            from pixeltriage.engine.cache import THUMBNAIL_SIDE
+            from pixeltriage.media.policy import THUMBNAIL_SIDE
 
             if triage_cfg.thumbnail_size != THUMBNAIL_SIDE:
                 raise CheckpointError(f"{triage_cfg.source}: state.thumbnail_size is {triage_cfg.thumbnail_size}, but the "

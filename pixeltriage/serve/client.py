@@ -32,12 +32,12 @@ from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
 from pixeltriage.engine.types import Memory, Scores, user_text
 from pixeltriage.errors import (CacheMissError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
                                 OverloadedError, ServiceError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.media.sources import read_local
 from pixeltriage.serve.schemas import error_for
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 RETRIED_STATUS = (429, 502, 503)
 _MEMORY_INDEX = re.compile(r"memories\[(\d+)\]")
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I;16")
 
 
@@ -100,20 +100,7 @@ def _image_bytes(image, index: int | None) -> bytes:
             raise InvalidMemoryError("image bytes are empty", index)
         return bytes(image)
     if isinstance(image, (str, os.PathLike)):
-        path = os.fsdecode(os.fspath(image))
-        if _URL.match(path):
-            raise InvalidMemoryError(f"{path}: URLs are not accepted; pass a local file path or the image bytes",
-                                     index)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise InvalidMemoryError(f"{path}: image file not found", index) from None
-        except OSError as e:
-            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from None
-        if not data:
-            raise InvalidMemoryError(f"{path}: image file is empty (0 bytes)", index)
-        return data
+        return read_local(image, index)
     from PIL import Image
 
     if isinstance(image, Image.Image):

@@ -24,17 +24,18 @@ from pixeltriage.delivery.policy import RateGate
 from pixeltriage.engine.types import Scores
 from pixeltriage.errors import (DeadlineExceededError, InvalidMemoryError, InvalidRequestError, NoCacheError,
                                 OverloadedError, StateTooLongError)
+from pixeltriage.media.sources import ImageRoot
 from pixeltriage.serve.batcher import Batcher, Prepare, Scored, Timing
 from pixeltriage.serve.config import ServeConfig
-from pixeltriage.serve.inputs import ImageRoot, RerankDoc, image_bytes, rerank_doc, to_memory
+from pixeltriage.serve.inputs import RerankDoc, image_bytes, rerank_doc, to_memory
 from pixeltriage.serve.metrics import Metrics
 from pixeltriage.serve.schemas import RERANK_SCORES, MemoryIn, Policy
 
 if TYPE_CHECKING:
-    from pixeltriage.engine.cache import Cache
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.retrieval.index import RegionIndex
     from pixeltriage.retrieval.types import Hit
+    from pixeltriage.store.cache import Cache
 
 log = logging.getLogger(__name__)
 

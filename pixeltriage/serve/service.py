@@ -14,19 +14,18 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from pixeltriage.config import default_dtype
 from pixeltriage.errors import OverloadedError, ServiceUnavailableError
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 from pixeltriage.serve.batcher import Batcher
 from pixeltriage.serve.config import ServeConfig
 from pixeltriage.serve.infer import Infer
 from pixeltriage.serve.metrics import Metrics
 
 if TYPE_CHECKING:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.retrieval.index import RegionIndex
 
 log = logging.getLogger(__name__)
-
-WARM_UP_SIDE = 336
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class ModelSpec:
     def load(self) -> "Scorer":
         import torch
 
-        from pixeltriage.engine.cache import Cache
+        from pixeltriage.store.cache import Cache
         from pixeltriage.engine.scorer import Scorer
 
         if self.threads is not None:
@@ -289,7 +288,7 @@ def warm_up(scorer: "Scorer", budget: int) -> None:
 
     plain = scorer.with_cache(None)
     plain.max_batch_tokens = budget
-    image = Image.new("RGB", (WARM_UP_SIDE, WARM_UP_SIDE), (127, 127, 127))
+    image = Image.new("RGB", (THUMBNAIL_SIDE, THUMBNAIL_SIDE), (127, 127, 127))
     state = plain.pack("warm-up", [Memory(image=image, note="warm-up")])
     plain.score_states([state] * max(1, budget // state.num_tokens))
     plain.score_states([state])

@@ -14,11 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
-from pixeltriage.engine.cache import Cache, image_key
 from pixeltriage.errors import InvalidMemoryError
 from pixeltriage.retrieval.index import Hit, RegionIndex, index_fingerprint
 from pixeltriage.retrieval.regions import Box, RegionGrid, region_crops
 from pixeltriage.retrieval.search import faiss_available
+from pixeltriage.store.cache import Cache, image_key
 from region_toys import ColourEncoder, colour_shares
 
 HERE = Path(__file__).resolve().parent
@@ -260,8 +260,8 @@ import sys
 sys.path[:0] = [sys.argv[3]]
 from region_toys import ColourEncoder
 from test_region_index import palette
-from pixeltriage.engine.cache import Cache
 from pixeltriage.retrieval.index import RegionIndex
+from pixeltriage.store.cache import Cache
 
 db, worker = sys.argv[1], int(sys.argv[2])
 images = palette()

@@ -155,7 +155,7 @@ def test_the_server_answers_each_error_with_a_row_of_its_own_class():
 
 
 def _instance(cls):
-    from pixeltriage.engine.cache import CacheMissError
+    from pixeltriage.store.cache import CacheMissError
     from pixeltriage.errors import InvalidMemoryError, OverloadedError
 
     if cls is CacheMissError:
@@ -175,7 +175,7 @@ def test_each_error_type_names_one_row():
 def test_a_client_reads_the_error_type_before_the_status():
     """The body's error_type picks the row whatever the status (a proxy may rewrite it); a body without a kind of the
     table falls back to the status's by_status row, and a status without one is a ServiceError."""
-    from pixeltriage.engine.cache import CacheMissError
+    from pixeltriage.store.cache import CacheMissError
     from pixeltriage.errors import InvalidRequestError, NoCacheError, OverloadedError, ServiceError
     from pixeltriage.serve.client import error_of
 

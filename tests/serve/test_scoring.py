@@ -7,9 +7,9 @@ from serving import assert_scores_close, b64, episode, image_bytes, metric
 from PIL import Image
 
 from pixeltriage import Cache, InvalidMemoryError, Memory, RateGate
-from pixeltriage.engine.cache import CacheMissError
 from pixeltriage.delivery.decision import decide
 from pixeltriage.delivery.report import image_size
+from pixeltriage.store.cache import CacheMissError
 
 
 def test_score_equals_the_library(client, library):

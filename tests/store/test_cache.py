@@ -16,9 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError, CorruptEntryError, image_key
-from pixeltriage.engine.image import encode_png, make_thumbnail, to_rgb
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
+from pixeltriage.media.image import encode_png, make_thumbnail, to_rgb
+from pixeltriage.store.cache import Cache, CacheMissError, CorruptEntryError, image_key
+from pixeltriage.store.schema import VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT = 600  # the interpreter start (torch import) can be slow on a loaded machine
@@ -142,9 +143,13 @@ def test_a_damaged_size_reads_as_unknown(cache, caplog, width, height):
 def test_schema_wal_and_version(cache):
     with raw(cache.path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert conn.execute("SELECT id, version FROM schema_version").fetchall() == [(0, VERSION)]
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == VERSION == 5      # what earlier releases read
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert tables == {"images", "features"}          # tables beside them belong to their own modules (regions)
+        triggers = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
+    assert tables == {"images", "features", "regions", "region_deletions", "schema_version", "sqlite_sequence"}
+    assert triggers == {"images_deleted", "images_deleted_regions", "regions_deleted"}
+    assert cache.stats()["schema_version"] == VERSION
     assert cache.integrity_check() == "ok"
 
 
@@ -155,8 +160,18 @@ def test_reopen_keeps_rows_and_refuses_newer_schema(tmp_path):
     with Cache(path) as c:
         assert c.note(key) == "n"
     with raw(path) as conn:
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+        conn.execute(f"UPDATE schema_version SET version = {VERSION + 1}")
+    with pytest.raises(PixelTriageError, match=f"schema version {VERSION + 1} is newer than this version of "
+                                               f"pixeltriage reads \\({VERSION}\\)"):
+        Cache(path)
+    with raw(path) as conn:
+        conn.execute(f"UPDATE schema_version SET version = {VERSION}")
+        conn.execute(f"PRAGMA user_version = {VERSION + 1}")                 # a later release's, either way
     with pytest.raises(PixelTriageError, match="newer"):
+        Cache(path)
+    with raw(path) as conn:
+        conn.execute("DELETE FROM schema_version")
+    with pytest.raises(PixelTriageError, match="schema_version holds no valid version"):
         Cache(path)
 
 
@@ -269,7 +284,7 @@ WRITER = r"""
 import io, random, sys, time
 from pathlib import Path
 from PIL import Image
-from pixeltriage.engine.cache import Cache
+from pixeltriage.store.cache import Cache
 
 def noise_png(seed, size):
     rng = random.Random(seed)
@@ -436,7 +451,7 @@ def test_cli_errors(tmp_path, capsys):
 
 
 def test_entry_of_reads_when_stored_and_puts_when_not(tmp_path):
-    from pixeltriage.engine.cache import image_key
+    from pixeltriage.store.cache import image_key
 
     img = Image.new("RGB", (500, 300), (10, 120, 200))
     with Cache(tmp_path / "c.db") as cache:
@@ -464,7 +479,7 @@ def test_entry_of_repairs_a_row_that_passes_its_checksum_but_does_not_decode(tmp
 
 
 def test_entry_of_errors_name_the_memory_and_match_the_image_module(tmp_path):
-    from pixeltriage.engine.image import open_image
+    from pixeltriage.media.image import open_image
 
     empty = tmp_path / "empty.png"
     empty.write_bytes(b"")

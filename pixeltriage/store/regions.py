@@ -13,69 +13,22 @@ may be gone, and another fingerprint's deletions cost it nothing. A row that fai
 shape than the reader asks for, is deleted with a warning and read as missing: only the image itself can
 recompute it.
 
-Schema (the region tables' own version, in region_schema; the cache's tables keep PRAGMA user_version):
-    regions(seq AUTOINCREMENT, key -> images.key ON DELETE CASCADE, fingerprint, count, dim, vectors, checksum,
-            created; unique (key, fingerprint)), indexed by (fingerprint, seq)
-    region_deletions(fingerprint, deletions)   kept by the trigger regions_deleted
-    trigger images_deleted_regions             an image's rows go with it, foreign keys on or off
-    region_schema(version)
-Version 1 is what cache schema 3 wrote (the same regions table, one deletion count for all fingerprints in
-region_log, the image trigger shared with the features); files of cache schema 1 and 2 have no region tables.
-Both are migrated when a store is first opened on them.
+Tables (created with the file, `store.schema`): regions(seq AUTOINCREMENT, key -> images.key, fingerprint, count,
+dim, vectors, checksum, created; unique (key, fingerprint)), indexed by (fingerprint, seq); region_deletions
+(fingerprint, deletions), kept by a trigger; an image's rows go with it, foreign keys on or off.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-import sqlite3
 import time
 from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from pixeltriage.engine.cache import Cache, CacheMissError
-from pixeltriage.errors import PixelTriageError
+from pixeltriage.store.cache import Cache, CacheMissError
 
 log = logging.getLogger(__name__)
-
-REGION_SCHEMA_VERSION = 2
-
-_TABLES = (
-    """CREATE TABLE IF NOT EXISTS regions (
-    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
-    key         TEXT NOT NULL REFERENCES images(key) ON DELETE CASCADE,
-    fingerprint TEXT NOT NULL,
-    count       INTEGER NOT NULL,
-    dim         INTEGER NOT NULL,
-    vectors     BLOB NOT NULL,
-    checksum    TEXT NOT NULL,
-    created     REAL NOT NULL,
-    UNIQUE (key, fingerprint)
-)""",
-    "CREATE INDEX IF NOT EXISTS regions_by_fingerprint ON regions (fingerprint, seq)",
-)
-# Version 2: deletions counted per fingerprint, and the region tables' own version and image trigger.
-_VERSION_2 = (
-    "DROP TRIGGER IF EXISTS regions_deleted",
-    "DROP TABLE IF EXISTS region_log",
-    """CREATE TABLE region_deletions (
-    fingerprint TEXT PRIMARY KEY,
-    deletions   INTEGER NOT NULL
-)""",
-    # Every deleted row: a DELETE, or the cascade of an image's. A REPLACE fires no delete trigger
-    # (recursive_triggers is off); its row comes back with a new seq, which readers fetch anyway.
-    """CREATE TRIGGER regions_deleted AFTER DELETE ON regions BEGIN
-    INSERT OR IGNORE INTO region_deletions (fingerprint, deletions) VALUES (OLD.fingerprint, 0);
-    UPDATE region_deletions SET deletions = deletions + 1 WHERE fingerprint = OLD.fingerprint;
-END""",
-    "CREATE TABLE region_schema (id INTEGER PRIMARY KEY CHECK (id = 0), version INTEGER NOT NULL)",
-    "INSERT INTO region_schema (id, version) VALUES (0, 2)",
-)
-# An image's rows go with it whether or not the deleting connection enabled foreign keys (the sqlite3 shell and
-# Python's sqlite3 leave them off, so ON DELETE CASCADE alone would leave orphans behind).
-_IMAGES_TRIGGER = """CREATE TRIGGER images_deleted_regions AFTER DELETE ON images BEGIN
-    DELETE FROM regions WHERE key = OLD.key;
-END"""
 
 
 class RegionRow(NamedTuple):
@@ -87,11 +40,10 @@ class RegionRow(NamedTuple):
 
 
 class RegionStore:
-    """The region vectors of the images of `cache`, in its file (the tables are created or migrated here)."""
+    """The region vectors of the images of `cache`, in its file."""
 
     def __init__(self, cache: Cache):
         self.cache = cache
-        self._create_tables()
 
     @property
     def path(self):
@@ -171,7 +123,7 @@ class RegionStore:
         """Row count and vector bytes, beside `Cache.stats()`."""
         rows, data = self.cache.connection().execute(
             "SELECT COUNT(*), COALESCE(SUM(LENGTH(vectors)), 0) FROM regions").fetchone()
-        return {"region_schema_version": REGION_SCHEMA_VERSION, "region_rows": rows, "region_bytes": data}
+        return {"region_rows": rows, "region_bytes": data}
 
     def __repr__(self) -> str:
         return f"RegionStore({self.cache!r})"
@@ -204,48 +156,6 @@ class RegionStore:
                 # only the rows read above: a concurrent writer may have replaced them since (with a new seq)
                 conn.executemany("DELETE FROM regions WHERE seq = ? AND checksum = ?", damaged)
         return rows, (found[-1][0] if len(found) == limit else None)
-
-    def _create_tables(self) -> None:
-        try:
-            if self._current(self.cache.connection()):
-                return                              # nothing to write: no write lock taken
-            with self.cache.transaction() as conn:
-                version = self._version(conn)       # again, under the lock: another process may have migrated
-                if version == 0:
-                    for statement in _TABLES:
-                        conn.execute(statement)
-                if version < 2:
-                    for statement in _VERSION_2:
-                        conn.execute(statement)
-                if not _has_trigger(conn, "images_deleted_regions"):
-                    conn.execute(_IMAGES_TRIGGER)
-                    # rows a delete without foreign keys left behind while no trigger removed them
-                    conn.execute("DELETE FROM regions WHERE key NOT IN (SELECT key FROM images)")
-        except sqlite3.DatabaseError as e:
-            if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
-                raise
-            raise PixelTriageError(f"{self.path}: the region tables are not usable ({e})") from None
-
-    def _current(self, conn: sqlite3.Connection) -> bool:
-        return self._version(conn) == REGION_SCHEMA_VERSION and _has_trigger(conn, "images_deleted_regions")
-
-    def _version(self, conn: sqlite3.Connection) -> int:
-        """The region tables' version: region_schema's, else 1 for cache schema 3's tables, else 0 (none)."""
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if "region_schema" in tables:
-            version = conn.execute("SELECT version FROM region_schema WHERE id = 0").fetchone()
-            if version is None or not isinstance(version[0], int) or version[0] < 2:
-                raise PixelTriageError(f"cache {self.path}: region_schema holds no valid version ({version})")
-            if version[0] > REGION_SCHEMA_VERSION:
-                raise PixelTriageError(f"cache {self.path}: region tables of version {version[0]} are newer than "
-                                       f"this version of pixeltriage reads ({REGION_SCHEMA_VERSION})")
-            return version[0]
-        return 1 if "regions" in tables else 0
-
-
-def _has_trigger(conn: sqlite3.Connection, name: str) -> bool:
-    found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = ?", (name,)).fetchone()
-    return found is not None
 
 
 def _as_matrix(vectors, key: str) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Region vectors in the write-time cache's file (`RegionStore`): checksums, write sequence numbers that a reader can
-follow, deletions counted per fingerprint, corrupt rows and rows of another shape read as missing, the region
-tables' own version, and files written before the store had them."""
+follow, deletions counted per fingerprint, corrupt rows and rows of another shape read as missing, the tables made
+with the file, and files written before the region tables existed."""
 import hashlib
 import io
 import logging
@@ -12,9 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError
 from pixeltriage.errors import PixelTriageError
-from pixeltriage.retrieval.store import REGION_SCHEMA_VERSION, RegionStore
+from pixeltriage.store.cache import Cache, CacheMissError
+from pixeltriage.store.regions import RegionStore
+from pixeltriage.store.schema import VERSION
 
 
 def noise_png(seed: int, size=(48, 32)) -> bytes:
@@ -63,7 +64,7 @@ def test_round_trip_and_replacement_get_new_sequence_numbers(cache, store):
     assert np.array_equal(store.get(a, "enc"), vectors(4))
     assert store.state("enc") == (third, 0)                                      # a replacement deletes nothing
     assert store.fingerprints() == {"enc": 2, "other": 1} and store.keys("enc") == {a, b}
-    assert store.stats() == {"region_schema_version": REGION_SCHEMA_VERSION, "region_rows": 3,
+    assert store.stats() == {"region_rows": 3,
                              "region_bytes": (2 * 5 * 8 + 2 * 3) * 4}
     assert "region_rows" not in cache.stats()                                    # the cache counts its own rows
 
@@ -127,7 +128,7 @@ def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, stor
             conn.execute("UPDATE regions SET vectors = ?, checksum = ? WHERE key = ?", (*row, a))
         else:
             conn.execute("UPDATE regions SET count = 4, dim = 10 WHERE key = ?", (a,))
-    with caplog.at_level(logging.WARNING, logger="pixeltriage.retrieval.store"):
+    with caplog.at_level(logging.WARNING, logger="pixeltriage.store.regions"):
         assert [r.key for r in store.rows("enc")] == [b]
     assert f"region vectors of {a} (enc) are corrupt" in caplog.text
     assert store.fingerprints() == {"enc": 1} and store.state("enc")[1] == 1      # deleted
@@ -151,7 +152,7 @@ def test_a_row_of_another_shape_than_asked_is_deleted_with_a_warning(cache, stor
     store.put(a, "enc", vectors(1, rows=3, dim=4))
     store.put(b, "enc", vectors(2))
     assert store.get(a, "enc").shape == (3, 4)                      # no shape asked: any sound row
-    with caplog.at_level(logging.WARNING, logger="pixeltriage.retrieval.store"):
+    with caplog.at_level(logging.WARNING, logger="pixeltriage.store.regions"):
         assert [r.key for r in store.rows("enc", shape=(5, 8))] == [b]
     assert f"region vectors of {a} (enc) have shape (3, 4), expected (5, 8); deleting the row" in caplog.text
     assert store.keys_without("enc") == [a] and store.state("enc")[1] == 1
@@ -166,37 +167,40 @@ def test_keys_without(cache, store):
     assert store.keys_without("other") == keys
 
 
-def test_a_cache_alone_has_no_region_tables_and_a_store_adds_them_once(tmp_path):
+def test_the_region_tables_come_with_the_file_and_a_store_writes_no_schema(tmp_path):
     path = tmp_path / "c.db"
     with Cache(path) as c:
         key = c.put(noise_png(9))
-    assert names(path, "table") == {"images", "features"}
+    made = {kind: names(path, kind) for kind in ("table", "trigger", "index")}
+    assert {"regions", "region_deletions"} <= made["table"] and "regions_by_fingerprint" in made["index"]
+    assert {"images_deleted", "images_deleted_regions", "regions_deleted"} == made["trigger"]
     with Cache(path) as c:
         store = RegionStore(c)
         store.put(key, "enc", vectors(0))
-        RegionStore(c)                                               # current: nothing to write, nothing lost
-        assert np.array_equal(store.get(key, "enc"), vectors(0))
-    assert {"regions", "region_deletions", "region_schema"} <= names(path, "table")
-    assert {"images_deleted", "images_deleted_regions", "regions_deleted"} == names(path, "trigger")
-    assert "regions_by_fingerprint" in names(path, "index")
-    with raw(path) as conn:
-        assert conn.execute("SELECT version FROM region_schema").fetchone()[0] == REGION_SCHEMA_VERSION == 2
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert np.array_equal(RegionStore(c).get(key, "enc"), vectors(0))
+    assert {kind: names(path, kind) for kind in ("table", "trigger", "index")} == made
 
 
-def test_newer_region_tables_are_refused(cache):
-    RegionStore(cache)
-    with raw(cache.path) as conn:
-        conn.execute("UPDATE region_schema SET version = 3")
+def test_newer_region_tables_of_a_version_4_file_are_refused(tmp_path):
+    path = tmp_path / "c.db"
+    Cache(path).close()
+    with raw(path) as conn:                                         # as schema 4 kept the region tables' version
+        conn.execute("DROP TABLE schema_version")
+        conn.execute("CREATE TABLE region_schema (id INTEGER PRIMARY KEY CHECK (id = 0), version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO region_schema (id, version) VALUES (0, 3)")
+        conn.execute("PRAGMA user_version = 4")
     with pytest.raises(PixelTriageError, match="region tables of version 3 are newer"):
-        RegionStore(cache)
+        Cache(path)
 
 
 def _downgrade(path, version: int) -> None:
     """Make a current cache file look like one written by cache schema `version` (1 or 2): no region tables, no
-    image trigger."""
+    image trigger, no version table."""
     with raw(path) as conn:
-        conn.execute("DROP TRIGGER images_deleted")                          # neither version had it
+        for trigger in ("images_deleted", "images_deleted_regions", "regions_deleted"):   # neither version had them
+            conn.execute(f"DROP TRIGGER {trigger}")
+        for table in ("regions", "region_deletions", "schema_version"):
+            conn.execute(f"DROP TABLE {table}")
         if version == 1:
             conn.execute("ALTER TABLE images DROP COLUMN width")
             conn.execute("ALTER TABLE images DROP COLUMN height")
@@ -210,6 +214,7 @@ def test_older_files_gain_the_region_tables(tmp_path, version):
         key = c.put(noise_png(7), note="kept")
         c.put_features(key, "vit", torch.ones(3))
     _downgrade(path, version)
+    assert "regions" not in names(path, "table")
     with Cache(path) as c:
         store = RegionStore(c)
         assert c.note(key) == "kept" and torch.equal(c.get_features(key, "vit"), torch.ones(3))
@@ -220,7 +225,7 @@ def test_older_files_gain_the_region_tables(tmp_path, version):
         assert store.state("enc") == (0, 1)                                 # the trigger came with it
         assert c.integrity_check() == "ok"
     with raw(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == VERSION
     assert "regions_by_fingerprint" in names(path, "index")
 
 

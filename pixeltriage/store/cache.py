@@ -1,4 +1,5 @@
-"""The write-time cache: per stored image, a 336-px thumbnail and a short note, made once when the host stores it.
+"""The write-time cache: per stored image, its thumbnail (`media.policy.THUMBNAIL_SIDE` px on the longer side) and a
+short note, made once when the host stores it.
 
 One SQLite file in WAL mode, safe to use from several threads (one connection per thread) and
 several processes at once (every write is one short `BEGIN IMMEDIATE` transaction, and waits
@@ -23,15 +24,13 @@ Errors: a missing key raises `CacheMissError` (a KeyError naming the key). A thu
 fails its checksum or does not decode raises `CorruptEntryError` (a CacheMissError): the row is
 kept, since its note may be the only copy, and putting the image again repairs it.
 
-Schema (PRAGMA user_version = 4): images(key, thumbnail PNG, checksum, note, width, height: the original
-image's displayed size, for visual-token costs) and features(key -> images.key ON DELETE CASCADE, fingerprint,
-safetensors bytes, checksum), with a trigger that deletes an image's features with it. Older files are migrated
-on open: a version-1 file gains the two size columns (NULL for its old rows); version 3 had the region tables in
-this schema, and its trigger deleted their rows too (they stay in the file, kept by the region store).
+Rows: images(key, thumbnail PNG, checksum, note, width, height: the original image's displayed size, for
+visual-token costs) and features(key, fingerprint, safetensors bytes, checksum); an image's features go with it.
+The file's schema, its version and the migrations of older files are `store.schema`'s, run when a Cache opens it.
 
-Tables beside these: the file may hold tables of other modules that keep rows per image (the region vectors of
-`pixeltriage.retrieval.store`). They use this object's connections (`connection()`, one per thread) and write
-in `transaction()`, so the whole file follows one discipline, and they create and migrate their own tables.
+Tables beside these: the region vectors of `store.regions`, in the same file, under the same key. They use this
+object's connections (`connection()`, one per thread) and write in `transaction()`, so the whole file follows one
+discipline.
 """
 from __future__ import annotations
 
@@ -47,47 +46,17 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from pixeltriage.engine.image import display_size, encode_png, local_path, thumbnail
-from pixeltriage.engine.types import ImageSource
 # the cache's own errors live in pixeltriage.errors (the clients raise them without torch); imported from here too
 from pixeltriage.errors import CacheMissError, CorruptEntryError, InvalidMemoryError, PixelTriageError  # noqa: F401
+from pixeltriage.media.image import display_size, encode_png, thumbnail
+from pixeltriage.media.policy import THUMBNAIL_SIDE
+from pixeltriage.media.sources import ImageSource, read_local
+from pixeltriage.store import schema
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 4
-THUMBNAIL_SIDE = 336
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS images (
-    key        TEXT PRIMARY KEY,
-    thumbnail  BLOB NOT NULL,
-    checksum   TEXT NOT NULL,
-    note       TEXT NOT NULL DEFAULT '',
-    created    REAL NOT NULL,
-    width      INTEGER,
-    height     INTEGER
-);
-CREATE TABLE IF NOT EXISTS features (
-    key         TEXT NOT NULL REFERENCES images(key) ON DELETE CASCADE,
-    fingerprint TEXT NOT NULL,
-    data        BLOB NOT NULL,
-    checksum    TEXT NOT NULL,
-    created     REAL NOT NULL,
-    PRIMARY KEY (key, fingerprint)
-);
-"""
-# An image's features go with it whether or not the deleting connection enabled foreign keys (the sqlite3 shell and
-# Python's sqlite3 leave them off, so ON DELETE CASCADE alone would leave orphans behind). Tables beside the cache's
-# keep their own trigger: version 3's also deleted the region vectors, a table the cache no longer knows.
-_IMAGES_TRIGGER = """
-CREATE TRIGGER images_deleted AFTER DELETE ON images BEGIN
-    DELETE FROM features WHERE key = OLD.key;
-END
-"""
-
 
 def image_key(image: ImageSource) -> str:
     """The cache key of an image: SHA-256 hex of its encoded bytes (see the module docstring)."""
@@ -162,7 +131,7 @@ class Cache:
         return thumb, stored_note
 
     def thumbnail(self, key: str) -> Image.Image:
-        """The stored 336-px thumbnail (RGB). CacheMissError if absent, CorruptEntryError if damaged."""
+        """The stored thumbnail (RGB). CacheMissError if absent, CorruptEntryError if damaged."""
         return self.entry(key)[0]
 
     def entry(self, key: str) -> tuple[Image.Image, str]:
@@ -245,7 +214,7 @@ class Cache:
         notes = conn.execute("SELECT COUNT(*) FROM images WHERE note != ''").fetchone()[0]
         rows, feature_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM features").fetchone()
         on_disk = sum(p.stat().st_size for p in (self.path, Path(f"{self.path}-wal")) if p.exists())
-        return {"path": str(self.path), "schema_version": SCHEMA_VERSION, "images": images,
+        return {"path": str(self.path), "schema_version": schema.VERSION, "images": images,
                 "notes": notes, "feature_rows": rows, "thumbnail_bytes": thumb_bytes,
                 "feature_bytes": feature_bytes, "bytes": on_disk}
 
@@ -336,24 +305,7 @@ class Cache:
         if mode.lower() != "wal":
             raise PixelTriageError(f"cache {self.path}: cannot switch to WAL mode (journal_mode is {mode})")
         with self.transaction() as conn:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise PixelTriageError(f"cache {self.path}: schema version {version} is newer than "
-                                       f"this version of pixeltriage reads ({SCHEMA_VERSION})")
-            if version == 0:
-                _execute_script(conn, _SCHEMA)
-            if version == 1:
-                conn.execute("ALTER TABLE images ADD COLUMN width INTEGER")
-                conn.execute("ALTER TABLE images ADD COLUMN height INTEGER")
-            if version == 3:
-                conn.execute("DROP TRIGGER IF EXISTS images_deleted")     # it deleted region vectors too: remade below
-            if version < SCHEMA_VERSION:
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = 'images_deleted'"
-                            ).fetchone() is None:
-                conn.execute(_IMAGES_TRIGGER)
-                # rows a delete without foreign keys left behind before the trigger existed
-                conn.execute("DELETE FROM features WHERE key NOT IN (SELECT key FROM images)")
+            schema.migrate(conn, self.path)
 
 
 class _Transaction:
@@ -380,28 +332,17 @@ class _Transaction:
 
 def _key_and_data(image: ImageSource, index: int | None = None) -> tuple[str, bytes | None]:
     """(key, the encoded bytes when the input was bytes or a file; None for a PIL image). A path goes through
-    the image module's checks (no URLs, an existing non-empty regular file), as every other entry point's does."""
+    `media.sources.local_path`'s checks (no URLs, an existing non-empty regular file), as every entry point's does."""
     if isinstance(image, Image.Image):
         return _sha256(encode_png(image)), None
     if isinstance(image, (bytes, bytearray)):
         data = bytes(image)
     elif isinstance(image, (str, os.PathLike)):
-        path = local_path(image, index)
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from None
+        data = read_local(image, index)
     else:
         raise InvalidMemoryError(f"an image must be a PIL image, bytes or a path, found {type(image).__name__}",
                                  index)
     return _sha256(data), data
-
-
-def _execute_script(conn: sqlite3.Connection, script: str) -> None:
-    # statement by statement: executescript would commit the open transaction
-    for statement in script.split(";"):
-        if statement.strip():
-            conn.execute(statement)
 
 
 def _decode_features(data: bytes) -> "torch.Tensor | None":
