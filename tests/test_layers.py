@@ -15,7 +15,8 @@ LAYERS = [
     {"pixeltriage.episode", "pixeltriage.delivery"},
     {"pixeltriage.retrieval"},
     {"pixeltriage.serve"},
-    {"pixeltriage.integrations", "pixeltriage.bench"},
+    {"pixeltriage.integrations", "pixeltriage.bench.models"},
+    {"pixeltriage.bench"},
     {"pixeltriage.cli", "pixeltriage.__main__"},
 ]
 

@@ -8,9 +8,9 @@ each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up to ~2
     speed-up (the ratio of the medians, and each transformers run against the engine runs timed beside it), the
     machine's GEMM rate measured before the timed runs, beside each engine run and after them (their median; a
     note when the rates before and after differ by more than 25%), and the fraction of it the engine achieves
-    (analytic FLOPs of the forward from pixeltriage.bench.flops / engine median); the ceiling: transformers' median
-    over the time those FLOPs take at the GEMM rate, the speed-up of an engine whose only cost were matmuls (the
-    achieved speed-up over it is the fraction above); per stage of the engine (`STAGES`, the profiler's,
+    (analytic FLOPs of the forward from pixeltriage.bench.models.flops / engine median); the ceiling: transformers'
+    median over the time those FLOPs take at the GEMM rate, the speed-up of an engine whose only cost were matmuls
+    (the achieved speed-up over it is the fraction above); per stage of the engine (`STAGES`, the profiler's,
     pixeltriage.engine.profiling), its FLOPs (the FLOP model's parts, `STAGE_OF_PART`), median time, TFLOP/s and
     fraction of the GEMM rate, and "other": the engine's median minus the stages' (embedding, rotary tables, packing
     the rows, Python); and the machine (`timing.cpu_machine`: CPU model, logical CPUs, bf16 units, torch).
@@ -136,7 +136,7 @@ def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300) -> 
 
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
                target_tokens: int = 2300, progress=print) -> dict:
-    from pixeltriage.bench.flops import scorer_flops, total
+    from pixeltriage.bench.models.flops import scorer_flops, total
     from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
     from pixeltriage.engine import profiling
     from pixeltriage.engine.scorer import Scorer

@@ -11,9 +11,9 @@
     excluded);
 (c) the service: `pixeltriage serve` started as a subprocess on loopback (ServerProcess, as `bench serve` does),
     driven by 8 client threads for a bounded time: questions/s and latency;
-(d) the roofline (pixeltriage.bench.roofline) at the device's published peaks: measured against predicted for every
-    timed case (and MFU), and stage by stage for one eager question from the engine's stage timers; the CUDA kernels
-    one forward launches (profiler) against the roofline's estimate;
+(d) the roofline (pixeltriage.bench.models.roofline) at the device's published peaks: measured against predicted for
+    every timed case (and MFU), and stage by stage for one eager question from the engine's stage timers; the CUDA
+    kernels one forward launches (profiler) against the roofline's estimate;
 (e) the kernel each op runs (pixeltriage.kernels.registry.choices).
 
 Everything goes to DIR/gpu_check.json and a short table to DIR/gpu_check.md (DIR defaults to $OUT). A time budget
@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from pixeltriage.bench import roofline as rl
+from pixeltriage.bench.models import roofline as rl
 from pixeltriage.bench.timing import percentiles, timed_within
 from pixeltriage.config import default_dtype
 
@@ -282,7 +282,7 @@ def roofline_comparison(scorer, state, spec_key: str, spec_matches: bool, timing
                         progress) -> dict:
     """Every timed case against its prediction; one eager question's stages against the roofline's stages; the
     CUDA kernels of one forward against the estimate."""
-    from pixeltriage.bench.flops import scorer_flops, state_shape, total
+    from pixeltriage.bench.models.flops import scorer_flops, state_shape, total
     from pixeltriage.engine import profiling
 
     spec = rl.device_spec(spec_key)

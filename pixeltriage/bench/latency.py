@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from pixeltriage.bench.flops import ANSWERING_MODELS
+from pixeltriage.bench.models.flops import ANSWERING_MODELS
 from pixeltriage.bench.timing import (cpu_machine, device_peak_tflops, flop_rate, gemm_tflops, machine_line,
                                       percentiles, set_threads, threads_label, timed)
 from pixeltriage.config import default_dtype
@@ -167,7 +167,7 @@ def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2,
 def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
     """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
     from pixeltriage.bench.cpu import stage_flops
-    from pixeltriage.bench.flops import scorer_flops
+    from pixeltriage.bench.models.flops import scorer_flops
     from pixeltriage.engine import profiling
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -276,7 +276,7 @@ def plot(r: dict, path: str) -> None:
     except ImportError:
         from pixeltriage.errors import PixelTriageError
         raise PixelTriageError("--plot needs matplotlib: pip install 'pixeltriage[plot]'") from None
-    from pixeltriage.bench.cost import cost_report
+    from pixeltriage.bench.models.prefill_cost import cost_report
 
     names = list(r["per_question_s"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))

@@ -228,7 +228,7 @@ def test_bench_counts_out_of_range_are_usage_errors(argv, message, capsys):
 def test_every_flop_of_the_forward_lands_in_exactly_one_stage(tiny_checkpoint, cached_vision):
     """The FLOP model's parts (split) map onto the profiler's stages: each part to one stage, every stage
     holds some part (the tiny preset has every layer kind), and the stages' FLOPs add up to the forward's."""
-    from pixeltriage.bench.flops import scorer_flops, total
+    from pixeltriage.bench.models.flops import scorer_flops, total
     from pixeltriage.engine.scorer import Scorer
 
     scorer = Scorer.load(tiny_checkpoint)

@@ -278,8 +278,8 @@ def test_interrupt_exits_130_without_a_traceback(tmp_path):
 
 
 def test_choice_lists_agree_with_the_library():
-    from pixeltriage.bench.cost import SCENARIOS
-    from pixeltriage.bench.flops import ANSWERING_MODELS, SYSTEM_ONE_CONFIGS
+    from pixeltriage.bench.models.prefill_cost import SCENARIOS
+    from pixeltriage.bench.models.flops import ANSWERING_MODELS, SYSTEM_ONE_CONFIGS
     from pixeltriage.bench.latency import ANSWERING_SCALES
     from pixeltriage.cli import bench, common
     from pixeltriage.weights.demo import PRESETS

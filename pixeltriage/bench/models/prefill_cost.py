@@ -1,6 +1,6 @@
 """`pixeltriage bench cost`: prefill compute per question (System One + one answering call) against
 opening every retrieved image and against text proxies only, from the analytic model in
-`pixeltriage.bench.flops`.
+`pixeltriage.bench.models.flops`.
 
 ours@k opens the first k retrieved images (the ranking; every image when fewer than k exist) and
 sends the rest as text proxies; its compute includes one System One forward over the question and
@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pixeltriage.bench.flops import (
+from pixeltriage.bench.models.flops import (
     SYSTEM_ONE_HEAD_DIM,
     answering_model,
     paper_state,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pixeltriage.bench import flops as F
+from pixeltriage.bench.models import flops as F
 from pixeltriage.bench.hf import force_transformers_torch_path
 from pixeltriage.config import FULL, LINEAR, ModelConfig
 
