@@ -137,7 +137,7 @@ def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300) -> 
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
                target_tokens: int = 2300, progress=print) -> dict:
     from pixeltriage.bench.models.flops import scorer_flops, total
-    from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
+    from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
     from pixeltriage.engine import profiling
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.weights.layout import parse_dtype

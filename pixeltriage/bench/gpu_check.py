@@ -216,7 +216,7 @@ def serve(preset: str, device: torch.device, memories: int, seconds: float, budg
                            "'.[gpu,serve]'"}
     import httpx
 
-    from pixeltriage.bench.serve import episodes, request_body
+    from pixeltriage.bench.serve_load import episodes, request_body
     from pixeltriage.serve.process import ServerProcess
     from pixeltriage.weights.demo import demo_checkpoint
 

@@ -50,7 +50,8 @@ def _child(method: str, path: str, dtype_name: str) -> dict:
         t0 = time.perf_counter()
         from transformers import Qwen3_5ForConditionalGeneration
 
-        from pixeltriage.bench.hf import force_transformers_torch_path, state_packer, transformers_hidden
+        from pixeltriage.bench.transformers_baseline import (force_transformers_torch_path, state_packer,
+                                                             transformers_hidden)
 
         out["import_s"] += time.perf_counter() - t0
         force_transformers_torch_path()

@@ -46,7 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
-from pixeltriage.bench.serve import Driver, Local, Phase, _matches, episodes, request_body
+from pixeltriage.bench.serve_load import Driver, Local, Phase, _matches, episodes, request_body
 from pixeltriage.bench.timing import percentiles
 from pixeltriage.config import default_dtype
 from pixeltriage.serve.config import ServeConfig

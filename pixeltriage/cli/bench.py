@@ -205,17 +205,17 @@ BENCHES = {
     "load": ("start-up time and peak memory: packed file vs directory vs transformers", _add_load,
              "pixeltriage.bench.load"),
     "retrieval": ("region retrieval: images/s at write time, question and search latency at 10k and 100k images",
-                  _add_retrieval, "pixeltriage.bench.retrieval"),
+                  _add_retrieval, "pixeltriage.bench.retrieval_speed"),
     "roofline": ("predicted GPU time per stage at a device's published peaks: p50 per question, packed questions/s",
                  _add_roofline, "pixeltriage.bench.models.roofline"),
     "serve": ("the scoring service under closed- and open-loop load vs in-process Scorer.score", _add_serve,
-              "pixeltriage.bench.serve"),
+              "pixeltriage.bench.serve_load"),
     "soak": ("one server for --duration s of normal, oversized, malformed, cut-off and overload traffic: statuses, "
              "p50/p99, RSS, lost or mixed-up answers; exit 1 when a goal is not met", _add_soak,
              "pixeltriage.bench.soak"),
     "workspace": ("the CPU forward with and without the Scorer's workspace, alternating in one process with malloc "
                   "as a host leaves it: time, page faults, system time", _add_workspace,
-                  "pixeltriage.bench.workspace"),
+                  "pixeltriage.bench.workspace_ab"),
 }
 # the benches that leave malloc as they find it (they measure what tune_malloc would change)
 UNTUNED = ("workspace",)

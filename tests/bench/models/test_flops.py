@@ -14,7 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pixeltriage.bench.models import flops as F
-from pixeltriage.bench.hf import force_transformers_torch_path
+from pixeltriage.bench.transformers_baseline import force_transformers_torch_path
 from pixeltriage.config import FULL, LINEAR, ModelConfig
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pixeltriage.bench.cpu import bench_episode
-from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
+from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
 from pixeltriage.engine.scorer import Scorer
 from pixeltriage.weights.demo import demo_checkpoint
 
