@@ -1,7 +1,8 @@
 """`pixeltriage bench cpu`: the engine against transformers' eager Qwen3.5 on the same checkpoint and state.
 
-One run, one process: builds (or reuses) the demo checkpoint of a preset, packs one realistic state (10 memories,
-each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up to ~2.3k tokens in all), then prints
+One run, one process: builds (or reuses) the demo checkpoint of a preset, packs one realistic state
+(`workloads.packed_episode`: 10 memories, each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up
+to ~2.3k tokens in all), then prints
     engine median   Scorer.score_states on that state (vision + decoder + head), warm-up excluded;
     transformers    Qwen3_5Model forward on the same input ids, pixels and grids (its torch path forced);
                     the two are timed interleaved (engine, transformers, engine, ...) after one untimed run each;
@@ -22,15 +23,11 @@ import json
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from PIL import Image, ImageDraw
 
 from pixeltriage.bench.timing import cpu_machine, flop_rate, gemm_tflops, machine_line, set_threads, threads_label
-
-if TYPE_CHECKING:
-    from pixeltriage.engine.state import State
+from pixeltriage.bench.workloads import packed_episode
 
 # The profiler's stages of one forward, in order, and what each holds. The vision tower is two: its attention
 # (per image, "vision_attention") timed apart from its linear layers, norms and rotary ("vision"). The Gated
@@ -86,54 +83,6 @@ def stage_rows(flops: dict[str, int], seconds: dict[str, float], gemm_rate: floa
     return rows
 
 
-WORDS = ("the market stall had orchids in painted pots and a vendor who talked about watering them twice a week "
-         "while a cat slept by the crates of lemons and someone asked about the price of the blue vase").split()
-
-
-def bench_image(index: int, size: int = 336) -> Image.Image:
-    img = Image.new("RGB", (size, size), ((37 * index) % 256, (91 * index) % 256, (53 * index) % 256))
-    draw = ImageDraw.Draw(img)
-    for j in range(8):
-        x, y = (index * 41 + j * 67) % size, (index * 29 + j * 83) % size
-        draw.ellipse((x, y, x + 60, y + 40), fill=((x * 3) % 256, (y * 5) % 256, (j * 30) % 256))
-    return img
-
-
-class BenchEpisode(NamedTuple):
-    question: str
-    memories: list            # pixeltriage.Memory
-    images: list              # the memories' preprocessed images (StatePacker.images), for more packs
-    state: "State"            # question and memories packed
-
-
-def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300) -> BenchEpisode:
-    """A question and `num_memories` memories whose packed state has about `target_tokens` tokens, with their
-    preprocessed images and that state (found by packing, so nobody needs to preprocess or pack them again)."""
-    from pixeltriage.engine.types import Memory
-
-    question = "Which of the photos I shared shows the blue vase, and what colour was the orchid's pot?"
-    photos = [bench_image(i) for i in range(num_memories)]
-
-    def episode(words_per_memory: int):
-        return question, [Memory(image=photos[i], note=f"photo {i + 1} from the market",
-                                 dialogue=" ".join(WORDS[(i + j) % len(WORDS)] for j in range(words_per_memory)),
-                                 date=f"2026-03-{i + 1:02d}") for i in range(num_memories)]
-
-    images = packer.images(episode(0)[1])             # the same photos at every step: preprocessed once
-    lo, hi, state = 0, 400, None
-    while lo < hi:                                         # the most words that stay within target_tokens
-        mid = (lo + hi + 1) // 2
-        packed = packer.pack(*episode(mid), images=images)
-        if packed.num_tokens <= target_tokens:
-            lo, state = mid, packed
-        else:
-            hi = mid - 1
-    question, memories = episode(lo)
-    if state is None:                                      # not even zero words fit: the shortest state
-        state = packer.pack(question, memories, images=images)
-    return BenchEpisode(question, memories, images, state)
-
-
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
                target_tokens: int = 2300, progress=print) -> dict:
     from pixeltriage.bench.models.flops import scorer_flops, total
@@ -147,7 +96,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     path = demo_checkpoint(preset)
     progress(f"checkpoint {path}; {torch.get_num_threads()} threads")
     scorer = Scorer.load(path, dtype=torch_dtype)
-    state = bench_episode(scorer.packer, memories, target_tokens).state
+    state = packed_episode(scorer.packer, memories, target_tokens).state
     parts = scorer_flops(scorer, state, split=True)
     flops = total(parts)
 

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from pixeltriage.bench import workloads
 from pixeltriage.bench.models import roofline as rl
 from pixeltriage.bench.timing import percentiles, timed_within
 from pixeltriage.config import default_dtype
@@ -102,13 +103,11 @@ class Scorers:
 def parity_preset(preset: str, device: torch.device, scorers: Scorers, memories: int, tokens: int, progress) -> dict:
     """One state of `memories` memories and ~`tokens` tokens (PARITY_MEMORIES and as many tokens per memory where it
     names the preset) scored on the CPU in float32 and on `device` in bfloat16 and float32."""
-    from pixeltriage.bench.cpu import bench_episode
-
     progress(f"parity {preset}: CPU float32 reference")
     reference = scorers.get(preset, torch.device("cpu"), "float32")
     if preset in PARITY_MEMORIES:
         tokens, memories = tokens * PARITY_MEMORIES[preset] // max(1, memories), PARITY_MEMORIES[preset]
-    state = bench_episode(reference.packer, num_memories=memories, target_tokens=tokens).state   # scored by all
+    state = workloads.packed_episode(reference.packer, memories, tokens).state   # scored by all
     expected = reference.score_states([state])[0]
     scorers.drop(preset, torch.device("cpu"), "float32")
     out = {"memories": memories, "tokens": state.num_tokens}
@@ -135,13 +134,12 @@ def _measure(fn: Callable, questions: int, iters: int, seconds: float, device: t
 def timing(preset: str, device: torch.device, scorers: Scorers, memories: int, tokens: int, batches: list[int],
            iters: int, budget: Budget, progress) -> dict:
     """Every (mode, vision, batch) case; cases that no longer fit the budget are recorded as skipped."""
-    from pixeltriage.bench.cpu import bench_episode
     from pixeltriage.engine.cache import Cache
 
     dtype = default_dtype(device)
     progress(f"timing {preset} {dtype} on {device}: loading")
     scorer = scorers.get(preset, device, dtype)
-    episode = bench_episode(scorer.packer, memories, tokens)
+    episode = workloads.packed_episode(scorer.packer, memories, tokens)
     question, memories, state = episode.question, episode.memories, episode.state
     bucket = -(-state.num_tokens // 256) * 256                      # one graph bucket: the state rounded up
     out: dict = {"preset": preset, "dtype": dtype, "tokens": state.num_tokens, "memories": state.num_memories,
@@ -216,12 +214,12 @@ def serve(preset: str, device: torch.device, memories: int, seconds: float, budg
                            "'.[gpu,serve]'"}
     import httpx
 
-    from pixeltriage.bench.serve_load import episodes, request_body
+    from pixeltriage.bench.serve_load import request_body
     from pixeltriage.serve.process import ServerProcess
     from pixeltriage.weights.demo import demo_checkpoint
 
     dtype = default_dtype(device)
-    eps = episodes(SERVE_CLIENTS, memories)
+    eps = workloads.episodes(SERVE_CLIENTS, memories, jpeg=True)
     bodies = [request_body(q, m, "") for q, m in eps]
     progress(f"serve {preset} on {device}: starting the server")
     t0 = time.perf_counter()
@@ -547,10 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                                f"({sorted(rl.DEVICE_SPECS)}); pass --device-spec"}
         if "cases" not in result["timing"]:
             return {"skipped": "no timing to compare"}
-        from pixeltriage.bench.cpu import bench_episode
-
         scorer = scorers.get(args.timing_preset, device, default_dtype(device))
-        state = bench_episode(scorer.packer, args.memories, args.tokens).state
+        state = workloads.packed_episode(scorer.packer, args.memories, args.tokens).state
         return roofline_comparison(scorer, state, spec_key, env["spec_matches_device"],
                                    result["timing"], device, progress)
 

@@ -3,25 +3,25 @@
     pixeltriage bench serve [--preset tiny|bench-small|2b] [--device cpu|cuda] [--dtype ...] [--clients N]
                             [--rate R] [--duration S] [--requests N] [--memories M] [--max-queued Q] [--json]
 
-Seeded episodes of M memories (JPEG bytes of varied photo sizes, dialogue, notes) are scored in this process first
-(`Scorer.score`: every response's expected answer). Then `pixeltriage serve` starts as a subprocess and this process
-drives it over loopback with pre-encoded request bodies: one client, each request right after the same episode was
-scored in-process (paired, so that other load on the machine falls on both; the median difference comes with a
-bootstrap 95% CI and is split at the server's own x-total-time into the part outside the server, HTTP and the body
-on the wire, and the part inside it); a closed loop with N clients, between two serial in-process runs (the serial
-questions/s it is compared with); an open loop at R requests/s (default: twice the N-client throughput, i.e. 2x
-overload) against a queue of Q questions. Every phase is bounded by S seconds and N requests; warm-up requests are
-excluded. Every response is checked against its own request (the id it echoes and the expected scores, 1e-5), so a
-lost or mixed-up response is counted. Also measured: the per-request cost of the HTTP stack on a trivial GET (raw
-uvicorn ASGI, a Starlette route, a FastAPI route, this service's /health through its guard), each in its own server
-process on the service's own socket, event loop and HTTP parser, the apps in turn, sequential keep-alive requests.
+Seeded episodes of M memories (`workloads.episodes`: JPEG bytes of varied photo sizes, dialogue, notes) are scored
+in this process first (`Scorer.score`: every response's expected answer). Then `pixeltriage serve` starts as a
+subprocess and this process drives it over loopback with pre-encoded request bodies: one client, each request right
+after the same episode was scored in-process (paired, so that other load on the machine falls on both; the median
+difference comes with a bootstrap 95% CI and is split at the server's own x-total-time into the part outside the
+server, HTTP and the body on the wire, and the part inside it); a closed loop with N clients, between two serial
+in-process runs (the serial questions/s it is compared with); an open loop at R requests/s (default: twice the
+N-client throughput, i.e. 2x overload) against a queue of Q questions. Every phase is bounded by S seconds and N
+requests; warm-up requests are excluded. Every response is checked against its own request (the id it echoes and the
+expected scores, 1e-5), so a lost or mixed-up response is counted. Also measured: the per-request cost of the HTTP
+stack on a trivial GET (raw uvicorn ASGI, a Starlette route, a FastAPI route, this service's /health through its
+guard), each in its own server process on the service's own socket, event loop and HTTP parser, the apps in turn,
+sequential keep-alive requests.
 
 The goals are benchmark goals, printed beside the figures, not test assertions.
 """
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -34,45 +34,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pixeltriage.bench import workloads
 from pixeltriage.bench.timing import median_interval, percentiles
 from pixeltriage.serve.process import ServerProcess, metric
 
-SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
-         (720, 1280), (512, 384)]
 TOLERANCE = 1e-5
 WARMUP_REQUESTS = 2
 OVERHEAD_REQUESTS = 2000
 
 
-# -- episodes --------------------------------------------------------------------------------------------------------
-def episodes(count: int, memories: int, seed: int = 0):
-    """Seeded (question, memories) with JPEG bytes of varied photo sizes, and their request bodies' memory lists."""
-    from PIL import Image, ImageDraw
-
-    from pixeltriage.bench.cpu import WORDS
-    from pixeltriage.engine.types import Memory
-
-    rng = random.Random(seed)
-    out = []
-    for q in range(count):
-        mems = []
-        for i in range(memories):
-            size = rng.choice(SIZES)
-            img = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
-            draw = ImageDraw.Draw(img)
-            for _ in range(5):
-                x, y = rng.randrange(size[0]), rng.randrange(size[1])
-                draw.rectangle((x, y, x + size[0] // 4, y + size[1] // 5), fill=tuple(rng.randrange(256)
-                                                                                      for _ in range(3)))
-            buffer = io.BytesIO()
-            img.save(buffer, format="JPEG", quality=85)
-            mems.append(Memory(image=buffer.getvalue(), note=f"picture {i + 1}",
-                               dialogue=" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))),
-                               date=f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"))
-        out.append((f"question {q}: which picture shows the {rng.choice(WORDS)}?", mems))
-    return out
-
-
+# -- request bodies ----------------------------------------------------------------------------------------------------
 def request_body(question, memories, request_id: str) -> bytes:
     """The /v1/score body the client sends for (question, memories), with `id`."""
     from pixeltriage.serve.client import question_body
@@ -329,7 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     dtype = args.dtype or default_dtype(args.device)
     checkpoint = demo_checkpoint(args.preset)
-    eps = episodes(args.episodes, args.memories, args.seed)
+    eps = workloads.episodes(args.episodes, args.memories, args.seed, jpeg=True)
     body_mib = statistics.fmean(len(request_body(q, m, "")) for q, m in eps) / 2 ** 20
     report = {"preset": args.preset, "device": args.device, "dtype": dtype, "episodes": args.episodes,
               "memories": args.memories, "request_mib": body_mib, "clients": args.clients,

@@ -46,7 +46,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
-from pixeltriage.bench.serve_load import Driver, Local, Phase, _matches, episodes, request_body
+from pixeltriage.bench import workloads
+from pixeltriage.bench.serve_load import Driver, Local, Phase, _matches, request_body
 from pixeltriage.bench.timing import percentiles
 from pixeltriage.config import default_dtype
 from pixeltriage.serve.config import ServeConfig
@@ -240,7 +241,7 @@ def run_soak(args: argparse.Namespace) -> int:
     dtype = args.dtype or default_dtype(args.device)
     baseline = args.baseline if args.baseline is not None else min(60.0, max(4.0, args.duration / 10))
     checkpoint = demo_checkpoint(args.preset)
-    eps = episodes(args.episodes, args.memories, args.seed)
+    eps = workloads.episodes(args.episodes, args.memories, args.seed, jpeg=True)
     report = {"preset": args.preset, "device": args.device, "dtype": dtype, "clients": args.clients,
               "episodes": args.episodes, "memories": args.memories, "max_queued": args.max_queued,
               "duration_s": args.duration, "baseline_s": baseline, "burst_size": BURST_FACTOR * args.max_queued,

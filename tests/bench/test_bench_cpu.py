@@ -8,6 +8,7 @@ import torch
 
 from pixeltriage.bench import cpu
 from pixeltriage.bench.timing import cpu_machine, machine_line
+from pixeltriage.bench.workloads import packed_episode
 from pixeltriage.kernels import native, tuning
 from pixeltriage.cli import main
 
@@ -232,7 +233,7 @@ def test_every_flop_of_the_forward_lands_in_exactly_one_stage(tiny_checkpoint, c
     from pixeltriage.engine.scorer import Scorer
 
     scorer = Scorer.load(tiny_checkpoint)
-    state = cpu.bench_episode(scorer.packer, num_memories=3, target_tokens=400).state
+    state = packed_episode(scorer.packer, num_memories=3, target_tokens=400).state
     parts = scorer_flops(scorer, state, cached_vision=cached_vision, split=True)
     assert set(parts) == set(cpu.STAGE_OF_PART)
     assert set(cpu.STAGE_OF_PART.values()) == set(cpu.STAGES)
