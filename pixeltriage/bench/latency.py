@@ -33,7 +33,8 @@ import torch
 from PIL import Image
 
 from pixeltriage.bench import workloads
-from pixeltriage.bench.models.flops import ANSWERING_MODELS
+from pixeltriage.bench.models.flops import ANSWERING_SHAPES, profiler_stage_flops, scorer_flops
+from pixeltriage.bench.models.prefill_cost import cost_report
 from pixeltriage.bench.timing import (cpu_machine, device_peak_tflops, flop_rate, gemm_tflops, machine_line,
                                       percentiles, set_threads, threads_label, timed)
 from pixeltriage.config import default_dtype
@@ -50,7 +51,7 @@ ANSWERING_SCALES = {
     # text: hidden, layers, heads, kv heads, ffn; vision: depth, hidden, heads, ffn
     "tiny": dict(text=(256, 4, 4, 2, 704), vision=(4, 256, 4, 512)),
     "small": dict(text=(1024, 8, 8, 2, 2816), vision=(8, 640, 10, 1280)),
-    "7b": _scale_of(ANSWERING_MODELS["qwen2.5-vl-7b"]),         # the FLOP model's Qwen2.5-VL-7B
+    "7b": _scale_of(ANSWERING_SHAPES["qwen2.5-vl-7b"]),         # the FLOP model's Qwen2.5-VL-7B
 }
 PROXY_WORDS = 30
 STREAM_MEMORIES = 20     # a question of the stream has 0 to this many memories
@@ -79,7 +80,8 @@ def system_one_latency(scorer, episodes, batch: int, warmup: int = WARMUP_QUESTI
     return out
 
 
-def answering_model(scale: str, device: torch.device, dtype: torch.dtype):
+def random_answering_model(scale: str, device: torch.device, dtype: torch.dtype):
+    """transformers' Qwen2.5-VL architecture at one of ANSWERING_SCALES, random weights (seed 0): (model, config)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     (h, layers, heads, kv, ffn), (depth, vh, vheads, vffn) = ANSWERING_SCALES[scale]["text"], \
@@ -139,8 +141,6 @@ def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2,
 
 def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
     """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
-    from pixeltriage.bench.cpu import stage_flops
-    from pixeltriage.bench.models.flops import scorer_flops
     from pixeltriage.engine import profiling
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +154,8 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
             scorer.score_states(states[-1:])
     flops: dict[str, float] = {}                       # counted after the profiled block, not inside it
     for state in states:                               # each FLOP of the model in the one stage that times it
-        for stage, f in stage_flops(scorer_flops(scorer, state, split=True), "delta_conv" in stages).items():
+        parts = scorer_flops(scorer, state, split=True)
+        for stage, f in profiler_stage_flops(parts, conv_apart="delta_conv" in stages).items():
             flops[stage] = flops.get(stage, 0.0) + f
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
@@ -190,7 +191,7 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
 
     scores = scorer.score("which picture shows the receipt?", [Memory(image=im) for im in images])
     progress(f"answering prefill: Qwen2.5-VL architecture at scale '{answering_scale}', {ANSWERING_IMAGES} images")
-    model, cfg = answering_model(answering_scale, dev, tdtype)
+    model, cfg = random_answering_model(answering_scale, dev, tdtype)
     answering = {"scale": answering_scale, "shape": ANSWERING_SCALES[answering_scale],
                  "open_all": prefill_latency(model, cfg, images, [True] * ANSWERING_IMAGES, dev, tdtype)}
     for k in ks:
@@ -248,8 +249,6 @@ def plot(r: dict, path: str) -> None:
     except ImportError:
         from pixeltriage.errors import PixelTriageError
         raise PixelTriageError("--plot needs matplotlib: pip install 'pixeltriage[plot]'") from None
-    from pixeltriage.bench.models.prefill_cost import cost_report
-
     names = list(r["per_question_s"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.bar(names, [r["per_question_s"][n] * 1e3 for n in names], color=["#999"] + ["#2a7"] * (len(names) - 1))

@@ -38,17 +38,9 @@ from pixeltriage.bench import workloads
 from pixeltriage.bench.timing import median_interval, percentiles
 from pixeltriage.serve.process import ServerProcess, metric
 
-TOLERANCE = 1e-5
+ANSWER_TOLERANCE = 1e-5      # a response's scores against the in-process ones
 WARMUP_REQUESTS = 2
 OVERHEAD_REQUESTS = 2000
-
-
-# -- request bodies ----------------------------------------------------------------------------------------------------
-def request_body(question, memories, request_id: str) -> bytes:
-    """The /v1/score body the client sends for (question, memories), with `id`."""
-    from pixeltriage.serve.client import question_body
-
-    return json.dumps(question_body(question, memories, id=request_id)).encode()
 
 
 # -- in-process ------------------------------------------------------------------------------------------------------
@@ -126,7 +118,7 @@ class Driver:
         self.http = httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_connections=connections,
                                                                                  max_keepalive_connections=connections))
         self.eps, self.expected = eps, expected
-        self.bodies = [request_body(q, m, "") for q, m in eps]
+        self.bodies = [workloads.request_body(q, m, "") for q, m in eps]
 
     def send(self, phase: Phase | None, episode: int, request_id: str) -> tuple[float, float] | None:
         """Send one request; for a 200, (the round trip, the server's own x-total-time), both in seconds."""
@@ -148,7 +140,7 @@ class Driver:
             return None
         result = response.json()
         phase.record("200", latency, result["timing"]["batch_questions"],
-                     mixed_up=result.get("id") != request_id or not _matches(result, self.expected[episode]))
+                     mixed_up=result.get("id") != request_id or not answer_matches(result, self.expected[episode]))
         return latency, float(response.headers["x-total-time"]) / 1000
 
     def interleaved(self, local: Local, duration: float, max_requests: int) -> tuple[Phase, dict[str, list[float]]]:
@@ -216,11 +208,12 @@ class Driver:
         self.http.close()
 
 
-def _matches(result: dict, want) -> bool:
-    return (len(result["gains"]) == len(want.gains) and abs(result["p_vis"] - want.p_vis) <= TOLERANCE
-            and abs(result["relevance_none"] - want.relevance_none) <= TOLERANCE
-            and all(abs(a - b) <= TOLERANCE for a, b in zip(result["gains"], want.gains))
-            and all(abs(a - b) <= TOLERANCE for a, b in zip(result["relevance"], want.relevance)))
+def answer_matches(result: dict, want) -> bool:
+    """Whether a /v1/score response holds the expected `Scores` (each within ANSWER_TOLERANCE)."""
+    return (len(result["gains"]) == len(want.gains) and abs(result["p_vis"] - want.p_vis) <= ANSWER_TOLERANCE
+            and abs(result["relevance_none"] - want.relevance_none) <= ANSWER_TOLERANCE
+            and all(abs(a - b) <= ANSWER_TOLERANCE for a, b in zip(result["gains"], want.gains))
+            and all(abs(a - b) <= ANSWER_TOLERANCE for a, b in zip(result["relevance"], want.relevance)))
 
 
 # -- the HTTP stack's own cost ---------------------------------------------------------------------------------------
@@ -301,7 +294,7 @@ def run_serve(args: argparse.Namespace) -> int:
     dtype = args.dtype or default_dtype(args.device)
     checkpoint = demo_checkpoint(args.preset)
     eps = workloads.episodes(args.episodes, args.memories, args.seed, jpeg=True)
-    body_mib = statistics.fmean(len(request_body(q, m, "")) for q, m in eps) / 2 ** 20
+    body_mib = statistics.fmean(len(workloads.request_body(q, m, "")) for q, m in eps) / 2 ** 20
     report = {"preset": args.preset, "device": args.device, "dtype": dtype, "episodes": args.episodes,
               "memories": args.memories, "request_mib": body_mib, "clients": args.clients,
               "max_queued": args.max_queued, "max_wait_ms": args.max_wait_ms, "load_average": os.getloadavg()[0]}

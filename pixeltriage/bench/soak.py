@@ -47,8 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 from pixeltriage.bench import workloads
-from pixeltriage.bench.serve_load import Driver, Local, Phase, _matches, request_body
+from pixeltriage.bench.serve_load import Driver, Local, Phase, answer_matches
 from pixeltriage.bench.timing import percentiles
+from pixeltriage.bench.workloads import request_body
 from pixeltriage.config import default_dtype
 from pixeltriage.serve.config import ServeConfig
 from pixeltriage.serve.process import ServerProcess
@@ -196,7 +197,7 @@ class Soak:
         if r.status_code == 200:
             result = r.json()
             phase.record("200", mixed_up=result.get("id") != request_id
-                         or not _matches(result, self.driver.expected[episode]))
+                         or not answer_matches(result, self.driver.expected[episode]))
             return
         if r.status_code == 429 and "retry-after" not in r.headers:
             with self._lock:

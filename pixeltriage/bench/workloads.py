@@ -4,7 +4,8 @@
   that state: `bench cpu`, `bench workspace`, gpu_check and the pytest-benchmark suite time forwards of it;
 - `episodes`: a stream of questions over photos of varied sizes (`PHOTO_SIZES`) with notes, dialogue and dates:
   `bench latency` (0 to 20 memories a question, the images in memory), `bench serve` and `bench soak` (a fixed
-  number, the images as JPEG bytes, as a client sends them) and gpu_check's service;
+  number, the images as JPEG bytes, as a client sends them) and gpu_check's service; `request_body`: one of them as
+  the /v1/score body a client sends;
 - `photos`: such photos alone (`bench latency`'s answering prefill);
 - `camera_jpegs` and `retrieval_questions`: `bench retrieval`'s photos to index and questions to search with;
 - `first_score_question`: `bench load`'s first score, the sample episode's question over its first memory.
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import io
+import json
 import random
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -121,6 +123,13 @@ def episodes(count: int, memories: int, seed: int = 0, *, up_to: bool = False,
                                date=f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"))
         out.append((f"question {q}: which picture shows the {rng.choice(WORDS)}?", mems))
     return out
+
+
+def request_body(question: str, memories: list[Memory], request_id: str) -> bytes:
+    """The /v1/score body the client sends for (question, memories), with `id`."""
+    from pixeltriage.serve.client import question_body      # the serve extra's (httpx), for the benches that serve
+
+    return json.dumps(question_body(question, memories, id=request_id)).encode()
 
 
 # -- region retrieval ------------------------------------------------------------------------------------------------

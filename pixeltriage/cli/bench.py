@@ -9,7 +9,7 @@ from pixeltriage.delivery.profiles import CHECKPOINTS, DEFAULT_CHECKPOINT  # tor
 
 # the choices of the library's tables (tests/test_cli.py checks that they agree)
 SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.models.prefill_cost.SCENARIOS
-ANSWERING_MODELS = tuple(CHECKPOINTS)                                 # the answering checkpoints the FLOP model knows
+ANSWERING_CHECKPOINTS = tuple(CHECKPOINTS)                           # pixeltriage.bench.models.flops.ANSWERING_SHAPES
 SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltriage.bench.models.flops.SYSTEM_ONE_CONFIGS
 ANSWERING_SCALES = ("7b", "small", "tiny")                           # pixeltriage.bench.latency.ANSWERING_SCALES
 DEVICE_SPECS = ("a100", "h100", "h200")                              # pixeltriage.bench.models.roofline.DEVICE_SPECS
@@ -44,7 +44,7 @@ def _add_demo_model(p: argparse.ArgumentParser) -> None:
 
 def _add_cost(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="dmv")
-    p.add_argument("--answering", choices=ANSWERING_MODELS, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--answering", choices=ANSWERING_CHECKPOINTS, default=DEFAULT_CHECKPOINT)
     p.add_argument("--system-one", choices=SYSTEM_ONE_CONFIGS, default="2b")
     p.add_argument("--k", type=int_list(1), default=[1, 2, 3], help="budgets, e.g. 1,2,3")
     p.add_argument("--cached-vision", action="store_true",

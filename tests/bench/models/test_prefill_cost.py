@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pixeltriage.bench.models import prefill_cost
-from pixeltriage.bench.models.flops import ANSWERING_MODELS
+from pixeltriage.bench.models.flops import ANSWERING_SHAPES
 from pixeltriage.cli import main
 
 
@@ -42,7 +42,7 @@ def test_table_is_the_default_output(capsys):
 
 
 @pytest.mark.parametrize("scenario", ["dmv", "m3exam"])
-@pytest.mark.parametrize("answering", sorted(ANSWERING_MODELS))
+@pytest.mark.parametrize("answering", sorted(ANSWERING_SHAPES))
 def test_costs_are_ordered(scenario, answering):
     ks = [1, 2, 3, 4, 5, 10]
     report = prefill_cost.cost_report(scenario, answering, ks)
