@@ -15,7 +15,8 @@ LAYERS = [
     {"pixeltriage.engine", "pixeltriage.retrieval"},
     {"pixeltriage.episode", "pixeltriage.delivery"},
     {"pixeltriage.serve"},
-    {"pixeltriage.integrations", "pixeltriage.bench"},
+    {"pixeltriage.integrations", "pixeltriage.bench.models"},
+    {"pixeltriage.bench"},
     {"pixeltriage.cli", "pixeltriage.__main__"},
 ]
 

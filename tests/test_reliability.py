@@ -239,7 +239,7 @@ def test_no_pickle_no_remote_code_no_network_clients_in_the_package():
     # the service, never to a model hub); the framework adapters fetch an image URL only when the caller allowed it
     # (allow_url_images=True, tested with a loopback server)
     http_by_design = {Path("serve/client.py"): r"\s*import httpx", Path("serve/process.py"): r"\s*import httpx",
-                      Path("bench/serve.py"): r"\s*import httpx", Path("bench/gpu_check.py"): r"\s*import httpx",
+                      Path("bench/serve_load.py"): r"\s*import httpx", Path("bench/gpu_check.py"): r"\s*import httpx",
                       Path("bench/soak.py"): r"\s*import httpx",
                       Path("integrations/common.py"): r"import urllib\.(request|error)"}
     hits = [f"{p.relative_to(PACKAGE)}:{n}: {line.strip()}"
