@@ -1,0 +1,216 @@
+"""The store in one SQLite file (the embedded default; store.backend has the interface).
+
+WAL mode, one connection per thread (opened on first use), every write one short `BEGIN IMMEDIATE` transaction that
+waits for other writers up to `timeout_ms`: safe from several threads and several processes at once, and a process
+killed mid-write leaves the last committed state (SQLite's transactions are atomic). A forked child opens its own
+connections and never touches its parent's.
+
+Faults, as typed errors (the connection that met one of the last three is closed, so that the next call opens the
+file again and succeeds once the fault is gone):
+
+    "database or disk is full"                    StoreFullError
+    "database is locked" past the wait           StoreLockedError
+    a read-only file, directory or file system    StoreReadOnlyError (reads go on; a file opened read-only is
+                                                  read through a read-only connection)
+    damaged pages ("malformed", "not a database") StoreCorruptError
+    any other I/O error, a file that cannot open  StoreUnavailableError
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from pixeltriage.errors import (PixelTriageError, StoreCorruptError, StoreError, StoreFullError, StoreLockedError,
+                                StoreReadOnlyError, StoreUnavailableError)
+from pixeltriage.store import schema
+
+log = logging.getLogger(__name__)
+
+# SQLite's primary result codes (an extended code's low byte)
+_BUSY, _LOCKED, _READONLY, _IOERR, _CORRUPT, _FULL, _CANTOPEN, _NOTADB = 5, 6, 8, 10, 11, 13, 14, 26
+_REOPEN = {_READONLY, _IOERR, _CORRUPT, _CANTOPEN, _NOTADB}     # close the connection that met one
+
+
+class SQLiteBackend:
+    """The store in the SQLite file at `path` (created with its schema if missing)."""
+
+    dialect = "sqlite"
+
+    def __init__(self, path: str | os.PathLike, timeout_ms: int):
+        self.path = Path(path)
+        self.location = str(self.path)
+        self.timeout_ms = int(timeout_ms)
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._closed = False
+        self.read_only = False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- the interface ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        conn = self._thread_connection()
+        try:
+            yield conn
+        except sqlite3.Error as e:
+            raise self._failed(conn, e) from None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self.connection() as conn:
+            if conn.in_transaction:                 # inside another write of this thread: part of it
+                yield conn
+                return
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                _rollback(conn)
+                raise
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error:
+                _rollback(conn)
+                raise
+
+    def stored_bytes(self) -> int:
+        """The file and its WAL, on disk."""
+        return sum(p.stat().st_size for p in (self.path, Path(f"{self.path}-wal")) if p.exists())
+
+    def integrity_check(self) -> str:
+        """SQLite's `PRAGMA integrity_check`: "ok" for a sound file."""
+        with self.connection() as conn:
+            return "\n".join(r[0] for r in conn.execute("PRAGMA integrity_check").fetchall())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            conn.close()
+
+    # --- internals ----------------------------------------------------------------------------------------------
+
+    def _thread_connection(self) -> sqlite3.Connection:
+        if self._closed:
+            raise ValueError(f"cache {self.path} is closed")
+        if os.getpid() != self._pid:
+            # a forked child must not use the parent's connections: drop them without closing
+            with self._lock:
+                self._pid, self._connections, self._local = os.getpid(), [], threading.local()
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = sqlite3.connect(self.path, timeout=self.timeout_ms / 1000, isolation_level=None,
+                                       check_same_thread=False)
+                conn.execute(f"PRAGMA busy_timeout = {self.timeout_ms}")
+                conn.execute("PRAGMA foreign_keys = ON")
+                conn.execute("PRAGMA synchronous = NORMAL")
+            except sqlite3.Error as e:
+                raise self._error(e) from None
+            self._local.conn = conn
+            with self._lock:
+                self._connections.append(conn)
+        return conn
+
+    def _failed(self, conn: sqlite3.Connection, e: sqlite3.Error) -> StoreError:
+        """The typed error of `e`; the connection is dropped where reopening is what clears the fault."""
+        if _code(e) in _REOPEN and getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+            with self._lock:
+                if conn in self._connections:
+                    self._connections.remove(conn)
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+        return self._error(e)
+
+    def _error(self, e: sqlite3.Error) -> StoreError:
+        code, where = _code(e), f"cache {self.path}"
+        if code == _FULL or (code == _IOERR and _no_space(self.path)):
+            return StoreFullError(f"{where}: the disk is full ({e}); free space, then write again")
+        if code in (_BUSY, _LOCKED):
+            return StoreLockedError(f"{where}: another process held the write lock for longer than "
+                                    f"{self.timeout_ms / 1000:g} s ({e})")
+        if code == _READONLY:
+            return StoreReadOnlyError(f"{where}: the file, its directory or its file system is read-only ({e}); "
+                                      "entries read, nothing is written until it is writable")
+        if code in (_CORRUPT, _NOTADB):
+            return StoreCorruptError(f"{where}: not a usable cache database ({e}); restore it from a backup, or "
+                                     f"copy what reads into a new file (sqlite3 {self.path} .recover | sqlite3 NEW)")
+        return StoreUnavailableError(f"{where}: {e}")
+
+    def _open(self) -> None:
+        """WAL mode, then the schema brought to this version in one write; a file that cannot be written (read-only)
+        is read as it is, when its schema is this version's."""
+        try:
+            with self.connection() as conn:
+                mode = self._switch_to_wal(conn)
+            if mode.lower() != "wal":
+                raise PixelTriageError(f"cache {self.path}: cannot switch to WAL mode (journal_mode is {mode})")
+            with self.transaction() as conn:
+                schema.migrate(conn, self.path)
+        except StoreReadOnlyError as e:
+            with self.connection() as conn:
+                version = schema.file_version(conn, self.path)
+            if version != schema.VERSION:
+                raise StoreReadOnlyError(f"{e}; and its schema (version {version}) must be brought to version "
+                                         f"{schema.VERSION} first") from None
+            self.read_only = True
+            log.warning("cache %s is read-only: entries read, writes are refused until it is writable", self.path)
+
+    def _switch_to_wal(self, conn: sqlite3.Connection) -> str:
+        """`PRAGMA journal_mode = WAL`, retried until the timeout: the switch takes the file's exclusive lock from a
+        shared one, and when two connections open a new file at once SQLite answers one of them "database is
+        locked" at once instead of waiting (its busy handler is not called where waiting could deadlock)."""
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        pause = 0.001
+        while True:
+            try:
+                return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            except sqlite3.OperationalError as e:
+                if _code(e) not in (_BUSY, _LOCKED) or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):      # a failed rollback leaves the transaction to SQLite's recovery
+            conn.execute("ROLLBACK")
+
+
+def _code(e: sqlite3.Error) -> int | None:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF
+    text = str(e)
+    for words, found in (("locked", _BUSY), ("full", _FULL), ("readonly", _READONLY), ("malformed", _CORRUPT),
+                         ("not a database", _NOTADB), ("unable to open", _CANTOPEN), ("disk I/O", _IOERR)):
+        if words in text:
+            return found
+    return None
+
+
+def _no_space(path: Path) -> bool:
+    """Whether the file system of `path` has no free block left (SQLite reports some failed writes of a full disk
+    as I/O errors: the growth of its shared-memory file, a short write)."""
+    try:
+        return shutil.disk_usage(path.parent).free == 0
+    except OSError:
+        return False
