@@ -142,8 +142,8 @@ class StoreReadOnlyError(StoreUnavailableError):
 
 class StoreCorruptError(StoreUnavailableError):
     """The store's file has damaged pages (SQLite's "database disk image is malformed"): what they held cannot be
-    read, the entries elsewhere can; the file is restored from a backup, or what reads is copied into a new one
-    (`sqlite3 DB .recover | sqlite3 NEW`)."""
+    read, the entries elsewhere can (and new entries are written where the damage is not in the way); the file is
+    restored from a backup."""
 
     reason = "corrupt"
 

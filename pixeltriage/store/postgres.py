@@ -77,7 +77,6 @@ class PostgresBackend:
         self._pool = None
         self._pool_pid = None
         self._closed = False
-        self.read_only = False
         self._kwargs = self._connection_kwargs()
         self._migrate()
 

@@ -10,8 +10,9 @@ file again and succeeds once the fault is gone):
 
     "database or disk is full"                    StoreFullError
     "database is locked" past the wait           StoreLockedError
-    a read-only file, directory or file system    StoreReadOnlyError (reads go on; a file opened read-only is
-                                                  read through a read-only connection)
+    a read-only file, directory or file system    StoreReadOnlyError (reads go on: a file that cannot be opened
+                                                  for writing, and has no WAL content, is read as it is; each
+                                                  write tries to open it for writing again)
     damaged pages ("malformed", "not a database") StoreCorruptError
     any other I/O error, a file that cannot open  StoreUnavailableError
 """
@@ -52,7 +53,6 @@ class SQLiteBackend:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
-        self.read_only = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._open()
@@ -72,6 +72,8 @@ class SQLiteBackend:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
+        if getattr(self._local, "read_only", False) and not self._in_transaction():
+            self._drop(self._local.conn)            # a write tries the file again: it may be writable by now
         with self.connection() as conn:
             if conn.in_transaction:                 # inside another write of this thread: part of it
                 yield conn
@@ -93,9 +95,13 @@ class SQLiteBackend:
         return sum(p.stat().st_size for p in (self.path, Path(f"{self.path}-wal")) if p.exists())
 
     def integrity_check(self) -> str:
-        """SQLite's `PRAGMA integrity_check`: "ok" for a sound file."""
-        with self.connection() as conn:
+        """SQLite's `PRAGMA integrity_check`: "ok" for a sound file, else what it found (the check itself stopped by
+        damage: its error)."""
+        conn = self._thread_connection()
+        try:
             return "\n".join(r[0] for r in conn.execute("PRAGMA integrity_check").fetchall())
+        except sqlite3.DatabaseError as e:
+            return str(e)
 
     def close(self) -> None:
         with self._lock:
@@ -115,28 +121,65 @@ class SQLiteBackend:
                 self._pid, self._connections, self._local = os.getpid(), [], threading.local()
         conn = getattr(self._local, "conn", None)
         if conn is None:
+            read_only = False
             try:
-                conn = sqlite3.connect(self.path, timeout=self.timeout_ms / 1000, isolation_level=None,
-                                       check_same_thread=False)
-                conn.execute(f"PRAGMA busy_timeout = {self.timeout_ms}")
-                conn.execute("PRAGMA foreign_keys = ON")
-                conn.execute("PRAGMA synchronous = NORMAL")
+                conn = self._connect(str(self.path), uri=False)
             except sqlite3.Error as e:
-                raise self._error(e) from None
-            self._local.conn = conn
+                if not self._unwritable(e):
+                    raise self._error(e) from None
+                # a WAL file cannot be opened where its -shm cannot be made; with no WAL left behind (a clean close),
+                # the file alone is the cache and is read as it is
+                try:
+                    conn = self._connect(f"{self.path.absolute().as_uri()}?immutable=1", uri=True)
+                except sqlite3.Error as e2:
+                    raise self._error(e2) from None
+                read_only = True
+                log.warning("cache %s is read-only: entries read, writes are refused until it is writable",
+                            self.path)
+            self._local.conn, self._local.read_only = conn, read_only
             with self._lock:
                 self._connections.append(conn)
         return conn
 
+    def _connect(self, database: str, uri: bool) -> sqlite3.Connection:
+        conn = sqlite3.connect(database, timeout=self.timeout_ms / 1000, isolation_level=None,
+                               check_same_thread=False, uri=uri)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {self.timeout_ms}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _unwritable(self, e: sqlite3.Error) -> bool:
+        """Whether `e` came of a cache that exists and cannot be written, with no WAL content to lose by reading
+        the file alone."""
+        wal = Path(f"{self.path}-wal")
+        return (_code(e) in (_CANTOPEN, _READONLY) and self.path.is_file()
+                and not (os.access(self.path.parent, os.W_OK) and os.access(self.path, os.W_OK))
+                and (not wal.exists() or wal.stat().st_size == 0))
+
+    def _in_transaction(self) -> bool:
+        conn = getattr(self._local, "conn", None)
+        return conn is not None and conn.in_transaction
+
+    def _drop(self, conn: sqlite3.Connection | None) -> None:
+        """Close this thread's connection `conn`: the next call opens the file again."""
+        if conn is None or getattr(self._local, "conn", None) is not conn:
+            return
+        self._local.conn, self._local.read_only = None, False
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+
     def _failed(self, conn: sqlite3.Connection, e: sqlite3.Error) -> StoreError:
         """The typed error of `e`; the connection is dropped where reopening is what clears the fault."""
-        if _code(e) in _REOPEN and getattr(self._local, "conn", None) is conn:
-            self._local.conn = None
-            with self._lock:
-                if conn in self._connections:
-                    self._connections.remove(conn)
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
+        if _code(e) in _REOPEN:
+            self._drop(conn)
         return self._error(e)
 
     def _error(self, e: sqlite3.Error) -> StoreError:
@@ -150,28 +193,25 @@ class SQLiteBackend:
             return StoreReadOnlyError(f"{where}: the file, its directory or its file system is read-only ({e}); "
                                       "entries read, nothing is written until it is writable")
         if code in (_CORRUPT, _NOTADB):
-            return StoreCorruptError(f"{where}: not a usable cache database ({e}); restore it from a backup, or "
-                                     f"copy what reads into a new file (sqlite3 {self.path} .recover | sqlite3 NEW)")
+            return StoreCorruptError(f"{where}: not a usable cache database ({e}); the entries on sound pages "
+                                     "still read; restore the file from a backup")
         return StoreUnavailableError(f"{where}: {e}")
 
     def _open(self) -> None:
         """WAL mode, then the schema brought to this version in one write; a file that cannot be written (read-only)
         is read as it is, when its schema is this version's."""
-        try:
-            with self.connection() as conn:
-                mode = self._switch_to_wal(conn)
-            if mode.lower() != "wal":
-                raise PixelTriageError(f"cache {self.path}: cannot switch to WAL mode (journal_mode is {mode})")
-            with self.transaction() as conn:
-                schema.migrate(conn, self.path)
-        except StoreReadOnlyError as e:
-            with self.connection() as conn:
+        with self.connection() as conn:
+            if self._local.read_only:
                 version = schema.file_version(conn, self.path)
-            if version != schema.VERSION:
-                raise StoreReadOnlyError(f"{e}; and its schema (version {version}) must be brought to version "
-                                         f"{schema.VERSION} first") from None
-            self.read_only = True
-            log.warning("cache %s is read-only: entries read, writes are refused until it is writable", self.path)
+                if version != schema.VERSION:
+                    raise StoreReadOnlyError(f"cache {self.path}: read-only, and its schema (version {version}) "
+                                             f"must be brought to version {schema.VERSION} first")
+                return
+            mode = self._switch_to_wal(conn)
+        if mode.lower() != "wal":
+            raise PixelTriageError(f"cache {self.path}: cannot switch to WAL mode (journal_mode is {mode})")
+        with self.transaction() as conn:
+            schema.migrate(conn, self.path)
 
     def _switch_to_wal(self, conn: sqlite3.Connection) -> str:
         """`PRAGMA journal_mode = WAL`, retried until the timeout: the switch takes the file's exclusive lock from a
