@@ -169,7 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     args.checkpoint = resolved_checkpoint(args)      # a hub id becomes its local snapshot once, for every replica
     spec = ModelSpec(checkpoint=args.checkpoint, device=args.device, dtype=device_dtype(args), cache=args.cache,
-                     verify=args.verify, threads=args.threads, index_encoder=args.index_encoder,
+                     cache_timeout=config.request_timeout, verify=args.verify, threads=args.threads, index_encoder=args.index_encoder,
                      index_overlap=args.index_overlap)
     if args.ray:
         from pixeltriage.serve.ray import run_ray
