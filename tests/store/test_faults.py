@@ -267,9 +267,11 @@ def test_a_read_only_postgresql_server_reads_refuses_puts_and_writes_once_writab
         postgres_server.execute("ALTER SYSTEM SET default_transaction_read_only = on")
         postgres_server.execute("SELECT pg_reload_conf()")
         try:
-            def refused():
+            seeds = iter(range(1000, 10_000))
+
+            def refused():                            # a new image each time: a stored one is not written again
                 try:
-                    cache.put(noise_png(90), note="refused")
+                    cache.put(noise_png(next(seeds)), note="refused")
                 except StoreReadOnlyError as e:
                     return e
                 return None
@@ -279,6 +281,10 @@ def test_a_read_only_postgresql_server_reads_refuses_puts_and_writes_once_writab
                 time.sleep(0.1)
             assert isinstance(error, StoreReadOnlyError) and error.reason == "read_only"
             assert_readable(cache, entries)
+            stored = len(cache)
+            with pytest.raises(StoreReadOnlyError):
+                cache.put(noise_png(90), note="refused")
+            assert len(cache) == stored
         finally:
             postgres_server.execute("ALTER SYSTEM RESET default_transaction_read_only")
             postgres_server.execute("SELECT pg_reload_conf()")
