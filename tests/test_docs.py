@@ -81,6 +81,16 @@ def cited_sections():
             yield path, m.group(1), " ".join(section.split())
 
 
+def test_files_the_docs_name_exist():
+    """A path under tests/, pixeltriage/ or examples/ that README or a doc names is a file or folder of the tree."""
+    missing = []
+    for doc in DOCS:
+        for m in re.finditer(r"(?<![\w/.])((?:tests|pixeltriage|examples)/[\w./-]*\w)", doc.read_text()):
+            if not (ROOT / m.group(1)).exists():
+                missing.append(f"{doc.name}: {m.group(1)}")
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
 def test_sections_cited_by_name_exist():
     """`docs/serve.md, "Limits"` (or *Limits*) must name the start of a heading of that file."""
     missing = []
