@@ -190,6 +190,8 @@ class _Recording:
     target: object = None          # triton GPUTarget the specialization is made for
     binders: dict = field(default_factory=dict)
     autotune: list = field(default_factory=list)     # stack: (index, count) of the config being launched
+    execute: bool = True           # run the launches the forward makes (False: record them only)
+    dry: bool = False              # inside an autotuner's other configs: recorded only
 
 
 _RECORDING: _Recording | None = None
@@ -201,7 +203,7 @@ def _origin() -> str:
 
     for frame in reversed(traceback.extract_stack()):
         path = frame.filename
-        if "/triton/" not in path and "/fla/" not in path and not path.endswith("bench/emulation.py"):
+        if "/pixeltriage/" in path and not path.endswith("bench/emulation.py"):
             return f"{os.path.basename(path)}:{frame.lineno} in {frame.name}"
     return "?"
 
@@ -244,8 +246,8 @@ def _recording_run(original):
     def run(self, *args, grid, warmup, **kwargs):
         recording = _RECORDING
         if recording is not None and not warmup:
-            _record(recording, self, args, grid, kwargs, ran=not getattr(recording, "dry", False))
-            if getattr(recording, "dry", False):
+            _record(recording, self, args, grid, kwargs, ran=not recording.dry)
+            if recording.dry or not recording.execute:
                 return None
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
     run.original = original
@@ -342,16 +344,18 @@ def emulating() -> bool:
 
 
 @contextlib.contextmanager
-def record_launches(target):
+def record_launches(target, execute: bool = True):
     """Inside `cuda_emulation()`: yields the list of `Launch`es made in the block, each specialized as the compiler for
     `target` (a triton GPUTarget) would be; an autotuned launch also records every other config its autotuner
-    would time (`ran=False`: recorded, not run)."""
+    would time (`ran=False`: recorded, not run). execute=False records the forward's launches without running them
+    (their outputs stay as allocated): which kernels a forward launches, and how, does not depend on the values,
+    since the CUDA forward reads none back to the host (tests/engine/test_cuda_branch.py)."""
     global _RECORDING
     if not emulating():
         raise RuntimeError("record_launches() runs inside cuda_emulation()")
     if _RECORDING is not None:
         raise RuntimeError("record_launches() does not nest")
-    _RECORDING = _Recording(target=target)
+    _RECORDING = _Recording(target=target, execute=execute)
     try:
         yield _RECORDING.launches
     finally:
