@@ -58,8 +58,30 @@ LIMITS = {
     "sm_90": dict(regs_per_sm=65536, max_regs=255, warps_per_sm=64, blocks_per_sm=32, smem_per_sm=233472,
                   smem_per_block=232448, smem_reserved=1024, reg_unit=256, smem_unit=128),
 }
-# (kernel name, target, num_warps) -> why its spills are accepted; every other spill fails the report
-ALLOWED_SPILLS: dict[tuple[str, str, int], str] = {}
+# (kernel name, target, num_warps) -> (the most spill bytes, stored plus loaded, accepted; why). Every other spill, and
+# a listed one grown past its bytes, fails the report. Each is a config of fla's own autotune list that ptxas had to
+# spill; the autotuner times it against configs of the same kernel that do not spill (the one the harness runs among
+# them) and takes it only where it measured fastest on the GPU at hand, so a spill costs speed, never a result. Which
+# config wins at the 2B shape waits for a GPU: gpu_check puts the profiled registers beside these configs. Measured at
+# the 2b preset, bf16 (docs/performance.md#gpu); the bound is that plus a tenth.
+_STATE_SPILL = ("the state recurrence with BV=64 on 2 warps keeps two [64, 64] float32 state blocks per program, 32 KiB "
+                "over 64 threads: 128 registers a thread for the state alone, and ptxas spills ~700 B/thread at 255; "
+                "BV=32 on 2 warps and the list's configs with more warps do not spill")
+ALLOWED_SPILLS: dict[tuple[str, str, int], tuple[int, str]] = {
+    ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "sm_80", 2): (1680, _STATE_SPILL),
+    ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "sm_90", 2): (1690, _STATE_SPILL),
+    ("l2norm_fwd_kernel", "sm_80", 1): (1520, "one warp over a [128, 128] tile (BT=128 rows of BD=128) holds 512 "
+                                              "floats a thread; the list's 2- to 32-warp configs of that tile and "
+                                              "its smaller tiles do not spill"),
+    ("l2norm_fwd_kernel", "sm_90", 1): (10900, "one warp over a [128, 128] tile (BT=128 rows of BD=128) holds 512 "
+                                               "floats a thread (ptxas 13.4 keeps 72 registers and spills the rest); "
+                                               "the list's 2- to 32-warp configs of that tile and its smaller tiles do "
+                                               "not spill"),
+    ("causal_conv1d_fwd_kernel", "sm_80", 32): (18, "8 bytes stored and loaded in one 32-warp config (BD=128); the "
+                                                    "list's other configs do not spill"),
+    ("causal_conv1d_fwd_kernel", "sm_90", 8): (18, "8 bytes stored and loaded in one 8-warp config (BD=64); the "
+                                                   "list's other configs do not spill"),
+}
 
 
 class CompileReportError(RuntimeError):
@@ -292,8 +314,10 @@ def problems(target_report: dict) -> tuple[list[str], list[str]]:
             failures.append(f"{what}: {e['shared']} bytes of shared memory, over the {limit} a block may have")
         if e["spill_stores"] or e["spill_loads"]:
             spills = f"spills {e['spill_stores']} bytes stored, {e['spill_loads']} loaded"
-            reason = ALLOWED_SPILLS.get((e["kernel"], target, e["options"].get("num_warps", 4)))
-            if reason is None:
+            bound, reason = ALLOWED_SPILLS.get((e["kernel"], target, e["options"].get("num_warps", 4)), (0, None))
+            if reason is not None and e["spill_stores"] + e["spill_loads"] > bound:
+                failures.append(f"{what}: {spills}, over the {bound} bytes accepted ({reason})")
+            elif reason is None:
                 pickable = "the config the forward ran" if e["ran"] else "a config its autotuner could pick"
                 failures.append(f"{what}: {spills} ({pickable})")
             else:

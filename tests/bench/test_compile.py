@@ -59,9 +59,12 @@ def test_the_checks_fail_on_errors_shared_memory_and_spills(monkeypatch):
     assert "spills 8 bytes stored, 8 loaded (a config its autotuner could pick)" in failures[2]
     assert "(the config the forward ran)" in failures[3]
 
-    monkeypatch.setitem(report_module.ALLOWED_SPILLS, ("spilling", "sm_80", 4), "the reason it may")
+    monkeypatch.setitem(report_module.ALLOWED_SPILLS, ("spilling", "sm_80", 4), (16, "the reason it may"))
     failures, allowed = problems({"target": "sm_80", "compiled": compiled})
     assert len(failures) == 3 and len(allowed) == 1 and allowed[0].endswith("allowed: the reason it may")
+    # an accepted spill that grows past its bytes fails again
+    monkeypatch.setitem(report_module.ALLOWED_SPILLS, ("spilling", "sm_80", 4), (15, "the reason it may"))
+    assert any("over the 15 bytes accepted" in f for f in problems({"target": "sm_80", "compiled": compiled})[0])
     # the allowance names its target and warps: the same kernel spilling on sm_90 still fails
     assert any(f.startswith("sm_90 spilling config") for f in problems({"target": "sm_90", "compiled": compiled})[0])
     h = headline({"target": "sm_80", "compiled": compiled})
