@@ -49,6 +49,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
                    help="write-time cache file (pixeltriage cache put): memories may be given by key, thumbnails "
                         "are read from it and vision-tower outputs are stored in it for later questions")
     p.add_argument("--json", action="store_true", help="print one JSON object per episode")
+    p.add_argument("--threads", metavar="N", type=int_at_least(1), default=None,
+                   help="torch threads of the forward (default: torch's, one per core; with --ray: "
+                        "--cpus-per-actor's)")
     batch = p.add_argument_group("offline batch scoring (--episodes)")
     batch.add_argument("--out", metavar="FILE.jsonl", type=new_file, default=None,
                        help="where the decisions go, one JSON line per episode (appended: what it already holds "
@@ -104,6 +107,8 @@ def _check_flags(args: argparse.Namespace) -> None:
                       if getattr(args, name) is not None), None)
         if given is not None:
             raise UsageError(f"{given} needs --ray")
+    elif args.threads is not None:
+        raise UsageError("--threads is for in-process scoring: with --ray each actor runs --cpus-per-actor threads")
 
 
 def run_score(args: argparse.Namespace) -> int:
@@ -129,6 +134,10 @@ def run_score(args: argparse.Namespace) -> int:
 
     gate = RateGate(args.gate_rate) if args.gate_rate is not None else None
     tune_malloc()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     with Cache(args.cache) if args.cache else contextlib.nullcontext() as cache:
         # the weights reordered for oneDNN (kernels.prepack) pay for their reorder only over several questions
         # (docs/api.md, `reorder_weights`)
@@ -163,7 +172,7 @@ def run_score_batch(args: argparse.Namespace) -> int:
                                    "cache that holds it with --cache DB")
     settings = Settings(checkpoint=resolved_checkpoint(args), device=args.device, dtype=device_dtype(args),
                         cache=args.cache, k=args.k, answering_model=args.answering_model.name, verify=args.verify,
-                        threads=None, reorder_weights=len(episodes) >= REORDER_FROM)
+                        threads=args.threads, reorder_weights=len(episodes) >= REORDER_FROM)
     summary = run_batch(episodes, args.out, settings, batch_size=args.batch_size, use_ray=args.ray,
                         ray_address=args.ray_address, actors=args.actors, cpus_per_actor=args.cpus_per_actor or 1.0)
     timing = ""

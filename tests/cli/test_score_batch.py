@@ -95,7 +95,7 @@ def test_a_run_killed_midway_resumes_without_duplicates_or_losses(tiny_checkpoin
     episodes = write_episodes(tmp_path, 24)
     out, log = tmp_path / "out.jsonl", tmp_path / "run.log"
     command = [sys.executable, "-m", "pixeltriage", "score", "--checkpoint", str(tiny_checkpoint),
-               "--episodes", str(episodes), "--out", str(out), "--batch-size", "2"]
+               "--episodes", str(episodes), "--out", str(out), "--batch-size", "2", "--threads", "1"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=ENV)
     deadline = time.monotonic() + 180
@@ -196,6 +196,7 @@ def test_an_output_that_is_not_ours_is_left_alone(tiny_checkpoint, tmp_path, mon
     (["--episodes", "{e}", "--out", "{o}", "--json"], "--json is for --episode"),
     (["--episodes", "{e}", "--out", "{o}", "--ray-address", "auto"], "--ray-address needs --ray"),
     (["--episodes", "{e}", "--out", "{o}", "--actors", "2"], "--actors needs --ray"),
+    (["--episodes", "{e}", "--out", "{o}", "--ray", "--threads", "2"], "--threads is for in-process scoring"),
     (["--episodes", "{e}", "--out", "{e}"], "--out is the --episodes file itself"),
     (["--episodes", "{e}", "--out", "{o}", "--ray", "--actors", "0"], "--actors: must be at least 1"),
     (["--episodes", "{e}", "--episode", "{e}", "--out", "{o}"], "not allowed with argument"),

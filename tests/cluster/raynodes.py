@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RAY_PORT = 6379
 OBJECT_STORE = 80 * 2**20            # bytes of /dev/shm per node: the tests move no large objects
 NODE_TIMEOUT = 120.0                 # seconds for a node to join (two shared cores, other work beside)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+       "RAY_USAGE_STATS_ENABLED": "0", "PIXELTRIAGE_MALLOC_TUNING": "0"}     # this checkout, for every process
 
 
 class Cluster:
@@ -34,9 +36,7 @@ class Cluster:
         self.token_path = logs / "ray-token"
         self.token_path.write_text(secrets.token_hex(32))
         self.token_path.chmod(0o600)
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path),
-                    "RAY_USAGE_STATS_ENABLED": "0", "PIXELTRIAGE_MALLOC_TUNING": "0"}
+        self.env = {**ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
         self.env.pop("RAY_ADDRESS", None)
         self.head: str | None = None
         self.nodes: dict[str, subprocess.Popen] = {}
