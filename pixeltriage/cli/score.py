@@ -8,9 +8,9 @@ import os
 import sys
 import time
 
-from pixeltriage.cli.common import (DEMO_PRESETS, add_checkpoint_arguments, add_device_arguments, device_dtype,
-                                    existing_file, fraction, input_file, int_at_least, new_file, positive_float,
-                                    resolved_checkpoint)
+from pixeltriage.cli.common import (DEMO_PRESETS, add_checkpoint_arguments, add_device_arguments, cache_target,
+                                    device_dtype, existing_file, fraction, input_file, int_at_least, new_file,
+                                    positive_float, resolved_checkpoint)
 from pixeltriage.delivery.profiles import (ANSWERING_MODEL_NAMES, DEFAULT_ANSWERING_MODEL, AnsweringModel,
                                            UnknownAnsweringModelError, answering_model)
 
@@ -45,9 +45,10 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
                         f"directory holding its preprocessor_config.json (default {DEFAULT_ANSWERING_MODEL}; "
                         "docs/delivery.md)")
     add_device_arguments(p)
-    p.add_argument("--cache", metavar="DB", type=new_file, default=None,
-                   help="write-time cache file (pixeltriage cache put): memories may be given by key, thumbnails "
-                        "are read from it and vision-tower outputs are stored in it for later questions")
+    p.add_argument("--cache", metavar="DB", type=cache_target, default=None,
+                   help="write-time cache file or postgresql:// URL (pixeltriage cache put): memories may be given "
+                        "by key, thumbnails are read from it and vision-tower outputs are stored in it for later "
+                        "questions")
     p.add_argument("--json", action="store_true", help="print one JSON object per episode")
     p.add_argument("--threads", metavar="N", type=int_at_least(1), default=None,
                    help="torch threads of the forward (default: torch's, one per core; with --ray: "

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from cli_inputs import ENV
@@ -21,7 +22,7 @@ from pixeltriage.cli import main
 TOL = 1e-5
 
 
-def write_episodes(tmp_path, count: int, *, keys=()) -> "Path":
+def write_episodes(tmp_path, count: int, *, keys=()) -> Path:
     """`count` episodes of 1-3 photos (by path), each with an id; `keys`: cache keys added as memories."""
     (tmp_path / "photos").mkdir(exist_ok=True)
     for i in range(5):
@@ -120,9 +121,14 @@ def test_a_run_killed_midway_resumes_without_duplicates_or_losses(tiny_checkpoin
     assert_matches(results, expected(tiny_checkpoint, episodes))
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def cache_path(request, tmp_path) -> str:
+    """A write-time cache on each backend: a file, or a database of the tests' PostgreSQL server by its URL."""
+    return str(tmp_path / "cache.db") if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+
+
 def test_an_episode_that_cannot_be_scored_gets_an_error_line_and_the_rest_are_scored(tiny_checkpoint, tmp_path,
-                                                                                    capsys):
-    cache_path = tmp_path / "cache.db"
+                                                                                    cache_path, capsys):
     with Cache(cache_path) as cache:
         key = cache.put(Image.new("RGB", (64, 48), (9, 9, 200)), note="a blue card")
     episodes = write_episodes(tmp_path, 4, keys=[key])
@@ -130,7 +136,7 @@ def test_an_episode_that_cannot_be_scored_gets_an_error_line_and_the_rest_are_sc
         f.write(json.dumps({"id": "missing", "question": "q?", "memories": [{"key": "0" * 64}]}) + "\n")
     out = tmp_path / "out.jsonl"
     argv = ["score", "--checkpoint", str(tiny_checkpoint), "--episodes", str(episodes), "--out", str(out),
-            "--cache", str(cache_path)]
+            "--cache", cache_path]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "4 scored, 1 failed" in err and "1 episodes could not be scored" in err
