@@ -166,10 +166,10 @@ def replica_status(_actor_object) -> dict:
     import ray
 
     replica, servable = _local_replica()
-    batcher = servable.service.batcher
+    batcher, cache = servable.service.batcher, servable.service.cache
     return {"replica": replica, "status": servable.service.readiness, "host": socket.gethostname(),
             "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
+            "node_ip": ray.util.get_node_ip_address(), "cache": cache.location if cache is not None else None,
             "admitted": batcher.admitted if batcher is not None else 0}
 
 

@@ -210,6 +210,7 @@ def test_metrics_and_info_hold_every_replica(ray_server):
     assert info["transport"]["server"] == "ray-serve-proxy" and info["transport"].get("http")
     assert info["ray"]["replicas"] == 2 and info["ray"]["cpus_per_replica"] == 0.5
     assert {r["pid"] for r in info["ray"]["replicas_live"]} == set(replica_pids(ray_server[0].pid))
+    assert {r["cache"] for r in info["ray"]["replicas_live"]} == {None}           # served without --cache
 
     before = httpx.get(url + "/metrics", timeout=30)
     assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
