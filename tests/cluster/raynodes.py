@@ -65,6 +65,30 @@ class Cluster:
     def start_worker(self, name: str, cpus: float = 1) -> None:
         self._start(name, ["--address", self.address], cpus)
 
+    def join(self, name: str, cpus: float = 1, tries: int = 3) -> int:
+        """Start worker `name` and wait until Ray lists it alive; a `ray start` that gives up meanwhile (its raylet
+        not registered within Ray's 30 s, as on an overloaded machine) is run again, as a service manager would,
+        up to `tries` times. The number of starts it took."""
+        for attempt in range(1, tries + 1):
+            self.start_worker(name, cpus)
+            deadline = time.monotonic() + NODE_TIMEOUT
+            while self.nodes[name].poll() is None and time.monotonic() < deadline:
+                if self.hosts.address(name) in {n["ip"] for n in self.alive_nodes()}:
+                    return attempt
+                time.sleep(2.0)
+            if self.nodes[name].poll() is None:
+                raise RuntimeError(f"Ray node {name} not alive after {NODE_TIMEOUT:.0f} s:\n{self.tail(name)}")
+        raise RuntimeError(f"Ray node {name} did not start in {tries} tries:\n{self.tail(name)}")
+
+    def wait_gone(self, name: str, timeout: float = NODE_TIMEOUT) -> float:
+        """Wait until Ray no longer lists node `name` alive: seconds waited."""
+        started = time.monotonic()
+        while self.hosts.address(name) in {n["ip"] for n in self.alive_nodes()}:
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"Ray still lists {name} alive after {timeout:.0f} s")
+            time.sleep(2.0)
+        return time.monotonic() - started
+
     def kill(self, name: str) -> list[int]:
         """SIGKILL every process of node `name` at once (`ray start`, its raylet, agents and workers)."""
         proc = self.nodes.pop(name)
@@ -97,7 +121,7 @@ class Cluster:
                 return nodes
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{len(nodes)} Ray nodes alive after {timeout:.0f} s, not {count}: {nodes}")
-            time.sleep(1.0)
+            time.sleep(2.0)
 
     def _head_listening(self) -> bool:
         probe = self.hosts.run(self.head, ["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{RAY_PORT}"], timeout=10)

@@ -1,5 +1,6 @@
 """`pixeltriage score --episodes --ray --ray-address` on Ray clusters of 1, 2 and 3 nodes, each node in its own
-network namespace with one Ray CPU (so one scoring actor each): every run's lines are the in-process run's (each
+network namespace with one Ray CPU (so one scoring actor each), every actor reading one write-time cache in
+PostgreSQL on a fourth host: every run's lines are the in-process run's (each
 id once, the same decision within 1e-5); a run SIGKILLed midway (the driver, its actors with it) leaves whole lines
 and the rerun scores only what is missing. Questions/s per cluster size are printed (-s): on this machine's two
 shared cores they show that the work is spread over the nodes and answered correctly, not how it scales."""
@@ -12,10 +13,13 @@ import time
 from collections import Counter
 
 import pytest
+from database import postgres_on
 from images import encoded, random_image
 from netns import Hosts, kill_session
 from PIL import Image
 from raynodes import ENV, Cluster
+
+from pixeltriage.store.cache import Cache
 
 pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install 'pixeltriage[ray]')")
 pytestmark = pytest.mark.cluster
@@ -25,15 +29,13 @@ TOL = 1e-5
 RUN_TIMEOUT = 600.0
 
 
-def _write_episodes(tmp_path, cache_path):
+def _write_episodes(tmp_path, cache_url):
     """EPISODES episodes of 1-3 memories: photos by path (the same path on every node: one file system here)
     and photos by key from the shared cache."""
-    from pixeltriage.store.cache import Cache
-
     (tmp_path / "photos").mkdir()
     for i in range(4):
         Image.new("RGB", (96 + 16 * i, 72), (60 * i, 120, 200 - 40 * i)).save(tmp_path / "photos" / f"p{i}.png")
-    with Cache(cache_path) as cache:
+    with Cache(cache_url) as cache:
         keys = [cache.put(encoded(random_image("RGB", (72, 54 + 6 * i), seed=i), "PNG"), note=f"card {i}")
                 for i in range(4)]
     path = tmp_path / "episodes.jsonl"
@@ -66,30 +68,30 @@ def _same(got: dict[str, dict], want: dict[str, dict]) -> None:
 
 
 def test_batch_scoring_over_one_two_and_three_nodes(namespaces, tiny_checkpoint, tmp_path):
-    cache_path = tmp_path / "cache.db"
-    episodes = _write_episodes(tmp_path, cache_path)
-    reference = tmp_path / "in-process.jsonl"
-    common = ["--checkpoint", str(tiny_checkpoint), "--episodes", str(episodes), "--cache", str(cache_path)]
-    done = subprocess.run([sys.executable, "-m", "pixeltriage", "score", *common, "--out", str(reference),
-                           "--threads", "1"], capture_output=True, text=True, timeout=RUN_TIMEOUT, env=ENV)
-    assert done.returncode == 0, done.stderr[-4000:]
-    print("in-process, 1 thread:", done.stderr.strip().splitlines()[-1])
-    want = _lines(reference)
-    assert len(want) == EPISODES
-
     figures = {}
-    with Hosts(["head", "w1", "w2"]) as hosts:
+    with Hosts(["head", "w1", "w2", "db"]) as hosts, postgres_on(hosts, "db") as database:
+        episodes = _write_episodes(tmp_path, database.local_url)
+        reference = tmp_path / "in-process.jsonl"
+        common = ["--checkpoint", str(tiny_checkpoint), "--episodes", str(episodes)]
+        done = subprocess.run([sys.executable, "-m", "pixeltriage", "score", *common, "--cache", database.local_url,
+                               "--out", str(reference), "--threads", "1"], capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT, env=ENV)
+        assert done.returncode == 0, done.stderr[-4000:]
+        print("in-process, 1 thread:", done.stderr.strip().splitlines()[-1])
+        want = _lines(reference)
+        assert len(want) == EPISODES
+
         cluster = Cluster(hosts, tmp_path)
         try:
             def score(out, log):
-                return hosts.popen("head", [sys.executable, "-m", "pixeltriage", "score", *common, "--out", str(out),
-                                            "--ray", "--ray-address", cluster.address, "--batch-size", "4"],
-                                   log=log, env=cluster.env)
+                return hosts.popen("head", [sys.executable, "-m", "pixeltriage", "score", *common, "--cache",
+                                            database.url, "--out", str(out), "--ray", "--ray-address",
+                                            cluster.address, "--batch-size", "4"], log=log, env=cluster.env)
 
             cluster.start_head("head", cpus=1)
             for size, name in ((1, None), (2, "w1"), (3, "w2")):
                 if name is not None:
-                    cluster.start_worker(name, cpus=1)
+                    cluster.join(name, cpus=1)
                     cluster.wait_nodes(size)
                 out, log = tmp_path / f"nodes-{size}.jsonl", tmp_path / f"nodes-{size}.log"
                 proc = score(out, log)

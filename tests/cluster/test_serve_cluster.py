@@ -4,9 +4,11 @@ own on the network: its own address, ports and loopback), that loses a worker no
 The head (198.18.0.1) runs Ray's GCS, Serve's controller and a proxy, and the `serve --ray` command; it takes no
 replica (`--num-cpus 0`, as a head usually does). The workers (198.18.0.2, .3) have 2 Ray CPUs each and take one
 replica each: `--max-replicas-per-node 1` puts the two apart and keeps them apart while one node is gone. Every
-replica reads the same write-time cache, and each question names its memories by cache key. A load client, a
-process of its own in the head's namespace, posts through the head's proxy. Then:
+replica reads one write-time cache in PostgreSQL on a fourth host (198.18.0.4), and each question names its
+memories by cache key. A load client, a process of its own in the head's namespace, posts through the head's
+proxy. Then:
 
+- every node's proxy answers /ready 200 (what a load balancer in front of them checks), the head's too;
 - a memory put through one node's proxy is scored through the other's (each proxy prefers its own node's
   replica): the cache is one;
 - worker 1 is killed whole (its `ray start`, raylet, agents and workers SIGKILLed) under load: every request is
@@ -27,9 +29,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from database import postgres_on
 from images import encoded, random_image
 from netns import Hosts, kill_session
 from raynodes import Cluster
+
+from pixeltriage import Memory, Scorer
+from pixeltriage.store.backend import redact
+from pixeltriage.store.cache import Cache
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'pixeltriage[ray]')")
 pytestmark = pytest.mark.cluster
@@ -41,17 +48,15 @@ RECOVER_TIMEOUT = 300.0        # the killed node back with a ready replica
 EXIT_TIMEOUT = 120.0           # SIGTERM -> the serve command gone
 GRACEFUL_TIMEOUT = 20.0
 STEADY = 8.0                   # seconds of load before the kill, after it, and after the node is back
-OUTAGE = 15.0                  # seconds the node stays away
+OUTAGE = 20.0                  # seconds from the kill to the node's `ray start` (at least until Ray lists it dead)
 ADMITTED = 2.0                 # a request sent this long before SIGTERM has reached its replica
 CLIENT_EXIT = 180.0            # the load client's last requests (its own deadline per request is 120 s)
 
 
-def _bodies(cache_path: Path, count: int) -> tuple[list[dict], list[tuple[str, list[str]]]]:
+def _bodies(cache_url: str, count: int) -> tuple[list[dict], list[tuple[str, list[str]]]]:
     """`count` /v1/score bodies whose memories are cache keys (1 to 3 each, of images put into the cache here),
     and the same questions as (question, keys) for the library."""
-    from pixeltriage.store.cache import Cache
-
-    with Cache(cache_path) as cache:
+    with Cache(cache_url) as cache:
         keys = [cache.put(encoded(random_image("RGB", (64 + 8 * i, 48 + 4 * i), seed=i), "PNG"), note=f"photo {i}")
                 for i in range(8)]
     bodies, questions = [], []
@@ -63,11 +68,8 @@ def _bodies(cache_path: Path, count: int) -> tuple[list[dict], list[tuple[str, l
     return bodies, questions
 
 
-def _expected(checkpoint, cache_path: Path, questions) -> list:
-    from pixeltriage import Memory, Scorer
-    from pixeltriage.store.cache import Cache
-
-    with Cache(cache_path) as cache:
+def _expected(checkpoint, cache_url: str, questions) -> list:
+    with Cache(cache_url) as cache:
         scorer = Scorer.load(checkpoint, cache=cache)
         return [scorer.score(q, [Memory(key=k) for k in keys]) for q, keys in questions]
 
@@ -122,20 +124,18 @@ class Head:
 
 def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoint, tmp_path):
     logs = tmp_path
-    cache_path = tmp_path / "cache.db"
-    bodies, questions = _bodies(cache_path, 12)
-    expected = _expected(tiny_checkpoint, cache_path, questions)
-    (tmp_path / "bodies.json").write_text(json.dumps(bodies))
-
-    with Hosts(["head", "w1", "w2"]) as hosts:
+    with Hosts(["head", "w1", "w2", "db"]) as hosts, postgres_on(hosts, "db") as database:
+        bodies, questions = _bodies(database.local_url, 12)
+        expected = _expected(tiny_checkpoint, database.local_url, questions)
+        (tmp_path / "bodies.json").write_text(json.dumps(bodies))
         cluster = Cluster(hosts, logs)
         head, w1, w2 = (hosts.address(n) for n in ("head", "w1", "w2"))
         url = f"http://{head}:{PORT}"
         try:
             t0 = time.monotonic()
             cluster.start_head("head", cpus=0)
-            cluster.start_worker("w1", cpus=2)
-            cluster.start_worker("w2", cpus=2)
+            cluster.join("w1", cpus=2)
+            cluster.join("w2", cpus=2)
             nodes = cluster.wait_nodes(3)
             print(f"cluster: {len(nodes)} nodes in {time.monotonic() - t0:.0f} s: {nodes}")
 
@@ -144,7 +144,7 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
                 sys.executable, "-m", "pixeltriage", "serve", "--ray", "--ray-address", cluster.address,
                 "--replicas", "2", "--max-replicas-per-node", "1", "--cpus-per-replica", "1",
                 "--host", "0.0.0.0", "--port", str(PORT), "--checkpoint", str(tiny_checkpoint),
-                "--cache", str(cache_path), "--graceful-timeout", str(GRACEFUL_TIMEOUT)], log=serve_log,
+                "--cache", database.url, "--graceful-timeout", str(GRACEFUL_TIMEOUT)], log=serve_log,
                 env=cluster.env)
             deadline = time.monotonic() + READY_TIMEOUT
             while b"ready on" not in serve_log.read_bytes():
@@ -153,10 +153,13 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
                 time.sleep(0.5)
             print(f"serve --ray ready {time.monotonic() - t0:.0f} s after the first node started")
 
-            # spread: one replica on each worker, none on the head
+            # spread: one replica on each worker, none on the head; each reads the one PostgreSQL cache
             probe = Head(hosts)
             live = probe.replicas_on(url, {w1, w2}, 60.0)
             replica_on = {r["node_ip"]: r["replica"] for r in live}
+            assert {r["cache"] for r in live} == {redact(database.url)}, live
+            for node in (head, w1, w2):
+                assert probe.get(f"http://{node}:{PORT}/ready").status_code == 200, node
 
             # one cache: a memory put through worker 1's proxy is scored through worker 2's, and the other way
             # round; both replicas answer
@@ -165,10 +168,7 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
                              {"image": base64.b64encode(image).decode(), "note": "put through one node"})
             assert put.status_code == 200, put.text
             key = put.json()["key"]
-            from pixeltriage import Memory, Scorer
-            from pixeltriage.store.cache import Cache
-
-            with Cache(cache_path) as cache:
+            with Cache(database.local_url) as cache:
                 want = Scorer.load(tiny_checkpoint, cache=cache).score("the new photo?", [Memory(key=key)])
             before = probe.score_200s(url)
             for proxy in (w2, w1):
@@ -193,16 +193,21 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
             before_kill = probe.score_200s(url)
             killed_at = time.monotonic()
             killed = cluster.kill("w1")
-            print(f"killed worker 1 ({len(killed)} processes) at +{killed_at - t0:.0f} s")
-            time.sleep(OUTAGE)
+            noticed = cluster.wait_gone("w1")
+            print(f"killed worker 1 ({len(killed)} processes) at +{killed_at - t0:.0f} s; Ray lists it dead "
+                  f"{noticed:.0f} s later")
+            time.sleep(max(0.0, killed_at + OUTAGE - time.monotonic()))
             back_at = time.monotonic()
-            cluster.start_worker("w1", cpus=2)
+            starts = cluster.join("w1", cpus=2)
+            joined_at = time.monotonic()
             live = probe.replicas_on(url, {w1, w2}, RECOVER_TIMEOUT)
             recovered_at = time.monotonic()
             returned = {r["node_ip"]: r["replica"] for r in live}[w1]
             assert returned != replica_on[w1]
-            print(f"worker 1 back after {back_at - killed_at:.0f} s; a replica ready on it "
-                  f"{recovered_at - back_at:.0f} s later ({recovered_at - killed_at:.0f} s after the kill)")
+            assert {r["cache"] for r in live} == {redact(database.url)}, live
+            print(f"worker 1 started again {back_at - killed_at:.0f} s after the kill ({starts} `ray start`); in "
+                  f"the cluster {joined_at - back_at:.0f} s later; a replica ready on it {recovered_at - joined_at:.0f} "
+                  f"s after that ({recovered_at - killed_at:.0f} s after the kill)")
             time.sleep(STEADY)
             after_return = probe.score_200s(url)
             assert after_return.get(returned, 0) > 0, (returned, after_return)    # the returned replica answers
@@ -227,7 +232,7 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
 
     entries = [json.loads(line) for line in attempts.read_text().splitlines()]
     _judge(entries, expected, signalled=signalled, exited=exited, served_before_kill=before_kill,
-           figures=dict(killed_at=killed_at, back_at=back_at, recovered_at=recovered_at))
+           figures=dict(killed_at=killed_at, recovered_at=recovered_at))
 
 
 def _judge(entries, expected, *, signalled, exited, served_before_kill, figures) -> None:
@@ -248,8 +253,6 @@ def _judge(entries, expected, *, signalled, exited, served_before_kill, figures)
     print("from the kill to the returned replica:", len(outage), "attempts,", dict(Counter(e["status"] for e in outage)))
     print("draining (sent from 2 s before SIGTERM):", dict(Counter(e["status"] for e in draining)),
           f"SIGTERM -> exit {exited - signalled:.1f} s")
-    print(f"recovery: node back {figures['back_at'] - figures['killed_at']:.0f} s after the kill, its replica ready "
-          f"{figures['recovered_at'] - figures['back_at']:.0f} s later")
     print("replicas' 200s before the kill:", served_before_kill)
 
     # every attempt: 200, or 503/429 with Retry-After; never 500, 404, a reset; refused only once the proxy stopped
