@@ -22,7 +22,7 @@ from raynodes import ENV, Cluster
 from pixeltriage.store.cache import Cache
 
 pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install 'pixeltriage[ray]')")
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.slow
 
 EPISODES = 320
 TOL = 1e-5

@@ -39,7 +39,7 @@ from pixeltriage.store.backend import redact
 from pixeltriage.store.cache import Cache
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'pixeltriage[ray]')")
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.slow
 
 PORT = 8000
 TOL = 1e-5
