@@ -1,6 +1,6 @@
 """A load client of the cluster tests, run as its own process (in the head's namespace): `--threads` closed loops
 post the questions of `--bodies` (a JSON list of /v1/score bodies, taken in turn) to `--url`, each request with an
-id of its own (`r<n>`), until the file `--stop` appears or `--duration` s have passed.
+id of its own (`r<n>`) and the Bearer key of `--api-key-file`, until the file `--stop` appears or `--duration` s have passed.
 
 A request is retried, with the same id, after a 503 or 429 (after its Retry-After, at most MAX_WAIT s) and after a
 connection failure (RETRY_PAUSE s later), until it is answered otherwise or REQUEST_DEADLINE s have passed; once
@@ -66,9 +66,12 @@ def main() -> int:
     p.add_argument("--stop", required=True)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--duration", type=float, default=600.0)
+    p.add_argument("--api-key-file", required=True)
     args = p.parse_args()
     with open(args.bodies) as f:
         bodies = json.load(f)
+    with open(args.api_key_file) as f:
+        headers = {"authorization": f"Bearer {f.read().strip()}"}
     lock = threading.Lock()
     counter = iter(range(10**9))
     out = open(args.out, "a", buffering=1)
@@ -79,7 +82,7 @@ def main() -> int:
             out.write(json.dumps(entry) + "\n")
 
     def loop() -> None:
-        with httpx.Client(timeout=REQUEST_DEADLINE) as client:
+        with httpx.Client(timeout=REQUEST_DEADLINE, headers=headers) as client:
             while not os.path.exists(args.stop) and time.monotonic() < deadline:
                 with lock:
                     n = next(counter)

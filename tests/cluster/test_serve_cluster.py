@@ -4,11 +4,12 @@ own on the network: its own address, ports and loopback), that loses a worker no
 The head (198.18.0.1) runs Ray's GCS, Serve's controller and a proxy, and the `serve --ray` command; it takes no
 replica (`--num-cpus 0`, as a head usually does). The workers (198.18.0.2, .3) have 2 Ray CPUs each and take one
 replica each: `--max-replicas-per-node 1` puts the two apart and keeps them apart while one node is gone. Every
-replica reads one write-time cache in PostgreSQL on a fourth host (198.18.0.4), and each question names its
-memories by cache key. A load client, a process of its own in the head's namespace, posts through the head's
-proxy. Then:
+replica reads one write-time cache in PostgreSQL on a fourth host (198.18.0.4), and each question names its memories
+by cache key. The command is given an API key file; every node's proxy asks for the key. A load client, a process of
+its own in the head's namespace, posts through the head's proxy. Then:
 
-- every node's proxy answers /ready 200 (what a load balancer in front of them checks), the head's too;
+- every node's proxy answers /ready 200 (what a load balancer in front of them checks), the head's too, and refuses
+  a question without the key (401);
 - a memory put through one node's proxy is scored through the other's (each proxy prefers its own node's
   replica): the cache is one;
 - worker 1 is killed whole (its `ray start`, raylet, agents and workers SIGKILLed) under load: every request is
@@ -21,6 +22,7 @@ proxy. Then:
 The figures (requests, statuses, retries, time to recover) are printed (-s shows them)."""
 import base64
 import json
+import secrets
 import signal
 import sys
 import time
@@ -82,18 +84,18 @@ def _close(entry: dict, want) -> bool:
 
 
 class Head:
-    """The test's own HTTP client, from the head's namespace (its sockets are opened there)."""
+    """The test's own HTTP client, from the head's namespace (its sockets are opened there), with the API key."""
 
-    def __init__(self, hosts: Hosts):
-        self.hosts = hosts
+    def __init__(self, hosts: Hosts, key: str):
+        self.hosts, self.headers = hosts, {"authorization": f"Bearer {key}"}
 
     def get(self, url: str) -> httpx.Response:
         with self.hosts.entered("head"):
-            return httpx.get(url, timeout=30)
+            return httpx.get(url, timeout=30, headers=self.headers)
 
-    def post(self, url: str, body: dict) -> httpx.Response:
+    def post(self, url: str, body: dict, *, key: bool = True) -> httpx.Response:
         with self.hosts.entered("head"):
-            return httpx.post(url, json=body, timeout=60)
+            return httpx.post(url, json=body, timeout=60, headers=self.headers if key else None)
 
     def score_200s(self, url: str) -> dict[str, float]:
         """{replica id: its /v1/score 200s} from the deployment's /metrics."""
@@ -128,6 +130,8 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
         bodies, questions = _bodies(database.local_url, 12)
         expected = _expected(tiny_checkpoint, database.local_url, questions)
         (tmp_path / "bodies.json").write_text(json.dumps(bodies))
+        key, key_file = secrets.token_urlsafe(24), tmp_path / "api-keys.txt"
+        key_file.write_text(key + "\n")
         cluster = Cluster(hosts, logs)
         head, w1, w2 = (hosts.address(n) for n in ("head", "w1", "w2"))
         url = f"http://{head}:{PORT}"
@@ -144,8 +148,8 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
                 sys.executable, "-m", "pixeltriage", "serve", "--ray", "--ray-address", cluster.address,
                 "--replicas", "2", "--max-replicas-per-node", "1", "--cpus-per-replica", "1",
                 "--host", "0.0.0.0", "--port", str(PORT), "--checkpoint", str(tiny_checkpoint),
-                "--cache", database.url, "--graceful-timeout", str(GRACEFUL_TIMEOUT)], log=serve_log,
-                env=cluster.env)
+                "--cache", database.url, "--api-key-file", str(key_file), "--graceful-timeout", str(GRACEFUL_TIMEOUT)],
+                log=serve_log, env=cluster.env)
             deadline = time.monotonic() + READY_TIMEOUT
             while b"ready on" not in serve_log.read_bytes():
                 assert server.poll() is None, serve_log.read_text(errors="replace")
@@ -154,12 +158,14 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
             print(f"serve --ray ready {time.monotonic() - t0:.0f} s after the first node started")
 
             # spread: one replica on each worker, none on the head; each reads the one PostgreSQL cache
-            probe = Head(hosts)
+            probe = Head(hosts, key)
             live = probe.replicas_on(url, {w1, w2}, 60.0)
             replica_on = {r["node_ip"]: r["replica"] for r in live}
             assert {r["cache"] for r in live} == {redact(database.url)}, live
             for node in (head, w1, w2):
                 assert probe.get(f"http://{node}:{PORT}/ready").status_code == 200, node
+                refused = probe.post(f"http://{node}:{PORT}/v1/score", {"question": "q?"}, key=False)
+                assert refused.status_code == 401, (node, refused.status_code, refused.text)
 
             # one cache: a memory put through worker 1's proxy is scored through worker 2's, and the other way
             # round; both replicas answer
@@ -187,7 +193,8 @@ def test_a_cluster_loses_a_node_under_load_and_drains(namespaces, tiny_checkpoin
             attempts, stop = logs / "attempts.jsonl", logs / "stop"
             client = hosts.popen("head", [sys.executable, str(Path(__file__).with_name("load_client.py")),
                                           "--url", url + "/v1/score", "--bodies", str(logs / "bodies.json"),
-                                          "--out", str(attempts), "--stop", str(stop), "--threads", "4"],
+                                          "--out", str(attempts), "--stop", str(stop), "--threads", "4",
+                                          "--api-key-file", str(key_file)],
                                  log=logs / "client.log", env=cluster.env)
             time.sleep(STEADY)
             before_kill = probe.score_200s(url)
