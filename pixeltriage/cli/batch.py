@@ -30,6 +30,7 @@ from typing import Iterable, Iterator
 
 from pixeltriage.errors import PixelTriageError
 
+ACTORS_START_TIMEOUT = 600  # seconds: a pool that fits the cluster has every actor's Scorer loaded before it scores
 FSYNC_EVERY = 1.0          # seconds: the output is fsynced at most this often while results arrive, and at the end
 
 
@@ -179,6 +180,7 @@ class BatchScorer:
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)
         self.settings = settings
+        self.node = _ray_node()
         self.answering = answering_model(settings.answering_model)
         self.cache = Cache(settings.cache) if settings.cache else None
         self.scorer = Scorer.load(settings.checkpoint, device=settings.device, dtype=settings.dtype,
@@ -189,12 +191,12 @@ class BatchScorer:
         chunk = self.chunk(list(batch["id"]), [json.loads(text) for text in batch["episode"]])
         n = len(chunk.lines)
         return {"id": list(batch["id"]), "line": chunk.lines, "failed": chunk.failed, "started": [chunk.started] * n,
-                "finished": [chunk.finished] * n}
+                "finished": [chunk.finished] * n, "node": [self.node] * n}
 
     def chunk(self, ids: list[str], episodes: list[dict]) -> "Chunk":
         started = time.time()
         lines, failed = self.lines(ids, episodes)
-        return Chunk(lines, failed, started, time.time())
+        return Chunk(lines, failed, started, time.time(), [self.node] * len(lines))
 
     def lines(self, ids: list[str], episodes: list[dict]) -> tuple[list[str], list[bool]]:
         """The result line of each episode, in order (its decision, or its error when it cannot be packed), and
@@ -218,15 +220,25 @@ class BatchScorer:
         return lines, failed
 
 
+def _ray_node() -> str | None:
+    """The address of the Ray node this process runs on (a Ray actor's), None outside Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.util.get_node_ip_address()
+
+
 @dataclass(frozen=True)
 class Chunk:
-    """The result lines of a batch of episodes, which of them are errors, and when the scorer began and ended the
-    batch (wall clock, seconds since the epoch: comparable across the processes and, clocks in step, the nodes)."""
+    """The result lines of a batch of episodes, which of them are errors, when the scorer began and ended the
+    batch (wall clock, seconds since the epoch: comparable across the processes and, clocks in step, the nodes),
+    and the Ray node that scored each line (None in-process)."""
 
     lines: list[str]
     failed: list[bool]
     started: float
     finished: float
+    nodes: list[str | None]
 
 
 class Progress:
@@ -260,6 +272,7 @@ class Summary:
     seconds: float = 0.0               # the whole run: loading (on Ray: joining it, starting the actors) included
     busy_from: float | None = None     # when a scorer began its first batch (wall clock)
     busy_to: float | None = None       # when a scorer ended its last batch
+    nodes: dict[str, int] = dataclasses.field(default_factory=dict)    # on Ray: episodes scored per node address
 
     @property
     def scoring_seconds(self) -> float:
@@ -297,6 +310,9 @@ def run_batch(episodes: list[Episode], out: str | os.PathLike, settings: Setting
             summary.busy_to = max(summary.busy_to or chunk.finished, chunk.finished)
             summary.failed += sum(chunk.failed)
             summary.scored += len(chunk.lines) - sum(chunk.failed)
+            for node in chunk.nodes:
+                if node is not None:
+                    summary.nodes[node] = summary.nodes.get(node, 0) + 1
             progress.update(len(chunk.lines))
             summary.seconds = time.perf_counter() - started
     finally:
@@ -342,6 +358,8 @@ def _ray_results(pending: list[Episode], settings: Settings, batch_size: int, ad
         if size * cpus_per_actor > cpus:
             print(f"score: {size} actors of {cpus_per_actor:g} CPUs need {size * cpus_per_actor:g} CPUs; the Ray "
                   f"cluster has {cpus:g}: the rest wait for room", file=sys.stderr)
+        else:       # every actor loaded before the first batch, so that each takes its share from the start
+            context.wait_for_min_actors_s = ACTORS_START_TIMEOUT
         if settings.device == "cpu":
             settings = dataclasses.replace(settings, threads=settings.threads or max(1, math.floor(cpus_per_actor)))
         rows = [{"id": e.id, "episode": json.dumps(e.episode)} for e in pending]
@@ -351,6 +369,6 @@ def _ray_results(pending: list[Episode], settings: Settings, batch_size: int, ad
                                      num_gpus=1 if settings.device == "cuda" else 0, batch_format="numpy")
         for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
             yield Chunk([str(line) for line in batch["line"]], [bool(f) for f in batch["failed"]],
-                        float(min(batch["started"])), float(max(batch["finished"])))
+                        float(min(batch["started"])), float(max(batch["finished"])), [str(n) for n in batch["node"]])
     finally:
         ray.shutdown()

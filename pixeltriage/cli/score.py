@@ -180,6 +180,9 @@ def run_score_batch(args: argparse.Namespace) -> int:
     if summary.busy_from is not None:
         timing = (f" in {summary.seconds:.1f} s, of which {summary.scoring_seconds:.1f} s scoring "
                   f"({summary.rate:.2f} questions/s)")
+    if summary.nodes:
+        timing += (f" on {len(summary.nodes)} Ray node{'s' if len(summary.nodes) > 1 else ''} ("
+                   + ", ".join(f"{node}: {n}" for node, n in sorted(summary.nodes.items())) + ")")
     print(f"score: {summary.scored} scored, {summary.failed} failed, {summary.skipped} already in {args.out}{timing}",
           file=sys.stderr)
     failed = summary.failed + summary.failed_before

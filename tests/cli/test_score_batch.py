@@ -5,6 +5,7 @@ machine crash cut the last line short; bad input and bad flags are one-line erro
 episode that cannot be scored gets an error line and the rest are scored; on Ray Data (a real local Ray, two
 actors) the lines are the same. The same on a cluster of network-namespace nodes: tests/cluster."""
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -235,4 +236,5 @@ def test_on_ray_data_the_lines_are_the_same(tiny_checkpoint, tmp_path):
                           env={**ENV, "RAY_USAGE_STATS_ENABLED": "0"})
     assert done.returncode == 0, done.stderr[-4000:]
     assert "10 scored, 0 failed, 0 already in" in done.stderr
+    assert re.search(r"questions/s\) on 1 Ray node \([\d.]+: 10\)", done.stderr), done.stderr[-2000:]
     assert_matches(read_out(out), expected(tiny_checkpoint, episodes))

@@ -1,9 +1,9 @@
-"""`pixeltriage score --episodes --ray --ray-address` on Ray clusters of 1, 2 and 3 nodes, each node in its own
-network namespace with one Ray CPU (so one scoring actor each), every actor reading one write-time cache in
-PostgreSQL on a fourth host: every run's lines are the in-process run's (each
-id once, the same decision within 1e-5); a run SIGKILLed midway (the driver, its actors with it) leaves whole lines
-and the rerun scores only what is missing. Questions/s per cluster size are printed (-s): on this machine's two
-shared cores they show that the work is spread over the nodes and answered correctly, not how it scales."""
+"""`pixeltriage score --episodes --ray --ray-address` on Ray clusters of 1, 2 and 3 nodes, each node in its own network
+namespace with one Ray CPU (so one scoring actor each), every actor reading one write-time cache in PostgreSQL on a
+fourth host: every run's lines are the in-process run's (each id once, the same decision within 1e-5) and every node
+scored some of them; a run SIGKILLed midway (the driver, its actors with it) leaves whole lines and the rerun scores
+only what is missing. Questions/s per cluster size are printed (-s): on this machine's two shared cores they show
+that the work is spread over the nodes and answered correctly, not how it scales."""
 import json
 import re
 import signal
@@ -99,10 +99,13 @@ def test_batch_scoring_over_one_two_and_three_nodes(namespaces, tiny_checkpoint,
                 summary = log.read_text().strip().splitlines()[-1]
                 assert f"{EPISODES} scored, 0 failed, 0 already in" in summary, summary
                 _same(_lines(out), want)
+                nodes = dict(re.findall(r"(198\.18\.0\.\d+): (\d+)", summary))
+                assert f" on {size} Ray node" in summary and len(nodes) == size, summary     # every node scored
+                assert sum(int(n) for n in nodes.values()) == EPISODES, summary
                 figures[size] = re.search(r" in ([\d.]+) s, of which ([\d.]+) s scoring \(([\d.]+) questions/s\)",
                                           summary).groups()
                 print(f"{size} node(s), {size} actor(s): {EPISODES} questions in {figures[size][0]} s, of which "
-                      f"{figures[size][1]} s scoring: {figures[size][2]} questions/s")
+                      f"{figures[size][1]} s scoring: {figures[size][2]} questions/s; per node {nodes}")
 
             # the driver SIGKILLed midway on three nodes: whole lines only, and the rerun completes them
             out, log = tmp_path / "killed.jsonl", tmp_path / "killed.log"
