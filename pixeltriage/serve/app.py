@@ -375,7 +375,16 @@ async def parse_body(request: Request, model: type[Strict]) -> Strict:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False, include_input=False, include_context=True)) from None
+        raise RequestValidationError([_body_error(error) for error in e.errors(include_url=False)]) from None
+
+
+def _body_error(error: dict) -> dict:
+    """A pydantic error of a body as FastAPI words its own: located in the "body" (so that a field named like a
+    location, `query`, keeps its name), a null said to be one, and the input itself dropped (never echoed)."""
+    given = error.pop("input", None)
+    if given is None and error["type"].endswith("_type"):
+        error["msg"] = f"null is not accepted here: {error['msg'][0].lower()}{error['msg'][1:]}"
+    return {**error, "loc": ("body", *error["loc"])}
 
 
 def _document_bodies(app: FastAPI) -> None:
@@ -401,9 +410,10 @@ def _document_bodies(app: FastAPI) -> None:
 # -- errors ----------------------------------------------------------------------------------------------------------
 def _error(status: int, kind: str, message: str, field: str | None = None, headers: dict | None = None,
            path: str = "", **extra) -> Response:
-    """An error body: TEI's `{error, error_type}` with the field; on COHERE_PATHS Cohere's `message` too."""
+    """An error body: TEI's `{error, error_type}` with the field; on COHERE_PATHS Cohere's `message` and Jina's
+    `detail` too."""
     if path in COHERE_PATHS:
-        extra["message"] = message
+        extra["message"] = extra["detail"] = message
     return _json({"error": message, "error_type": kind, "field": field, **extra}, headers, status)
 
 
@@ -430,7 +440,7 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         field = field_path(first.get("loc", ()))
         failures.labels("invalid_input").inc()
-        message = str(first.get("msg"))
+        message = str(first.get("msg")).removeprefix("Value error, ")
         if first.get("type") == "string_too_long":
             message = (f"longer than this server's limit of {first['ctx']['max_length']} characters for this field "
                        "(docs/serve.md, Limits)")
@@ -442,7 +452,8 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         failures.labels(FAILURE_OF.get(kind, "internal")).inc()
         inner = e.error if isinstance(e, FieldError) else e
         field = e.field if isinstance(e, FieldError) else getattr(e, "field", None)
-        message = str(inner) if isinstance(inner, InvalidRequestError) or not field else f"{field}: {inner}"
+        # the request's field, then the reason alone: never the library's "memory 3" for a request's documents[5]
+        message = f"{field}: {getattr(inner, 'reason', None) or inner}" if field else str(inner)
         extra = {"reason": inner.reason} if isinstance(inner, InvalidMemoryError) else {}
         # a 503 raised past the guard (a request admitted just before a drain) says when to retry, as the guard's do
         headers = ({"retry-after": str(math.ceil(inner.retry_after))} if isinstance(inner, OverloadedError)
@@ -485,7 +496,7 @@ def field_path(loc: Sequence) -> str | None:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in ("function-after[one_source()]", "function-after[matches_type()]", *DOCUMENT_TAGS):
+        elif not part.startswith("function-") and part not in DOCUMENT_TAGS:       # validators, union branches
             out += f".{part}" if out else str(part)
     return out or None
 

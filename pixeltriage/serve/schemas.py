@@ -246,6 +246,8 @@ class ErrorBody(BaseModel):
     reason: Optional[str] = Field(None, description="invalid_memory: the library's reason, without 'memory N: '")
     message: Optional[str] = Field(None, description="/v1/rerank and /v2/rerank: `error` again, where Cohere's SDK "
                                                      "reads it")
+    detail: Optional[str] = Field(None, description="/v1/rerank and /v2/rerank: `error` again, where Jina's clients "
+                                                    "read it")
 
 
 class Status(BaseModel):
