@@ -48,7 +48,7 @@ from pixeltriage.errors import (InvalidMemoryError, InvalidRequestError, Overloa
 from pixeltriage.serve import status as service_status
 from pixeltriage.serve.infer import (Admission, Answer, ClientDisconnected, FieldError, Infer, Question, Reranked,
                                      RerankQuestion, RequestTiming, ScoredQuestion)
-from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_TAGS, BatchRequest, BatchResponse,
+from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_STATUSES, DOCUMENT_TAGS, BatchRequest, BatchResponse,
                                        Delivery, ErrorBody, MemoryInfo, MemoryPut, Policy, RerankDocument,
                                        RerankExtra, RerankRequest, RerankResponse, RerankResult, RerankSummary,
                                        RetrieveHit, RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse,
@@ -209,7 +209,7 @@ async def rerank_tei(infer: Infer, body: TEIRerankRequest, request: Request) -> 
                      pixeltriage=_rerank_extra(d, reranked)).model_dump() for d in reranked.documents[:body.top_n]]
     if not body.return_text:
         ranks = [{k: v for k, v in r.items() if k != "text"} for r in ranks]
-    return _answer(answer, ranks)
+    return _reranked(answer, ranks)
 
 
 def cohere_rerank(version: str) -> Callable[[Infer, RerankRequest, Request], Awaitable[Response]]:
@@ -233,7 +233,7 @@ async def _cohere(infer: Infer, request: Request, body: RerankRequest, version: 
                             pixeltriage=_rerank_extra(d, reranked)) for d in reranked.documents[:body.top_n]]
     summary = RerankSummary(p_vis=reranked.scores.p_vis, relevance_none=reranked.scores.relevance_none,
                             opened=sorted(d.index for d in reranked.documents if d.open), state_tokens=tokens,
-                            query_truncated=reranked.query_truncated)
+                            query_truncated=reranked.query_truncated, statuses=_statuses(reranked))
     response = RerankResponse(id=uuid.uuid4().hex, model=body.model, results=results, pixeltriage=summary,
                               meta={"api_version": {"version": version},
                                     "tokens": {"input_tokens": tokens, "output_tokens": 0}},
@@ -241,7 +241,7 @@ async def _cohere(infer: Infer, request: Request, body: RerankRequest, version: 
     for result in response["results"]:
         if not body.return_documents:
             del result["document"]
-    return _answer(answer, response)
+    return _reranked(answer, response)
 
 
 async def _rerank(infer: Infer, request: Request, body: RerankRequest, documents: Sequence,
@@ -252,13 +252,31 @@ async def _rerank(infer: Infer, request: Request, body: RerankRequest, documents
         raise InvalidRequestError("System One's scores are probabilities (the gain); this server answers "
                                   "raw_scores: false only", "raw_scores")
     rerank = RerankQuestion(body.query, documents, body.policy or Policy(k=DEFAULT_OPEN_K), collection,
-                            body.truncate is not False, body.max_tokens_per_doc, body.pixeltriage_score)
+                            body.truncate is not False, body.max_tokens_per_doc, body.pixeltriage_score, body.strict)
     return await infer.rerank(rerank, _admission(request, body.timeout_s, 0))
 
 
 def _rerank_extra(document: RankedDocument, reranked: Reranked) -> RerankExtra:
-    return RerankExtra(image=document.image, gain=document.gain, relevance=document.relevance,
-                       p_vis=reranked.scores.p_vis, open=document.open, truncated=document.truncated)
+    return RerankExtra(status=document.status, detail=document.detail, image=document.image, gain=document.gain,
+                       relevance=document.relevance, p_vis=reranked.scores.p_vis, open=document.open,
+                       truncated=document.truncated)
+
+
+def _statuses(reranked: Reranked) -> dict[str, int]:
+    """The documents of each status, every status named (0 included)."""
+    counts = dict.fromkeys(DOCUMENT_STATUSES, 0)
+    for document in reranked.documents:
+        counts[document.status] += 1
+    return counts
+
+
+def _reranked(answer: Answer[Reranked], content) -> Response:
+    """A rerank's answer with its documents' statuses in a header too (`x-pixeltriage-documents: scored=3,
+    unknown_key=1`: TEI's list has no summary to carry them)."""
+    response = _answer(answer, content)
+    counts = _statuses(answer.result)
+    response.headers["x-pixeltriage-documents"] = ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "none"
+    return response
 
 
 # -- the write-time cache --------------------------------------------------------------------------------------------

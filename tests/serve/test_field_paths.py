@@ -22,7 +22,7 @@ DOCUMENTS = ["plain text", {"text": "t", "image": PNG, "dialogue": "d", "date": 
 POLICY = {"k": 1, "token_budget": 100, "gate_rate": 0.5, "gate_stream": "s", "answering_model": "qwen2.5-vl"}
 RERANK = {"model": "m", "query": "q", "documents": DOCUMENTS, "top_n": 2, "return_documents": True,
           "max_tokens_per_doc": 10, "max_chunks_per_doc": 1, "truncate": True, "raw_scores": False, "policy": POLICY,
-          "pixeltriage_score": "gain", "timeout_s": 1.0}
+          "pixeltriage_score": "gain", "strict": False, "timeout_s": 1.0}
 MEMORIES = [{"key": KEY, "note": "n"}, {"image": PNG, "note": "n", "dialogue": "d", "date": "2026-01-01"},
             {"path": "photos/mug.png"}]
 EXAMPLES = {
