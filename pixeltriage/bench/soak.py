@@ -247,7 +247,7 @@ def run_soak(args: argparse.Namespace) -> int:
               "episodes": args.episodes, "memories": args.memories, "max_queued": args.max_queued,
               "duration_s": args.duration, "baseline_s": baseline, "burst_size": BURST_FACTOR * args.max_queued,
               "burst_every_s": BURST_EVERY_S, "load_average": list(os.getloadavg()),
-              # the malloc switches the server inherits (the A/B runs of docs/serve.md set them)
+              # the malloc switches the server inherits, so that a run with any of them set says so
               "malloc_env": {k: os.environ[k] for k in ("PIXELTRIAGE_MALLOC_TUNING", "PIXELTRIAGE_MALLOC_TRIM",
                                                         "MALLOC_ARENA_MAX") if k in os.environ}}
     local = Local(checkpoint, args.device, dtype, eps)

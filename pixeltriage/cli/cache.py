@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from pixeltriage.cli.common import VERBOSITY, existing_file, new_file
+from pixeltriage.cli.common import VERBOSITY, cache_target, existing_cache, existing_file
 from pixeltriage.media.policy import THUMBNAIL_SIDE
 
 
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     put = sub.add_parser("put", help="store thumbnails (and notes) of images", parents=[VERBOSITY],
                          description=f"Store the {THUMBNAIL_SIDE}-px thumbnail of each image, and its note, "
                                      "and print 'KEY<TAB>PATH' per image.")
-    put.add_argument("db", type=new_file, help="cache file (created if missing)")
+    put.add_argument("db", type=cache_target, help="cache file (created if missing), or a postgresql:// URL")
     put.add_argument("images", nargs="+", type=existing_file, help="image files")
     put.add_argument("--notes", metavar="FILE", type=existing_file,
                      help="JSON object {image: note}; an image is matched by its path as given "
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     index = put.add_argument_group("region index (pixeltriage retrieve)")
     add_encoder_arguments(index, "--index-encoder", required=False)
     stats = sub.add_parser("stats", help="print the cache's counts and sizes as JSON", parents=[VERBOSITY])
-    stats.add_argument("db", type=existing_file, help="cache file")
+    stats.add_argument("db", type=existing_cache, help="cache file, or a postgresql:// URL")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -281,7 +281,7 @@ class Scorer:
             f = self.cache.get_features(key, fingerprint) if key else None
             if f is not None and (tuple(f.shape) != (n, hidden) or f.dtype != self.dtype):
                 log.warning("cache %s: features of %s have shape %s %s, expected (%d, %d) %s; recomputing",
-                            self.cache.path, key, tuple(f.shape), f.dtype, n, hidden, self.dtype)
+                            self.cache.location, key, tuple(f.shape), f.dtype, n, hidden, self.dtype)
                 f = None
             features.append(f)
         missing = [i for i, f in enumerate(features) if f is None]

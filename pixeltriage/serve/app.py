@@ -44,12 +44,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pixeltriage.delivery.decision import Decision, RankedDocument
 from pixeltriage.errors import (InvalidMemoryError, InvalidRequestError, OverloadedError, PixelTriageError,
-                                ServiceUnavailableError)
+                                ServiceUnavailableError, StoreCorruptError, StoreError, StoreReadOnlyError,
+                                StoreUnavailableError)
 from pixeltriage.serve import status as service_status
 from pixeltriage.serve.infer import (Admission, Answer, ClientDisconnected, FieldError, Infer, Question, Reranked,
                                      RerankQuestion, RequestTiming, ScoredQuestion)
-from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_STATUSES, DOCUMENT_TAGS, BatchRequest, BatchResponse,
-                                       Delivery, ErrorBody, MemoryInfo, MemoryPut, Policy, RerankDocument,
+from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_STATUSES, DOCUMENT_TAGS, BatchRequest,
+                                       BatchResponse, Delivery, ErrorBody, MemoryInfo, MemoryPut, Policy, RerankDocument,
                                        RerankExtra, RerankRequest, RerankResponse, RerankResult, RerankSummary,
                                        RetrieveHit, RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse,
                                        Status, Strict, TEIRank, TEIRerankRequest, Timing, VisualTokens, status_of)
@@ -437,7 +438,7 @@ def _error(status: int, kind: str, message: str, field: str | None = None, heade
 
 FAILURE_OF = {"invalid_memory": "invalid_input", "invalid_input": "invalid_input", "state_too_long": "state_too_long",
               "overloaded": "overloaded", "deadline": "deadline", "unavailable": "unavailable",
-              "not_found": "not_found", "no_cache": "no_cache"}
+              "not_found": "not_found", "no_cache": "no_cache", "store_full": "store", "store_unavailable": "store"}
 
 
 def error_kind(error: BaseException) -> tuple[int, str]:
@@ -447,6 +448,12 @@ def error_kind(error: BaseException) -> tuple[int, str]:
         error = error.error
     row = status_of(error)
     return (row.status, row.error_type) if row is not None else (500, "internal")
+
+
+def _passing(error: BaseException) -> bool:
+    """A store fault that a retry may find gone (a lock released, a server back), unlike a read-only or damaged
+    store, which waits for its operator."""
+    return isinstance(error, StoreUnavailableError) and not isinstance(error, (StoreReadOnlyError, StoreCorruptError))
 
 
 def _add_error_handlers(app: FastAPI, service: Service) -> None:
@@ -471,11 +478,13 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         inner = e.error if isinstance(e, FieldError) else e
         field = e.field if isinstance(e, FieldError) else getattr(e, "field", None)
         # the request's field, then the reason alone: never the library's "memory 3" for a request's documents[5]
-        message = f"{field}: {getattr(inner, 'reason', None) or inner}" if field else str(inner)
-        extra = {"reason": inner.reason} if isinstance(inner, InvalidMemoryError) else {}
+        bare = inner.reason if isinstance(inner, (InvalidMemoryError, InvalidRequestError)) else inner
+        message = f"{field}: {bare}" if field else str(inner)
+        extra = {"reason": inner.reason} if isinstance(inner, (InvalidMemoryError, StoreError)) else {}
         # a 503 raised past the guard (a request admitted just before a drain) says when to retry, as the guard's do
         headers = ({"retry-after": str(math.ceil(inner.retry_after))} if isinstance(inner, OverloadedError)
                    else {"retry-after": "1", "connection": "close"} if isinstance(inner, ServiceUnavailableError)
+                   else {"retry-after": "1"} if _passing(inner)
                    else None)
         log.debug("%s: %d %s (field %s)", request.url.path, status, kind, field)
         return _error(status, kind, message, field, headers, path=request.url.path, **extra)

@@ -30,8 +30,9 @@ import httpx
 from pixeltriage.delivery.decision import Decision, RankedDocument, VisualTokens
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
 from pixeltriage.engine.types import Memory, Scores, user_text
-from pixeltriage.errors import (CacheMissError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
-                                OverloadedError, ServiceError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.errors import (STORE_ERRORS, CacheMissError, DeadlineExceededError, InvalidMemoryError,
+                                InvalidRequestError, OverloadedError, ServiceError, ServiceUnavailableError,
+                                StateTooLongError, StoreUnavailableError)
 from pixeltriage.media.sources import read_local
 from pixeltriage.serve.schemas import error_for
 
@@ -200,6 +201,8 @@ def _error_of_class(error: type[Exception], message: str, field: str | None, bod
         return InvalidRequestError(unprefixed, field, status)
     if error is CacheMissError:                 # GET /v1/memories/{key}: the key, the server's message
         return CacheMissError(response.url.path.rsplit("/", 1)[-1], message)
+    if error is StoreUnavailableError:          # the body's reason names which: locked, read_only, ...
+        return STORE_ERRORS.get(body.get("reason"), StoreUnavailableError)(message, status)
     return error(message, status)        # ServiceError and its kinds: AuthenticationError, NoCacheError, ...
 
 

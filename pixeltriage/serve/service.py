@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from pixeltriage.config import default_dtype
@@ -36,7 +36,8 @@ class ModelSpec:
     checkpoint: str
     device: str = "cpu"
     dtype: str | None = None           # None: float32 on the CPU, bfloat16 on CUDA
-    cache: str | None = None
+    cache: str | None = field(default=None, repr=False)   # a path or a postgresql:// URL (its password unshown)
+    cache_timeout: float | None = None # seconds a cache call waits for a lock or a connection (None: the cache's)
     verify: bool = False
     threads: int | None = None         # torch's intra-op threads for the forward (None: torch's default)
     index_encoder: str | None = None   # a SigLIP 2 directory: /v1/memories also indexes regions, /v1/retrieve ranks
@@ -51,7 +52,8 @@ class ModelSpec:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         dtype = self.dtype or default_dtype(self.device)
-        cache = Cache(self.cache) if self.cache else None
+        timeout = {} if self.cache_timeout is None else {"busy_timeout_ms": max(1, round(1000 * self.cache_timeout))}
+        cache = Cache(self.cache, **timeout) if self.cache else None
         try:
             return Scorer.load(self.checkpoint, device=self.device, dtype=dtype, cache=cache,
                                verify=self.verify or None)

@@ -1,10 +1,12 @@
 """The write-time cache: per stored image, its thumbnail (`media.policy.THUMBNAIL_SIDE` px on the longer side) and a
 short note, made once when the host stores it.
 
-One SQLite file in WAL mode, safe to use from several threads (one connection per thread) and
-several processes at once (every write is one short `BEGIN IMMEDIATE` transaction, and waits
-for other writers up to `busy_timeout_ms`). A process killed mid-write leaves the last committed
-state: SQLite's transactions are atomic.
+Where: `Cache(target)` (or `Cache.open(target)`) is given a path, for one SQLite file in WAL mode (the embedded
+default), or a `postgresql://` (or `postgres://`) URL, for a PostgreSQL database that every replica on every machine
+shares (`pip install 'pixeltriage[postgres]'`); store.backend has the two. Either is safe to use from several
+threads and several processes at once: every write is one short transaction, and waits for other writers up to
+`busy_timeout_ms`. A process killed mid-write leaves the last committed state. A forked child opens its own
+connections.
 
 Keys: the SHA-256 hex digest of the image's encoded bytes: of the bytes themselves for a bytes
 input, of the file's bytes for a path, and of `encode_png(img)` for a PIL image. The same
@@ -22,24 +24,26 @@ A feature row that fails its checksum or does not decode is deleted and reported
 
 Errors: a missing key raises `CacheMissError` (a KeyError naming the key). A thumbnail row that
 fails its checksum or does not decode raises `CorruptEntryError` (a CacheMissError): the row is
-kept, since its note may be the only copy, and putting the image again repairs it.
+kept, since its note may be the only copy, and putting the image again repairs it. A fault of the store itself
+raises a `StoreError` (pixeltriage.errors): StoreFullError (the disk is full), StoreLockedError (another process
+held the lock past `busy_timeout_ms`), StoreReadOnlyError, StoreCorruptError (damaged pages), StoreUnavailableError
+(the server cannot be reached, or went away: the next call connects again). A failed write leaves every earlier
+entry as it was.
 
 Rows: images(key, thumbnail PNG, checksum, note, width, height: the original image's displayed size, for
 visual-token costs) and features(key, fingerprint, safetensors bytes, checksum); an image's features go with it.
-The file's schema, its version and the migrations of older files are `store.schema`'s, run when a Cache opens it.
+The store's schema, its version and the migrations of older stores are `store.schema`'s, run when a Cache opens one.
 
-Tables beside these: the region vectors of `store.regions`, in the same file, under the same key. They use this
-object's connections (`connection()`, one per thread) and write in `transaction()`, so the whole file follows one
-discipline.
+Tables beside these: the region vectors of `store.regions`, in the same store, under the same key. They use this
+object's connections (`connection()`) and write in `transaction()`, so the whole store follows one discipline.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
 import os
-import sqlite3
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +56,7 @@ from pixeltriage.media.image import display_size, encode_png, thumbnail
 from pixeltriage.media.policy import THUMBNAIL_SIDE
 from pixeltriage.media.sources import ImageSource, read_local
 from pixeltriage.store import schema
+from pixeltriage.store.backend import open_backend
 
 if TYPE_CHECKING:
     import torch
@@ -64,17 +69,22 @@ def image_key(image: ImageSource) -> str:
 
 
 class Cache:
-    """The write-time cache in one SQLite file at `path` (created with its schema if missing)."""
+    """The write-time cache in the SQLite file at a path, or the PostgreSQL database at a `postgresql://` URL
+    (created with its schema if missing, migrated if older).
 
-    def __init__(self, path: str | os.PathLike, *, busy_timeout_ms: int = 60_000):
-        self.path = Path(path)
+    `location` is what messages show (the path; the URL without its password); `path` is the file's Path, None for
+    a PostgreSQL cache."""
+
+    def __init__(self, target: str | os.PathLike, *, busy_timeout_ms: int = 60_000):
         self.busy_timeout_ms = int(busy_timeout_ms)
-        self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-        self._closed = False
-        self._create_schema()
+        self.backend = open_backend(target, self.busy_timeout_ms)
+        self.location: str = self.backend.location
+        self.path: Path | None = self.backend.path
+
+    @classmethod
+    def open(cls, target: str | os.PathLike, *, busy_timeout_ms: int = 60_000) -> "Cache":
+        """The cache at `target`: a path (SQLite) or a `postgresql://` URL; the same as `Cache(target)`."""
+        return cls(target, busy_timeout_ms=busy_timeout_ms)
 
     # --- images --------------------------------------------------------------------------------
 
@@ -102,8 +112,9 @@ class Cache:
              index: int | None = None) -> tuple[Image.Image, str]:
         """Ensure a sound row for `key` (rewritten when absent, failing its checksum or not decoding), with `note`
         when one is given; returns the stored thumbnail (RGB) and note."""
-        row = self.connection().execute("SELECT CAST(thumbnail AS BLOB), checksum, note FROM images WHERE key = ?",
-                                        (key,)).fetchone()
+        with self.connection() as conn:
+            row = conn.execute("SELECT CAST(thumbnail AS BLOB), checksum, note FROM images WHERE key = ?",
+                               (key,)).fetchone()
         if row is not None:
             try:
                 stored = self._decoded(key, row[0], row[1])
@@ -160,17 +171,20 @@ class Cache:
         if width is None or height is None:
             return None
         if type(width) is not int or type(height) is not int or width < 1 or height < 1:
-            log.warning("cache %s: the stored size of %s is damaged (%r x %r); treated as unknown", self.path, key, width, height)
+            log.warning("cache %s: the stored size of %s is damaged (%r x %r); treated as unknown", self.location, key,
+                        width, height)
             return None
         return width, height
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
             return False
-        return self.connection().execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is not None
+        with self.connection() as conn:
+            return conn.execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is not None
 
     def __len__(self) -> int:
-        return self.connection().execute("SELECT COUNT(*) FROM images").fetchone()[0]
+        with self.connection() as conn:
+            return conn.execute("SELECT COUNT(*) FROM images").fetchone()[0]
 
     # --- vision features -----------------------------------------------------------------------
 
@@ -184,51 +198,52 @@ class Cache:
             if conn.execute("SELECT 1 FROM images WHERE key = ?", (key,)).fetchone() is None:
                 raise CacheMissError(key, f"image {key} is not in the cache; put it before its features")
             conn.execute(
-                "INSERT OR REPLACE INTO features (key, fingerprint, data, checksum, created) "
-                "VALUES (?, ?, ?, ?, ?)", (key, fingerprint, data, _sha256(data), time.time()))
+                "INSERT INTO features (key, fingerprint, data, checksum, created) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (key, fingerprint) DO UPDATE SET data = excluded.data, checksum = excluded.checksum, "
+                "created = excluded.created", (key, fingerprint, data, _sha256(data), time.time()))
 
     def get_features(self, key: str, fingerprint: str) -> "torch.Tensor | None":
         """The stored features, or None when absent or corrupt (a corrupt row is deleted)."""
         _check_fingerprint(fingerprint)
         # CAST: a damaged row may hold another storage class; read whatever is there as bytes
-        row = self.connection().execute("SELECT CAST(data AS BLOB), checksum FROM features "
-                                        "WHERE key = ? AND fingerprint = ?", (key, fingerprint)).fetchone()
+        with self.connection() as conn:
+            row = conn.execute("SELECT CAST(data AS BLOB), checksum FROM features WHERE key = ? AND fingerprint = ?",
+                               (key, fingerprint)).fetchone()
         if row is None:
             return None
         data, checksum = row
         features = _decode_features(data) if _sha256(data) == checksum else None
         if features is None:
-            log.warning("cache %s: features of %s (%s) are corrupt; deleting the row", self.path, key, fingerprint)
+            log.warning("cache %s: features of %s (%s) are corrupt; deleting the row", self.location, key, fingerprint)
             with self.transaction() as conn:
                 # only the row read above: a concurrent writer may have replaced it since
                 conn.execute("DELETE FROM features WHERE key = ? AND fingerprint = ? AND checksum = ? "
                              "AND CAST(data AS BLOB) = ?", (key, fingerprint, checksum, data))
         return features
 
-    # --- the file --------------------------------------------------------------------------------
+    # --- the store ------------------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Row counts, payload bytes and on-disk bytes (database + WAL)."""
-        conn = self.connection()
-        images, thumb_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(thumbnail)), 0) FROM images").fetchone()
-        notes = conn.execute("SELECT COUNT(*) FROM images WHERE note != ''").fetchone()[0]
-        rows, feature_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM features").fetchone()
-        on_disk = sum(p.stat().st_size for p in (self.path, Path(f"{self.path}-wal")) if p.exists())
-        return {"path": str(self.path), "schema_version": schema.VERSION, "images": images,
-                "notes": notes, "feature_rows": rows, "thumbnail_bytes": thumb_bytes,
-                "feature_bytes": feature_bytes, "bytes": on_disk}
+        """Row counts, payload bytes and the bytes the store takes on disk (a file and its WAL; a database's
+        tables)."""
+        with self.connection() as conn:
+            images, thumb_bytes = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(thumbnail)), 0) FROM images").fetchone()
+            notes = conn.execute("SELECT COUNT(*) FROM images WHERE note != ''").fetchone()[0]
+            rows, feature_bytes = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM features").fetchone()
+        return {"path": self.location, "backend": self.backend.dialect, "schema_version": schema.VERSION,
+                "images": images, "notes": notes, "feature_rows": rows, "thumbnail_bytes": thumb_bytes,
+                "feature_bytes": feature_bytes, "bytes": self.backend.stored_bytes()}
 
     def integrity_check(self) -> str:
-        """SQLite's `PRAGMA integrity_check`: "ok" for a healthy file."""
-        return "\n".join(r[0] for r in self.connection().execute("PRAGMA integrity_check").fetchall())
+        """"ok" for a sound store: SQLite's `PRAGMA integrity_check`; on PostgreSQL, every thumbnail and feature row
+        against its checksum."""
+        return self.backend.integrity_check()
 
     def close(self) -> None:
         """Close every connection this object opened (from any thread). Idempotent."""
-        with self._lock:
-            self._closed = True
-            connections, self._connections = self._connections, []
-        for conn in connections:
-            conn.close()
+        self.backend.close()
 
     def __enter__(self) -> "Cache":
         return self
@@ -237,97 +252,30 @@ class Cache:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Cache({str(self.path)!r})"
+        return f"Cache({self.location!r})"
 
     # --- the connections, for tables beside the cache's ---------------------------------------
 
-    def connection(self) -> sqlite3.Connection:
-        """This thread's connection to the file (opened on first use, foreign keys on). Read with it; write only
-        inside `transaction()`. Closed by `close()`; a forked child opens its own."""
-        if self._closed:
-            raise ValueError(f"cache {self.path} is closed")
-        if os.getpid() != self._pid:
-            # a forked child must not use the parent's connections: drop them without closing
-            with self._lock:
-                self._pid, self._connections, self._local = os.getpid(), [], threading.local()
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
-                                   isolation_level=None, check_same_thread=False)
-            conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
-            conn.execute("PRAGMA foreign_keys = ON")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            self._local.conn = conn
-            with self._lock:
-                self._connections.append(conn)
-        return conn
+    def connection(self) -> contextlib.AbstractContextManager:
+        """`with cache.connection() as conn:` this thread's connection (`conn.execute(sql, params)`, SQL in SQLite's
+        spelling, which a PostgreSQL connection translates). Read with it; write only inside `transaction()`.
+        Closed by `close()`; a forked child opens its own."""
+        return self.backend.connection()
 
-    def transaction(self) -> "_Transaction":
-        """`with cache.transaction() as conn:` one short write (`BEGIN IMMEDIATE` ... `COMMIT`, or `ROLLBACK` on an
-        exception) on this thread's connection; it waits for other writers up to `busy_timeout_ms`."""
-        return _Transaction(self.connection())
+    def transaction(self) -> contextlib.AbstractContextManager:
+        """`with cache.transaction() as conn:` one short write, committed at the end of the block or rolled back on
+        an exception; it waits for other writers up to `busy_timeout_ms`. Nested in another on the same thread, it
+        is part of that one."""
+        return self.backend.transaction()
 
     # --- internals ----------------------------------------------------------------------------
 
     def _row(self, key: str, columns: str) -> tuple:
-        row = self.connection().execute(f"SELECT {columns} FROM images WHERE key = ?", (key,)).fetchone()
+        with self.connection() as conn:
+            row = conn.execute(f"SELECT {columns} FROM images WHERE key = ?", (key,)).fetchone()
         if row is None:
             raise CacheMissError(key)
         return row
-
-    def _create_schema(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._create_tables()
-        except sqlite3.DatabaseError as e:
-            self.close()
-            if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
-                raise
-            raise PixelTriageError(f"{self.path}: not a usable cache database ({e})") from None
-
-    def _switch_to_wal(self, conn: sqlite3.Connection) -> str:
-        """`PRAGMA journal_mode = WAL`, retried until `busy_timeout_ms`: the switch takes the file's exclusive lock
-        from a shared one, and when two connections open a new file at once SQLite answers one of them "database
-        is locked" at once instead of waiting (its busy handler is not called where waiting could deadlock)."""
-        deadline = time.monotonic() + self.busy_timeout_ms / 1000
-        pause = 0.001
-        while True:
-            try:
-                return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            except sqlite3.OperationalError as e:
-                if "locked" not in str(e) or time.monotonic() + pause > deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
-
-    def _create_tables(self) -> None:
-        mode = self._switch_to_wal(self.connection())
-        if mode.lower() != "wal":
-            raise PixelTriageError(f"cache {self.path}: cannot switch to WAL mode (journal_mode is {mode})")
-        with self.transaction() as conn:
-            schema.migrate(conn, self.path)
-
-
-class _Transaction:
-    """`BEGIN IMMEDIATE` ... `COMMIT`, or `ROLLBACK` on an exception: one short write."""
-
-    def __init__(self, conn: sqlite3.Connection):
-        self.conn = conn
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE")
-        return self.conn
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.conn.execute("ROLLBACK")
-            return
-        try:
-            self.conn.execute("COMMIT")
-        except sqlite3.Error:
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
-            raise
 
 
 def _key_and_data(image: ImageSource, index: int | None = None) -> tuple[str, bytes | None]:

@@ -1,19 +1,20 @@
-"""Region vectors in the write-time cache's file: one float32 matrix [R, D] per (image key, fingerprint).
+"""Region vectors in the write-time cache's store: one float32 matrix [R, D] per (image key, fingerprint).
 
 The vectors are the L2-normalised embeddings of an image's regions (`RegionIndex` writes and reads them). They live
-in the cache's SQLite file, beside the image's thumbnail and note and under the same key, and go through the
-cache's own connections (`Cache.connection()`, one per thread; every write one `Cache.transaction()`), so the file
-keeps one discipline: WAL, one short `BEGIN IMMEDIATE` per write, safe across threads and processes.
+in the cache's store (its SQLite file or PostgreSQL database), beside the image's thumbnail and note and under the
+same key, and go through the cache's own connections (`Cache.connection()`; every write one `Cache.transaction()`),
+so the store keeps one discipline: one short transaction per write, safe across threads and processes.
 
 Rows: raw little-endian float32 bytes with a SHA-256 checksum over the key, the fingerprint, the shape and the
 bytes (a row copied under another key fails it too). Every write gives the row a new, never reused `seq`
-(AUTOINCREMENT), so a reader holding the vectors in memory fetches only the rows written after the last `seq` it
-saw; a trigger counts the deleted rows of each fingerprint, so that reader learns from one read that rows it holds
+(AUTOINCREMENT; on PostgreSQL an identity column, drawn under a lock that orders the region writes, so that seqs
+become visible in order), so a reader holding the vectors in memory fetches only the rows written after the last
+`seq` it saw; a trigger counts the deleted rows of each fingerprint, so that reader learns from one read that rows it holds
 may be gone, and another fingerprint's deletions cost it nothing. A row that fails its checksum, or has another
 shape than the reader asks for, is deleted with a warning and read as missing: only the image itself can
 recompute it.
 
-Tables (created with the file, `store.schema`): regions(seq AUTOINCREMENT, key -> images.key, fingerprint, count,
+Tables (created with the store, `store.schema`): regions(seq AUTOINCREMENT, key -> images.key, fingerprint, count,
 dim, vectors, checksum, created; unique (key, fingerprint)), indexed by (fingerprint, seq); region_deletions
 (fingerprint, deletions), kept by a trigger; an image's rows go with it, foreign keys on or off.
 """
@@ -27,8 +28,23 @@ from typing import Iterable, Iterator, NamedTuple
 import numpy as np
 
 from pixeltriage.store.cache import Cache, CacheMissError
+from pixeltriage.store.postgres import REGION_WRITE_LOCK
 
 log = logging.getLogger(__name__)
+
+# a row's replacement gets a new seq: SQLite's REPLACE deletes and inserts (no delete trigger fires: recursive
+# triggers are off), PostgreSQL's upsert draws the next seq; neither counts a deletion
+_PUT = {
+    "sqlite": "INSERT OR REPLACE INTO regions (key, fingerprint, count, dim, vectors, checksum, created) "
+              "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING seq",
+    "postgresql": "INSERT INTO regions (key, fingerprint, count, dim, vectors, checksum, created) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (key, fingerprint) DO UPDATE SET "
+                  "seq = nextval(pg_get_serial_sequence('regions', 'seq')), count = excluded.count, "
+                  "dim = excluded.dim, vectors = excluded.vectors, checksum = excluded.checksum, "
+                  "created = excluded.created RETURNING seq",
+}
+# taken first by every region write, where writers run at once (PostgreSQL): seqs become visible in order
+_ORDER_WRITES = {"sqlite": None, "postgresql": f"SELECT pg_advisory_xact_lock({REGION_WRITE_LOCK})"}
 
 
 class RegionRow(NamedTuple):
@@ -40,7 +56,7 @@ class RegionRow(NamedTuple):
 
 
 class RegionStore:
-    """The region vectors of the images of `cache`, in its file."""
+    """The region vectors of the images of `cache`, in its store."""
 
     def __init__(self, cache: Cache):
         self.cache = cache
@@ -48,6 +64,10 @@ class RegionStore:
     @property
     def path(self):
         return self.cache.path
+
+    @property
+    def location(self) -> str:
+        return self.cache.location
 
     # --- writes -------------------------------------------------------------------------------------------------
 
@@ -61,17 +81,18 @@ class RegionStore:
         _check_fingerprint(fingerprint)
         prepared = [(key, _as_matrix(vectors, key)) for key, vectors in rows]
         seqs = []
+        dialect = self.cache.backend.dialect
         with self.cache.transaction() as conn:
+            if _ORDER_WRITES[dialect]:
+                conn.execute(_ORDER_WRITES[dialect])
             for key, matrix in prepared:
                 if key not in self.cache:
                     raise CacheMissError(key, f"image {key} is not in the cache; put it before its region vectors")
                 data = matrix.tobytes()
                 count, dim = matrix.shape
-                seqs.append(conn.execute(
-                    "INSERT OR REPLACE INTO regions (key, fingerprint, count, dim, vectors, checksum, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING seq",
-                    (key, fingerprint, count, dim, data, _checksum(key, fingerprint, count, dim, data),
-                     time.time())).fetchone()[0])
+                seqs.append(conn.execute(_PUT[dialect], (key, fingerprint, count, dim, data,
+                                                         _checksum(key, fingerprint, count, dim, data),
+                                                         time.time())).fetchone()[0])
         return seqs
 
     # --- reads --------------------------------------------------------------------------------------------------
@@ -98,31 +119,34 @@ class RegionStore:
     def state(self, fingerprint: str) -> tuple[int, int]:
         """(the highest seq of `fingerprint`, the number of its rows ever deleted): what a reader holding rows
         compares with what it saw last. Two index lookups, whatever the number of rows."""
-        return tuple(self.cache.connection().execute(
-            "SELECT (SELECT COALESCE(MAX(seq), 0) FROM regions WHERE fingerprint = ?), "
-            "COALESCE((SELECT deletions FROM region_deletions WHERE fingerprint = ?), 0)",
-            (fingerprint, fingerprint)).fetchone())
+        with self.cache.connection() as conn:
+            return tuple(conn.execute(
+                "SELECT (SELECT COALESCE(MAX(seq), 0) FROM regions WHERE fingerprint = ?), "
+                "COALESCE((SELECT deletions FROM region_deletions WHERE fingerprint = ?), 0)",
+                (fingerprint, fingerprint)).fetchone())
 
     def keys(self, fingerprint: str) -> set[str]:
         """Keys with a row of `fingerprint`, sound or not (the rows are not read): what a reader holding rows checks
         them against after deletions."""
-        return {r[0] for r in self.cache.connection().execute("SELECT key FROM regions WHERE fingerprint = ?",
-                                                              (fingerprint,))}
+        with self.cache.connection() as conn:
+            return {r[0] for r in conn.execute("SELECT key FROM regions WHERE fingerprint = ?", (fingerprint,))}
 
     def keys_without(self, fingerprint: str) -> list[str]:
         """Keys of cached images that have no row of `fingerprint`, oldest first."""
-        return [r[0] for r in self.cache.connection().execute(
-            "SELECT key FROM images WHERE key NOT IN (SELECT key FROM regions WHERE fingerprint = ?) "
-            "ORDER BY created, key", (fingerprint,))]
+        with self.cache.connection() as conn:
+            return [r[0] for r in conn.execute(
+                "SELECT key FROM images WHERE key NOT IN (SELECT key FROM regions WHERE fingerprint = ?) "
+                "ORDER BY created, key", (fingerprint,))]
 
     def fingerprints(self) -> dict[str, int]:
-        """fingerprint -> rows, for every fingerprint with region vectors in the file."""
-        return dict(self.cache.connection().execute("SELECT fingerprint, COUNT(*) FROM regions GROUP BY fingerprint"))
+        """fingerprint -> rows, for every fingerprint with region vectors in the store."""
+        with self.cache.connection() as conn:
+            return dict(conn.execute("SELECT fingerprint, COUNT(*) FROM regions GROUP BY fingerprint"))
 
     def stats(self) -> dict:
         """Row count and vector bytes, beside `Cache.stats()`."""
-        rows, data = self.cache.connection().execute(
-            "SELECT COUNT(*), COALESCE(SUM(LENGTH(vectors)), 0) FROM regions").fetchone()
+        with self.cache.connection() as conn:
+            rows, data = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(vectors)), 0) FROM regions").fetchone()
         return {"region_rows": rows, "region_bytes": data}
 
     def __repr__(self) -> str:
@@ -135,18 +159,18 @@ class RegionStore:
         """(the sound rows among the first `limit` matching ones, the seq of the last row read when `limit` rows
         were read, else None: no more rows)."""
         # CAST: a damaged row may hold another storage class; read whatever is there as bytes
-        found = self.cache.connection().execute(
-            f"SELECT seq, key, fingerprint, count, dim, CAST(vectors AS BLOB), checksum FROM regions "
-            f"WHERE {where} ORDER BY seq LIMIT ?", (*params, limit)).fetchall()
+        with self.cache.connection() as conn:
+            found = conn.execute(f"SELECT seq, key, fingerprint, count, dim, CAST(vectors AS BLOB), checksum "
+                                 f"FROM regions WHERE {where} ORDER BY seq LIMIT ?", (*params, limit)).fetchall()
         rows, damaged = [], []
         for seq, key, fingerprint, count, dim, data, checksum in found:
             vectors = _decode(key, fingerprint, count, dim, data, checksum)
             if vectors is None:
                 log.warning("cache %s: region vectors of %s (%s) are corrupt; deleting the row (index the image "
-                            "again to recompute them)", self.path, key, fingerprint)
+                            "again to recompute them)", self.location, key, fingerprint)
             elif shape is not None and vectors.shape != tuple(shape):
                 log.warning("cache %s: region vectors of %s (%s) have shape %s, expected %s; deleting the row "
-                            "(index the image again)", self.path, key, fingerprint, vectors.shape, tuple(shape))
+                            "(index the image again)", self.location, key, fingerprint, vectors.shape, tuple(shape))
             else:
                 rows.append(RegionRow(seq, key, vectors))
                 continue

@@ -237,6 +237,6 @@ def test_a_damaged_row_of_a_schema_3_file_is_deleted_and_reported_as_today(tmp_p
             assert RegionStore(cache).get(keys[0], COLOUR_INDEX) is None
         else:
             assert cache.get_features(keys[0], "vit") is None
-        assert cache.connection().execute(f"SELECT COUNT(*) FROM {table} WHERE key = ?",
-                                          (keys[0],)).fetchone()[0] == 0
+        with cache.connection() as conn:
+            assert conn.execute(f"SELECT COUNT(*) FROM {table} WHERE key = ?", (keys[0],)).fetchone()[0] == 0
     assert "corrupt" in caplog.text and keys[0] in caplog.text

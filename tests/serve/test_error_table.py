@@ -13,6 +13,7 @@ from pixeltriage import Memory
 from pixeltriage.serve.schemas import error_for, error_statuses, status_of
 
 SQUARE = image_bytes((336, 336))
+STORE_ROWS = {(507, "store_full"), (503, "store_unavailable")}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,9 @@ def test_every_row_is_what_the_server_answers_and_what_both_clients_raise(served
     loading = gated("loading", hold=("load",)).wait_listening()     # its load never opens: loading throughout
     walked = calls(served, bare, loading)
     table = {(row.status, row.error_type): row for row in error_statuses()}
-    assert set(table) == set(walked) | {(415, "unsupported_media_type")}
+    # the store's rows need a store in a fault (locked, a full disk): tests/serve/test_store_faults.py walks them
+    # through real servers and both clients
+    assert set(table) == set(walked) | {(415, "unsupported_media_type")} | STORE_ROWS
     for (status, kind), (url, key, call) in walked.items():
         row = table[(status, kind)]
         held = held_upload(url) if status == 429 else None

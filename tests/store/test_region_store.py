@@ -25,19 +25,13 @@ def noise_png(seed: int, size=(48, 32)) -> bytes:
     return buffer.getvalue()
 
 
-def raw(path) -> sqlite3.Connection:
+def connect(path) -> sqlite3.Connection:
     return sqlite3.connect(path, isolation_level=None)
 
 
 def names(path, kind: str) -> set[str]:
-    with raw(path) as conn:
+    with connect(path) as conn:
         return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = ?", (kind,))}
-
-
-@pytest.fixture
-def cache(tmp_path):
-    with Cache(tmp_path / "cache.db") as c:
-        yield c
 
 
 @pytest.fixture
@@ -73,11 +67,13 @@ def test_sequence_numbers_are_never_reused_and_deletions_are_counted_per_fingerp
     keys = [cache.put(noise_png(i)) for i in range(3)]
     seqs = [store.put(k, "enc", vectors(i)) for i, k in enumerate(keys)]
     store.put(keys[2], "other", vectors(5))
-    cache.connection().execute("DELETE FROM images WHERE key = ?", (keys[2],))     # cascades to its two rows
+    with cache.transaction() as conn:
+        conn.execute("DELETE FROM images WHERE key = ?", (keys[2],))               # cascades to its two rows
     assert store.state("enc") == (seqs[1], 1) and store.state("other") == (0, 1)
     assert store.fingerprints() == {"enc": 2}
     assert store.put(keys[0], "enc", vectors(9)) > seqs[2]                         # AUTOINCREMENT
-    cache.connection().execute("DELETE FROM regions WHERE key = ?", (keys[1],))
+    with cache.transaction() as conn:
+        conn.execute("DELETE FROM regions WHERE key = ?", (keys[1],))
     assert store.state("enc")[1] == 2 and store.state("other") == (0, 1)           # the other one's count stays
     assert store.state("never written") == (0, 0)
 
@@ -110,24 +106,23 @@ def test_what_is_refused(cache, store):
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "text", "short", "other key", "count"])
-def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, store, damage, caplog):
+def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, store, raw, damage, caplog):
     a, b = cache.put(noise_png(4)), cache.put(noise_png(5))
     store.put(a, "enc", vectors(1))
     store.put(b, "enc", vectors(2))
-    with raw(cache.path) as conn:
-        if damage == "flipped byte":
-            data = bytearray(conn.execute("SELECT vectors FROM regions WHERE key = ?", (a,)).fetchone()[0])
-            data[7] ^= 0x01
-            conn.execute("UPDATE regions SET vectors = ? WHERE key = ?", (bytes(data), a))
-        elif damage == "text":
-            conn.execute("UPDATE regions SET vectors = 'garbage' WHERE key = ?", (a,))
-        elif damage == "short":
-            conn.execute("UPDATE regions SET vectors = substr(vectors, 1, 12) WHERE key = ?", (a,))
-        elif damage == "other key":                  # b's sound row copied under a's key: its checksum names b
-            row = conn.execute("SELECT vectors, checksum FROM regions WHERE key = ?", (b,)).fetchone()
-            conn.execute("UPDATE regions SET vectors = ?, checksum = ? WHERE key = ?", (*row, a))
-        else:
-            conn.execute("UPDATE regions SET count = 4, dim = 10 WHERE key = ?", (a,))
+    if damage == "flipped byte":
+        data = bytearray(raw.one("SELECT vectors FROM regions WHERE key = ?", (a,)))
+        data[7] ^= 0x01
+        raw("UPDATE regions SET vectors = ? WHERE key = ?", (bytes(data), a))
+    elif damage == "text":
+        raw("UPDATE regions SET vectors = 'garbage' WHERE key = ?", (a,))
+    elif damage == "short":
+        raw("UPDATE regions SET vectors = substr(vectors, 1, 12) WHERE key = ?", (a,))
+    elif damage == "other key":                      # b's sound row copied under a's key: its checksum names b
+        row = raw("SELECT vectors, checksum FROM regions WHERE key = ?", (b,))[0]
+        raw("UPDATE regions SET vectors = ?, checksum = ? WHERE key = ?", (*row, a))
+    else:
+        raw("UPDATE regions SET count = 4, dim = 10 WHERE key = ?", (a,))
     with caplog.at_level(logging.WARNING, logger="pixeltriage.store.regions"):
         assert [r.key for r in store.rows("enc")] == [b]
     assert f"region vectors of {a} (enc) are corrupt" in caplog.text
@@ -137,11 +132,10 @@ def test_a_corrupt_row_is_deleted_with_a_warning_and_read_as_missing(cache, stor
     assert np.array_equal(store.get(a, "enc"), vectors(1))
 
 
-def test_get_of_a_corrupt_row(cache, store, caplog):
+def test_get_of_a_corrupt_row(cache, store, raw, caplog):
     key = cache.put(noise_png(6))
     store.put(key, "enc", vectors(1))
-    with raw(cache.path) as conn:
-        conn.execute("UPDATE regions SET checksum = ?", (hashlib.sha256(b"x").hexdigest(),))
+    raw("UPDATE regions SET checksum = ?", (hashlib.sha256(b"x").hexdigest(),))
     with caplog.at_level(logging.WARNING):
         assert store.get(key, "enc") is None
     assert "corrupt" in caplog.text and store.state("enc") == (0, 1)
@@ -184,7 +178,7 @@ def test_the_region_tables_come_with_the_file_and_a_store_writes_no_schema(tmp_p
 def test_newer_region_tables_of_a_version_4_file_are_refused(tmp_path):
     path = tmp_path / "c.db"
     Cache(path).close()
-    with raw(path) as conn:                                         # as schema 4 kept the region tables' version
+    with connect(path) as conn:                                     # as schema 4 kept the region tables' version
         conn.execute("DROP TABLE schema_version")
         conn.execute("CREATE TABLE region_schema (id INTEGER PRIMARY KEY CHECK (id = 0), version INTEGER NOT NULL)")
         conn.execute("INSERT INTO region_schema (id, version) VALUES (0, 3)")
@@ -196,7 +190,7 @@ def test_newer_region_tables_of_a_version_4_file_are_refused(tmp_path):
 def _downgrade(path, version: int) -> None:
     """Make a current cache file look like one written by cache schema `version` (1 or 2): no region tables, no
     image trigger, no version table."""
-    with raw(path) as conn:
+    with connect(path) as conn:
         for trigger in ("images_deleted", "images_deleted_regions", "regions_deleted"):   # neither version had them
             conn.execute(f"DROP TRIGGER {trigger}")
         for table in ("regions", "region_deletions", "schema_version"):
@@ -221,25 +215,26 @@ def test_older_files_gain_the_region_tables(tmp_path, version):
         assert c.size(key) == ((48, 32) if version == 2 else None)
         store.put(key, "enc", vectors(0))
         assert np.array_equal(store.get(key, "enc"), vectors(0))
-        c.connection().execute("DELETE FROM images")
+        with c.transaction() as conn:
+            conn.execute("DELETE FROM images")
         assert store.state("enc") == (0, 1)                                 # the trigger came with it
         assert c.integrity_check() == "ok"
-    with raw(path) as conn:
+    with connect(path) as conn:
         assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == VERSION
     assert "regions_by_fingerprint" in names(path, "index")
 
 
-def test_deleting_an_image_without_foreign_keys_deletes_its_vectors(cache, store):
-    """The sqlite3 shell and Python's sqlite3 leave foreign keys off; the image's rows still go with it."""
+def test_deleting_an_image_from_another_program_deletes_its_vectors(cache, store, raw, backend):
+    """The sqlite3 shell and Python's sqlite3 leave foreign keys off; the image's rows still go with it (on
+    PostgreSQL, foreign keys are always on)."""
     a, b = cache.put(noise_png(1)), cache.put(noise_png(2))
     store.put(a, "enc", vectors(1))
     store.put(b, "enc", vectors(2))
     cache.put_features(a, "vit", torch.ones(2))
-    conn = raw(cache.path)
-    assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 0
-    conn.execute("DELETE FROM images WHERE key = ?", (a,))
-    assert conn.execute("SELECT COUNT(*) FROM features").fetchone()[0] == 0       # the cache's trigger
-    conn.close()
+    if backend == "sqlite":
+        assert raw.one("PRAGMA foreign_keys") == 0
+    raw("DELETE FROM images WHERE key = ?", (a,))
+    assert raw.one("SELECT COUNT(*) FROM features") == 0                             # the cache's trigger
     assert [row.key for row in store.rows("enc")] == [b]
     assert store.state("enc")[1] == 1                                       # readers holding it learn of it
 
@@ -249,7 +244,7 @@ def test_rows_orphaned_before_the_trigger_are_removed_on_open(tmp_path):
     with Cache(path) as c:
         key = c.put(noise_png(3))
         RegionStore(c).put(key, "enc", vectors(3))
-    conn = raw(path)
+    conn = connect(path)
     conn.execute("DROP TRIGGER images_deleted_regions")                     # as a file written before it existed
     conn.execute("DELETE FROM images")
     assert conn.execute("SELECT COUNT(*) FROM regions").fetchone()[0] == 1
