@@ -110,7 +110,8 @@ def create_app(service: Service, *, own_lifespan: bool = True) -> FastAPI:
 
     from pixeltriage import __version__
 
-    app = FastAPI(title="PixelTriage", version=__version__, lifespan=lifespan, redoc_url=None,
+    # no /docs: FastAPI's Swagger page loads its scripts from a CDN and is blank offline; /openapi.json is the schema
+    app = FastAPI(title="PixelTriage", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="System One as a service: which retrieved memories deserve pixels. See docs/serve.md.")
     app.state.service = service
     _document_bodies(app)
@@ -353,7 +354,9 @@ BODY_ROUTES = {r.path: r for r in ROUTES if r.body is not None}   # the bodies t
 SCORING_PATHS = {r.path for r in ROUTES if r.scoring}
 COHERE_PATHS = {r.path for r in ROUTES if r.cohere}
 KEYLESS_PATHS = {r.path for r in ROUTES if r.keyless}
-LABELLED_PATHS = (*(r.path for r in ROUTES), "/docs", "/openapi.json")     # the table's and FastAPI's own
+LABELLED_PATHS = (*(r.path for r in ROUTES), "/openapi.json")     # the table's and FastAPI's own
+NO_DOCS = ("no interactive docs here (their page would load its scripts from the network): the OpenAPI schema is "
+           "GET /openapi.json, for any OpenAPI viewer; the reference is docs/serve.md")
 
 
 def _add_route(app: FastAPI, route: Route) -> None:
@@ -500,7 +503,8 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         # a body FastAPI cannot parse at all (not UTF-8, numbers past Python's digit limit, nesting too deep) is
         # malformed input like any other: 422, as documented, not FastAPI's 400
         status = 422 if e.status_code == 400 else e.status_code
-        return _error(status, kind, str(e.detail), headers=getattr(e, "headers", None), path=request.url.path)
+        detail = NO_DOCS if e.status_code == 404 and request.url.path in ("/docs", "/redoc") else str(e.detail)
+        return _error(status, kind, detail, headers=getattr(e, "headers", None), path=request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def gone(request: Request, e: ClientDisconnected):
