@@ -50,7 +50,7 @@ def test_the_client_and_the_adapters_score_without_torch(client_venv, server, sc
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     got = json.loads(run.stdout)
-    assert got["torch_found"] is False and got["engine_imported"] == []
+    assert got["torch_found"] is False and got["engine_imported"] == [] and got["hit_type"] == "Hit"
     assert "pixeltriage.Scorer needs torch, which is not installed" in got["scorer_refused"]
     assert "pip install pixeltriage" in got["scorer_refused"]
     want = scorer.score(QUESTION, [Memory(image=p, note=f"note {i}") for i, p in enumerate(paths)]).gains

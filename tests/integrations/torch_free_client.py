@@ -52,6 +52,8 @@ def main(url: str, question: str, paths: list[str]) -> dict:
         pixeltriage.Scorer
     except ImportError as e:
         out["scorer_refused"] = str(e)
+    from pixeltriage.retrieval.types import Hit                      # what Client.retrieve returns
+    out["hit_type"] = Hit.__name__
     out["engine_imported"] = sorted({m.split(".")[0] for m in sys.modules} & set(ENGINE))
     return out
 
