@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-slow bench venv clean
 
 # the venv with torch in it (a CUDA torch already there is kept)
 $(VENV)/.torch:
@@ -34,8 +34,15 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/pixeltriage demo
 
+# the suite on TEST_WORKERS parallel processes (pytest-xdist; each test file on one worker, its tests in file order),
+# without the tests marked slow: those are `make test-slow`'s (.ci/run runs both)
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+
+test-slow: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m slow; status=$$?; \
+		if [ $$status -eq 5 ]; then echo "no tests marked slow"; status=0; fi; exit $$status
 
 bench: $(VENV)/.installed-test
 	$(PY) -m pytest -q -o addopts="" -m bench --benchmark-only --benchmark-columns=min,median,max,rounds tests/bench/suite

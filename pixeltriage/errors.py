@@ -38,13 +38,14 @@ class BackendUnavailableError(PixelTriageError, RuntimeError):
 class InvalidRequestError(PixelTriageError, ValueError):
     """A request the scoring service refuses as it is: a field of the wrong type, beyond a limit, or a body too large.
 
-    `field` names the request field (`memories[2].image`, `questions[0].policy.k`; None for the whole body) and
-    `status` the HTTP status it came with (422, 413).
+    `field` names the request field (`memories[2].image`, `questions[0].policy.k`; None for the whole body),
+    `status` the HTTP status it came with (422, 413) and `reason` the message without the field.
     """
 
     def __init__(self, message: str, field: str | None = None, status: int = 422):
         self.field = field
         self.status = status
+        self.reason = message
         super().__init__(f"{field}: {message}" if field else message)
 
 

@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -230,9 +231,24 @@ def run_demo(args: argparse.Namespace) -> int:
               f"{report['visual_tokens']['open_all']} (open-all)")
     print("\nThis demo checkpoint has random weights: its scores are meaningless; they show the pipeline.\n"
           "Score your own episodes with:\n"
-          "  pixeltriage score --checkpoint DIR --episode FILE.json [--k 2]\n"
+          f"  {command_line()} score --checkpoint DIR --episode FILE.json [--k 2]\n"
           "(episode format: docs/state.md; a runnable host: examples/host.py).")
     return 0
+
+
+def command_line() -> str:
+    """How the caller's shell runs this command line again: `pixeltriage` when PATH finds the one running, else the
+    path it was started by (`.venv/bin/pixeltriage` after `make demo`), else `<python> -m pixeltriage`."""
+    started = sys.argv[0]
+    if os.path.basename(started) == "pixeltriage":
+        found = shutil.which("pixeltriage")
+        if found and os.path.realpath(found) == os.path.realpath(started):
+            return "pixeltriage"
+        if os.sep in started:
+            return started
+    python = sys.executable or "python"
+    relative = os.path.relpath(python)
+    return f"{relative if not relative.startswith('..') else python} -m pixeltriage"
 
 
 def _episode_name(episode: str) -> str:

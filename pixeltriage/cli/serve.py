@@ -98,6 +98,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rerank-score", choices=("gain", "relevance"), default="gain",
                    help="what the rerank routes answer as relevance_score (TEI: score) when a request does not set "
                         "pixeltriage_score: System One's gain (default) or its relevance")
+    p.add_argument("--rerank-strict", action="store_true",
+                   help="a rerank document that cannot be scored from an image (an unknown or mistyped cache key, "
+                        "text, a URL) is a 422 naming it, unless its request sets strict: false (default: scored 0, "
+                        "its status saying why)")
     ray = p.add_argument_group("Ray Serve (scale-out; pip install 'pixeltriage[ray]')")
     ray.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment of replicas, each with its "
                                                         "own batcher, behind Ray Serve's HTTP proxy")
@@ -162,7 +166,7 @@ def serve_config(args: argparse.Namespace):
                        image_root=Path(args.image_root) if args.image_root else None,
                        api_keys=args.api_keys or (), gate_window=args.gate_window,
                        graceful_timeout=args.graceful_timeout, rerank_score=args.rerank_score,
-                       trim_idle_s=args.trim_idle_s or None)
+                       rerank_strict=args.rerank_strict, trim_idle_s=args.trim_idle_s or None)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -84,7 +84,8 @@ class RankedDocument:
     gain, or the relevance; 0.0 for a document without an image), `image` (it carried an image or a cache key and
     was scored), its `gain` and `relevance` (None without an image), `open` (the delivery opens its pixels),
     `truncated` (a text of it was cut to the token budget), `document` (its text: the clients get it back with
-    return_documents)."""
+    return_documents), `status` ("scored", or why it was not: the service's `schemas.DOCUMENT_STATUSES`) and
+    `detail` (what was found, in words; None for a document scored from its own image, key or path)."""
 
     index: int
     relevance_score: float
@@ -94,6 +95,8 @@ class RankedDocument:
     open: bool
     truncated: bool
     document: str | None = None
+    status: str = "scored"
+    detail: str | None = None
 
 
 def rerank_order(scores: Sequence[float | None]) -> list[int]:

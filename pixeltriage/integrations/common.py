@@ -1,10 +1,13 @@
 """What the framework adapters share, free of any framework: an item's image and text as a `Memory`, one scoring
-call per question (in process or remote), and what an adapter writes of the delivery decision.
+call per question (in process or remote), the one ranking every adapter returns and what it writes of the delivery
+decision.
 
-An item (a LlamaIndex node, a LangChain document) is scored when it carries an image or a write-time cache key;
-System One scores image memories only, so an item with neither is passed through unscored. Image values are
-accepted as a local path, base64 (or a `data:` URI), bytes or a PIL image; a URL is fetched only when the adapter
-was built with `allow_url_images=True` (otherwise it is refused, and nothing is fetched).
+An item (a LlamaIndex node, a LangChain document, a mem0 memory) is scored when it carries an image or a write-time
+cache key. An item with neither has no pixels to open: it scores 0.0 and follows every scored item in its
+retrieval order, as the server's rerank routes rank it (`ranked`, `delivery.decision.rerank_order`), and `top_n`
+cuts that one list. Image values are accepted as a local path, base64 (or a `data:` URI), bytes or a PIL image; a
+URL is fetched only when the adapter was built with `allow_url_images=True` (otherwise it is refused, and nothing
+is fetched).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from pixeltriage.delivery.decision import Decision
+from pixeltriage.delivery.decision import Decision, rerank_order
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import InvalidMemoryError, InvalidRequestError
 from pixeltriage.media.policy import is_url
@@ -74,12 +77,28 @@ def memory_of(image: Any, image_what: str, metadata: Mapping[str, Any], text: st
     return Memory(key=key, note=note, dialogue=dialogue, date=date)
 
 
-def written(decision: Decision, rank: int) -> dict[str, Any]:
+def written(decision: Decision | None, rank: int | None) -> dict[str, Any]:
     """The metadata (`WRITTEN_KEYS`) an adapter writes on the scored item at position `rank` of `decision` (its
-    scores in `decision.scores`, the top-k delivery `decide(scores, k)` made of them)."""
+    scores in `decision.scores`, the top-k delivery `decide(scores, k)` made of them); on an item not scored (rank
+    None: no image), closed, with no gain or relevance, and the query's p_vis when any item was scored."""
+    if rank is None:
+        return {OPEN: False, GAIN: None, P_VIS: decision.scores.p_vis if decision is not None else None,
+                RELEVANCE: None}
     scores = decision.scores
     return {OPEN: decision.open[rank], GAIN: scores.gains[rank], P_VIS: scores.p_vis,
             RELEVANCE: scores.relevance[rank]}
+
+
+def ranked(count: int, scored: Sequence[int], decision: Decision | None,
+           top_n: int | None) -> list[tuple[int, int | None, float]]:
+    """The one ranking an adapter returns of `count` items, of which those at positions `scored` were scored (in
+    that order) into `decision`: (position, rank in the decision or None, score) for the scored items by descending
+    gain, the earlier first on ties, then the others with score 0.0 in their order; at most `top_n` (None: all)."""
+    rank_of = {position: rank for rank, position in enumerate(scored)}
+    gains = [decision.scores.gains[rank_of[p]] if p in rank_of else None for p in range(count)]
+    order = rerank_order(gains)
+    return [(p, rank_of.get(p), gains[p] if gains[p] is not None else 0.0)
+            for p in (order if top_n is None else order[:top_n])]
 
 
 def score(scorer: Any, question: str, memories: Sequence[Memory]) -> Scores:

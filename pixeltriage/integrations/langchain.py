@@ -12,8 +12,9 @@ under `cache_key_field`; its note is `metadata[note_field]`, else its `page_cont
 gain, with `relevance_score` (the gain, as LangChain's rerankers name it), `pixeltriage_open`, `pixeltriage_gain`,
 `pixeltriage_p_vis` and `pixeltriage_relevance` in their metadata. The top `k` by gain keep their image; the others
 lose `metadata[image_field]` (`keep_closed_images=True` keeps it), so a host that sends the images it finds sends
-the k opened ones. Documents without an image are not scored and follow, unchanged, in their retrieval order. An
-image given as a URL is fetched only with `allow_url_images=True`; otherwise it is refused, and nothing is fetched.
+the k opened ones. Documents without an image have no pixels to open: they follow in their retrieval order with
+`relevance_score` 0.0, closed, as the server's rerank routes rank them; `top_n` cuts that one ranking. An image
+given as a URL is fetched only with `allow_url_images=True`; otherwise it is refused, and nothing is fetched.
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ class PixelTriageCompressor(BaseDocumentCompressor):
     revision: Optional[str] = Field(default=None, description="Hub revision of `model`.")
     allow_download: bool = Field(default=False, description="Download `model` from the hub when it is not cached.")
     device: str = Field(default="cpu", description="Device `model` is loaded on.")
-    top_n: Optional[int] = Field(default=None, ge=0, description="Image documents returned, by descending gain "
-                                                                 "(None: all).")
+    top_n: Optional[int] = Field(default=None, ge=0, description="Documents returned: those with an image by "
+                                                                 "descending gain, then the others at 0.0 (None: "
+                                                                 "all).")
     k: int = Field(default=2, ge=0, description="Image documents that keep their image: the top k by gain.")
     keep_closed_images: bool = Field(default=False, description="Keep metadata[image_field] on the documents not "
                                                                 "opened.")
@@ -65,7 +67,7 @@ class PixelTriageCompressor(BaseDocumentCompressor):
 
     def compress_documents(self, documents: Sequence[Document], query: str,
                            callbacks: Optional[Callbacks] = None) -> Sequence[Document]:
-        """The documents with an image by descending gain (at most top_n), then the others; see the module."""
+        """The documents with an image by descending gain, then the others at 0.0, at most top_n; see the module."""
         memories, scored = self._memories(documents)
         scores = common.score(self.scorer, query, memories) if memories else None
         return self._delivered(documents, scored, scores)
@@ -91,17 +93,12 @@ class PixelTriageCompressor(BaseDocumentCompressor):
         return memories, scored
 
     def _delivered(self, documents: Sequence[Document], scored: list[int], scores: Scores | None) -> list[Document]:
-        scored_positions = set(scored)
-        rest = [d for i, d in enumerate(documents) if i not in scored_positions]
-        if scores is None:
-            return rest
-        decision = decide(scores, self.k)
-        top_n = len(scored) if self.top_n is None else min(self.top_n, len(scored))
+        decision = decide(scores, self.k) if scores is not None else None
         out = []
-        for rank in decision.order[:top_n]:
-            document = documents[scored[rank]]
-            metadata = {**document.metadata, "relevance_score": scores.gains[rank], **common.written(decision, rank)}
-            if not decision.open[rank] and not self.keep_closed_images:
+        for position, rank, score in common.ranked(len(documents), scored, decision, self.top_n):
+            document = documents[position]
+            metadata = {**document.metadata, "relevance_score": score, **common.written(decision, rank)}
+            if rank is not None and not decision.open[rank] and not self.keep_closed_images:
                 metadata.pop(self.image_field, None)
             out.append(Document(page_content=document.page_content, metadata=metadata, id=document.id))
-        return out + rest
+        return out

@@ -11,9 +11,10 @@ The image nodes of one query (`ImageNode.image` base64, `image_path`, `image_url
 `pixeltriage_open`, `pixeltriage_gain`, `pixeltriage_p_vis` and `pixeltriage_relevance` in their metadata (hidden
 from the LLM and embedding views). The top `k` by gain keep their images; the rest become text nodes carrying their
 note (`keep_closed_images=True` leaves them image nodes, only annotated), so a multimodal synthesizer sends the
-model the k opened images and the others as text. Nodes without an image (text nodes of a mixed retrieval) are not
-scored and follow the image nodes unchanged, in their retrieval order. A node's image URL is fetched only with
-`allow_url_images=True`; otherwise it is refused, and nothing is fetched.
+model the k opened images and the others as text. Nodes without an image (text nodes of a mixed retrieval) have no
+pixels to open: they score 0.0 and follow the image nodes in their retrieval order, closed, as the server's rerank
+routes rank them; `top_n` cuts that one ranking. A node's image URL is fetched only with `allow_url_images=True`;
+otherwise it is refused, and nothing is fetched.
 """
 from __future__ import annotations
 
@@ -44,13 +45,14 @@ class PixelTriagePostprocessor(BaseNodePostprocessor):
     model: Optional[str] = Field(default=None, description="Checkpoint scored in process: a local path or a Hugging "
                                                            "Face hub id org/name[@revision].")
     base_url: Optional[str] = Field(default=None, description="URL of a `pixeltriage serve` server to score on.")
-    top_n: Optional[int] = Field(default=None, ge=0, description="Image nodes returned, by descending gain "
-                                                                 "(None: all).")
+    top_n: Optional[int] = Field(default=None, ge=0, description="Nodes returned: the image nodes by descending "
+                                                                 "gain, then the others at 0.0 (None: all).")
     k: int = Field(default=2, ge=0, description="Image nodes that keep their pixels: the top k by gain "
                                                 "(pixeltriage.top_k).")
     keep_closed_images: bool = Field(default=False, description="Leave the nodes not opened as image nodes "
                                                                 "(annotated only) instead of text nodes.")
-    keep_retrieval_score: bool = Field(default=False, description="Keep the retrieval score in metadata.")
+    keep_retrieval_score: bool = Field(default=False, description="Keep the retrieval score in "
+                                                                   "metadata['retrieval_score'].")
     allow_url_images: bool = Field(default=False, description="Fetch images given only by URL (else refused).")
     image_field: str = Field(default="image", description="Metadata key of an image (path, base64, bytes) for a "
                                                           "node that carries none itself.")
@@ -138,30 +140,26 @@ class PixelTriagePostprocessor(BaseNodePostprocessor):
         return memory
 
     def _end(self, nodes: List[NodeWithScore], scored: list[int], scores) -> List[NodeWithScore]:
-        scored_positions = set(scored)
-        text_nodes = [node for i, node in enumerate(nodes) if i not in scored_positions]
-        if scores is None:
-            dispatcher.event(ReRankEndEvent(nodes=text_nodes))
-            return text_nodes
-        decision = decide(scores, self.k)
+        """Every node in the one ranking (`common.ranked`), at most top_n, each a copy carrying its score."""
+        decision = decide(scores, self.k) if scores is not None else None
         out = []
-        for rank in decision.order[:self._top_n(len(scored))]:
-            original = nodes[scored[rank]]
+        for position, rank, score in common.ranked(len(nodes), scored, decision, self.top_n):
+            original = nodes[position]
             metadata = {**original.node.metadata, **common.written(decision, rank)}
             if self.keep_retrieval_score:
                 metadata["retrieval_score"] = original.score
-            node = self._delivered(original.node, metadata, decision.open[rank])
-            out.append(NodeWithScore(node=node, score=scores.gains[rank]))
-        out += text_nodes
+            opened = rank is not None and decision.open[rank]
+            node = self._delivered(original.node, metadata, opened, scored=rank is not None)
+            out.append(NodeWithScore(node=node, score=score))
         dispatcher.event(ReRankEndEvent(nodes=out))
         return out
 
-    def _delivered(self, node: BaseNode, metadata: dict, opened: bool) -> BaseNode:
+    def _delivered(self, node: BaseNode, metadata: dict, opened: bool, scored: bool = True) -> BaseNode:
         """A copy of `node` with `metadata`; a closed image node as a text node carrying its note (the nodes the
-        retriever holds are not changed)."""
+        retriever holds are not changed); a node not scored (no image) as it was, with `metadata`."""
         hidden = {"excluded_llm_metadata_keys": _hide(node.excluded_llm_metadata_keys),
                   "excluded_embed_metadata_keys": _hide(node.excluded_embed_metadata_keys)}
-        if opened or self.keep_closed_images:
+        if opened or self.keep_closed_images or not scored:
             return node.model_copy(update={"metadata": metadata, **hidden})
         metadata.pop(self.image_field, None)
         note = metadata.get(self.note_field) if isinstance(metadata.get(self.note_field), str) else _text(node)

@@ -11,10 +11,11 @@ then calls `rerank(query, memories, limit)` as it calls its own. A mem0 memory i
 `memory["memory"]`; its image is read from `memory["metadata"]`: under `image_field` (a local path, base64 or a
 `data:` URI, bytes) or, stored at write time (`POST /v1/memories`, `Cache.put`), a cache key under
 `cache_key_field`; its note is `metadata[note_field]`, else the memory's text. The memories with an image are
-scored in one call and come back by System One's gain, each with `rerank_score` (the gain, the key mem0's rerankers
-write), `pixeltriage_open`, `pixeltriage_gain`, `pixeltriage_p_vis` and `pixeltriage_relevance`; the top `k` keep
-their image, the others lose `metadata[image_field]` (`keep_closed_images=True` keeps it). Memories without an image
-follow with `rerank_score` 0.0 (nothing to open), in their retrieval order, as the server's rerank endpoints rank
+scored in one call and come back by System One's gain, each with `rerank_score` (the gain) and `pixeltriage_open`,
+`pixeltriage_gain`, `pixeltriage_p_vis` and `pixeltriage_relevance` beside it, at the top level of the memory where
+mem0's own rerankers write `rerank_score` (`metadata` stays what the host stored); the top `k` keep their image,
+the others lose `metadata[image_field]` (`keep_closed_images=True` keeps it). Memories without an image follow
+with `rerank_score` 0.0 (nothing to open), closed, in their retrieval order, as the server's rerank endpoints rank
 them; the whole list is cut at `top_k`. URL images are fetched only with `allow_url_images=True`.
 
 mem0's own `cohere` reranker also reaches a `pixeltriage serve` server: docs/integrations.md, "mem0".
@@ -28,7 +29,7 @@ try:
 except ImportError as e:                                # pragma: no cover - exercised in a subprocess test
     raise ImportError("pixeltriage.integrations.mem0 needs mem0: pip install mem0ai; " f"{e}") from e
 
-from pixeltriage.delivery.decision import Decision, decide, rerank_order
+from pixeltriage.delivery.decision import Decision, decide
 from pixeltriage.integrations import common
 
 
@@ -49,26 +50,23 @@ class PixelTriageReranker(BaseReranker):
     def rerank(self, query: str, documents: Sequence[dict], top_k: Optional[int] = None) -> list[dict]:
         """The memories with an image by descending gain, then the others (rerank_score 0.0), at most top_k (else
         the reranker's own top_k, else all); copies, the given dicts are not changed."""
-        memories, rank_of = [], {}              # rank_of: a scored document's position -> its memory's
+        memories, scored = [], []               # scored: the positions of the documents with an image
         for position, document in enumerate(documents):
             metadata = document.get("metadata") or {}
             memory = common.memory_of(None, None, metadata, document.get("memory"), self.fields, position,
                                       self.allow_url_images)
             if memory is not None:
-                rank_of[position] = len(memories)
+                scored.append(position)
                 memories.append(memory)
         decision = decide(common.score(self.scorer, query, memories), self.k) if memories else None
-        gains = [decision.scores.gains[rank_of[i]] if i in rank_of else None for i in range(len(documents))]
-        out = [self._reranked(documents[i], decision, rank_of.get(i)) for i in rerank_order(gains)]
         limit = top_k if top_k is not None else self.top_k
-        return out if limit is None else out[:limit]
+        return [self._reranked(documents[position], decision, rank, score)
+                for position, rank, score in common.ranked(len(documents), scored, decision, limit)]
 
-    def _reranked(self, document: dict, decision: Optional[Decision], rank: Optional[int]) -> dict:
-        """A copy of the document with its rerank_score (0.0 when it was not scored) and, when scored, what
-        PixelTriage writes; a closed image loses `metadata[image_field]` unless keep_closed_images."""
-        if rank is None:
-            return {**document, "rerank_score": 0.0}
-        reranked = {**document, "rerank_score": decision.scores.gains[rank], **common.written(decision, rank)}
-        if not decision.open[rank] and not self.keep_closed_images and reranked.get("metadata"):
+    def _reranked(self, document: dict, decision: Optional[Decision], rank: Optional[int], score: float) -> dict:
+        """A copy of the document with its rerank_score (0.0 when it was not scored) and what PixelTriage writes;
+        a closed image loses `metadata[image_field]` unless keep_closed_images."""
+        reranked = {**document, "rerank_score": score, **common.written(decision, rank)}
+        if rank is not None and not decision.open[rank] and not self.keep_closed_images and reranked.get("metadata"):
             reranked["metadata"] = {k: v for k, v in reranked["metadata"].items() if k != self.fields.image}
         return reranked

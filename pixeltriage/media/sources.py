@@ -21,6 +21,9 @@ ImageSource = Union[Image.Image, bytes, bytearray, str, os.PathLike]
 
 DATA_URI = re.compile(r"^data:([^;,]*)(;[^,]*)?,", re.ASCII | re.IGNORECASE)     # a scheme is case-insensitive
 _WHITESPACE = re.compile(rb"\s+")
+_BASE64_TEXT = re.compile(r"[A-Za-z0-9+/\r\n]+={0,2}\s*", re.ASCII)      # wrapped lines, never spaces (prose)
+# the first bytes of the formats the library decodes (media.image.IMAGE_FORMATS; WebP: RIFF, a size, then WEBP)
+_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
 
 
 def decode_base64(text: str, field: str | None) -> bytes:
@@ -42,6 +45,23 @@ def decode_base64(text: str, field: str | None) -> bytes:
     if not data:
         raise InvalidRequestError("the image is empty", field)
     return data
+
+
+def has_image_signature(data: bytes) -> bool:
+    """Whether `data` starts as an image of a format the library decodes (its signature only: nothing is decoded)."""
+    return data.startswith(_SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+
+
+def is_base64_image(text: str) -> bool:
+    """Whether `text` is base64 (in lines, as MIME wraps it) whose bytes start with an image signature: what tells a
+    raw base64 image from other text. Only its first characters are decoded."""
+    if len(text) < 16 or not _BASE64_TEXT.fullmatch(text):
+        return False
+    head = "".join(text[:64].split())[:16]                     # 16 characters: 12 bytes, every signature's length
+    try:
+        return has_image_signature(base64.b64decode(head, validate=True))
+    except (binascii.Error, ValueError):
+        return False
 
 
 def _decode_spaced(text: str, field: str | None) -> bytes:

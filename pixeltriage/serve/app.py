@@ -49,8 +49,8 @@ from pixeltriage.errors import (InvalidMemoryError, InvalidRequestError, Overloa
 from pixeltriage.serve import status as service_status
 from pixeltriage.serve.infer import (Admission, Answer, ClientDisconnected, FieldError, Infer, Question, Reranked,
                                      RerankQuestion, RequestTiming, ScoredQuestion)
-from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_TAGS, BatchRequest, BatchResponse,
-                                       Delivery, ErrorBody, MemoryInfo, MemoryPut, Policy, RerankDocument,
+from pixeltriage.serve.schemas import (CACHE_KEY, DEFAULT_OPEN_K, DOCUMENT_STATUSES, DOCUMENT_TAGS, BatchRequest,
+                                       BatchResponse, Delivery, ErrorBody, MemoryInfo, MemoryPut, Policy, RerankDocument,
                                        RerankExtra, RerankRequest, RerankResponse, RerankResult, RerankSummary,
                                        RetrieveHit, RetrieveRequest, RetrieveResponse, ScoreRequest, ScoreResponse,
                                        Status, Strict, TEIRank, TEIRerankRequest, Timing, VisualTokens, status_of)
@@ -110,7 +110,8 @@ def create_app(service: Service, *, own_lifespan: bool = True) -> FastAPI:
 
     from pixeltriage import __version__
 
-    app = FastAPI(title="PixelTriage", version=__version__, lifespan=lifespan, redoc_url=None,
+    # no /docs: FastAPI's Swagger page loads its scripts from a CDN and is blank offline; /openapi.json is the schema
+    app = FastAPI(title="PixelTriage", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="System One as a service: which retrieved memories deserve pixels. See docs/serve.md.")
     app.state.service = service
     _document_bodies(app)
@@ -210,7 +211,7 @@ async def rerank_tei(infer: Infer, body: TEIRerankRequest, request: Request) -> 
                      pixeltriage=_rerank_extra(d, reranked)).model_dump() for d in reranked.documents[:body.top_n]]
     if not body.return_text:
         ranks = [{k: v for k, v in r.items() if k != "text"} for r in ranks]
-    return _answer(answer, ranks)
+    return _reranked(answer, ranks)
 
 
 def cohere_rerank(version: str) -> Callable[[Infer, RerankRequest, Request], Awaitable[Response]]:
@@ -234,7 +235,7 @@ async def _cohere(infer: Infer, request: Request, body: RerankRequest, version: 
                             pixeltriage=_rerank_extra(d, reranked)) for d in reranked.documents[:body.top_n]]
     summary = RerankSummary(p_vis=reranked.scores.p_vis, relevance_none=reranked.scores.relevance_none,
                             opened=sorted(d.index for d in reranked.documents if d.open), state_tokens=tokens,
-                            query_truncated=reranked.query_truncated)
+                            query_truncated=reranked.query_truncated, statuses=_statuses(reranked))
     response = RerankResponse(id=uuid.uuid4().hex, model=body.model, results=results, pixeltriage=summary,
                               meta={"api_version": {"version": version},
                                     "tokens": {"input_tokens": tokens, "output_tokens": 0}},
@@ -242,7 +243,7 @@ async def _cohere(infer: Infer, request: Request, body: RerankRequest, version: 
     for result in response["results"]:
         if not body.return_documents:
             del result["document"]
-    return _answer(answer, response)
+    return _reranked(answer, response)
 
 
 async def _rerank(infer: Infer, request: Request, body: RerankRequest, documents: Sequence,
@@ -253,13 +254,31 @@ async def _rerank(infer: Infer, request: Request, body: RerankRequest, documents
         raise InvalidRequestError("System One's scores are probabilities (the gain); this server answers "
                                   "raw_scores: false only", "raw_scores")
     rerank = RerankQuestion(body.query, documents, body.policy or Policy(k=DEFAULT_OPEN_K), collection,
-                            body.truncate is not False, body.max_tokens_per_doc, body.pixeltriage_score)
+                            body.truncate is not False, body.max_tokens_per_doc, body.pixeltriage_score, body.strict)
     return await infer.rerank(rerank, _admission(request, body.timeout_s, 0))
 
 
 def _rerank_extra(document: RankedDocument, reranked: Reranked) -> RerankExtra:
-    return RerankExtra(image=document.image, gain=document.gain, relevance=document.relevance,
-                       p_vis=reranked.scores.p_vis, open=document.open, truncated=document.truncated)
+    return RerankExtra(status=document.status, detail=document.detail, image=document.image, gain=document.gain,
+                       relevance=document.relevance, p_vis=reranked.scores.p_vis, open=document.open,
+                       truncated=document.truncated)
+
+
+def _statuses(reranked: Reranked) -> dict[str, int]:
+    """The documents of each status, every status named (0 included)."""
+    counts = dict.fromkeys(DOCUMENT_STATUSES, 0)
+    for document in reranked.documents:
+        counts[document.status] += 1
+    return counts
+
+
+def _reranked(answer: Answer[Reranked], content) -> Response:
+    """A rerank's answer with its documents' statuses in a header too (`x-pixeltriage-documents: scored=3,
+    unknown_key=1`: TEI's list has no summary to carry them)."""
+    response = _answer(answer, content)
+    counts = _statuses(answer.result)
+    response.headers["x-pixeltriage-documents"] = ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "none"
+    return response
 
 
 # -- the write-time cache --------------------------------------------------------------------------------------------
@@ -335,7 +354,9 @@ BODY_ROUTES = {r.path: r for r in ROUTES if r.body is not None}   # the bodies t
 SCORING_PATHS = {r.path for r in ROUTES if r.scoring}
 COHERE_PATHS = {r.path for r in ROUTES if r.cohere}
 KEYLESS_PATHS = {r.path for r in ROUTES if r.keyless}
-LABELLED_PATHS = (*(r.path for r in ROUTES), "/docs", "/openapi.json")     # the table's and FastAPI's own
+LABELLED_PATHS = (*(r.path for r in ROUTES), "/openapi.json")     # the table's and FastAPI's own
+NO_DOCS = ("no interactive docs here (their page would load its scripts from the network): the OpenAPI schema is "
+           "GET /openapi.json, for any OpenAPI viewer; the reference is docs/serve.md")
 
 
 def _add_route(app: FastAPI, route: Route) -> None:
@@ -376,7 +397,16 @@ async def parse_body(request: Request, model: type[Strict]) -> Strict:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False, include_input=False, include_context=True)) from None
+        raise RequestValidationError([_body_error(error) for error in e.errors(include_url=False)]) from None
+
+
+def _body_error(error: dict) -> dict:
+    """A pydantic error of a body as FastAPI words its own: located in the "body" (so that a field named like a
+    location, `query`, keeps its name), a null said to be one, and the input itself dropped (never echoed)."""
+    given = error.pop("input", None)
+    if given is None and error["type"].endswith("_type"):
+        error["msg"] = f"null is not accepted here: {error['msg'][0].lower()}{error['msg'][1:]}"
+    return {**error, "loc": ("body", *error["loc"])}
 
 
 def _document_bodies(app: FastAPI) -> None:
@@ -402,9 +432,10 @@ def _document_bodies(app: FastAPI) -> None:
 # -- errors ----------------------------------------------------------------------------------------------------------
 def _error(status: int, kind: str, message: str, field: str | None = None, headers: dict | None = None,
            path: str = "", **extra) -> Response:
-    """An error body: TEI's `{error, error_type}` with the field; on COHERE_PATHS Cohere's `message` too."""
+    """An error body: TEI's `{error, error_type}` with the field; on COHERE_PATHS Cohere's `message` and Jina's
+    `detail` too."""
     if path in COHERE_PATHS:
-        extra["message"] = message
+        extra["message"] = extra["detail"] = message
     return _json({"error": message, "error_type": kind, "field": field, **extra}, headers, status)
 
 
@@ -437,7 +468,7 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         field = field_path(first.get("loc", ()))
         failures.labels("invalid_input").inc()
-        message = str(first.get("msg"))
+        message = str(first.get("msg")).removeprefix("Value error, ")
         if first.get("type") == "string_too_long":
             message = (f"longer than this server's limit of {first['ctx']['max_length']} characters for this field "
                        "(docs/serve.md, Limits)")
@@ -449,7 +480,9 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         failures.labels(FAILURE_OF.get(kind, "internal")).inc()
         inner = e.error if isinstance(e, FieldError) else e
         field = e.field if isinstance(e, FieldError) else getattr(e, "field", None)
-        message = str(inner) if isinstance(inner, InvalidRequestError) or not field else f"{field}: {inner}"
+        # the request's field, then the reason alone: never the library's "memory 3" for a request's documents[5]
+        bare = inner.reason if isinstance(inner, (InvalidMemoryError, InvalidRequestError)) else inner
+        message = f"{field}: {bare}" if field else str(inner)
         extra = {"reason": inner.reason} if isinstance(inner, (InvalidMemoryError, StoreError)) else {}
         # a 503 raised past the guard (a request admitted just before a drain) says when to retry, as the guard's do
         headers = ({"retry-after": str(math.ceil(inner.retry_after))} if isinstance(inner, OverloadedError)
@@ -470,7 +503,8 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         # a body FastAPI cannot parse at all (not UTF-8, numbers past Python's digit limit, nesting too deep) is
         # malformed input like any other: 422, as documented, not FastAPI's 400
         status = 422 if e.status_code == 400 else e.status_code
-        return _error(status, kind, str(e.detail), headers=getattr(e, "headers", None), path=request.url.path)
+        detail = NO_DOCS if e.status_code == 404 and request.url.path in ("/docs", "/redoc") else str(e.detail)
+        return _error(status, kind, detail, headers=getattr(e, "headers", None), path=request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def gone(request: Request, e: ClientDisconnected):
@@ -493,7 +527,7 @@ def field_path(loc: Sequence) -> str | None:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in ("function-after[one_source()]", "function-after[matches_type()]", *DOCUMENT_TAGS):
+        elif not part.startswith("function-") and part not in DOCUMENT_TAGS:       # validators, union branches
             out += f".{part}" if out else str(part)
     return out or None
 

@@ -38,7 +38,7 @@ from pixeltriage.serve.schemas import error_for
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 RETRIED_STATUS = (429, 502, 503)
-_MEMORY_INDEX = re.compile(r"memories\[(\d+)\]")
+_MEMORY_INDEX = re.compile(r"(?:memories|documents|texts)\[(\d+)\]")      # the memory (or document) a field names
 PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I;16")
 
 
@@ -61,8 +61,8 @@ class Decided:
 class Reranking:
     """A rerank answer (`schemas.RerankResponse` and its `pixeltriage` summary): `results` by descending score (the
     first top_n, each a `RankedDocument`), the query's `p_vis` and `relevance_none`, the `opened` documents by index,
-    the packed state's tokens, whether the query was cut; `raw` is the route's JSON as it came (Cohere's `meta`,
-    Jina's `usage`)."""
+    the packed state's tokens, whether the query was cut, the documents of each status (all of them, not only the
+    first top_n); `raw` is the route's JSON as it came (Cohere's `meta`, Jina's `usage`)."""
 
     id: str
     model: str | None
@@ -72,6 +72,7 @@ class Reranking:
     opened: list[int]
     state_tokens: int
     query_truncated: bool
+    statuses: dict[str, int]
     raw: dict = dataclasses.field(repr=False, compare=False)
 
 
@@ -152,11 +153,13 @@ def reranking_of(response: dict) -> Reranking:
     results = [RankedDocument(index=r["index"], relevance_score=r["relevance_score"], image=r["pixeltriage"]["image"],
                               gain=r["pixeltriage"]["gain"], relevance=r["pixeltriage"]["relevance"],
                               open=r["pixeltriage"]["open"], truncated=r["pixeltriage"]["truncated"],
-                              document=r["document"]["text"] if r.get("document") else None)
+                              document=r["document"]["text"] if r.get("document") else None,
+                              status=r["pixeltriage"]["status"], detail=r["pixeltriage"]["detail"])
                for r in response["results"]]
     return Reranking(id=response["id"], model=response.get("model"), results=results, p_vis=summary["p_vis"],
                      relevance_none=summary["relevance_none"], opened=list(summary["opened"]),
-                     state_tokens=summary["state_tokens"], query_truncated=summary["query_truncated"], raw=response)
+                     state_tokens=summary["state_tokens"], query_truncated=summary["query_truncated"],
+                     statuses=dict(summary["statuses"]), raw=response)
 
 
 def error_of(response: httpx.Response, question_offset: int = 0) -> Exception:
@@ -254,11 +257,11 @@ class _Base:
 
     @staticmethod
     def _rerank_body(query: str, documents: Sequence, top_n: int | None, k: int | None, score: str | None,
-                     return_documents: bool, timeout_s: float | None) -> dict:
+                     return_documents: bool, timeout_s: float | None, strict: bool | None) -> dict:
         docs = [_encode_memory(d, i) if isinstance(d, Memory) else d for i, d in enumerate(documents)]
         body: dict[str, Any] = {"query": user_text(query, "query", None), "documents": docs, "top_n": top_n,
                                 "return_documents": return_documents, "pixeltriage_score": score,
-                                "timeout_s": timeout_s}
+                                "strict": strict, "timeout_s": timeout_s}
         if k is not None:
             body["policy"] = {"k": k}
         return body
@@ -303,13 +306,15 @@ class Client(_Base):
         return out
 
     def rerank(self, query: str, documents: Sequence, *, top_n: int | None = None, k: int | None = None,
-               score: str | None = None, return_documents: bool = False,
+               score: str | None = None, return_documents: bool = False, strict: bool | None = None,
                timeout_s: float | None = None) -> Reranking:
         """POST /v2/rerank: `documents` are Memory objects or what the route takes (a cache key, a JSON memory
         string, plain text, a Jina or vLLM object); `k` the open decision (server default 2); `score` "gain" or
-        "relevance" (None: the server's --rerank-score). A `Reranking`: `results` by descending score, each a
-        `RankedDocument`, and the query's summary; `.raw` is the route's JSON (docs/serve.md, "Rerank")."""
-        body = self._rerank_body(query, documents, top_n, k, score, return_documents, timeout_s)
+        "relevance" (None: the server's --rerank-score); `strict` True: a document not scored is an
+        InvalidRequestError naming it (None: the server's --rerank-strict). A `Reranking`: `results` by descending
+        score, each a `RankedDocument` with its `status`, and the query's summary; `.raw` is the route's JSON
+        (docs/serve.md, "Rerank")."""
+        body = self._rerank_body(query, documents, top_n, k, score, return_documents, timeout_s, strict)
         return reranking_of(self._request("POST", "/v2/rerank", body, timeout_s))
 
     def put_memory(self, image, note: str = "") -> str:
@@ -410,9 +415,9 @@ class AsyncClient(_Base):
         return out
 
     async def rerank(self, query: str, documents: Sequence, *, top_n: int | None = None, k: int | None = None,
-                     score: str | None = None, return_documents: bool = False,
+                     score: str | None = None, return_documents: bool = False, strict: bool | None = None,
                      timeout_s: float | None = None) -> Reranking:
-        body = self._rerank_body(query, documents, top_n, k, score, return_documents, timeout_s)
+        body = self._rerank_body(query, documents, top_n, k, score, return_documents, timeout_s, strict)
         return reranking_of(await self._request("POST", "/v2/rerank", body, timeout_s))
 
     async def put_memory(self, image, note: str = "") -> str:

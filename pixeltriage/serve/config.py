@@ -35,6 +35,7 @@ class ServeConfig:
     graceful_timeout: seconds SIGTERM waits for admitted work before the remaining questions are refused (503).
     trim_idle_s: seconds without a request (none open, none admitted) after which the memory that requests freed is
         given back to the OS (`pixeltriage.engine.cpu_memory.trim_malloc`, once per idle spell); None: never.
+    rerank_score, rerank_strict: a rerank request's `pixeltriage_score` and `strict` when it does not say.
     """
 
     max_batch_tokens: int | None = None
@@ -50,7 +51,8 @@ class ServeConfig:
     gate_window: int = 1000
     max_gates: int = 256
     graceful_timeout: float = 30.0
-    rerank_score: str = "gain"          # what a rerank's relevance_score carries when its request does not say
+    rerank_score: str = "gain"
+    rerank_strict: bool = False
     trim_idle_s: float | None = 1.0
 
     def __post_init__(self):
@@ -94,7 +96,8 @@ class ServeConfig:
                 "payload_limit_bytes": self.payload_limit, "preprocess_threads": self.preprocess_threads,
                 "image_root": self.image_root is not None, "auth": bool(self.api_keys),
                 "gate_window": self.gate_window, "max_gates": self.max_gates,
-                "graceful_timeout_s": self.graceful_timeout, "trim_idle_s": self.trim_idle_s}
+                "graceful_timeout_s": self.graceful_timeout, "trim_idle_s": self.trim_idle_s,
+                "rerank_score": self.rerank_score, "rerank_strict": self.rerank_strict}
 
 
 def _at_least(name: str, value, minimum: int, optional: bool = False) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -59,7 +58,7 @@ class RerankQuestion:
     as one question's memories. collection: the body's field that holds them ("documents", TEI's "texts");
     max_tokens: the client's own cut of each document's text (None: the library's budget only); score: what each
     result's `relevance_score` carries, "gain" (Scores.gains) or "relevance" (Scores.relevance); None: the
-    server's --rerank-score."""
+    server's --rerank-score; strict: a document not scored is refused (None: the server's --rerank-strict)."""
 
     query: str
     documents: Sequence[Any]
@@ -68,6 +67,7 @@ class RerankQuestion:
     truncate: bool = True
     max_tokens: int | None = None
     score: str | None = None
+    strict: bool | None = None
 
     def __post_init__(self):
         if self.score is not None and self.score not in RERANK_SCORES:
@@ -162,23 +162,16 @@ class FieldError(Exception):
         super().__init__(f"{field}: {error}" if field else str(error))
 
 
-def _document_error(error: FieldError, documents: Sequence[RerankDoc]) -> FieldError:
-    """A scored memory's error (`memories[2].image`) renamed for the document it came from (`documents[5].image`),
-    a library error numbered by the document."""
-    found = _MEMORY_FIELD.match(error.field or "")
-    if found is None:
-        if error.field != "memories":
-            return error
-        collection = documents[0].field.split("[", 1)[0] if documents else "documents"
-        return FieldError(collection, error.error)          # the whole state (too long)
-    document = documents[int(found.group(1))]
-    inner = error.error
-    if isinstance(inner, InvalidMemoryError):
-        inner = InvalidMemoryError(inner.reason, document.index)
-    return FieldError(f"{document.field}.{document.source}", inner)
-
-
-_MEMORY_FIELD = re.compile(r"^memories\[(\d+)\]")
+def refuse_unusable(documents: Sequence[RerankDoc]) -> None:
+    """A strict rerank: a FieldError naming the first document not scored, its status and why, and how many more."""
+    unusable = [d for d in documents if d.memory is None]
+    if not unusable:
+        return
+    first, more = unusable[0], unusable[1:]
+    rest = f"; {len(more)} more not scored: " + ", ".join(f"{d.field} ({d.status})" for d in more[:8]) if more else ""
+    rest += ", ..." if len(more) > 8 else ""
+    raise FieldError(first.field, InvalidRequestError(f"not scored ({first.status}): {first.detail}{rest}; strict: "
+                                                      "false answers every document, this one scored 0"))
 
 
 class Gates:
@@ -263,33 +256,34 @@ class Infer:
 
     def prepare(self, q: Question) -> Prepare:
         """The preprocessing of one question, run on a preparation thread: -> (State, image sizes)."""
+        fields = [f"{q.field}memories[{i}].{m.source}" for i, m in enumerate(q.memories)]
+        return lambda: self._pack(q.text, q.memories, q.policy, fields, f"{q.field}memories", f"{q.field}policy")
+
+    def _pack(self, question: str, memories: Sequence[MemoryIn], policy: Policy | None, image_fields: Sequence[str],
+              memories_field: str, policy_field: str) -> tuple:
+        """(State, image sizes) of one question; a refusal is a FieldError naming the request's own field: the
+        field of memory i's image (`image_fields[i]`), the memories as a whole (`memories_field`: a state too long)
+        or the policy's token budget."""
         from pixeltriage.delivery.report import image_size
 
-        scorer, image_root = self.scorer, self.image_root
-        question, memories, policy, prefix = q.text, q.memories, q.policy, q.field
-
-        def prepare():
-            try:
-                decoded = [to_memory(m, f"{prefix}memories[{i}]", image_root) for i, m in enumerate(memories)]
-                state = scorer.pack(question, decoded)
-                # the answering model's visual tokens are reported with a delivery only: no policy, no headers read
-                sizes = [image_size(m, i, scorer.cache) for i, m in enumerate(decoded)] if policy else []
-            except InvalidMemoryError as e:
-                known = e.index is not None and 0 <= e.index < len(memories)
-                raise FieldError(f"{prefix}memories[{e.index}].{memories[e.index].source}" if known
-                                 else f"{prefix}memories", e) from None
-            except StateTooLongError as e:
-                raise FieldError(f"{prefix}memories", e) from None
-            except InvalidRequestError as e:
-                raise FieldError(e.field, e) from None
-            if policy is not None and policy.token_budget is not None and None in sizes:
-                unknown = sizes.index(None)
-                raise FieldError(f"{prefix}policy.token_budget", InvalidRequestError(
-                    f"needs every image's size, and memory {unknown + 1} (a cache row written before sizes were "
-                    "recorded) has none; put the image again"))
-            return state, sizes
-
-        return prepare
+        scorer = self.scorer
+        try:
+            decoded = [to_memory(m, field, self.image_root) for m, field in zip(memories, image_fields)]
+            state = scorer.pack(question, decoded)
+            # the answering model's visual tokens are reported with a delivery only: no policy, no headers read
+            sizes = [image_size(m, i, scorer.cache) for i, m in enumerate(decoded)] if policy else []
+        except InvalidMemoryError as e:
+            known = e.index is not None and 0 <= e.index < len(memories)
+            raise FieldError(image_fields[e.index] if known else memories_field, e) from None
+        except StateTooLongError as e:
+            raise FieldError(memories_field, e) from None
+        except InvalidRequestError as e:
+            raise FieldError(e.field, e) from None
+        if policy is not None and policy.token_budget is not None and None in sizes:
+            raise FieldError(f"{policy_field}.token_budget", InvalidRequestError(
+                f"needs every image's size, and {image_fields[sizes.index(None)]} (a cache row written before sizes "
+                "were recorded) has none; put the image again"))
+        return state, sizes
 
     def decide(self, scores: Scores, sizes: list, policy: Policy | None) -> Decision | None:
         """The delivery of one scored question under its policy, behind the policy's rate gate (None: no policy)."""
@@ -304,25 +298,31 @@ class Infer:
 
     # -- rerank ----------------------------------------------------------------------------------------------------
     async def rerank(self, rerank: RerankQuestion, admission: Admission) -> Answer[Reranked]:
-        """Score the documents that carry an image (or a key) as one question's memories -> every document ranked
-        by its score (a document without an image scores 0, after every image), and the query's summary."""
+        """Score the documents that carry an image (or a key the cache holds) as one question's memories -> every
+        document ranked by its score (a document not scored scores 0, after every image, its status saying why),
+        and the query's summary. With `strict`, a document not scored is a FieldError naming it."""
         self.check_documents(rerank.documents, rerank.collection)
         docs = [rerank_doc(d, rerank.collection, j) for j, d in enumerate(rerank.documents)]
-        log.debug("rerank: %d documents, %d with images", len(docs), sum(d.memory is not None for d in docs))
-        prepare = self.prepare_rerank(rerank.query, docs, rerank.policy, rerank.truncate, rerank.max_tokens, "query")
+        strict = self.config.rerank_strict if rerank.strict is None else rerank.strict
+        prepare = self.prepare_rerank(rerank.query, docs, rerank.policy, rerank.truncate, rerank.max_tokens, "query",
+                                      strict)
         (scored,), timing = await self._run([prepare], admission)
-        sizes, query_cut, cuts = scored.meta
+        sizes, query_cut, cuts, docs = scored.meta
         scores = scored.scores
         decision = self.decide(scores, sizes, rerank.policy)
         by = scores.gains if (rerank.score or self.config.rerank_score) == "gain" else scores.relevance
         ranked, i = [], 0
         for d in docs:
             if d.memory is None:        # nothing to open: after every image, scored 0
-                ranked.append(RankedDocument(d.index, 0.0, False, None, None, False, False, d.text))
+                ranked.append(RankedDocument(d.index, 0.0, False, None, None, False, False, d.text, d.status,
+                                             d.detail))
                 continue
             ranked.append(RankedDocument(d.index, by[i], True, scores.gains[i], scores.relevance[i], decision.open[i],
-                                         cuts[i], d.text))
+                                         cuts[i], d.text, d.status, d.detail))
             i += 1
+        for d in docs:
+            self.metrics.rerank_documents.labels(d.status).inc()
+        log.debug("rerank: %d documents, %d scored", len(docs), i)
         order = rerank_order([r.relevance_score if r.image else None for r in ranked])
         return Answer(Reranked([ranked[j] for j in order], scores, decision, scored.tokens, query_cut), timing)
 
@@ -335,27 +335,44 @@ class Infer:
                                       "question's memories, scored together", field)
 
     def prepare_rerank(self, query: str, documents: Sequence[RerankDoc], policy: Policy, truncate: bool,
-                       max_tokens: int | None, query_field: str) -> Prepare:
-        """`prepare` of the documents that carry an image (or a key), cut first to the client's `max_tokens`: ->
-        (State, (image sizes, whether the query was cut, per scored document whether a text of it was cut)). What
-        the library cut is the packer's own report (`State.text_cuts`); with `truncate` False, a text it cut is a
-        FieldError naming its budget (the query first)."""
-        scored = [d for d in documents if d.memory is not None]
+                       max_tokens: int | None, query_field: str, strict: bool = False) -> Prepare:
+        """`prepare` of the documents that carry an image or a key the cache holds (`known_keys`), cut first to the
+        client's `max_tokens`: -> (State, (image sizes, whether the query was cut, per scored document whether a
+        text of it was cut, every document with its final status)). What the library cut is the packer's own
+        report (`State.text_cuts`); with `truncate` False, a text it cut is a FieldError naming its budget (the query
+        first); with `strict`, so is a document not scored (`refuse_unusable`)."""
 
         def prepare():
+            docs = self.known_keys(documents)
+            if strict:
+                refuse_unusable(docs)
+            scored = [d for d in docs if d.memory is not None]
             memories, client_cuts = self._cut_to(scored, max_tokens)
-            try:
-                state, sizes = self.prepare(Question(query, memories, policy))()
-            except FieldError as e:
-                raise _document_error(e, scored) from None
+            collection = documents[0].field.split("[", 1)[0] if documents else "documents"
+            state, sizes = self._pack(query, memories, policy, [d.image_field for d in scored], collection, "policy")
             cuts = state.text_cuts
             # a cached note (null) is the server's own: its cut is neither reported nor refused
             library = [cut - {"note"} if m.note is None else cut for m, cut in zip(memories, cuts.memories)]
             if not truncate:
                 self._refuse_cuts(cuts.question, library, scored, query_field)
-            return state, (sizes, cuts.question, [bool(c or lib) for c, lib in zip(client_cuts, library)])
+            return state, (sizes, cuts.question, [bool(c or lib) for c, lib in zip(client_cuts, library)], docs)
 
         return prepare
+
+    def known_keys(self, documents: Sequence[RerankDoc]) -> list[RerankDoc]:
+        """The documents, a key the write-time cache does not hold (or a key on a server without a cache) marked not
+        scored: `unknown_key`, `no_cache`."""
+        cache, out = self.cache, []
+        for d in documents:
+            key = d.memory.key if d.memory is not None else None
+            if key is not None and cache is None:
+                d = d.unusable("no_cache", f"the cache key {key}, and this server has no write-time cache (start it "
+                                           "with --cache DB)")
+            elif key is not None and key not in cache:
+                d = d.unusable("unknown_key", f"the cache key {key} is not in this server's write-time cache: put "
+                                              "the image with POST /v1/memories first")
+            out.append(d)
+        return out
 
     def _cut_to(self, documents: Sequence[RerankDoc], max_tokens: int | None) -> tuple[list[MemoryIn], list[bool]]:
         """The documents' memories with note, then dialogue, cut to the client's `max_tokens` (None: no cut of its

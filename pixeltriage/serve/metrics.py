@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pixeltriage.serve.batcher import Observer, Timing
+from pixeltriage.serve.schemas import DOCUMENT_STATUSES
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 QUESTIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -49,6 +50,10 @@ class Metrics(Observer):
                                           registry=r)
         self.request_duration = Histogram("pixeltriage_request_duration_seconds", "per scoring request: arrival -> "
                                           "response", buckets=SECONDS, registry=r)
+        self.rerank_documents = Counter("pixeltriage_rerank_documents", "rerank documents answered, by status "
+                                        "(scored, or why not: docs/serve.md, Rerank)", ["status"], registry=r)
+        for status in DOCUMENT_STATUSES:
+            self.rerank_documents.labels(status)
         self.vision_images = Counter("pixeltriage_vision_images", "images through the vision tower (computed) or "
                                      "read from the write-time cache (cached)", ["source"], registry=r)
         self.workspace_bytes = Gauge("pixeltriage_workspace_bytes", "bytes the scorer's forward workspace holds "

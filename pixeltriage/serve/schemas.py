@@ -246,6 +246,8 @@ class ErrorBody(BaseModel):
     reason: Optional[str] = Field(None, description="invalid_memory: the library's reason, without 'memory N: '")
     message: Optional[str] = Field(None, description="/v1/rerank and /v2/rerank: `error` again, where Cohere's SDK "
                                                      "reads it")
+    detail: Optional[str] = Field(None, description="/v1/rerank and /v2/rerank: `error` again, where Jina's clients "
+                                                    "read it")
 
 
 class Status(BaseModel):
@@ -257,6 +259,18 @@ MODEL_NAME_LIMIT = 256
 DEFAULT_OPEN_K = 2                          # the open decision without a `policy`: the adapters' default k
 RERANK_SCORES = ("gain", "relevance")       # what `relevance_score` (TEI: `score`) carries: Scores.gains or .relevance
 RerankScore = Literal[RERANK_SCORES]
+# what became of each rerank document (its result's `pixeltriage.status`; the summary counts them)
+DOCUMENT_STATUSES = {
+    "scored": "scored from its image (an image, a data URI or base64, a cache key, a path)",
+    "no_image": "an object document with no image, key or path",
+    "not_a_key_or_memory": "a string that is neither a cache key (alone or in its text), a JSON memory, nor an image",
+    "near_miss_key": "a string holding what looks like a cache key of the wrong length or case, never read as text",
+    "several_keys": "a string holding more than one cache key (a document is one memory)",
+    "unknown_key": "a cache key this server's write-time cache does not hold",
+    "no_cache": "a cache key, and this server has no write-time cache (--cache)",
+    "url": "a URL: this server fetches nothing (put the image with POST /v1/memories and send its key)",
+}
+DocumentStatus = Literal[tuple(DOCUMENT_STATUSES)]
 
 
 class ImageURL(Strict):
@@ -297,14 +311,17 @@ def _document_kind(value) -> str:
     return DOCUMENT_TAGS[0] if isinstance(value, str) else DOCUMENT_TAGS[1]
 
 
-Document = Annotated[Union[Annotated[Text, Tag(DOCUMENT_TAGS[0])], Annotated[DocumentIn, Tag(DOCUMENT_TAGS[1])]],
+# a string document is bounded by the body's size alone: it may be an image (base64, a data URI), and its text is
+# never tokenized (a JSON memory's fields have their own limits; a key's note is the cached one)
+Document = Annotated[Union[Annotated[Encoded, Tag(DOCUMENT_TAGS[0])], Annotated[DocumentIn, Tag(DOCUMENT_TAGS[1])]],
                      Discriminator(_document_kind)]
 
 
 class RerankRequest(Strict):
     """Cohere v1/v2, Jina, vLLM and Infinity's rerank body (POST /v1/rerank, /v2/rerank, and /rerank), with
-    PixelTriage's `policy`. A string document is a write-time cache key, a JSON memory object, or plain text (no
-    image: scored 0)."""
+    PixelTriage's `policy` and `strict`. A string document is a write-time cache key (alone, or in a text around
+    it: `serve.inputs.rerank_doc`), a JSON memory object, a base64 image or data URI, or text without an image
+    (scored 0, with its `status` saying why)."""
 
     model: Optional[str] = Field(None, max_length=MODEL_NAME_LIMIT, description="echoed; the server's model scores")
     query: Text
@@ -323,6 +340,9 @@ class RerankRequest(Strict):
                                                      "carries and the results are sorted by: System One's `gain` or "
                                                      "its `relevance` (null: the server's --rerank-score, default "
                                                      "gain); both are in each result's `pixeltriage` either way")
+    strict: Optional[bool] = Field(None, description="true: a document that cannot be scored from an image (any "
+                                   "`status` but scored) is a 422 naming it (null: the server's --rerank-strict, "
+                                   "default false)")
     timeout_s: Optional[float] = Field(None, gt=0)
 
 
@@ -332,8 +352,8 @@ class TEIRerankRequest(RerankRequest):
 
     documents: Optional[list[Document]] = Field(None, description="the Cohere/Jina shape (exactly one of "
                                                                   "documents or texts)")
-    texts: Optional[list[Text]] = Field(None, description="TEI's: documents as strings (a cache key, a JSON memory "
-                                                          "object, or plain text)")
+    texts: Optional[list[Encoded]] = Field(None, description="TEI's: documents as strings, read as the string "
+                                                             "documents of `documents`")
     truncation_direction: Literal["Right", "Left", "right", "left"] = "Right"
     return_text: bool = False
 
@@ -347,6 +367,10 @@ class TEIRerankRequest(RerankRequest):
 class RerankExtra(BaseModel):
     """What System One says of one document beyond its score (ignored by the standard clients)."""
 
+    status: DocumentStatus = Field(description="scored, or why the document was not scored from an image: "
+                                   + "; ".join(f"{name}: {what}" for name, what in DOCUMENT_STATUSES.items()))
+    detail: Optional[str] = Field(description="what was found, in words (null when scored from its own image, key "
+                                              "or path)")
     image: bool = Field(description="the document carried an image (or a cache key) and was scored")
     gain: Optional[float] = Field(description="Scores.gains[i] (null: no image)")
     relevance: Optional[float] = Field(description="Scores.relevance[i] (null: no image)")
@@ -372,6 +396,7 @@ class RerankSummary(BaseModel):
     opened: list[int] = Field(description="the documents whose pixels are delivered, by index")
     state_tokens: int
     query_truncated: bool
+    statuses: dict[str, int] = Field(description="the documents of each `status` (every status, 0 included)")
 
 
 class RerankResponse(BaseModel):

@@ -122,6 +122,24 @@ def test_module_and_demo(tmp_path):
                          text=True, env={**ENV, "PIXELTRIAGE_CACHE": str(tmp_path)}, timeout=900)
     assert out.returncode == 0, out.stderr
     assert "p_vis" in out.stdout and "k=1 opens memories" in out.stdout and "meaningless" in out.stdout
+    assert f"{sys.executable} -m pixeltriage score --checkpoint DIR" in out.stdout     # how to run it again
+
+
+def test_the_demo_names_the_command_the_shell_can_run(tmp_path, monkeypatch):
+    """After `make demo` the command is .venv/bin/pixeltriage, not on PATH: the demo's hint says that path."""
+    from pixeltriage.cli.score import command_line
+
+    command = tmp_path / "venv" / "bin" / "pixeltriage"
+    command.parent.mkdir(parents=True)
+    command.write_text("#!/bin/sh\n")
+    command.chmod(0o755)
+    monkeypatch.setattr(sys, "argv", [str(command), "demo"])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert command_line() == str(command)
+    monkeypatch.setenv("PATH", str(command.parent))
+    assert command_line() == "pixeltriage"
+    monkeypatch.setattr(sys, "argv", ["/somewhere/pixeltriage/__main__.py", "demo"])
+    assert command_line().endswith(" -m pixeltriage")
 
 
 # -- help and usage errors: no torch, no model ------------------------------------------------------------------

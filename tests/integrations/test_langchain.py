@@ -60,7 +60,12 @@ def test_scores_are_the_scorers_and_the_top_k_keep_their_image(scorer, retrieved
         assert metadata["pixeltriage_open"] is opened[i]
         assert ("image" in metadata) is opened[i]
         assert document.page_content == documents[["d0", "d1", "d2", "d3", "d4", "d5"].index(ids[i])].page_content
-    assert out[-1] is documents[2]
+    text = out[-1]                               # no image: after every image, on the gains' scale (0.0)
+    assert text.id == "d2" and text.page_content == documents[2].page_content
+    assert {k: text.metadata[k] for k in WRITTEN} == {"relevance_score": 0.0, "pixeltriage_open": False,
+                                                     "pixeltriage_gain": None, "pixeltriage_p_vis": reference.p_vis,
+                                                     "pixeltriage_relevance": None}
+    assert all("relevance_score" in d.metadata for d in out)
     assert all("pixeltriage_open" not in d.metadata and "image" in d.metadata for d in documents if d.id != "d2")
     assert no_network == []
 
@@ -72,7 +77,9 @@ def test_top_n_k_and_keeping_closed_images(scorer, retrieved):
         documents, QUESTION)
     assert [d.metadata["relevance_score"] for d in out[:2]] == sorted(gains, reverse=True)[:2]
     assert [d.metadata["pixeltriage_open"] for d in out[:2]] == [True, False]
-    assert all("image" in d.metadata for d in out[:2]) and out[2] is documents[2] and len(out) == 3
+    assert all("image" in d.metadata for d in out) and len(out) == 2             # top_n caps the whole ranking
+    every = PixelTriageCompressor(scorer=scorer, top_n=6).compress_documents(documents, QUESTION)
+    assert [d.metadata["relevance_score"] for d in every] == [*sorted(gains, reverse=True), 0.0]
     with pytest.raises(ValueError):
         PixelTriageCompressor(scorer=scorer, k=-1)
 

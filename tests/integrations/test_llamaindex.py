@@ -69,7 +69,13 @@ def test_scores_are_the_scorers_and_the_top_k_keep_their_images(scorer, retrieve
             else:
                 assert type(result.node) is TextNode and result.node.text == f"note {scored[i]}"
     assert sum(r.node.metadata["pixeltriage_open"] for r in out[:5]) == 2
-    assert out[-1] is nodes[2]                   # the text node: not scored, unchanged, after the image nodes
+    # the text node: after every image node, on the gains' scale (nothing to open: 0.0), its node as it was
+    text = out[-1]
+    assert text.score == 0.0 and text.node.text == nodes[2].node.text and type(text.node) is TextNode
+    assert {k: text.node.metadata[k] for k in WRITTEN} == {"pixeltriage_open": False, "pixeltriage_gain": None,
+                                                          "pixeltriage_p_vis": reference.p_vis,
+                                                          "pixeltriage_relevance": None}
+    assert [n.score for n in out] == sorted((n.score for n in out), reverse=True)   # one ranking
     assert isinstance(nodes[0].node, ImageNode) and not set(WRITTEN) & set(nodes[0].node.metadata)  # inputs kept
     assert nodes[0].score == 1.0
     assert no_network == []
@@ -80,8 +86,12 @@ def test_top_n_and_k_bounds(scorer, retrieved):
     reference = scorer.score(QUESTION, memories)
     best = max(range(len(memories)), key=lambda i: (reference.gains[i], -i))
     out = PixelTriagePostprocessor(scorer, top_n=1, k=0).postprocess_nodes(nodes, query_str=QUESTION)
-    assert len(out) == 2 and out[0].score == reference.gains[best] and out[1] is nodes[2]
+    assert len(out) == 1 and out[0].score == reference.gains[best]               # top_n caps the whole ranking
     assert out[0].node.metadata["pixeltriage_open"] is False and type(out[0].node) is TextNode
+    two = PixelTriagePostprocessor(scorer, top_n=2, k=2).postprocess_nodes(nodes, query_str=QUESTION)
+    assert [n.score for n in two] == sorted(reference.gains, reverse=True)[:2]   # the text node's 0.6 is not above
+    whole = PixelTriagePostprocessor(scorer, top_n=6).postprocess_nodes(nodes, query_str=QUESTION)
+    assert whole[-1].node.node_id == nodes[2].node.node_id and whole[-1].score == 0.0
 
     everything = PixelTriagePostprocessor(scorer, k=10, keep_closed_images=True).postprocess_nodes(
         nodes, query_str=QUESTION)
@@ -91,15 +101,18 @@ def test_top_n_and_k_bounds(scorer, retrieved):
     assert [type(n.node) for n in kept] == [type(n.node) for n in everything]   # annotated only
     assert sorted(n.node.metadata["retrieval_score"] for n in kept[:5]) == sorted(nodes[i].score
                                                                                   for i in (0, 1, 3, 4, 5))
+    assert kept[5].node.metadata["retrieval_score"] == nodes[2].score and kept[5].score == 0.0
     with pytest.raises(ValueError):
         PixelTriagePostprocessor(scorer, k=-1)
     with pytest.raises(ValueError):
         PixelTriagePostprocessor(scorer, top_n=-1)
 
 
-def test_text_nodes_only_pass_through_unscored(scorer):
+def test_text_nodes_only_keep_their_order_at_zero(scorer):
     nodes = [NodeWithScore(node=TextNode(text="one"), score=0.3), NodeWithScore(node=TextNode(text="two"), score=0.9)]
-    assert PixelTriagePostprocessor(scorer).postprocess_nodes(nodes, query_str=QUESTION) == nodes
+    out = PixelTriagePostprocessor(scorer, top_n=1).postprocess_nodes(nodes, query_str=QUESTION)
+    assert [(n.node.text, n.score) for n in out] == [("one", 0.0)]
+    assert out[0].node.metadata["pixeltriage_open"] is False and out[0].node.metadata["pixeltriage_p_vis"] is None
     assert PixelTriagePostprocessor(scorer).postprocess_nodes([], query_str=QUESTION) == []
 
 

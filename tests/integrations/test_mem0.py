@@ -135,3 +135,51 @@ except ImportError as e:
     print(e)
 """], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "pip install mem0ai" in done.stdout, done.stderr[-3000:]
+
+
+class _HashEmbedder:
+    """A deterministic embedder for mem0 (its own calls: embed(text, memory_action)), so that Memory runs offline."""
+
+    def embed(self, text, memory_action=None):
+        import hashlib
+
+        return [b / 255 for b in hashlib.sha256(text.encode()).digest()[:8]]
+
+
+def test_memory_search_returns_one_ranking_with_the_keys_where_mem0_puts_a_rerankers(scorer, tmp_path, no_network):
+    """mem0's own Memory (a local faiss store, the history in SQLite), memories added as a host adds them, then
+    Memory.search(rerank=True) with the reranker set on it: the hits as mem0 hands them to the host."""
+    from mem0 import Memory as Mem0
+
+    from pixeltriage.integrations import PixelTriageReranker
+
+    memory = Mem0.from_config({
+        "vector_store": {"provider": "faiss", "config": {"path": str(tmp_path / "faiss"), "embedding_model_dims": 8,
+                                                         "collection_name": "t"}},
+        "embedder": {"provider": "openai", "config": {"api_key": "unused", "embedding_dims": 8}},
+        "llm": {"provider": "openai", "config": {"api_key": "unused"}},
+        "history_db_path": str(tmp_path / "history.db")})
+    memory.embedding_model = _HashEmbedder()
+    images = {note: base64.b64encode(png(COLORS[i])).decode() for i, note in enumerate(NOTES)}
+    for note, image in images.items():
+        memory.add(note, user_id="ann", infer=False, metadata={"image": image})
+    memory.add("Ann likes tea", user_id="ann", infer=False)
+    memory.reranker = PixelTriageReranker(scorer, k=1)
+
+    hits = memory.search(QUESTION, filters={"user_id": "ann"}, top_k=10, rerank=True)["results"]
+    assert len(hits) == 4 and hits[-1]["memory"] == "Ann likes tea"
+    scored = [h for h in hits if h["memory"] in images]
+    want = scorer.score(QUESTION, [Memory(image=png(COLORS[NOTES.index(h["memory"])]), note=h["memory"])
+                                   for h in sorted(scored, key=lambda h: -h["score"])])
+    assert sorted(h["rerank_score"] for h in scored) == pytest.approx(sorted(want.gains), abs=TOL)
+    assert [h["rerank_score"] for h in hits] == sorted((h["rerank_score"] for h in hits), reverse=True)
+    for hit in hits:                              # beside mem0's own rerank_score, the host's metadata as stored
+        assert {"rerank_score", "pixeltriage_open", "pixeltriage_gain", "pixeltriage_p_vis",
+                "pixeltriage_relevance"} <= set(hit) and "score" in hit
+        assert not any(k.startswith("pixeltriage_") for k in hit.get("metadata") or {})
+    assert [h["pixeltriage_open"] for h in hits] == [True, False, False, False]
+    assert "image" in hits[0]["metadata"] and all("image" not in (h.get("metadata") or {}) for h in hits[1:])
+    assert (hits[-1]["rerank_score"], hits[-1]["pixeltriage_gain"]) == (0.0, None)
+    two = memory.search(QUESTION, filters={"user_id": "ann"}, top_k=2, rerank=True)["results"]
+    assert len(two) == 2 and all(h["memory"] in images for h in two)
+    assert no_network == []

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -98,28 +100,66 @@ def test_an_unwritable_cache_measures_for_the_process_only(tmp_path, monkeypatch
     assert len(calls) == 1 and "for this process only" in caplog.text
 
 
+def readline(stream, timeout: float, what: str) -> str:
+    """One line of `stream` (a child's pipe); fail the test naming `what` when none comes within `timeout` s."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"waited {timeout:g} s for {what}")
+
+
 def test_processes_starting_together_measure_once(tmp_path):
-    """Four processes ask at once: the first to take the lock measures (slowly), the others wait and read its
-    record; one measurement in all, one record."""
+    """Four processes ask at once, behind a barrier (each imported and waiting until all are, then all released):
+    the first to take the lock measures, and holds it until all four are inside `measured`, so the other three
+    contend for it; they wait, then read its record: one measurement in all, one record."""
     script = textwrap.dedent("""
         import json, sys, time
         from pathlib import Path
         from pixeltriage.kernels import tuning
+        marks = Path(sys.argv[1])
         def measure():
-            with open(sys.argv[1], "a") as f:
+            with open(marks, "a") as f:
                 f.write("measured\\n")
-            time.sleep(0.5)
+            deadline = time.monotonic() + 120
+            while marks.read_text().count("asking") < 4:        # the lock held until every process asks
+                if time.monotonic() > deadline:
+                    sys.exit(f"waited 120 s for the four processes to ask: {marks.read_text()!r}")
+                time.sleep(0.01)
             return {"library": "a", "pid": __import__("os").getpid()}
-        print(json.dumps(tuning.measured("together", measure)))
+        print("ready", flush=True)
+        if sys.stdin.readline() != "go\\n":
+            sys.exit("no go from the test")
+        with open(marks, "a") as f:
+            f.write("asking\\n")
+        print(json.dumps(tuning.measured("together", measure)), flush=True)
     """)
     marks = tmp_path / "marks"
+    marks.touch()
     env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path / "cache")}
     env.pop(tuning.ENV)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(marks)], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(4)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs)
-    assert marks.read_text().count("measured") == 1
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(marks)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    try:
+        for i, p in enumerate(procs):                                  # the barrier: all four imported and waiting
+            assert readline(p.stdout, 120, f"process {i} to import tuning and wait") == "ready\n"
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [readline(p.stdout, 120, f"process {i}'s record") for i, p in enumerate(procs)]
+        for i, p in enumerate(procs):
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"waited 60 s for process {i} to exit after printing its record")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * 4
+    assert marks.read_text().count("asking") == 4 and marks.read_text().count("measured") == 1
     assert len({json.dumps(json.loads(o)) for o in outs}) == 1
 
 

@@ -156,9 +156,9 @@ def test_errors_come_in_each_api_shape_naming_the_field_and_the_limit(http, serv
     error = url.json()
     assert error["field"] == "documents[0].image" and "not fetched" in error["message"]
     assert error["message"] == error["error"] and error["error_type"] == "invalid_input"
-    unknown = http.post("/v1/rerank", json={"query": "q", "documents": ["plain", "0" * 64]})
-    assert unknown.status_code == 422 and unknown.json()["field"] == "documents[1].key"
-    assert unknown.json()["error_type"] == "invalid_memory"
+    unknown = http.post("/v1/rerank", json={"query": "q", "documents": ["plain", "0" * 64], "strict": True})
+    assert unknown.status_code == 422 and unknown.json()["field"] == "documents[0]"
+    assert "documents[1] (unknown_key)" in unknown.json()["message"]
     bad = http.post("/v1/rerank", json={"query": "q", "documents": [{"content": [{"type": "image_url",
                                                                                   "image_url": {"url": "!!"}}]}]})
     assert bad.status_code == 422 and bad.json()["field"] == "documents[0].content[0].image_url.url"
@@ -189,7 +189,8 @@ def test_the_api_key_is_a_bearer_token_on_every_rerank_route(served):
 def test_a_document_image_is_decoded_by_the_library(http):
     response = http.post("/v2/rerank", json={"query": "q", "documents": ["plain", {"image": b64(b"not an image" * 8)}]})
     assert response.status_code == 422 and response.json()["error_type"] == "invalid_memory"
-    assert response.json()["field"] == "documents[1].image" and "memory 2" in response.json()["message"]
+    assert response.json()["field"] == "documents[1].image" and "memory" not in response.json()["message"]
+    assert response.json()["message"].startswith("documents[1].image: image bytes")
 
 
 def test_the_guard_refuses_rerank_bodies_as_any_other(served):
@@ -218,10 +219,12 @@ def test_pixeltriage_score_relevance_answers_the_library_relevance(http, stored,
     assert bad.status_code == 422 and bad.json()["field"] == "pixeltriage_score"
 
 
-def test_rerank_score_flag_sets_the_default_and_a_request_overrides_it(tiny_checkpoint, tmp_path, library):
+def test_rerank_score_and_strict_flags_set_the_defaults_and_a_request_overrides_them(tiny_checkpoint, tmp_path,
+                                                                                       library):
     from serving import ServerProcess
 
-    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--rerank-score", "relevance").wait_ready()
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--rerank-score", "relevance",
+                           "--rerank-strict").wait_ready()
     try:
         question, memories = episode(45, 3)
         texts = [memory_json(m) for m in memories]
@@ -234,6 +237,16 @@ def test_rerank_score_flag_sets_the_default_and_a_request_overrides_it(tiny_chec
             gain = http_.post("/v2/rerank", json={"query": question, "documents": texts,
                                                   "pixeltriage_score": "gain"}).json()
             assert_ranked(gain["results"], want.gains, [0, 1, 2])
+            strict = http_.post("/v2/rerank", json={"query": question, "documents": [*texts, "no image"]})
+            assert strict.status_code == 422 and strict.json()["field"] == "documents[3]"
+            assert "not_a_key_or_memory" in strict.json()["message"]
+            tei = http_.post("/rerank", json={"query": question, "texts": ["0" * 64]})
+            assert tei.status_code == 422 and tei.json()["field"] == "texts[0]" and "no_cache" in tei.json()["error"]
+            lenient = http_.post("/v2/rerank", json={"query": question, "documents": [*texts, "no image"],
+                                                     "strict": False})
+            assert lenient.status_code == 200 and lenient.json()["pixeltriage"]["statuses"]["not_a_key_or_memory"] == 1
+            assert http_.get("/info").json()["limits"] | {"rerank_score": "relevance", "rerank_strict": True} == \
+                http_.get("/info").json()["limits"]
     finally:
         assert server.stop() == 0
 
@@ -269,9 +282,13 @@ def test_client_rerank_and_async_client_rerank_answer_as_the_route(served, store
         assert all(abs(r.relevance_score - w) <= TOL for r, (_, w) in zip(relevance.results, top))
         texts = {0: keys[0], 1: memories[1].note, 3: keys[2]}
         assert [r.document for r in relevance.results] == [texts[i] for i, _ in top]
-        with pytest.raises(InvalidRequestError) as unknown:      # a document is not a numbered memory: a 422 by field
-            client.rerank(question, ["0" * 64])
-        assert unknown.value.field == "documents[0].key" and "not in the cache" in str(unknown.value)
+        assert text.status == "not_a_key_or_memory" and ranked.results[0].status == "scored"
+        assert ranked.statuses == {**dict.fromkeys(ranked.statuses, 0), "scored": 3, "not_a_key_or_memory": 1}
+        unknown = client.rerank(question, [keys[0], "0" * 64])
+        assert [r.status for r in unknown.results] == ["scored", "unknown_key"] and "0" * 64 in unknown.results[1].detail
+        with pytest.raises(InvalidRequestError) as strict:           # a 422 naming the document
+            client.rerank(question, [keys[0], "0" * 64], strict=True)
+        assert strict.value.field == "documents[1]" and "unknown_key" in str(strict.value)
 
     async def remote():
         async with AsyncClient(served.url, api_key=API_KEY, retries=0) as client:

@@ -37,7 +37,8 @@ def service(tiny_checkpoint, tmp_path_factory):
 def prepared(service, query, documents, truncate=True, max_tokens=None):
     docs = [rerank_doc(d if isinstance(d, str) else DocumentIn.model_validate(d), "documents", j)
             for j, d in enumerate(documents)]
-    state, (_, query_cut, cuts) = service.infer.prepare_rerank(query, docs, Policy(k=2), truncate, max_tokens, "query")()
+    state, (_, query_cut, cuts, _) = service.infer.prepare_rerank(query, docs, Policy(k=2), truncate, max_tokens,
+                                                                   "query")()
     return state, query_cut, cuts
 
 

@@ -152,7 +152,8 @@ def test_info_and_openapi(http, served):
     schema = http.get("/openapi.json").json()
     assert {"/v1/score", "/v1/score/batch", "/v1/memories", "/v1/memories/{key}", "/health", "/ready"} <= set(
         schema["paths"])
-    assert http.get("/docs").status_code == 200
+    docs = http.get("/docs")                      # off: Swagger's page loads its scripts from a CDN
+    assert docs.status_code == 404 and "/openapi.json" in docs.json()["error"]
 
 
 def test_async_client(served, library):
