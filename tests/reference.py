@@ -121,3 +121,25 @@ def episode():
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def float64_head(hidden_rows: torch.Tensor, state, scorer) -> dict:
+    """The scores of one state in float64 from its hidden rows at `state.head_positions()` and the scorer's head
+    weights: the reference the bf16 forwards are measured against."""
+    wd = scorer.weights.head_decision.double()
+    wc = scorer.weights.head_candidate.double()
+    n = state.num_memories
+    h = hidden_rows.double()
+    markers, dec = h[:n], h[n:n + 3]
+    true_, false_, gnone, rnone = h[n + 3], h[n + 4], h[n + 5], h[n + 6]
+    scale = wd.shape[0] ** -0.5
+
+    def logit(d, c):
+        return (wd @ d) @ (wc @ c) * scale
+
+    lt, lf = logit(dec[0], true_), logit(dec[0], false_)
+    p_vis = torch.softmax(torch.stack([lt, lf]), 0)[0]
+    gains = [torch.sigmoid(logit(dec[1], markers[i]) - logit(dec[1], gnone)) for i in range(n)]
+    rel = torch.softmax(torch.stack([logit(dec[2], markers[i]) for i in range(n)] + [logit(dec[2], rnone)]), 0)
+    return {"p_vis": p_vis.item(), "gains": [g.item() for g in gains], "relevance": rel[:n].tolist(),
+            "relevance_none": rel[n].item()}

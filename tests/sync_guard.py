@@ -14,8 +14,10 @@ into the forward:
 - at the Python level, what a CPU tensor does without any aten op: `.tolist()`, `.item()`, `.cpu()`, `.numpy()`.
 
 On a CPU nothing synchronises, so the recorder treats every tensor as a device tensor: a forward that passes here
-makes none of these calls, whatever device runs it. Events raised inside Triton's interpreter (its host copies
-of a kernel's arguments, which a GPU launch never makes) are not recorded.
+makes none of these calls, whatever device runs it. Events raised by Triton's interpreter copying a kernel's arguments
+to the host and back (`GridExecutor._init_args_hst`, `_restore_args_dev`: what a GPU launch never does) are not
+recorded; everything else a launch runs on the host is, a grid callable, an autotuner's pruning and hooks, a
+wrapper's code, as on a GPU, where they run on the host too.
 
 `HostSyncs(trace=True)` also keeps each op's name and its tensors' shapes and dtypes (`trace`), and checks that
 every tensor an op reads was made inside the block or belongs to `allowed` (static buffers, weights): what a CUDA
@@ -72,14 +74,18 @@ class Event:
         return f"{self.what} at {self.where}"
 
 
+INTERPRETER_COPIES = ("_init_args_hst", "_restore_args_dev")    # triton/runtime/interpreter.py's GridExecutor
+
+
 def _caller() -> tuple[str, bool]:
-    """(the innermost frame outside torch and this file, whether Triton's interpreter is on the stack)."""
+    """(the innermost frame outside torch and this file, whether Triton's interpreter is copying a kernel's
+    arguments: `INTERPRETER_COPIES` on the stack)."""
     frames = traceback.extract_stack()
-    interpreted = any("triton/runtime/interpreter" in f.filename for f in frames)
+    copying = any(f.name in INTERPRETER_COPIES and "triton/runtime/interpreter" in f.filename for f in frames)
     for f in reversed(frames):
         if not f.filename.startswith(_TORCH_DIR) and f.filename != _THIS:
-            return f"{f.filename}:{f.lineno} in {f.name}", interpreted
-    return "?", interpreted
+            return f"{f.filename}:{f.lineno} in {f.name}", copying
+    return "?", copying
 
 
 def tensors_of(obj) -> list[torch.Tensor]:
@@ -162,8 +168,8 @@ class HostSyncs:
             mode.__exit__(*exc)
 
     def _add(self, what: str) -> None:
-        where, interpreted = _caller()
-        if not interpreted:
+        where, copying = _caller()
+        if not copying:
             self.events.append(Event(what, where))
 
     def _why(self, func, args, kwargs) -> str | None:

@@ -13,6 +13,7 @@ ANSWERING_CHECKPOINTS = tuple(CHECKPOINTS)                           # pixeltria
 SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltriage.bench.models.flops.SYSTEM_ONE_CONFIGS
 ANSWERING_SCALES = ("7b", "small", "tiny")                           # pixeltriage.bench.latency.ANSWERING_SCALES
 DEVICE_SPECS = ("a100", "h100", "h200")                              # pixeltriage.bench.models.roofline.DEVICE_SPECS
+COMPILE_TARGETS = ("sm_80", "sm_90")                                 # pixeltriage.bench.compile.LIMITS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
@@ -178,6 +179,26 @@ def _add_workspace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _target_list(text: str) -> list[str]:
+    targets = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in COMPILE_TARGETS]
+    if not targets or unknown:
+        raise argparse.ArgumentTypeError(f"targets are some of {', '.join(COMPILE_TARGETS)}, got {text!r}")
+    return list(dict.fromkeys(targets))
+
+
+def _add_compile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=_target_list, default=list(COMPILE_TARGETS),
+                   help=f"comma-separated GPU targets (default: {','.join(COMPILE_TARGETS)})")
+    p.add_argument("--preset", default="tiny", choices=DEMO_PRESETS)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="the CUDA forward's dtype (default: bfloat16, what it runs by default)")
+    p.add_argument("--configs", default="all", choices=["all", "ran"],
+                   help="all: every config each autotuner would time (default); ran: the configs the forward ran, "
+                        "a quicker check that covers less")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
 def _image_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
@@ -196,6 +217,9 @@ def _image_sizes(text: str) -> list[tuple[int, int]]:
 BENCHES = {
     "cost": ("per-question TFLOP and visual tokens: System One + ours@k vs open-all prefill", _add_cost,
              "pixeltriage.bench.models.prefill_cost"),
+    "compile": ("every Triton kernel of the CUDA forward compiled for GPU targets without a GPU: registers, spills, "
+                "shared memory, occupancy per kernel and autotune config; exit 1 on a compile error, shared memory "
+                "over the limit or a spill", _add_compile, "pixeltriage.bench.compile"),
     "cpu": ("engine vs transformers' eager forward on the same state, GEMM rate, stages", _add_cpu,
             "pixeltriage.bench.cpu"),
     "tune": ("the kernel choices this machine measured once and keeps (float32 GEMM library, attention); "
@@ -218,4 +242,4 @@ BENCHES = {
                   "pixeltriage.bench.workspace_ab"),
 }
 # the benches that leave malloc as they find it (they measure what tune_malloc would change)
-UNTUNED = ("workspace",)
+UNTUNED = ("workspace", "compile")

@@ -6,9 +6,9 @@ import torch
 
 from pixeltriage.bench import gpu_check
 
-SECTIONS = ["environment", "budget_s", "kernels", "parity", "timing", "roofline", "serve", "wall_s", "skipped",
+SECTIONS = ["environment", "budget_s", "kernels", "compile", "parity", "timing", "roofline", "serve", "wall_s", "skipped",
             "failures"]
-MARKDOWN_SECTIONS = ["# gpu_check: cpu", "## Parity", "## Latency", "## Stages", "Kernels per forward", "## Service",
+MARKDOWN_SECTIONS = ["# gpu_check: cpu", "## Compile report", "## Parity", "## Latency", "## Stages", "Kernels per forward", "## Service",
                      "## Kernels", "## Skipped", "## Failures"]
 
 
@@ -67,6 +67,14 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeyp
 
     k = r["kernels"]
     assert k["source"] == "pixeltriage.kernels.registry.choices" and k["bfloat16"] and "native" in k
+
+    c = r["compile"]                          # the --device-spec's target (h100: sm_90), first, the configs that ran
+    assert c["target"] == "sm_90" and c["preset"] == "tiny" and c["dtype"] == "bfloat16" and c["configs"] == "ran"
+    assert c["ok"] and c["failures"] == [] and c["headline"]["errors"] == 0
+    assert {"chunk_fwd_kernel_o", "decision_head_kernel"} <= {e["kernel"] for e in c["compiled"]}
+    assert all(e["ran"] and e["registers"] > 0 for e in c["compiled"])
+    assert c["vs_profiler"] == [] and "a GPU gives them" in c["note"]
+    assert "sm_90, tiny bfloat16, configs ran:" in md
     capsys.readouterr()
 
 
@@ -76,13 +84,13 @@ def test_an_exhausted_budget_skips_every_part_with_its_reason(tmp_path, capsys):
     md = (tmp_path / "gpu_check.md").read_text()
     assert rc == 0 and list(r) == SECTIONS
     skipped = {line.split(":")[0] for line in r["skipped"]}
-    assert skipped == {"parity/tiny", "parity/bench-small", "parity/2b", "timing", "roofline", "serve"}
+    assert skipped == {"compile", "parity/tiny", "parity/bench-small", "parity/2b", "timing", "roofline", "serve"}
     assert all("time budget" in line for line in r["skipped"])
     assert "## Skipped" in md and "parity/2b: time budget" in md
     err = capsys.readouterr().err
     assert "INCOMPLETE: serve: time budget" in err
     order = [line.split("skipping ")[1].split(":")[0] for line in err.splitlines() if "] skipping " in line]
-    assert order == ["2b", "timing", "roofline", "serve", "tiny", "bench-small"]    # the small presets last
+    assert order == ["compile", "2b", "timing", "roofline", "serve", "tiny", "bench-small"]    # compile first
 
 
 def test_no_cuda_is_a_clear_exit(monkeypatch, capsys):
@@ -137,7 +145,7 @@ def test_the_service_part_names_a_missing_serve_extra(monkeypatch):
 
 def test_parity_fails_a_device_forward_that_differs(tiny_checkpoint, tmp_path, monkeypatch):
     """On the CPU the device forward is the reference itself (identical scores), so the comparison is checked here
-    with a device scorer whose gains are off by 1e-3: outside float32's 1e-4, inside bfloat16's 2e-2."""
+    with a device scorer whose gains are off by 1e-3: outside float32's 1e-5 at tiny, inside bfloat16's 2e-2."""
     import dataclasses
 
     cache = tmp_path / "cache"
@@ -164,3 +172,46 @@ def test_parity_fails_a_device_forward_that_differs(tiny_checkpoint, tmp_path, m
     out = gpu_check.parity_preset("tiny", torch.device("cpu"), Shifted(), 2, 300, lambda *_: None)
     assert out["float32"]["ok"] is False and abs(out["float32"]["max_abs_diff"] - 1e-3) < 1e-6
     assert out["bfloat16"]["ok"] is True
+
+
+def test_the_parity_bars_are_the_tests_where_the_sizes_are():
+    assert gpu_check.PARITY_TOLERANCE_BY_PRESET["tiny"]["float32"] == 1e-5        # tests/engine/test_cuda_branch.py
+    assert gpu_check.PARITY_TOLERANCE["bfloat16"] == gpu_check.PARITY_TOLERANCE_BY_PRESET["tiny"]["bfloat16"] == 2e-2
+
+
+def test_compile_targets_follow_the_device():
+    assert gpu_check.compile_target(torch.device("cpu"), "a100") == "sm_80"
+    assert gpu_check.compile_target(torch.device("cpu"), "h200") == "sm_90"
+    assert gpu_check.compile_target(torch.device("cpu"), None) is None
+    assert "no compile target" in gpu_check.compile_check(None, "tiny", "bfloat16", "ran", print)["skipped"]
+
+
+def test_profiled_kernel_resources_beside_the_static_ones():
+    """The profiler's kernel events (a chrome trace's `args`, as Kineto writes them) -> per kernel its registers,
+    shared memory and warps, matched against the compile report's configs with those warps."""
+    def kernel(name, registers, shared, block):
+        return {"ph": "X", "cat": "kernel", "name": name, "args": {"registers per thread": registers,
+                                                                    "shared memory": shared, "block": block}}
+
+    trace = {"traceEvents": [kernel("chunk_fwd_kernel_o", 152, 65536, [256, 1, 1]),
+                             kernel("chunk_fwd_kernel_o", 152, 65536, [256, 1, 1]),
+                             kernel("decision_head_kernel", 113, 2048, [256, 1, 1]),
+                             kernel("ampere_bf16_gemm", 200, 0, [128, 1, 1]),
+                             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "args": {}}]}
+    profiled = gpu_check.kernel_resources(trace)
+    assert profiled["chunk_fwd_kernel_o"] == {"launches": 2, "configs": [[152, 65536, 8]]}
+    assert set(profiled) == {"chunk_fwd_kernel_o", "decision_head_kernel", "ampere_bf16_gemm"}
+
+    def entry(name, config, warps, registers, shared):
+        return {"kernel": name, "config": config, "num_warps": warps, "num_stages": 3, "registers": registers,
+                "shared": shared, "error": None}
+
+    compiled = [entry("chunk_fwd_kernel_o", 0, 8, 145, 65536), entry("chunk_fwd_kernel_o", 1, 8, 152, 65536),
+                entry("chunk_fwd_kernel_o", 2, 4, 138, 24576), entry("decision_head_kernel", 0, 8, 120, 2048),
+                entry("l2norm_fwd_kernel", 0, 1, 20, 0)]
+    rows = gpu_check.static_vs_profiled(compiled, profiled)
+    by_kernel = {row["kernel"]: row for row in rows}
+    assert by_kernel["chunk_fwd_kernel_o"]["matches"] == [1]                     # the config the autotuner picked
+    assert [e["config"] for e in by_kernel["chunk_fwd_kernel_o"]["static"]] == [0, 1]
+    assert by_kernel["decision_head_kernel"]["matches"] == []                    # 113 measured, 120 static: shown
+    assert by_kernel["l2norm_fwd_kernel"]["profiled"] is None

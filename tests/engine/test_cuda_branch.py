@@ -1,7 +1,8 @@
 """The CUDA branch of the forward, run on CPU tensors in Triton's interpreter (tests/triton_interpreter.py), against
 the CPU forward: every kernel the registry picks for CUDA (fla's gated delta rule with varlen boundaries as a device
-tensor and grouped value heads, the fused Triton head, the torch ops between) runs, in float32 (the interpreter
-cannot run bf16 dots).
+tensor and grouped value heads, the fused Triton head, the torch ops between) runs, in float32 and in bf16 (its dots as
+tensor cores compute them, pixeltriage.bench.emulation); in bf16 and in float32 as a GPU runs it (the torch chunked
+rule), against a float64 reference and transformers' own forward in that dtype.
 
 The checkpoint has one Gated DeltaNet layer with 4 value heads over 1 key head (key dim 16, value dim 32) and one
 attention layer, a short template and 64-px thumbnails: the interpreter takes ~0.8 s per fla program (chunk x
@@ -27,7 +28,8 @@ from pixeltriage.bench.gpu_check import max_diff
 from pixeltriage.engine import scorer as scorer_module
 from pixeltriage.engine.model import decoder_forward
 from pixeltriage.kernels import native, registry
-from reference import tiny_config, write_reference_checkpoint
+from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
+from reference import float64_head, tiny_config, write_reference_checkpoint
 from sync_guard import HostSyncs, tensors_of
 from triton_interpreter import fla_interpreter  # noqa: F401  (the fixture)
 
@@ -133,16 +135,14 @@ def test_a_bf16_model_hands_fla_bf16_and_grouped_heads(grouped_checkpoint, fla_i
     """What reaches fla in a bf16 model (two questions packed): q, k and v in bf16 (not float32: fla's float32
     kernels would move twice the bytes and skip the tensor cores), q and k with their one key head as it is (not
     repeated for the 4 value heads: fla reads each key head for its group), g in float32, the varlen boundaries
-    as an int tensor on the device. The interpreter cannot run bf16 dots, so the call itself runs on float32
-    copies and its output goes back in bf16, as fla's would."""
+    as an int tensor on the device."""
     import fla.ops.gated_delta_rule as fla_ops
 
     seen, real = [], fla_ops.chunk_gated_delta_rule
 
     def recording(q, k, v, g, beta, *args, **kwargs):
         seen.append((q, k, v, g, beta, kwargs.get("cu_seqlens")))
-        o, state = real(q.float(), k.float(), v.float(), g.float(), beta.float(), *args, **kwargs)
-        return o.to(v.dtype), state
+        return real(q, k, v, g, beta, *args, **kwargs)
 
     monkeypatch.setattr(fla_ops, "chunk_gated_delta_rule", recording)
     scorer = Scorer.load(grouped_checkpoint, dtype=torch.bfloat16)
@@ -178,3 +178,111 @@ def test_the_load_refuses_slow_cuda_fallbacks_unless_allowed(tiny_checkpoint, fl
     slow = Scorer.load(tiny_checkpoint, dtype=torch.bfloat16, allow_slow=True)
     assert slow.kernels()["gated_delta"] == "torch chunked (slow)"
     assert Scorer.load(tiny_checkpoint).kernels()["gated_delta"] == "torch chunked"
+
+
+# The CUDA branch against a float64 reference: transformers' forward in float64 (its torch path), the scores from its
+# hidden rows through the head in float64 (tests/reference.py). Per question, the largest difference over p_vis,
+# gains, relevance and relevance_none ("gap"):
+# - bf16: the CUDA branch's gap (fla's kernels and the fused head in bf16, dots as tensor cores compute them) is no
+#   larger than transformers' own bf16 forward's on the same state (its hidden rows through the float64 head), and
+#   at most BF16_GAP (the CPU bf16 path's bar against float32, tests/engine/test_parity.py); measured 7.2e-3 and
+#   6.6e-3 (the static path and the packed forward alike) against transformers' 8.2e-3 and 9.3e-3;
+# - float32 (the torch chunked rule, as a CUDA float32 forward runs it, and the fused head): at most FLOAT32_GAP,
+#   the CUDA branch's float32 bar against the CPU forward above; measured <= 1.3e-6 (transformers' float32:
+#   1.8e-6 and 2e-8).
+BF16_GAP = 2e-2
+FLOAT32_GAP = TOLERANCE
+
+
+def gap(scores, exact: dict) -> float:
+    got = scores if isinstance(scores, dict) else {"p_vis": scores.p_vis, "gains": scores.gains,
+                                                   "relevance": scores.relevance,
+                                                   "relevance_none": scores.relevance_none}
+    assert len(got["gains"]) == len(exact["gains"]) and len(got["relevance"]) == len(exact["relevance"])
+    return max([abs(got["p_vis"] - exact["p_vis"]), abs(got["relevance_none"] - exact["relevance_none"])]
+               + [abs(x - y) for key in ("gains", "relevance") for x, y in zip(got[key], exact[key])])
+
+
+@pytest.fixture(scope="module")
+def references(grouped_checkpoint):
+    """Per question: the float64 scores, and transformers' bf16 and float32 forwards' gaps to them."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    force_transformers_torch_path()
+    s32 = Scorer.load(grouped_checkpoint)
+    states = [s32.pack(q, m) for q, m in questions()]
+
+    def scores(dtype):
+        hf = Qwen3_5ForConditionalGeneration.from_pretrained(grouped_checkpoint, dtype=dtype).eval()
+        return [float64_head(transformers_hidden(hf, state)[state.head_positions()], state, s32) for state in states]
+
+    exact = scores(torch.float64)
+    return exact, {dtype: [gap(s, e) for s, e in zip(scores(dtype), exact)]
+                   for dtype in (torch.bfloat16, torch.float32)}
+
+
+def cuda_branch_scores(scorer):
+    """Each question alone through the static path a CUDA graph captures (one 64-token bucket), then both packed
+    (varlen): [(single, packed)] per question."""
+    states = [scorer.pack(q, m) for q, m in questions()]
+    scorer.enable_cuda_graphs(buckets=(64,), capture=False)
+    singles = [scorer.score_states([state])[0] for state in states]
+    assert scorer.graphs.replays == {"graph": 2, "eager": 0}
+    scorer.disable_cuda_graphs()
+    return list(zip(singles, scorer.score_states(states), strict=True))
+
+
+def test_bf16_cuda_branch_no_further_from_float64_than_transformers_bf16(grouped_checkpoint, references,
+                                                                         fla_interpreter, monkeypatch):
+    """The bf16 CUDA branch, every kernel the registry picks for bf16 on CUDA (fla's conv and chunked rule, the fused
+    Triton head), run in bf16: per question, no further from the float64 scores than transformers' bf16 forward."""
+    import fla.ops.gated_delta_rule as fla_ops
+
+    from pixeltriage.kernels.head import triton as head_triton
+
+    exact, theirs = references
+    scorer = Scorer.load(grouped_checkpoint, dtype=torch.bfloat16)
+    cuda = registry.choices("cuda", torch.bfloat16)
+    assert {op: scorer.kernels()[op] for op in ("gated_delta", "conv1d")} == {
+        op: cuda[op] for op in ("gated_delta", "conv1d")}
+    assert scorer.kernels()["head"] == "triton fused head"
+    fla_dtypes, head_dtypes = [], []
+    real_fla, real_head = fla_ops.chunk_gated_delta_rule, head_triton.decision_head_triton
+    monkeypatch.setattr(fla_ops, "chunk_gated_delta_rule",
+                        lambda q, *a, **k: fla_dtypes.append(q.dtype) or real_fla(q, *a, **k))
+    monkeypatch.setattr(head_triton, "decision_head_triton",
+                        lambda h, *a, **k: head_dtypes.append(h.dtype) or real_head(h, *a, **k))
+
+    results = cuda_branch_scores(scorer)
+    assert fla_dtypes == [torch.bfloat16] * 3 and len(head_dtypes) == 3
+    for (single, packed), want, bar in zip(results, exact, theirs[torch.bfloat16], strict=True):
+        for got in (single, packed):
+            assert gap(got, want) <= min(bar, BF16_GAP), (gap(got, want), bar)
+
+
+def test_float32_cuda_branch_against_float64(grouped_checkpoint, references, fla_interpreter, monkeypatch):
+    """The float32 CUDA branch as a GPU runs it: the registry's float32 CUDA kernels (the torch chunked rule: fla's
+    kernels take bf16/fp16 only, so they are made unavailable here, where the interpreter would stand float32 in for
+    them), the fused Triton head; per question within FLOAT32_GAP of the float64 scores."""
+    import fla.ops.gated_delta_rule as fla_ops
+
+    from pixeltriage.kernels.gated_delta import fla
+    from pixeltriage.kernels.head import triton as head_triton
+
+    exact, theirs = references
+    monkeypatch.setattr(fla, "available", lambda: False)
+    monkeypatch.setattr(fla, "conv_available", lambda: False)
+    scorer = Scorer.load(grouped_checkpoint, dtype=torch.float32)
+    monkeypatch.delenv(registry.EMULATE_CUDA)
+    cuda = registry.choices("cuda", torch.float32)
+    monkeypatch.setenv(registry.EMULATE_CUDA, "1")
+    assert {op: scorer.kernels()[op] for op in ("gated_delta", "conv1d", "head")} == {
+        op: cuda[op] for op in ("gated_delta", "conv1d", "head")}
+    fla_calls = counted(monkeypatch, fla_ops, "chunk_gated_delta_rule")
+    head_calls = counted(monkeypatch, head_triton, "decision_head_triton")
+
+    results = cuda_branch_scores(scorer)
+    assert fla_calls == [] and len(head_calls) == 3
+    for (single, packed), want, bar in zip(results, exact, theirs[torch.float32], strict=True):
+        for got in (single, packed):
+            assert gap(got, want) <= FLOAT32_GAP, (gap(got, want), bar)

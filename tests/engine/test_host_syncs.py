@@ -126,3 +126,58 @@ def test_a_list_of_boundaries_is_an_upload_inside_the_forward(scorer, monkeypatc
         got = decoder_forward(*args, cu_seqlens=varlen, rows=rows)
     assert not engine_events([prepared], CPU_KERNEL_HOST_WORK)
     assert torch.equal(got, want)
+
+
+def _copy_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(x, y, n, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y + o, tl.load(x + o, mask=o < n), mask=o < n)
+    return copy
+
+
+def _autotuned_copy_kernel(prune):
+    import triton
+
+    return triton.autotune([triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"],
+                           prune_configs_by={"early_config_prune": prune})(_copy_kernel())
+
+
+def test_a_sync_in_a_launch_is_caught_the_interpreters_own_copies_are_not():
+    """A kernel launch in Triton's interpreter: its argument copies to the host and back are not recorded (a GPU
+    launch makes none), but a grid callable or an autotuner's pruning that reads a tensor on the host is (on a GPU
+    they run on the host too: a sync per launch, and a capture-breaking one)."""
+    from triton.runtime.interpreter import GridExecutor
+    from triton_interpreter import fla_interpreter_mode, interpreting
+
+    import sync_guard
+
+    if not interpreting():
+        pytest.skip("Triton is not interpreting here (a GPU machine)")
+    assert all(callable(getattr(GridExecutor, name, None)) for name in sync_guard.INTERPRETER_COPIES)
+    x, n = torch.arange(40, dtype=torch.float32), torch.tensor(40)
+    kernel = _copy_kernel()
+    with fla_interpreter_mode():
+        y = torch.zeros(40)
+        with HostSyncs() as quiet:
+            kernel[(3,)](x, y, 40, BLOCK=16)
+        assert torch.equal(y, x) and quiet.events == []
+
+        with HostSyncs() as in_grid:
+            kernel[lambda meta: (int(n.item()) // meta["BLOCK"] + 1,)](x, torch.zeros(40), 40, BLOCK=16)
+        assert any(".item()" in e.what or "_local_scalar_dense" in e.what for e in in_grid.events), in_grid.events
+        assert all("test_host_syncs.py" in e.where for e in in_grid.events)
+
+        def prune(configs, named_args, **kwargs):
+            return configs[:1] if bool(named_args["x"][0] >= 0) else configs
+        tuned = _autotuned_copy_kernel(prune)
+        with HostSyncs() as in_prune:
+            tuned[lambda meta: (triton_cdiv(40, meta["BLOCK"]),)](x, torch.zeros(40), 40)
+        assert any("is_nonzero" in e.what or "scalar read" in e.what for e in in_prune.events), in_prune.events
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

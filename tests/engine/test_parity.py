@@ -23,7 +23,7 @@ import torch
 
 from pixeltriage import Scorer
 from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
-from reference import episode, rel_err, tiny_config, write_reference_checkpoint
+from reference import episode, float64_head, rel_err, tiny_config, write_reference_checkpoint
 
 force_transformers_torch_path()
 
@@ -78,26 +78,6 @@ def test_hidden_states_match_transformers(checkpoint):
     ours = scorer.hidden_states(state, rows)
     ref = transformers_hidden(model, state)[rows]
     assert rel_err(ours, ref) <= 1e-4
-
-
-def float64_head(hidden_rows: torch.Tensor, state, scorer) -> dict:
-    wd = scorer.weights.head_decision.double()
-    wc = scorer.weights.head_candidate.double()
-    n = state.num_memories
-    h = hidden_rows.double()
-    markers, dec = h[:n], h[n:n + 3]
-    true_, false_, gnone, rnone = h[n + 3], h[n + 4], h[n + 5], h[n + 6]
-    scale = wd.shape[0] ** -0.5
-
-    def logit(d, c):
-        return (wd @ d) @ (wc @ c) * scale
-
-    lt, lf = logit(dec[0], true_), logit(dec[0], false_)
-    p_vis = torch.softmax(torch.stack([lt, lf]), 0)[0]
-    gains = [torch.sigmoid(logit(dec[1], markers[i]) - logit(dec[1], gnone)) for i in range(n)]
-    rel = torch.softmax(torch.stack([logit(dec[2], markers[i]) for i in range(n)] + [logit(dec[2], rnone)]), 0)
-    return {"p_vis": p_vis.item(), "gains": [g.item() for g in gains], "relevance": rel[:n].tolist(),
-            "relevance_none": rel[n].item()}
 
 
 def test_scores_match_float64_head(checkpoint):
