@@ -3,7 +3,7 @@ the primitive, the values against the unpadded product, and the memory oneDNN ke
 
 oneDNN (and ideep above it) keep one primitive per product shape they have run, ~0.5 MiB each, in caches of 1024
 entries; the forward's row count is the packed batch's token total, new in almost every batch a server forms. The
-products therefore run on row counts rounded up to 16 steps per octave, whose primitives are made once.
+products therefore run on row counts rounded up to 8 steps per octave, whose primitives are made once.
 
 Tolerance of a padded product against the unpadded one: each output row is the same sum over K of its own input
 row, but oneDNN may block K differently for another row count: float32 within 1e-6 of the largest output, bf16
@@ -22,12 +22,12 @@ from reference import rel
 
 def test_bucket_rows_bounds_the_row_counts_and_the_padding():
     buckets = {lin.bucket_rows(m) for m in range(1, 4097)}
-    assert all(lin.bucket_rows(m) == m for m in range(1, 33))
+    assert all(lin.bucket_rows(m) == m for m in range(1, 17))
     for m in range(1, 20000):
         b = lin.bucket_rows(m)
-        assert m <= b <= m + m / 16 and lin.bucket_rows(b) == b
-    # every count below 32, then 16 per octave up to 4096 (the CPU's batch budget), and 4096 itself
-    assert len(buckets) == 31 + 7 * 16 + 1
+        assert m <= b <= m + m / 8 and lin.bucket_rows(b) == b
+    # every count below 16, then 8 per octave up to 4096 (the CPU's batch budget), and 4096 itself
+    assert len(buckets) == 15 + 8 * 8 + 1
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_onednn_products_run_on_bucketed_rows(dtype, packed, bias, pointwise_row
     # bf16 without a bias and a plain weight: torch's product (oneDNN's matmul), not the primitive
     primitive_calls = 8 if dtype == torch.float32 or packed or bias else 4
     assert len(pointwise_rows) == primitive_calls
-    assert set(pointwise_rows) == {38, 104, 304, 1088} == {lin.bucket_rows(m) for m in (37, 101, 301, 1025)}
+    assert set(pointwise_rows) == {40, 104, 320, 1152} == {lin.bucket_rows(m) for m in (37, 101, 301, 1025)}
 
 
 def test_torch_product_keeps_its_rows(monkeypatch):
@@ -129,7 +129,7 @@ print(json.dumps(out))
 def test_memory_levels_off_over_many_row_counts():
     """400 products of distinct row counts in a fresh process (its oneDNN caches empty), live malloc bytes after
     against before: on each row count oneDNN keeps a primitive per count (~0.5 MiB, >= 100 MiB in all, measured
-    ~230); on bucketed rows, one per bucket (13 between 700 and 1100 rows: a few MiB)."""
+    ~230); on bucketed rows, one per bucket (7 between 700 and 1100 rows: a few MiB)."""
     if not lin._fused_available(torch.float32) or not sys.platform.startswith("linux"):
         pytest.skip("needs oneDNN's float32 linear primitive and glibc's mallinfo2")
     run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
