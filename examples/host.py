@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pixeltriage import PixelTriageError, Scorer, delivery_cost, load_episodes, pixel_host_messages, top_k
-from pixeltriage.engine.image import display_size
+from pixeltriage.media.image import display_size
 
 HERE = Path(__file__).resolve().parent
 

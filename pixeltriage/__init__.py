@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "Cache": "pixeltriage.engine.cache",
+    "Cache": "pixeltriage.store.cache",
     "Memory": "pixeltriage.engine.types",
     "Scores": "pixeltriage.engine.types",
     "Scorer": "pixeltriage.engine.scorer",
@@ -53,7 +53,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:                      # for type checkers and IDEs: the same names, imported eagerly
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.delivery.cost import cost_ratio, delivery_cost, visual_tokens
     from pixeltriage.engine.cpu_memory import tune_malloc
     from pixeltriage.delivery.profiles import (ANSWERING_MODELS, DEFAULT_ANSWERING_MODEL, AnsweringModel,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pixeltriage.errors import CheckpointError
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 
 
 def default_dtype(device: str) -> str:
@@ -326,7 +327,7 @@ class TriageConfig:
     """pixeltriage.json: the state template, thumbnail and text budgets, head dimension."""
 
     head_dim: int = 256
-    thumbnail_size: int = 336
+    thumbnail_size: int = THUMBNAIL_SIDE
     max_question_tokens: int = 512
     max_memory_text_tokens: int = 256
     max_state_tokens: int = 16384

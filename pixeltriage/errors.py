@@ -95,3 +95,58 @@ class CacheMissError(PixelTriageError, KeyError):
 
 class CorruptEntryError(CacheMissError):
     """A stored thumbnail fails its checksum or does not decode; put the image again."""
+
+
+class StoreError(PixelTriageError):
+    """The write-time store (the cache's SQLite file or PostgreSQL database) could not do what was asked. Nothing
+    written before is lost: a failed write leaves the store as it was. `reason` names the fault in one word (the
+    service's error body carries it) and `status` is the HTTP status the service answers it with."""
+
+    reason = "store"
+    http_status = 503
+
+    def __init__(self, message: str, status: int | None = None):
+        self.status = self.http_status if status is None else status
+        super().__init__(message)
+
+
+class StoreFullError(StoreError, OSError):
+    """The store's disk (the file system of the SQLite file, the PostgreSQL server's) is full: the write was not made
+    (507). Reads go on; the next write after space is freed succeeds."""
+
+    reason = "full"
+    http_status = 507
+
+
+class StoreUnavailableError(StoreError):
+    """The store cannot be written, or read, now (503): its server cannot be reached or went away mid-request
+    ("unreachable": the next call connects again), another process holds its lock past the wait (StoreLockedError),
+    it is read-only (StoreReadOnlyError) or its file is damaged (StoreCorruptError)."""
+
+    reason = "unreachable"
+
+
+class StoreLockedError(StoreUnavailableError, TimeoutError):
+    """Another process held the store's write lock past the wait (`Cache(..., busy_timeout_ms=)`; the server's
+    --request-timeout): the write was not made. Reads are not blocked by it."""
+
+    reason = "locked"
+
+
+class StoreReadOnlyError(StoreUnavailableError):
+    """The store is read-only (a read-only directory, file or file system; a read-only PostgreSQL server or
+    transaction): every entry reads, no write is made until it is writable again."""
+
+    reason = "read_only"
+
+
+class StoreCorruptError(StoreUnavailableError):
+    """The store's file has damaged pages (SQLite's "database disk image is malformed"): what they held cannot be
+    read, the entries elsewhere can (and new entries are written where the damage is not in the way); the file is
+    restored from a backup."""
+
+    reason = "corrupt"
+
+
+STORE_ERRORS = {cls.reason: cls for cls in (StoreUnavailableError, StoreLockedError, StoreReadOnlyError,
+                                            StoreCorruptError)}

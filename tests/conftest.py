@@ -20,6 +20,7 @@ os.environ["PIXELTRIAGE_TUNING"] = os.path.join(_tuning_dir, "tuning.json")
 import pytest
 
 from pixeltriage.weights.demo import write_demo_checkpoint
+from postgres import postgres_server, postgres_url  # noqa: F401  (fixtures: a real PostgreSQL, tests/postgres.py)
 
 
 @pytest.fixture(scope="session")

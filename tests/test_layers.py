@@ -8,14 +8,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pixeltriage"
 # lowest first; a module may import any module of its own layer or of a layer before it
 LAYERS = [
     {"pixeltriage.errors", "pixeltriage.paths", "pixeltriage.config", "pixeltriage.lazy", "pixeltriage.hub",
-     "pixeltriage.libc"},
+     "pixeltriage.libc", "pixeltriage.media"},
     {"pixeltriage.kernels"},
     {"pixeltriage.weights"},
-    {"pixeltriage.engine"},
+    {"pixeltriage.store"},
+    {"pixeltriage.engine", "pixeltriage.retrieval"},
     {"pixeltriage.episode", "pixeltriage.delivery"},
-    {"pixeltriage.retrieval"},
     {"pixeltriage.serve"},
-    {"pixeltriage.integrations", "pixeltriage.bench"},
+    {"pixeltriage.integrations", "pixeltriage.bench.models"},
+    {"pixeltriage.bench"},
     {"pixeltriage.cli", "pixeltriage.__main__"},
 ]
 
@@ -51,6 +52,18 @@ def test_every_import_points_down_or_sideways():
                     and layer_of(target) > layer_of(source):
                 wrong.append(f"{source} imports {target}")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_retrieval_and_the_engine_import_nothing_of_each_other():
+    """Beside each other in one layer (retrieval -> engine -> delivery is the data's way, not an import)."""
+    crossing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = module_name(path)
+        for mine, other in (("pixeltriage.engine", "pixeltriage.retrieval"),
+                            ("pixeltriage.retrieval", "pixeltriage.engine")):
+            if source == mine or source.startswith(mine + "."):
+                crossing += [f"{source} imports {t}" for t in imports(path) if t == other or t.startswith(other + ".")]
+    assert not crossing, "\n".join(crossing)
 
 
 def test_the_layers_cover_the_package():

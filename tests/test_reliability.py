@@ -2,8 +2,8 @@
 documented error naming the memory; hostile text never changes the state's structure; threads agree with serial
 calls; no pickle, no network, no remote code.
 
-The counts docs/reliability.md reports are the sizes of the case lists below (and of
-tests/test_image.py, tests/test_cache.py), asserted here so the two cannot drift silently.
+The counts docs/reliability.md reports are the sizes of the case lists below (and of tests/media/test_image.py,
+tests/engine/test_patches.py, tests/store/test_cache.py), asserted here so the two cannot drift silently.
 """
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def test_no_pickle_no_remote_code_no_network_clients_in_the_package():
     # the service, never to a model hub); the framework adapters fetch an image URL only when the caller allowed it
     # (allow_url_images=True, tested with a loopback server)
     http_by_design = {Path("serve/client.py"): r"\s*import httpx", Path("serve/process.py"): r"\s*import httpx",
-                      Path("bench/serve.py"): r"\s*import httpx", Path("bench/gpu_check.py"): r"\s*import httpx",
+                      Path("bench/serve_load.py"): r"\s*import httpx", Path("bench/gpu_check.py"): r"\s*import httpx",
                       Path("bench/soak.py"): r"\s*import httpx",
                       Path("integrations/common.py"): r"import urllib\.(request|error)"}
     hits = [f"{p.relative_to(PACKAGE)}:{n}: {line.strip()}"

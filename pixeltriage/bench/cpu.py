@@ -1,19 +1,21 @@
 """`pixeltriage bench cpu`: the engine against transformers' eager Qwen3.5 on the same checkpoint and state.
 
-One run, one process: builds (or reuses) the demo checkpoint of a preset, packs one realistic state (10 memories,
-each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up to ~2.3k tokens in all), then prints
+One run, one process: builds (or reuses) the demo checkpoint of a preset, packs one realistic state
+(`workloads.packed_episode`: 10 memories, each a 336-px photo -> 320x320 -> 100 visual tokens, plus dialogue text up
+to ~2.3k tokens in all), then prints
     engine median   Scorer.score_states on that state (vision + decoder + head), warm-up excluded;
     transformers    Qwen3_5Model forward on the same input ids, pixels and grids (its torch path forced);
                     the two are timed interleaved (engine, transformers, engine, ...) after one untimed run each;
     speed-up (the ratio of the medians, and each transformers run against the engine runs timed beside it), the
     machine's GEMM rate measured before the timed runs, beside each engine run and after them (their median; a
     note when the rates before and after differ by more than 25%), and the fraction of it the engine achieves
-    (analytic FLOPs of the forward from pixeltriage.bench.flops / engine median); the ceiling: transformers' median
-    over the time those FLOPs take at the GEMM rate, the speed-up of an engine whose only cost were matmuls (the
-    achieved speed-up over it is the fraction above); per stage of the engine (`STAGES`, the profiler's,
-    pixeltriage.engine.profiling), its FLOPs (the FLOP model's parts, `STAGE_OF_PART`), median time, TFLOP/s and
-    fraction of the GEMM rate, and "other": the engine's median minus the stages' (embedding, rotary tables, packing
-    the rows, Python); and the machine (`timing.cpu_machine`: CPU model, logical CPUs, bf16 units, torch).
+    (analytic FLOPs of the forward from pixeltriage.bench.models.flops / engine median); the ceiling: transformers'
+    median over the time those FLOPs take at the GEMM rate, the speed-up of an engine whose only cost were matmuls
+    (the achieved speed-up over it is the fraction above); per stage of the engine (`flops.PROFILER_STAGES`, the
+    profiler's, pixeltriage.engine.profiling), its FLOPs (the FLOP model's parts, `flops.STAGE_OF_PART`), median
+    time, TFLOP/s and fraction of the GEMM rate, and "other": the engine's median minus the stages' (embedding,
+    rotary tables, packing the rows, Python); and the machine (`timing.cpu_machine`: CPU model, logical CPUs, bf16
+    units, torch).
 """
 from __future__ import annotations
 
@@ -22,61 +24,27 @@ import json
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from PIL import Image, ImageDraw
 
+from pixeltriage.bench import tune
+from pixeltriage.bench.models.flops import (PROFILER_STAGES, UNSPLIT_STAGES, profiler_stage_flops, scorer_flops,
+                                            total)
 from pixeltriage.bench.timing import cpu_machine, flop_rate, gemm_tflops, machine_line, set_threads, threads_label
+from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
+from pixeltriage.bench.workloads import packed_episode
 
-if TYPE_CHECKING:
-    from pixeltriage.engine.state import State
-
-# The profiler's stages of one forward, in order, and what each holds. The vision tower is two: its attention
-# (per image, "vision_attention") timed apart from its linear layers, norms and rotary ("vision"). The Gated
-# DeltaNet layer's kernel call is timed apart from the norms, projections and gates around it ("gated_delta"); the
-# C kernels do the conv + SiLU and the recurrence in one pass per head and report the conv's share of it
-# ("delta_conv", the profiler's part), the rest being "delta_rule". Where no conv part is reported (the torch path,
-# PIXELTRIAGE_NATIVE=0, whose conv and recurrence calls sit inside the registry's one kernel function) "delta_rule"
-# holds both, and its row says so (`UNSPLIT`).
-STAGES = {
-    "vision": "vision matmuls (+ norms)",
-    "vision_attention": "vision attention",
-    "gated_delta": "gated_delta projections",
-    "delta_conv": "delta conv + SiLU",
-    "delta_rule": "delta_rule (recurrence)",
-    "attention": "attention",
-    "mlp": "mlp",
-    "head": "head",
-}
-UNSPLIT = {"delta_rule": "delta_rule (conv + recurrence)"}
-# Each part of the FLOP model (flops.scorer_flops(..., split=True)) in exactly one stage
-STAGE_OF_PART = {"vision_matmuls": "vision", "vision_attention": "vision_attention",
-                 "linear_projections": "gated_delta", "linear_conv": "delta_conv", "linear_recurrence": "delta_rule",
-                 "full_attention": "attention", "ffn": "mlp", "head": "head"}
-OTHER = "other"
-
-
-def stage_flops(parts: dict, conv_apart: bool = True) -> dict[str, int]:
-    """FLOPs per stage of `STAGES` from the FLOP model's parts (`Flops`); a part no stage holds is a KeyError.
-    conv_apart False (the run's kernels reported no "delta_conv"): the conv's FLOPs in "delta_rule", no
-    "delta_conv" stage."""
-    out = dict.fromkeys(STAGES, 0)
-    for name, f in parts.items():
-        stage = STAGE_OF_PART[name]
-        out["delta_rule" if stage == "delta_conv" and not conv_apart else stage] += f.total
-    if not conv_apart:
-        del out["delta_conv"]
-    return out
+OTHER = "other"      # the forward's time outside the profiler's stages
 
 
 def stage_rows(flops: dict[str, int], seconds: dict[str, float], gemm_rate: float) -> list[dict]:
-    """The per-stage table: for each of `STAGES` ("delta_conv" only where `flops` holds it), then any other stage
-    recorded, then "other" (seconds only), {stage, name, flops, seconds, tflops, of_gemm}; tflops and of_gemm None
-    where a stage took no time. Without "delta_conv", "delta_rule" is named as holding the conv too (`UNSPLIT`)."""
-    known = [k for k in STAGES if k != "delta_conv" or k in flops]
-    names = [*known, *(k for k in seconds if k not in STAGES and k != OTHER), OTHER]
-    labels = STAGES if "delta_conv" in flops else {**STAGES, **UNSPLIT}
+    """The per-stage table: for each of `PROFILER_STAGES` ("delta_conv" only where `flops` holds it), then any other
+    stage recorded, then "other" (seconds only), {stage, name, flops, seconds, tflops, of_gemm}; tflops and of_gemm
+    None where a stage took no time. Without "delta_conv", "delta_rule" is named as holding the conv too
+    (`UNSPLIT_STAGES`)."""
+    known = [k for k in PROFILER_STAGES if k != "delta_conv" or k in flops]
+    names = [*known, *(k for k in seconds if k not in PROFILER_STAGES and k != OTHER), OTHER]
+    labels = PROFILER_STAGES if "delta_conv" in flops else {**PROFILER_STAGES, **UNSPLIT_STAGES}
     rows = []
     for key in names:
         f, s = flops.get(key, 0), seconds.get(key, 0.0)
@@ -86,58 +54,8 @@ def stage_rows(flops: dict[str, int], seconds: dict[str, float], gemm_rate: floa
     return rows
 
 
-WORDS = ("the market stall had orchids in painted pots and a vendor who talked about watering them twice a week "
-         "while a cat slept by the crates of lemons and someone asked about the price of the blue vase").split()
-
-
-def bench_image(index: int, size: int = 336) -> Image.Image:
-    img = Image.new("RGB", (size, size), ((37 * index) % 256, (91 * index) % 256, (53 * index) % 256))
-    draw = ImageDraw.Draw(img)
-    for j in range(8):
-        x, y = (index * 41 + j * 67) % size, (index * 29 + j * 83) % size
-        draw.ellipse((x, y, x + 60, y + 40), fill=((x * 3) % 256, (y * 5) % 256, (j * 30) % 256))
-    return img
-
-
-class BenchEpisode(NamedTuple):
-    question: str
-    memories: list            # pixeltriage.Memory
-    images: list              # the memories' preprocessed images (StatePacker.images), for more packs
-    state: "State"            # question and memories packed
-
-
-def bench_episode(packer, num_memories: int = 10, target_tokens: int = 2300) -> BenchEpisode:
-    """A question and `num_memories` memories whose packed state has about `target_tokens` tokens, with their
-    preprocessed images and that state (found by packing, so nobody needs to preprocess or pack them again)."""
-    from pixeltriage.engine.types import Memory
-
-    question = "Which of the photos I shared shows the blue vase, and what colour was the orchid's pot?"
-    photos = [bench_image(i) for i in range(num_memories)]
-
-    def episode(words_per_memory: int):
-        return question, [Memory(image=photos[i], note=f"photo {i + 1} from the market",
-                                 dialogue=" ".join(WORDS[(i + j) % len(WORDS)] for j in range(words_per_memory)),
-                                 date=f"2026-03-{i + 1:02d}") for i in range(num_memories)]
-
-    images = packer.images(episode(0)[1])             # the same photos at every step: preprocessed once
-    lo, hi, state = 0, 400, None
-    while lo < hi:                                         # the most words that stay within target_tokens
-        mid = (lo + hi + 1) // 2
-        packed = packer.pack(*episode(mid), images=images)
-        if packed.num_tokens <= target_tokens:
-            lo, state = mid, packed
-        else:
-            hi = mid - 1
-    question, memories = episode(lo)
-    if state is None:                                      # not even zero words fit: the shortest state
-        state = packer.pack(question, memories, images=images)
-    return BenchEpisode(question, memories, images, state)
-
-
 def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: int = 5, memories: int = 10,
                target_tokens: int = 2300, progress=print) -> dict:
-    from pixeltriage.bench.flops import scorer_flops, total
-    from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
     from pixeltriage.engine import profiling
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.weights.layout import parse_dtype
@@ -147,7 +65,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     path = demo_checkpoint(preset)
     progress(f"checkpoint {path}; {torch.get_num_threads()} threads")
     scorer = Scorer.load(path, dtype=torch_dtype)
-    state = bench_episode(scorer.packer, memories, target_tokens).state
+    state = packed_episode(scorer.packer, memories, target_tokens).state
     parts = scorer_flops(scorer, state, split=True)
     flops = total(parts)
 
@@ -190,12 +108,11 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     # shared machine it moved 0.485 -> 0.215 TFLOP/s between before and after within one run; the samples taken
     # beside the runs weigh the rate the engine runs actually met.
     rate = statistics.median([*rates, *beside])
-    rows = stage_rows(stage_flops(parts, conv_apart=stages.get("delta_conv", 0.0) > 0), stages, rate)
+    rows = stage_rows(profiler_stage_flops(parts, conv_apart=stages.get("delta_conv", 0.0) > 0), stages, rate)
     engine_s, hf_s = statistics.median(engine_times), statistics.median(hf_times)
     achieved = flop_rate(flops.total, engine_s, rate)
     # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach
     gemm_bound_s = flops.total / (rate * 1e12)
-    from pixeltriage.bench import tune
     from pixeltriage.kernels import linear
 
     tuned = tune.kept_records(torch_dtype)[0]

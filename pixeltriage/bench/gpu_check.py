@@ -11,9 +11,9 @@
     excluded);
 (c) the service: `pixeltriage serve` started as a subprocess on loopback (ServerProcess, as `bench serve` does),
     driven by 8 client threads for a bounded time: questions/s and latency;
-(d) the roofline (pixeltriage.bench.roofline) at the device's published peaks: measured against predicted for every
-    timed case (and MFU), and stage by stage for one eager question from the engine's stage timers; the CUDA kernels
-    one forward launches (profiler) against the roofline's estimate;
+(d) the roofline (pixeltriage.bench.models.roofline) at the device's published peaks: measured against predicted for
+    every timed case (and MFU), and stage by stage for one eager question from the engine's stage timers; the CUDA
+    kernels one forward launches (profiler) against the roofline's estimate;
 (e) the kernel each op runs (pixeltriage.kernels.registry.choices).
 
 Everything goes to DIR/gpu_check.json and a short table to DIR/gpu_check.md (DIR defaults to $OUT). A time budget
@@ -41,11 +41,13 @@ from typing import Callable
 
 import torch
 
-from pixeltriage.bench import roofline as rl
+from pixeltriage.bench import workloads
+from pixeltriage.bench.models import roofline as rl
+from pixeltriage.bench.models.flops import scorer_flops, state_shape, total
 from pixeltriage.bench.timing import percentiles, timed_within
 from pixeltriage.config import default_dtype
 
-TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+PARITY_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 GRAPH_TOLERANCE = 1e-3     # a replayed decoder against the eager one: same dtype and kernels, padded length
 PARITY_MEMORIES = {"2b": 4}                   # others: 10
 # seconds a part is expected to need on a fresh GPU machine (checkpoint written, kernels compiled); a part starts only
@@ -102,17 +104,15 @@ class Scorers:
 def parity_preset(preset: str, device: torch.device, scorers: Scorers, memories: int, tokens: int, progress) -> dict:
     """One state of `memories` memories and ~`tokens` tokens (PARITY_MEMORIES and as many tokens per memory where it
     names the preset) scored on the CPU in float32 and on `device` in bfloat16 and float32."""
-    from pixeltriage.bench.cpu import bench_episode
-
     progress(f"parity {preset}: CPU float32 reference")
     reference = scorers.get(preset, torch.device("cpu"), "float32")
     if preset in PARITY_MEMORIES:
         tokens, memories = tokens * PARITY_MEMORIES[preset] // max(1, memories), PARITY_MEMORIES[preset]
-    state = bench_episode(reference.packer, num_memories=memories, target_tokens=tokens).state   # scored by all
+    state = workloads.packed_episode(reference.packer, memories, tokens).state   # scored by all
     expected = reference.score_states([state])[0]
     scorers.drop(preset, torch.device("cpu"), "float32")
     out = {"memories": memories, "tokens": state.num_tokens}
-    for name, tol in TOLERANCE.items():
+    for name, tol in PARITY_TOLERANCE.items():
         progress(f"parity {preset} {name} on {device}")
         got = scorers.get(preset, device, name).score_states([state])[0]
         if name == "float32":
@@ -132,16 +132,15 @@ def _measure(fn: Callable, questions: int, iters: int, seconds: float, device: t
             "questions_per_s": questions / p["p50"]}
 
 
-def timing(preset: str, device: torch.device, scorers: Scorers, memories: int, tokens: int, batches: list[int],
+def time_cases(preset: str, device: torch.device, scorers: Scorers, memories: int, tokens: int, batches: list[int],
            iters: int, budget: Budget, progress) -> dict:
     """Every (mode, vision, batch) case; cases that no longer fit the budget are recorded as skipped."""
-    from pixeltriage.bench.cpu import bench_episode
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
 
     dtype = default_dtype(device)
     progress(f"timing {preset} {dtype} on {device}: loading")
     scorer = scorers.get(preset, device, dtype)
-    episode = bench_episode(scorer.packer, memories, tokens)
+    episode = workloads.packed_episode(scorer.packer, memories, tokens)
     question, memories, state = episode.question, episode.memories, episode.state
     bucket = -(-state.num_tokens // 256) * 256                      # one graph bucket: the state rounded up
     out: dict = {"preset": preset, "dtype": dtype, "tokens": state.num_tokens, "memories": state.num_memories,
@@ -207,7 +206,8 @@ def enable_graphs(scorer, cached, state, bucket: int, progress) -> dict:
 
 # ---- (c) the service -----------------------------------------------------------------------------------------------
 
-def serve(preset: str, device: torch.device, memories: int, seconds: float, budget: Budget, progress) -> dict:
+def service_throughput(preset: str, device: torch.device, memories: int, seconds: float, budget: Budget,
+                       progress) -> dict:
     """`pixeltriage serve` in a subprocess, SERVE_CLIENTS closed-loop clients for `seconds` after a warm-up, each
     question with `memories` memories (JPEG photos of varied sizes, as `bench serve` sends)."""
     missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
@@ -216,13 +216,12 @@ def serve(preset: str, device: torch.device, memories: int, seconds: float, budg
                            "'.[gpu,serve]'"}
     import httpx
 
-    from pixeltriage.bench.serve import episodes, request_body
     from pixeltriage.serve.process import ServerProcess
     from pixeltriage.weights.demo import demo_checkpoint
 
     dtype = default_dtype(device)
-    eps = episodes(SERVE_CLIENTS, memories)
-    bodies = [request_body(q, m, "") for q, m in eps]
+    eps = workloads.episodes(SERVE_CLIENTS, memories, jpeg=True)
+    bodies = [workloads.request_body(q, m, "") for q, m in eps]
     progress(f"serve {preset} on {device}: starting the server")
     t0 = time.perf_counter()
     argv = ["--checkpoint", str(demo_checkpoint(preset)), "--device", device.type, "--dtype", dtype]
@@ -282,7 +281,6 @@ def roofline_comparison(scorer, state, spec_key: str, spec_matches: bool, timing
                         progress) -> dict:
     """Every timed case against its prediction; one eager question's stages against the roofline's stages; the
     CUDA kernels of one forward against the estimate."""
-    from pixeltriage.bench.flops import scorer_flops, state_shape, total
     from pixeltriage.engine import profiling
 
     spec = rl.device_spec(spec_key)
@@ -538,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     parity([x for x in presets if x == args.timing_preset])
     batches = sorted({int(b) for b in args.batches.split(",") if b})
     run_part(result, "timing", NEEDS_S["timing"], budget,
-             lambda: timing(args.timing_preset, device, scorers, args.memories, args.tokens, batches, args.iters,
+             lambda: time_cases(args.timing_preset, device, scorers, args.memories, args.tokens, batches, args.iters,
                             budget, progress), progress)
 
     def compare() -> dict:
@@ -547,10 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                                f"({sorted(rl.DEVICE_SPECS)}); pass --device-spec"}
         if "cases" not in result["timing"]:
             return {"skipped": "no timing to compare"}
-        from pixeltriage.bench.cpu import bench_episode
-
         scorer = scorers.get(args.timing_preset, device, default_dtype(device))
-        state = bench_episode(scorer.packer, args.memories, args.tokens).state
+        state = workloads.packed_episode(scorer.packer, args.memories, args.tokens).state
         return roofline_comparison(scorer, state, spec_key, env["spec_matches_device"],
                                    result["timing"], device, progress)
 
@@ -559,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     run_part(result, "serve", NEEDS_S["serve"] + args.serve_seconds, budget,
-             lambda: serve(args.timing_preset, device, args.memories, args.serve_seconds, budget, progress), progress)
+             lambda: service_throughput(args.timing_preset, device, args.memories, args.serve_seconds, budget,
+                                        progress), progress)
     parity([x for x in presets if x != args.timing_preset])
     result["wall_s"] = time.perf_counter() - t0
     result["skipped"] = skipped_parts({k: v for k, v in result.items() if k != "environment"})

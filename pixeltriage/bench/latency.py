@@ -5,9 +5,9 @@ answering model's prefill with all images opened vs ours@k, on the same device i
                               [--questions Q] [--k 1,2] [--answering-scale tiny|small|7b] [--profile DIR]
                               [--plot out.png] [--json]
 
-System One: a seeded stream of Q questions, each with 0-20 memories of varied image sizes (photos, screenshots,
-scans) and dialogue text; latency = `Scorer.score` end to end (preprocessing, packing, forward, head), warm-up
-questions excluded; p50/p90/p99 at batch 1, and per batch of N with `score_batch` (questions/s).
+System One: a seeded stream of Q questions (`workloads.episodes`), each with 0-20 memories of varied image sizes
+(photos, screenshots, scans) and dialogue text; latency = `Scorer.score` end to end (preprocessing, packing, forward,
+head), warm-up questions excluded; p50/p90/p99 at batch 1, and per batch of N with `score_batch` (questions/s).
 
 Answering prefill: transformers' Qwen2.5-VL architecture (`Qwen2_5_VLForConditionalGeneration`, random weights)
 at the stated `--answering-scale` (the real 7B does not fit a CPU run; `7b` is the FLOP model's shape of it), fed
@@ -25,23 +25,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
-from pixeltriage.bench.flops import ANSWERING_MODELS
+from pixeltriage.bench import workloads
+from pixeltriage.bench.models.flops import ANSWERING_SHAPES, profiler_stage_flops, scorer_flops
+from pixeltriage.bench.models.prefill_cost import cost_report
 from pixeltriage.bench.timing import (cpu_machine, device_peak_tflops, flop_rate, gemm_tflops, machine_line,
                                       percentiles, set_threads, threads_label, timed)
 from pixeltriage.config import default_dtype
 from pixeltriage.delivery.profiles import DEFAULT_CHECKPOINT
-
-SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
-         (720, 1280), (512, 384)]
-
 
 def _scale_of(shape) -> dict:
     lang, vis = shape.language, shape.vision
@@ -54,34 +51,11 @@ ANSWERING_SCALES = {
     # text: hidden, layers, heads, kv heads, ffn; vision: depth, hidden, heads, ffn
     "tiny": dict(text=(256, 4, 4, 2, 704), vision=(4, 256, 4, 512)),
     "small": dict(text=(1024, 8, 8, 2, 2816), vision=(8, 640, 10, 1280)),
-    "7b": _scale_of(ANSWERING_MODELS["qwen2.5-vl-7b"]),         # the FLOP model's Qwen2.5-VL-7B
+    "7b": _scale_of(ANSWERING_SHAPES["qwen2.5-vl-7b"]),         # the FLOP model's Qwen2.5-VL-7B
 }
 PROXY_WORDS = 30
-
-
-def _image(rng: random.Random, size: tuple[int, int]) -> Image.Image:
-    img = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
-    draw = ImageDraw.Draw(img)
-    for _ in range(5):
-        x, y = rng.randrange(size[0]), rng.randrange(size[1])
-        draw.rectangle((x, y, x + size[0] // 4, y + size[1] // 5), fill=tuple(rng.randrange(256) for _ in range(3)))
-    return img
-
-
-def stream(num_questions: int, seed: int = 0, max_memories: int = 20):
-    """Seeded episodes: 0..max_memories memories each, varied image sizes and dialogue lengths."""
-    from pixeltriage.bench.cpu import WORDS
-    from pixeltriage.engine.types import Memory
-
-    rng = random.Random(seed)
-    out = []
-    for q in range(num_questions):
-        n = rng.randint(0, max_memories)
-        memories = [Memory(image=_image(rng, rng.choice(SIZES)), note=f"picture {i + 1}",
-                           dialogue=" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))),
-                           date=f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}") for i in range(n)]
-        out.append((f"question {q}: which picture shows the {rng.choice(WORDS)}?", memories))
-    return out
+STREAM_MEMORIES = 20     # a question of the stream has 0 to this many memories
+ANSWERING_IMAGES = 10    # the answering prefill's episode
 
 
 def _sync(device: torch.device):
@@ -106,7 +80,8 @@ def system_one_latency(scorer, episodes, batch: int, warmup: int = WARMUP_QUESTI
     return out
 
 
-def answering_model(scale: str, device: torch.device, dtype: torch.dtype):
+def random_answering_model(scale: str, device: torch.device, dtype: torch.dtype):
+    """transformers' Qwen2.5-VL architecture at one of ANSWERING_SCALES, random weights (seed 0): (model, config)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     (h, layers, heads, kv, ffn), (depth, vh, vheads, vffn) = ANSWERING_SCALES[scale]["text"], \
@@ -166,8 +141,6 @@ def prefill_latency(model, cfg, images, opened, device, dtype, repeats: int = 2,
 
 def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
     """Profiler trace + per-stage time, FLOPs, TFLOP/s and fractions of the GEMM rate and of the device peak."""
-    from pixeltriage.bench.cpu import stage_flops
-    from pixeltriage.bench.flops import scorer_flops
     from pixeltriage.engine import profiling
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +154,8 @@ def profile_stages(scorer, episodes, out_dir: Path, gemm_rate: float) -> dict:
             scorer.score_states(states[-1:])
     flops: dict[str, float] = {}                       # counted after the profiled block, not inside it
     for state in states:                               # each FLOP of the model in the one stage that times it
-        for stage, f in stage_flops(scorer_flops(scorer, state, split=True), "delta_conv" in stages).items():
+        parts = scorer_flops(scorer, state, split=True)
+        for stage, f in profiler_stage_flops(parts, conv_apart="delta_conv" in stages).items():
             flops[stage] = flops.get(stage, 0.0) + f
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
@@ -204,7 +178,7 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
 
     dev, tdtype = torch.device(device), parse_dtype(dtype)
     scorer = Scorer.load(demo_checkpoint(preset), device=dev, dtype=tdtype)
-    episodes = stream(questions + WARMUP_QUESTIONS, seed)
+    episodes = workloads.episodes(questions + WARMUP_QUESTIONS, STREAM_MEMORIES, seed, up_to=True)
     progress(f"System One ({preset}, {dtype}, {dev}): {questions} questions after {WARMUP_QUESTIONS} warm-up, "
              f"batch 1 and {batch}")
     # the machine the figures come from (the CPU's, and the GPU's name when the run is on one)
@@ -212,15 +186,14 @@ def latency_report(preset="tiny", device="cpu", dtype="float32", batch=4, questi
     report = {"preset": preset, "device": str(dev), "dtype": dtype, "threads": torch.get_num_threads(),
               "machine": machine, "system_one": system_one_latency(scorer, episodes, batch)}
     # the answering model on one 10-image episode drawn like the stream's
-    rng = random.Random(seed + 1)
-    images = [_image(rng, rng.choice(SIZES)) for _ in range(10)]
+    images = workloads.photos(ANSWERING_IMAGES, seed + 1)
     from pixeltriage.engine.types import Memory
 
     scores = scorer.score("which picture shows the receipt?", [Memory(image=im) for im in images])
-    progress(f"answering prefill: Qwen2.5-VL architecture at scale '{answering_scale}', 10 images")
-    model, cfg = answering_model(answering_scale, dev, tdtype)
+    progress(f"answering prefill: Qwen2.5-VL architecture at scale '{answering_scale}', {ANSWERING_IMAGES} images")
+    model, cfg = random_answering_model(answering_scale, dev, tdtype)
     answering = {"scale": answering_scale, "shape": ANSWERING_SCALES[answering_scale],
-                 "open_all": prefill_latency(model, cfg, images, [True] * 10, dev, tdtype)}
+                 "open_all": prefill_latency(model, cfg, images, [True] * ANSWERING_IMAGES, dev, tdtype)}
     for k in ks:
         answering[f"ours@{k}"] = prefill_latency(model, cfg, images, top_k(scores, k), dev, tdtype)
     report["answering"] = answering
@@ -276,8 +249,6 @@ def plot(r: dict, path: str) -> None:
     except ImportError:
         from pixeltriage.errors import PixelTriageError
         raise PixelTriageError("--plot needs matplotlib: pip install 'pixeltriage[plot]'") from None
-    from pixeltriage.bench.cost import cost_report
-
     names = list(r["per_question_s"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.bar(names, [r["per_question_s"][n] * 1e3 for n in names], color=["#999"] + ["#2a7"] * (len(names) - 1))

@@ -37,20 +37,20 @@ def _child(method: str, path: str, dtype_name: str) -> dict:
     import torch
 
     import pixeltriage.engine.scorer  # noqa: F401  (the engine's imports are not part of a load)
+    from pixeltriage.bench.workloads import first_score_question
     from pixeltriage.engine.cpu_memory import tune_malloc
-    from pixeltriage.episode import sample_episode
 
     tune_malloc()                      # as the command line does
 
     dtype = getattr(torch, dtype_name)
     out: dict = {"method": method, "import_s": time.perf_counter() - t0}
-    question, memories = sample_episode()
-    memories = memories[:1]
+    question, memories = first_score_question()
     if method == "transformers":
         t0 = time.perf_counter()
         from transformers import Qwen3_5ForConditionalGeneration
 
-        from pixeltriage.bench.hf import force_transformers_torch_path, state_packer, transformers_hidden
+        from pixeltriage.bench.transformers_baseline import (force_transformers_torch_path, state_packer,
+                                                             transformers_hidden)
 
         out["import_s"] += time.perf_counter() - t0
         force_transformers_torch_path()

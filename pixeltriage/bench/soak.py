@@ -54,8 +54,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
-from pixeltriage.bench.serve import Driver, Local, Phase, _matches, episodes, request_body
+from pixeltriage.bench import workloads
+from pixeltriage.bench.serve_load import Driver, Local, Phase, answer_matches
 from pixeltriage.bench.timing import percentiles
+from pixeltriage.bench.workloads import request_body
 from pixeltriage.config import default_dtype
 from pixeltriage.serve.config import ServeConfig
 from pixeltriage.serve.process import ServerProcess
@@ -208,7 +210,7 @@ class Soak:
         if r.status_code == 200:
             result = r.json()
             phase.record("200", mixed_up=result.get("id") != request_id
-                         or not _matches(result, self.driver.expected[episode]))
+                         or not answer_matches(result, self.driver.expected[episode]))
             return
         if r.status_code == 429 and "retry-after" not in r.headers:
             with self._lock:
@@ -260,12 +262,12 @@ def run_soak(args: argparse.Namespace) -> int:
     baseline = (args.baseline if args.baseline is not None else min(60.0, max(4.0, args.duration / 10))) if clients \
         else 0.0
     checkpoint = demo_checkpoint(args.preset)
-    eps = episodes(args.episodes, args.memories, args.seed)
+    eps = workloads.episodes(args.episodes, args.memories, args.seed, jpeg=True)
     report = {"preset": args.preset, "device": args.device, "dtype": dtype, "kinds": list(kinds), "clients": clients,
               "episodes": args.episodes, "memories": args.memories, "max_queued": args.max_queued,
               "duration_s": args.duration, "baseline_s": baseline, "burst_size": BURST_FACTOR * args.max_queued,
               "burst_every_s": BURST_EVERY_S, "load_average": list(os.getloadavg()),
-              # the malloc switches the server inherits (the A/B runs of docs/serve.md set them)
+              # the malloc switches the server inherits, so that a run with any of them set says so
               "malloc_env": {k: os.environ[k] for k in ("PIXELTRIAGE_MALLOC_TUNING", "PIXELTRIAGE_MALLOC_TRIM",
                                                         "MALLOC_ARENA_MAX") if k in os.environ}}
     local = Local(checkpoint, args.device, dtype, eps)

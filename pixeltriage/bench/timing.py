@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from pixeltriage.bench.models.roofline import DEVICE_SPECS, spec_key_for_gpu
 from pixeltriage.kernels import native
 from pixeltriage.kernels.linear import linear, plain_onednn
 
@@ -95,12 +96,10 @@ def gemm_tflops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16,
 
 
 def device_peak_tflops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak (pixeltriage.bench.roofline.DEVICE_SPECS, by the GPU's name); None on the CPU or
-    a GPU whose peaks that table does not hold (PCIe and NVL boards, the 40 GB A100)."""
+    """The device's dense bf16 peak (pixeltriage.bench.models.roofline.DEVICE_SPECS, by the GPU's name); None on the
+    CPU or a GPU whose peaks that table does not hold (PCIe and NVL boards, the 40 GB A100)."""
     if device.type != "cuda":
         return None
-    from pixeltriage.bench.roofline import DEVICE_SPECS, spec_key_for_gpu
-
     key = spec_key_for_gpu(torch.cuda.get_device_name(device))
     return DEVICE_SPECS[key].bf16_tflops if key else None
 

@@ -8,17 +8,17 @@ from pixeltriage.cli.common import (DEMO_PRESETS, DEVICES, VERBOSITY, add_thread
 from pixeltriage.delivery.profiles import CHECKPOINTS, DEFAULT_CHECKPOINT  # torch-free: the registry's names
 
 # the choices of the library's tables (tests/test_cli.py checks that they agree)
-SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.cost.SCENARIOS
-ANSWERING_MODELS = tuple(CHECKPOINTS)                                 # the answering checkpoints the FLOP model knows
-SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltriage.bench.flops.SYSTEM_ONE_CONFIGS
+SCENARIOS = ("dmv", "m3exam")                                        # pixeltriage.bench.models.prefill_cost.SCENARIOS
+ANSWERING_CHECKPOINTS = tuple(CHECKPOINTS)                           # pixeltriage.bench.models.flops.ANSWERING_SHAPES
+SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltriage.bench.models.flops.SYSTEM_ONE_CONFIGS
 ANSWERING_SCALES = ("7b", "small", "tiny")                           # pixeltriage.bench.latency.ANSWERING_SCALES
-DEVICE_SPECS = ("a100", "h100", "h200")                              # pixeltriage.bench.roofline.DEVICE_SPECS
+DEVICE_SPECS = ("a100", "h100", "h200")                              # pixeltriage.bench.models.roofline.DEVICE_SPECS
 SOAK_KINDS = ("normal", "oversized", "malformed", "disconnect", "burst")  # pixeltriage.bench.soak.KINDS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     sub.required = True
-    for name, (help_text, add) in BENCHES.items():
+    for name, (help_text, add, _module) in BENCHES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[VERBOSITY])
         add(p)
         p.set_defaults(_bench=name)
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args._bench not in UNTUNED:
         tune_malloc()          # as the engine's other processes do; the figures are measured with it
-    module = importlib.import_module(f"pixeltriage.bench.{args._bench}")
+    module = importlib.import_module(BENCHES[args._bench][2])
     return getattr(module, f"run_{args._bench}")(args)
 
 
@@ -45,7 +45,7 @@ def _add_demo_model(p: argparse.ArgumentParser) -> None:
 
 def _add_cost(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="dmv")
-    p.add_argument("--answering", choices=ANSWERING_MODELS, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--answering", choices=ANSWERING_CHECKPOINTS, default=DEFAULT_CHECKPOINT)
     p.add_argument("--system-one", choices=SYSTEM_ONE_CONFIGS, default="2b")
     p.add_argument("--k", type=int_list(1), default=[1, 2, 3], help="budgets, e.g. 1,2,3")
     p.add_argument("--cached-vision", action="store_true",
@@ -206,24 +206,31 @@ def _image_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-# name -> (help, the function adding its arguments); `pixeltriage.bench.{name}` holds `run_{name}(args)`
+# name -> (help, the function adding its arguments, the module holding `run_{name}(args)`: the analytic models in
+# pixeltriage.bench.models, the measurements in pixeltriage.bench)
 BENCHES = {
-    "cost": ("per-question TFLOP and visual tokens: System One + ours@k vs open-all prefill", _add_cost),
-    "cpu": ("engine vs transformers' eager forward on the same state, GEMM rate, stages", _add_cpu),
+    "cost": ("per-question TFLOP and visual tokens: System One + ours@k vs open-all prefill", _add_cost,
+             "pixeltriage.bench.models.prefill_cost"),
+    "cpu": ("engine vs transformers' eager forward on the same state, GEMM rate, stages", _add_cpu,
+            "pixeltriage.bench.cpu"),
     "tune": ("the kernel choices this machine measured once and keeps (float32 GEMM library, attention); "
-             "--again measures anew", _add_tune),
+             "--again measures anew", _add_tune, "pixeltriage.bench.tune"),
     "latency": ("System One latency over an episode stream vs the answering prefill, --profile, --plot",
-                _add_latency),
-    "load": ("start-up time and peak memory: packed file vs directory vs transformers", _add_load),
+                _add_latency, "pixeltriage.bench.latency"),
+    "load": ("start-up time and peak memory: packed file vs directory vs transformers", _add_load,
+             "pixeltriage.bench.load"),
     "retrieval": ("region retrieval: images/s at write time, question and search latency at 10k and 100k images",
-                  _add_retrieval),
+                  _add_retrieval, "pixeltriage.bench.retrieval_speed"),
     "roofline": ("predicted GPU time per stage at a device's published peaks: p50 per question, packed questions/s",
-                 _add_roofline),
-    "serve": ("the scoring service under closed- and open-loop load vs in-process Scorer.score", _add_serve),
+                 _add_roofline, "pixeltriage.bench.models.roofline"),
+    "serve": ("the scoring service under closed- and open-loop load vs in-process Scorer.score", _add_serve,
+              "pixeltriage.bench.serve_load"),
     "soak": ("one server for --duration s of normal, oversized, malformed, cut-off and overload traffic: statuses, "
-             "p50/p99, RSS, lost or mixed-up answers; exit 1 when a goal is not met", _add_soak),
+             "p50/p99, RSS, lost or mixed-up answers; exit 1 when a goal is not met", _add_soak,
+             "pixeltriage.bench.soak"),
     "workspace": ("the CPU forward with and without the Scorer's workspace, alternating in one process with malloc "
-                  "as a host leaves it: time, page faults, system time", _add_workspace),
+                  "as a host leaves it: time, page faults, system time", _add_workspace,
+                  "pixeltriage.bench.workspace_ab"),
 }
 # the benches that leave malloc as they find it (they measure what tune_malloc would change)
 UNTUNED = ("workspace",)

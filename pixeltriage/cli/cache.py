@@ -8,7 +8,8 @@ import json
 import os
 import sys
 
-from pixeltriage.cli.common import VERBOSITY, existing_file, new_file
+from pixeltriage.cli.common import VERBOSITY, cache_target, existing_cache, existing_file
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,9 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cache_command", metavar="ACTION")
     sub.required = True
     put = sub.add_parser("put", help="store thumbnails (and notes) of images", parents=[VERBOSITY],
-                         description="Store the 336-px thumbnail of each image, and its note, "
+                         description=f"Store the {THUMBNAIL_SIDE}-px thumbnail of each image, and its note, "
                                      "and print 'KEY<TAB>PATH' per image.")
-    put.add_argument("db", type=new_file, help="cache file (created if missing)")
+    put.add_argument("db", type=cache_target, help="cache file (created if missing), or a postgresql:// URL")
     put.add_argument("images", nargs="+", type=existing_file, help="image files")
     put.add_argument("--notes", metavar="FILE", type=existing_file,
                      help="JSON object {image: note}; an image is matched by its path as given "
@@ -27,14 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     index = put.add_argument_group("region index (pixeltriage retrieve)")
     add_encoder_arguments(index, "--index-encoder", required=False)
     stats = sub.add_parser("stats", help="print the cache's counts and sizes as JSON", parents=[VERBOSITY])
-    stats.add_argument("db", type=existing_file, help="cache file")
+    stats.add_argument("db", type=existing_cache, help="cache file, or a postgresql:// URL")
 
 
 def run(args: argparse.Namespace) -> int:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
 
     if args.cache_command == "stats":
-        from pixeltriage.retrieval.store import RegionStore
+        from pixeltriage.store.regions import RegionStore
 
         with Cache(args.db) as cache:
             stats = cache.stats()

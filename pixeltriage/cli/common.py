@@ -146,6 +146,21 @@ def input_file(text: str) -> str:
     return text if text == "-" else existing_file(text)
 
 
+def cache_target(text: str) -> str:
+    """An argparse type: a write-time cache, a `postgresql://` URL (checked when opened) or a new or existing file
+    (as `new_file`)."""
+    from pixeltriage.store.backend import is_url
+
+    return text if is_url(text) else new_file(text)
+
+
+def existing_cache(text: str) -> str:
+    """An argparse type: a `postgresql://` URL or an existing cache file."""
+    from pixeltriage.store.backend import is_url
+
+    return text if is_url(text) else existing_file(text)
+
+
 def new_file(text: str) -> str:
     """An argparse type: a path a file can be created at (or is): not a directory, in a directory that exists (a
     misspelt folder is an error, not a new folder)."""

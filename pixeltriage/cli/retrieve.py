@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from pixeltriage.cli.common import DEVICES, existing_directory, existing_file, int_at_least, new_directory
+from pixeltriage.cli.common import DEVICES, existing_cache, existing_directory, int_at_least, new_directory
 
 # the choices of the library's tables (tests/retrieval/test_retrieve_cli.py checks that they agree)
 INDEX_BACKENDS = ("auto", "exact", "faiss")                # pixeltriage.retrieval.search.BACKENDS
@@ -57,8 +57,9 @@ def load_encoder(args: argparse.Namespace, path: str):
 
 
 def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache", metavar="DB", required=True, type=existing_file,
-                   help="write-time cache whose images were indexed (pixeltriage cache put ... --index-encoder DIR)")
+    p.add_argument("--cache", metavar="DB", required=True, type=existing_cache,
+                   help="write-time cache (a file, or a postgresql:// URL) whose images were indexed (pixeltriage "
+                        "cache put ... --index-encoder DIR)")
     add_encoder_arguments(p, "--encoder", required=True)
     p.add_argument("--question", metavar="TEXT", required=True, action="append",
                    help="what to retrieve images for; repeat for several questions")
@@ -72,7 +73,7 @@ def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_retrieve(args: argparse.Namespace) -> int:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.retrieval.index import RegionIndex
     from pixeltriage.retrieval.regions import RegionGrid
 
@@ -108,7 +109,7 @@ def _warn_unindexed(cache, index) -> None:
             else "")
     print(f"warning: {len(missing)} of {len(cache)} cached images have no region vectors for this encoder and "
           f"overlap and cannot be retrieved (e.g. {missing[0]}); index them with 'pixeltriage cache put "
-          f"{cache.path} IMAGE... --index-encoder DIR'{hint}", file=sys.stderr)
+          f"{cache.location} IMAGE... --index-encoder DIR'{hint}", file=sys.stderr)
 
 
 def _print_table(question: str, mode: str, rows: list[dict]) -> None:

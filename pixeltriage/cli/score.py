@@ -59,7 +59,7 @@ def run_score(args: argparse.Namespace) -> int:
                 where = f", episode {number} of {len(episodes)}" if len(episodes) > 1 else ""
                 raise PixelTriageError(f"{_episode_name(args.episode)}{where}: memory {keyed} is given by cache "
                                        "key; pass the cache that holds it with --cache DB")
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.engine.cpu_memory import tune_malloc
     from pixeltriage.delivery.policy import RateGate
     from pixeltriage.engine.scorer import Scorer

@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from pixeltriage.cli.common import (add_checkpoint_arguments, add_device_arguments, device_dtype, existing_directory,
-                                    fraction, int_at_least, new_file, non_negative_float, positive_float,
+from pixeltriage.cli.common import (add_checkpoint_arguments, add_device_arguments, cache_target, device_dtype,
+                                    existing_directory, fraction, int_at_least, non_negative_float, positive_float,
                                     resolved_checkpoint)
 from pixeltriage.cli.retrieve import DEFAULT_OVERLAP, encoder_directory, overlap
 
@@ -53,9 +53,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--access-log", action="store_true",
                      help="log one line per request (client, method, path, status) to stderr, at any verbosity")
     data = p.add_argument_group("memories")
-    data.add_argument("--cache", metavar="DB", type=new_file, default=None,
-                      help="write-time cache file: POST /v1/memories fills it, memories may be given by key, "
-                           "thumbnails and vision features are reused")
+    data.add_argument("--cache", metavar="DB", type=cache_target, default=None,
+                      help="write-time cache file, or a postgresql:// URL that replicas share: POST /v1/memories "
+                           "fills it, memories may be given by key, thumbnails and vision features are reused")
     data.add_argument("--image-root", metavar="DIR", type=existing_directory, default=None,
                       help="allow memories given by 'path', relative to DIR (never outside it)")
     data.add_argument("--index-encoder", metavar="DIR", type=encoder_directory, default=None,
@@ -169,7 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     args.checkpoint = resolved_checkpoint(args)      # a hub id becomes its local snapshot once, for every replica
     spec = ModelSpec(checkpoint=args.checkpoint, device=args.device, dtype=device_dtype(args), cache=args.cache,
-                     verify=args.verify, threads=args.threads, index_encoder=args.index_encoder,
+                     cache_timeout=config.request_timeout, verify=args.verify, threads=args.threads, index_encoder=args.index_encoder,
                      index_overlap=args.index_overlap)
     if args.ray:
         from pixeltriage.serve.ray import run_ray

@@ -33,9 +33,10 @@ from collections.abc import Mapping, Sequence
 from PIL import Image, ImageDraw, ImageFont
 
 from pixeltriage.delivery.cost import check_delivery
-from pixeltriage.engine.image import open_image, to_rgb
-from pixeltriage.engine.types import ImageSource, Memory
+from pixeltriage.engine.types import Memory
 from pixeltriage.errors import InvalidMemoryError
+from pixeltriage.media.image import open_image, to_rgb
+from pixeltriage.media.sources import ImageSource
 
 TAG_NOTE = "Each image shows its memory's tag in its top-left corner; refer to memories by their tags."
 ORDINAL_NOTE = "A smaller seen number means the memory was seen longer ago."

@@ -28,7 +28,8 @@ class UnknownAnsweringModelError(PixelTriageError, ValueError):
 class AnsweringModel:
     """One answering model: its visual-token rule and the source the rule follows.
 
-    checkpoints: the sized checkpoints of this model whose prefill the FLOP model counts (pixeltriage.bench.flops).
+    checkpoints: the sized checkpoints of this model whose prefill the FLOP model counts
+    (pixeltriage.bench.models.flops).
     """
 
     name: str

@@ -1,16 +1,18 @@
-"""A delivery decision as a report: which memories open, their scores, the visual tokens (for `pixeltriage score` and
-the scoring service)."""
+"""A delivery decision as a report: which memories open, their scores, the visual tokens (for `pixeltriage score`);
+the images' sizes and notes as the decision and the report read them (the scoring service's too)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
-from pixeltriage.delivery.cost import Model, delivery_cost
-from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL, answering_model
-from pixeltriage.engine.image import display_size
-from pixeltriage.delivery.policy import RateGate, by_gain, token_budget, top_k
+from pixeltriage.delivery.cost import Model
+from pixeltriage.delivery.decision import decide
+from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
+from pixeltriage.delivery.policy import RateGate
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import CacheMissError
+from pixeltriage.media.image import display_size
 
 
 def image_size(memory: Memory, index: int, cache=None) -> tuple[int, int] | None:
@@ -48,58 +50,26 @@ def image_reference(memory: Memory) -> dict:
     return {}
 
 
-def delivery(scores: Scores, k: int | None, gate: RateGate | None, sizes: list[tuple[int, int] | None],
-             answering: Model = DEFAULT_ANSWERING_MODEL, budget: int | None = None) -> dict:
-    """Which memories open for one scored question: {"open": [bool per memory], "gate_open": bool}, and
-    "visual_tokens" ({"model", "open_all", "delivery"}) when every image's size in `sizes` is known.
-
-    k: open the k highest gains (None: no cap). budget: open by descending gain while the answering model's visual
-    tokens fit (`token_budget`; at most k of them when k is given); it needs every size. Each image is priced alone in
-    its prompt, which for LLaVA-OneVision (cheaper per image when a prompt holds several) keeps within the budget.
-    gate: a closed gate opens nothing (the question's p_vis joins the gate's window either way).
-    answering: a registry name, a processor config directory or an AnsweringModel (pixeltriage.delivery.profiles)."""
-    model = answering_model(answering)
-    n = len(scores.gains)
-    known = all(s is not None for s in sizes)
-    if budget is None:
-        opened = top_k(scores, n if k is None else k)
-    else:
-        if not known:
-            raise ValueError("a token budget needs every image's size")
-        opened = token_budget(scores, budget, [model.tokens(s) for s in sizes])
-        if k is not None:
-            capped = set([i for i in by_gain(scores.gains) if opened[i]][:k])
-            opened = [i in capped for i in range(n)]
-    gate_open = gate.opens(scores.p_vis) if gate is not None else True
-    if not gate_open:
-        opened = [False] * n
-    out = {"open": opened, "gate_open": gate_open}
-    if known:
-        out["visual_tokens"] = {"model": model.name, "open_all": delivery_cost([True] * n, sizes, model),
-                                "delivery": delivery_cost(opened, sizes, model)}
-    return out
-
-
 def decision_report(question: str, memories: list[Memory], scores: Scores, k: int, gate: RateGate | None,
                     answering: Model = DEFAULT_ANSWERING_MODEL, cache=None) -> dict:
     """The decision for one scored question as a JSON-able dict: p_vis, whether the gate opened, and per memory
     (numbered from 1) its scores, whether it opens, its date, note and image; visual tokens of open-all and of
     this delivery when every image's size is known."""
-    decided = delivery(scores, k, gate, [image_size(m, i, cache) for i, m in enumerate(memories)], answering)
+    decided = decide(scores, k, gate, [image_size(m, i, cache) for i, m in enumerate(memories)], answering)
     report = {
         "question": question,
         "p_vis": scores.p_vis,
-        "gate_open": decided["gate_open"],
+        "gate_open": decided.gate_open,
         "k": k,
         "memories": [
             {"index": i + 1, "gain": g, "relevance": r, "open": o, "date": m.date, "note": shown_note(m, cache),
              **image_reference(m)}
-            for i, (m, g, r, o) in enumerate(zip(memories, scores.gains, scores.relevance, decided["open"]))
+            for i, (m, g, r, o) in enumerate(zip(memories, scores.gains, scores.relevance, decided.open))
         ],
         "relevance_none": scores.relevance_none,
     }
-    if "visual_tokens" in decided:
-        report["visual_tokens"] = decided["visual_tokens"]
+    if decided.visual_tokens is not None:
+        report["visual_tokens"] = dataclasses.asdict(decided.visual_tokens)
     return report
 
 

@@ -89,7 +89,7 @@ class GridRule(Rule):
 
     def resized(self, image_size: tuple[int, int]) -> tuple[int, int]:
         """(width, height) the processor feeds to the vision tower."""
-        from pixeltriage.engine.image import smart_resize   # the engine's one copy (imported here: names stay light)
+        from pixeltriage.engine.patches import smart_resize   # the engine's one copy (imported here: names stay light)
 
         width, height = check_size(image_size)
         h, w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)

@@ -30,7 +30,7 @@ from pixeltriage.weights.packed import PackedCheckpoint, vision_fingerprint
 from pixeltriage.weights.pages import drop_file_pages
 
 if TYPE_CHECKING:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.engine.graphs import DecoderGraphs
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Scorer:
     """System One for one checkpoint. Thread-safe: `score` may be called from many threads at once.
 
     With a write-time `cache` (pixeltriage.Cache), memories may be given by cache key, every image is read as its
-    cached 336-px thumbnail (an image given by value is put into the cache first), and the vision tower's output
+    cached thumbnail (an image given by value is put into the cache first), and the vision tower's output
     is stored per (image key, `vision_fingerprint`), so a later question with the same memory skips the ViT for it.
     """
 
@@ -56,7 +56,7 @@ class Scorer:
         self.device = device
         self.dtype = dtype
         if cache is not None:
-            from pixeltriage.engine.cache import THUMBNAIL_SIDE
+            from pixeltriage.media.policy import THUMBNAIL_SIDE
 
             if triage_cfg.thumbnail_size != THUMBNAIL_SIDE:
                 raise CheckpointError(f"{triage_cfg.source}: state.thumbnail_size is {triage_cfg.thumbnail_size}, but the "
@@ -281,7 +281,7 @@ class Scorer:
             f = self.cache.get_features(key, fingerprint) if key else None
             if f is not None and (tuple(f.shape) != (n, hidden) or f.dtype != self.dtype):
                 log.warning("cache %s: features of %s have shape %s %s, expected (%d, %d) %s; recomputing",
-                            self.cache.path, key, tuple(f.shape), f.dtype, n, hidden, self.dtype)
+                            self.cache.location, key, tuple(f.shape), f.dtype, n, hidden, self.dtype)
                 f = None
             features.append(f)
         missing = [i for i, f in enumerate(features) if f is None]

@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from pixeltriage.config import ImageConfig, ModelConfig, TriageConfig
-from pixeltriage.engine.image import preprocess, preprocess_thumbnail
+from pixeltriage.engine.patches import preprocess, preprocess_thumbnail
 from pixeltriage.engine.types import memory_list, user_text
 from pixeltriage.errors import CheckpointError, StateTooLongError
 

@@ -1,15 +1,10 @@
 """The engine's value types: what a host passes in (Memory) and gets back (Scores)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import Union
-
-from PIL import Image
 
 from pixeltriage.errors import InvalidMemoryError
-
-ImageSource = Union[Image.Image, bytes, bytearray, str, os.PathLike]
+from pixeltriage.media.sources import ImageSource
 
 
 @dataclass(frozen=True)

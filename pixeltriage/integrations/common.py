@@ -1,5 +1,5 @@
 """What the framework adapters share, free of any framework: an item's image and text as a `Memory`, one scoring
-call per question (in process or remote), and the top-k delivery decision.
+call per question (in process or remote), and what an adapter writes of the delivery decision.
 
 An item (a LlamaIndex node, a LangChain document) is scored when it carries an image or a write-time cache key;
 System One scores image memories only, so an item with neither is passed through unscored. Image values are
@@ -11,17 +11,17 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
-import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from pixeltriage.delivery.policy import by_gain, top_k
+from pixeltriage.delivery.decision import Decision
 from pixeltriage.engine.types import Memory, Scores
 from pixeltriage.errors import InvalidMemoryError, InvalidRequestError
+from pixeltriage.media.policy import is_url
+from pixeltriage.media.sources import decode_base64
 
-URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 MAX_URL_BYTES = 64 << 20           # a fetched image larger than this is refused before it is read whole
 URL_TIMEOUT_S = 30.0
 # a shorter str is a path, never base64: the smallest image files (a 1x1 PNG, 67 bytes) take 92 base64 characters,
@@ -74,25 +74,12 @@ def memory_of(image: Any, image_what: str, metadata: Mapping[str, Any], text: st
     return Memory(key=key, note=note, dialogue=dialogue, date=date)
 
 
-@dataclass(frozen=True)
-class Decision:
-    """One question's scores over its scored items and the delivery under top-k.
-
-    order: positions in `scores.gains` by descending gain, the earlier retrieved first among equal gains (the
-    order `top_k` opens in); open: per scored item, whether its pixels are delivered."""
-
-    scores: Scores
-    open: list[bool]
-    order: list[int]
-
-    def written(self, rank: int) -> dict[str, Any]:
-        """The metadata (`WRITTEN_KEYS`) an adapter writes on the scored item at position `rank`."""
-        return {OPEN: self.open[rank], GAIN: self.scores.gains[rank], P_VIS: self.scores.p_vis,
-                RELEVANCE: self.scores.relevance[rank]}
-
-
-def decide(scores: Scores, k: int) -> Decision:
-    return Decision(scores, top_k(scores, k), by_gain(scores.gains))
+def written(decision: Decision, rank: int) -> dict[str, Any]:
+    """The metadata (`WRITTEN_KEYS`) an adapter writes on the scored item at position `rank` of `decision` (its
+    scores in `decision.scores`, the top-k delivery `decide(scores, k)` made of them)."""
+    scores = decision.scores
+    return {OPEN: decision.open[rank], GAIN: scores.gains[rank], P_VIS: scores.p_vis,
+            RELEVANCE: scores.relevance[rank]}
 
 
 def score(scorer: Any, question: str, memories: Sequence[Memory]) -> Scores:
@@ -155,7 +142,7 @@ def image_value(value: Any, index: int, what: str, allow_urls: bool) -> Any:
                                  f"{type(value).__name__}", index)
     if value[:5].lower() == "data:":
         return base64_image(value, index, what)
-    if URL.match(value):
+    if is_url(value):
         if not allow_urls:
             raise InvalidMemoryError(f"{what}: {_short(value)} is a URL, and URL images are not fetched unless the "
                                      "adapter is built with allow_url_images=True; pass a local path, base64 or bytes",
@@ -166,7 +153,7 @@ def image_value(value: Any, index: int, what: str, allow_urls: bool) -> Any:
     if len(value) < MIN_BASE64_CHARS:
         raise InvalidMemoryError(f"{what}: {_short(value)}: no such file", index)
     try:
-        return _decode(value)
+        return decode_base64(value, None)
     except InvalidRequestError:
         raise InvalidMemoryError(f"{what}: {_short(value)} is neither an existing file, a data: URI nor base64",
                                  index) from None
@@ -198,19 +185,11 @@ def _text(metadata: Mapping[str, Any], field: str, index: int) -> str | None:
 
 def base64_image(text: str, index: int, what: str) -> bytes:
     """The bytes of an image given as base64 text or a base64 `data:` URI, decoded as the server decodes a request's
-    image (`serve.inputs.decode_image`); its refusal as the item's InvalidMemoryError."""
+    image (`media.sources.decode_base64`); its refusal as the item's InvalidMemoryError."""
     try:
-        return _decode(text)
+        return decode_base64(text, None)
     except InvalidRequestError as e:
         raise InvalidMemoryError(f"{what}: {_short(text)}: {e}", index) from None
-
-
-def _decode(text: str) -> bytes:
-    # imported on first use: serve.inputs reads the request schemas (pydantic), which `import pixeltriage.integrations`
-    # does not need
-    from pixeltriage.serve.inputs import decode_image
-
-    return decode_image(text, None)
 
 
 def _empty(index: int, what: str) -> bytes:

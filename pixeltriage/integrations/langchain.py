@@ -28,6 +28,7 @@ except ImportError as e:                                # pragma: no cover - exe
     raise ImportError("pixeltriage.integrations.langchain needs LangChain: pip install langchain-core "
                       f"(or pip install 'pixeltriage[integrations]'); {e}") from e
 
+from pixeltriage.delivery.decision import decide
 from pixeltriage.engine.types import Scores
 from pixeltriage.integrations import common
 
@@ -94,12 +95,12 @@ class PixelTriageCompressor(BaseDocumentCompressor):
         rest = [d for i, d in enumerate(documents) if i not in scored_positions]
         if scores is None:
             return rest
-        decision = common.decide(scores, self.k)
+        decision = decide(scores, self.k)
         top_n = len(scored) if self.top_n is None else min(self.top_n, len(scored))
         out = []
         for rank in decision.order[:top_n]:
             document = documents[scored[rank]]
-            metadata = {**document.metadata, "relevance_score": scores.gains[rank], **decision.written(rank)}
+            metadata = {**document.metadata, "relevance_score": scores.gains[rank], **common.written(decision, rank)}
             if not decision.open[rank] and not self.keep_closed_images:
                 metadata.pop(self.image_field, None)
             out.append(Document(page_content=document.page_content, metadata=metadata, id=document.id))

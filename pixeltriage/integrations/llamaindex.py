@@ -31,6 +31,7 @@ except ImportError as e:                                # pragma: no cover - exe
     raise ImportError("pixeltriage.integrations.llamaindex needs LlamaIndex: pip install llama-index-core "
                       f"(or pip install 'pixeltriage[integrations]'); {e}") from e
 
+from pixeltriage.delivery.decision import decide
 from pixeltriage.errors import InvalidMemoryError
 from pixeltriage.integrations import common
 
@@ -142,11 +143,11 @@ class PixelTriagePostprocessor(BaseNodePostprocessor):
         if scores is None:
             dispatcher.event(ReRankEndEvent(nodes=text_nodes))
             return text_nodes
-        decision = common.decide(scores, self.k)
+        decision = decide(scores, self.k)
         out = []
         for rank in decision.order[:self._top_n(len(scored))]:
             original = nodes[scored[rank]]
-            metadata = {**original.node.metadata, **decision.written(rank)}
+            metadata = {**original.node.metadata, **common.written(decision, rank)}
             if self.keep_retrieval_score:
                 metadata["retrieval_score"] = original.score
             node = self._delivered(original.node, metadata, decision.open[rank])

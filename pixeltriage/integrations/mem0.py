@@ -28,6 +28,7 @@ try:
 except ImportError as e:                                # pragma: no cover - exercised in a subprocess test
     raise ImportError("pixeltriage.integrations.mem0 needs mem0: pip install mem0ai; " f"{e}") from e
 
+from pixeltriage.delivery.decision import Decision, decide, rerank_order
 from pixeltriage.integrations import common
 
 
@@ -48,24 +49,26 @@ class PixelTriageReranker(BaseReranker):
     def rerank(self, query: str, documents: Sequence[dict], top_k: Optional[int] = None) -> list[dict]:
         """The memories with an image by descending gain, then the others (rerank_score 0.0), at most top_k (else
         the reranker's own top_k, else all); copies, the given dicts are not changed."""
-        memories, scored = [], []
+        memories, rank_of = [], {}              # rank_of: a scored document's position -> its memory's
         for position, document in enumerate(documents):
             metadata = document.get("metadata") or {}
             memory = common.memory_of(None, None, metadata, document.get("memory"), self.fields, position,
                                       self.allow_url_images)
             if memory is not None:
+                rank_of[position] = len(memories)
                 memories.append(memory)
-                scored.append(position)
-        out = []
-        if memories:
-            scores = common.score(self.scorer, query, memories)
-            decision = common.decide(scores, self.k)
-            for rank in decision.order:
-                reranked = {**documents[scored[rank]], "rerank_score": scores.gains[rank], **decision.written(rank)}
-                if not decision.open[rank] and not self.keep_closed_images and reranked.get("metadata"):
-                    reranked["metadata"] = {k: v for k, v in reranked["metadata"].items() if k != self.fields.image}
-                out.append(reranked)
-        taken = set(scored)
-        out += [{**d, "rerank_score": 0.0} for i, d in enumerate(documents) if i not in taken]
+        decision = decide(common.score(self.scorer, query, memories), self.k) if memories else None
+        gains = [decision.scores.gains[rank_of[i]] if i in rank_of else None for i in range(len(documents))]
+        out = [self._reranked(documents[i], decision, rank_of.get(i)) for i in rerank_order(gains)]
         limit = top_k if top_k is not None else self.top_k
         return out if limit is None else out[:limit]
+
+    def _reranked(self, document: dict, decision: Optional[Decision], rank: Optional[int]) -> dict:
+        """A copy of the document with its rerank_score (0.0 when it was not scored) and, when scored, what
+        PixelTriage writes; a closed image loses `metadata[image_field]` unless keep_closed_images."""
+        if rank is None:
+            return {**document, "rerank_score": 0.0}
+        reranked = {**document, "rerank_score": decision.scores.gains[rank], **common.written(decision, rank)}
+        if not decision.open[rank] and not self.keep_closed_images and reranked.get("metadata"):
+            reranked["metadata"] = {k: v for k, v in reranked["metadata"].items() if k != self.fields.image}
+        return reranked

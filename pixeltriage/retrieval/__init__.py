@@ -31,8 +31,8 @@ _EXPORTS = {
     "preprocess_images": "pixeltriage.retrieval.encoder",
     "Hit": "pixeltriage.retrieval.types",
     "RegionIndex": "pixeltriage.retrieval.index",
-    "RegionRow": "pixeltriage.retrieval.store",
-    "RegionStore": "pixeltriage.retrieval.store",
+    "RegionRow": "pixeltriage.store.regions",
+    "RegionStore": "pixeltriage.store.regions",
     "exact_search": "pixeltriage.retrieval.search",
     "QuantizedSearch": "pixeltriage.retrieval.search",
     "demo_encoder": "pixeltriage.retrieval.demo",
@@ -50,6 +50,6 @@ if TYPE_CHECKING:
     from pixeltriage.retrieval.encoder import Encoder, SiglipEncoder, preprocess_images
     from pixeltriage.retrieval.index import RegionIndex
     from pixeltriage.retrieval.regions import REGION_NAMES, RegionGrid, region_crops
-    from pixeltriage.retrieval.store import RegionRow, RegionStore
+    from pixeltriage.store.regions import RegionRow, RegionStore
     from pixeltriage.retrieval.types import Box, Hit
     from pixeltriage.retrieval.search import QuantizedSearch, exact_search

@@ -21,15 +21,15 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from pixeltriage.engine.cache import Cache
-from pixeltriage.engine.types import ImageSource
 from pixeltriage.errors import InvalidMemoryError
+from pixeltriage.media.sources import ImageSource
 from pixeltriage.retrieval.encoder import Encoder
 from pixeltriage.retrieval.regions import RegionGrid, region_crops
 from pixeltriage.retrieval.search import (BACKENDS, FAISS_MIN_IMAGES, QuantizedSearch, Ranked, exact_search,
                                           faiss_available)
-from pixeltriage.retrieval.store import RegionStore
 from pixeltriage.retrieval.types import Hit
+from pixeltriage.store.cache import Cache
+from pixeltriage.store.regions import RegionStore
 
 _PAGE = 4096                  # rows per read while loading
 

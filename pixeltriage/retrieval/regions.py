@@ -19,7 +19,7 @@ from fractions import Fraction
 
 from PIL import Image
 
-from pixeltriage.engine.image import open_image, to_rgb
+from pixeltriage.media.image import open_image, to_rgb
 from pixeltriage.retrieval.types import Box
 
 REGION_NAMES = ("whole", "top-left", "top-right", "bottom-left", "bottom-right")

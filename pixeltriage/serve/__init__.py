@@ -14,9 +14,10 @@ from pixeltriage.lazy import lazy_exports
 _EXPORTS = {
     "Client": "pixeltriage.serve.client",
     "AsyncClient": "pixeltriage.serve.client",
-    "Decision": "pixeltriage.serve.client",
+    "Decided": "pixeltriage.serve.client",
+    "Decision": "pixeltriage.delivery.decision",
     "Reranking": "pixeltriage.serve.client",
-    "RankedDocument": "pixeltriage.serve.client",
+    "RankedDocument": "pixeltriage.delivery.decision",
     "ServeConfig": "pixeltriage.serve.config",
     "Service": "pixeltriage.serve.service",
     "ModelSpec": "pixeltriage.serve.service",
@@ -38,11 +39,12 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:
+    from pixeltriage.delivery.decision import Decision, RankedDocument
     from pixeltriage.errors import (AuthenticationError, DeadlineExceededError, InvalidRequestError, OverloadedError,
                                     ServiceError, ServiceUnavailableError)
     from pixeltriage.serve.app import create_app
     from pixeltriage.serve.batcher import Batcher
-    from pixeltriage.serve.client import AsyncClient, Client, Decision, RankedDocument, Reranking
+    from pixeltriage.serve.client import AsyncClient, Client, Decided, Reranking
     from pixeltriage.serve.config import ServeConfig
     from pixeltriage.serve.process import ServerProcess
     from pixeltriage.serve.service import ModelSpec, Service

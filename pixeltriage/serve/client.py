@@ -27,59 +27,42 @@ from typing import Any, Sequence
 
 import httpx
 
+from pixeltriage.delivery.decision import Decision, RankedDocument, VisualTokens
 from pixeltriage.delivery.profiles import DEFAULT_ANSWERING_MODEL
 from pixeltriage.engine.types import Memory, Scores, user_text
-from pixeltriage.errors import (CacheMissError, DeadlineExceededError, InvalidMemoryError, InvalidRequestError,
-                                OverloadedError, ServiceError, ServiceUnavailableError, StateTooLongError)
+from pixeltriage.errors import (STORE_ERRORS, CacheMissError, DeadlineExceededError, InvalidMemoryError,
+                                InvalidRequestError, OverloadedError, ServiceError, ServiceUnavailableError,
+                                StateTooLongError, StoreUnavailableError)
+from pixeltriage.media.sources import read_local
 from pixeltriage.serve.schemas import error_for
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 RETRIED_STATUS = (429, 502, 503)
 _MEMORY_INDEX = re.compile(r"memories\[(\d+)\]")
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I;16")
 
 
 @dataclass(frozen=True)
-class Decision:
-    """A scored question with the server's delivery under a policy.
+class Decided:
+    """A scored question with the server's delivery under a policy (what `decide` returns).
 
-    open: per memory, whether its pixels are delivered (None without a policy); gate_open: whether the rate gate
-    let images through; visual_tokens: {"model", "open_all", "delivery"} when every image's size is known;
-    timing: the server's queue / preprocess / forward / total milliseconds and the batch it ran in."""
+    decision: the delivery (`pixeltriage.delivery.decision.Decision`: scores, open, gate_open, visual_tokens; None
+    for an answer without a policy); state_tokens: the packed state's length; timing: the server's queue /
+    preprocess / forward / total milliseconds and the batch it ran in; id: the request's, echoed."""
 
     scores: Scores
-    open: list[bool] | None
-    gate_open: bool | None
-    visual_tokens: dict | None
+    decision: Decision | None
     state_tokens: int
     timing: dict
     id: str | None = None
 
 
 @dataclass(frozen=True)
-class RankedDocument:
-    """One document of a rerank answer (`schemas.RerankResult` with its `pixeltriage` fields): `index` in the request,
-    `relevance_score` (the gain, or the relevance under score="relevance"; 0.0 for a document without an image),
-    `image` (it carried an image or a cache key and was scored), its `gain` and `relevance` (None without an image),
-    `open` (the policy delivers its pixels), `truncated` (a text of it was cut to the token budget), `document` (its
-    text, with return_documents)."""
-
-    index: int
-    relevance_score: float
-    image: bool
-    gain: float | None
-    relevance: float | None
-    open: bool
-    truncated: bool
-    document: str | None = None
-
-
-@dataclass(frozen=True)
 class Reranking:
     """A rerank answer (`schemas.RerankResponse` and its `pixeltriage` summary): `results` by descending score (the
-    first top_n), the query's `p_vis` and `relevance_none`, the `opened` documents by index, the packed state's tokens,
-    whether the query was cut; `raw` is the route's JSON as it came (Cohere's `meta`, Jina's `usage`)."""
+    first top_n, each a `RankedDocument`), the query's `p_vis` and `relevance_none`, the `opened` documents by index,
+    the packed state's tokens, whether the query was cut; `raw` is the route's JSON as it came (Cohere's `meta`,
+    Jina's `usage`)."""
 
     id: str
     model: str | None
@@ -118,20 +101,7 @@ def _image_bytes(image, index: int | None) -> bytes:
             raise InvalidMemoryError("image bytes are empty", index)
         return bytes(image)
     if isinstance(image, (str, os.PathLike)):
-        path = os.fsdecode(os.fspath(image))
-        if _URL.match(path):
-            raise InvalidMemoryError(f"{path}: URLs are not accepted; pass a local file path or the image bytes",
-                                     index)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise InvalidMemoryError(f"{path}: image file not found", index) from None
-        except OSError as e:
-            raise InvalidMemoryError(f"{path}: cannot read file ({e.strerror or e})", index) from None
-        if not data:
-            raise InvalidMemoryError(f"{path}: image file is empty (0 bytes)", index)
-        return data
+        return read_local(image, index)
     from PIL import Image
 
     if isinstance(image, Image.Image):
@@ -167,11 +137,14 @@ def scores_of(result: dict) -> Scores:
                   relevance_none=result["relevance_none"])
 
 
-def decision_of(result: dict) -> Decision:
-    delivery = result.get("delivery")
-    return Decision(scores=scores_of(result), open=delivery["open"] if delivery else None,
-                    gate_open=delivery["gate_open"] if delivery else None, visual_tokens=result.get("visual_tokens"),
-                    state_tokens=result["state_tokens"], timing=result["timing"], id=result.get("id"))
+def decision_of(result: dict) -> Decided:
+    scores, delivery, visual = scores_of(result), result.get("delivery"), result.get("visual_tokens")
+    decision = None
+    if delivery:
+        decision = Decision(scores, list(delivery["open"]), delivery["gate_open"],
+                            VisualTokens(**visual) if visual else None)
+    return Decided(scores=scores, decision=decision, state_tokens=result["state_tokens"], timing=result["timing"],
+                   id=result.get("id"))
 
 
 def reranking_of(response: dict) -> Reranking:
@@ -225,6 +198,8 @@ def _error_of_class(error: type[Exception], message: str, field: str | None, bod
         return InvalidRequestError(unprefixed, field, status)
     if error is CacheMissError:                 # GET /v1/memories/{key}: the key, the server's message
         return CacheMissError(response.url.path.rsplit("/", 1)[-1], message)
+    if error is StoreUnavailableError:          # the body's reason names which: locked, read_only, ...
+        return STORE_ERRORS.get(body.get("reason"), StoreUnavailableError)(message, status)
     return error(message, status)        # ServiceError and its kinds: AuthenticationError, NoCacheError, ...
 
 
@@ -310,7 +285,7 @@ class Client(_Base):
     def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
                token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
                answering_model: str = DEFAULT_ANSWERING_MODEL, timeout_s: float | None = None, priority: int = 0,
-               id: str | None = None) -> Decision:
+               id: str | None = None) -> Decided:
         """Scores and the server's delivery under a policy (top k, a visual-token budget, a rate gate)."""
         body = question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
                                                                  answering_model),
@@ -419,7 +394,7 @@ class AsyncClient(_Base):
     async def decide(self, question: str, memories: Sequence[Memory], *, k: int | None = None,
                      token_budget: int | None = None, gate_rate: float | None = None, gate_stream: str = "default",
                      answering_model: str = DEFAULT_ANSWERING_MODEL, timeout_s: float | None = None, priority: int = 0,
-                     id: str | None = None) -> Decision:
+                     id: str | None = None) -> Decided:
         body = question_body(question, memories, policy=_policy(k, token_budget, gate_rate, gate_stream,
                                                                  answering_model),
                               timeout_s=timeout_s, priority=priority, id=id)

@@ -15,7 +15,7 @@ TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 # why a request failed: the `reason` label of pixeltriage_request_failures_total
 FAILURE_REASONS = ("overloaded", "payload_too_large", "unsupported_media_type", "invalid_input", "state_too_long",
-                   "deadline", "disconnected", "unauthorized", "unavailable", "not_found", "no_cache", "internal")
+                   "deadline", "disconnected", "unauthorized", "unavailable", "not_found", "no_cache", "store", "internal")
 
 
 class Metrics(Observer):

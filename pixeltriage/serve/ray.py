@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from pixeltriage.serve import status
 from pixeltriage.serve.config import ServeConfig
 from pixeltriage.serve.service import ModelSpec
 
@@ -145,7 +146,7 @@ def replica_metrics(_actor_object) -> tuple[str, list]:
     """Run in a replica (`__ray_call__`): (its id, its metric families, as its own /metrics would expose them)."""
     replica, servable = _local_replica()
     service = servable.service
-    service.update_scorer_metrics()
+    status.update_scorer_metrics(service)
     return replica, list(service.metrics.registry.collect())
 
 

@@ -413,7 +413,7 @@ def error_statuses() -> tuple[ErrorStatus, ...]:
     (`error_for`: else the `by_status` row of its status, else ServiceError). Each error_type names one row."""
     from pixeltriage.errors import (AuthenticationError, CacheMissError, DeadlineExceededError, InvalidMemoryError,
                                     InvalidRequestError, NoCacheError, OverloadedError, ServiceUnavailableError,
-                                    StateTooLongError)
+                                    StateTooLongError, StoreFullError, StoreUnavailableError)
 
     return (ErrorStatus(InvalidMemoryError, 422, "invalid_memory"),
             ErrorStatus(StateTooLongError, 422, "state_too_long"),
@@ -425,7 +425,10 @@ def error_statuses() -> tuple[ErrorStatus, ...]:
             ErrorStatus(DeadlineExceededError, 504, "deadline", by_status=True),
             ErrorStatus(ServiceUnavailableError, 503, "unavailable", by_status=True),
             ErrorStatus(CacheMissError, 404, "not_found"),
-            ErrorStatus(NoCacheError, 501, "no_cache"))
+            ErrorStatus(NoCacheError, 501, "no_cache"),
+            # the write-time store's faults; the body's `reason` names which (errors.StoreError.reason)
+            ErrorStatus(StoreFullError, 507, "store_full", by_status=True),
+            ErrorStatus(StoreUnavailableError, 503, "store_unavailable"))
 
 
 def status_of(error: BaseException) -> ErrorStatus | None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pixeltriage.bench import cpu
+from pixeltriage.bench.models.flops import PROFILER_STAGES
 from pixeltriage.bench.timing import cpu_machine, machine_line
 from pixeltriage.kernels import native, tuning
 from pixeltriage.cli import main
@@ -43,7 +44,7 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert r["gemm_tflops"] == statistics.median(r["gemm_tflops_before_after"] + r["gemm_tflops_beside_runs"])
     # the C delta pass reports its conv + SiLU apart ("delta_conv") whenever it runs; the torch path cannot
     split = native.available()
-    expected = [k for k in cpu.STAGES if split or k != "delta_conv"]
+    expected = [k for k in PROFILER_STAGES if split or k != "delta_conv"]
     assert set(expected) | {"other"} <= set(r["stages_s"]) and ("delta_conv" in r["stages_s"]) == split
     # the per-stage table: every stage in order, then "other"; their FLOPs are the forward's
     stages = r["stages"]
@@ -223,38 +224,10 @@ def test_bench_counts_out_of_range_are_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-
-@pytest.mark.parametrize("cached_vision", [False, True])
-def test_every_flop_of_the_forward_lands_in_exactly_one_stage(tiny_checkpoint, cached_vision):
-    """The FLOP model's parts (split) map onto the profiler's stages: each part to one stage, every stage
-    holds some part (the tiny preset has every layer kind), and the stages' FLOPs add up to the forward's."""
-    from pixeltriage.bench.flops import scorer_flops, total
-    from pixeltriage.engine.scorer import Scorer
-
-    scorer = Scorer.load(tiny_checkpoint)
-    state = cpu.bench_episode(scorer.packer, num_memories=3, target_tokens=400).state
-    parts = scorer_flops(scorer, state, cached_vision=cached_vision, split=True)
-    assert set(parts) == set(cpu.STAGE_OF_PART)
-    assert set(cpu.STAGE_OF_PART.values()) == set(cpu.STAGES)
-    by_stage = cpu.stage_flops(parts)
-    assert list(by_stage) == list(cpu.STAGES)
-    assert sum(by_stage.values()) == total(parts).total == total(scorer_flops(scorer, state, cached_vision)).total
-    vision = ("vision", "vision_attention")
-    assert all((by_stage[k] == 0) == cached_vision for k in vision)
-    assert all(by_stage[k] > 0 for k in cpu.STAGES if k not in vision)
-    # a run whose kernels reported no conv part: the conv's FLOPs in "delta_rule", no "delta_conv"
-    joined = cpu.stage_flops(parts, conv_apart=False)
-    assert list(joined) == [k for k in cpu.STAGES if k != "delta_conv"]
-    assert joined["delta_rule"] == by_stage["delta_rule"] + by_stage["delta_conv"]
-    assert sum(joined.values()) == sum(by_stage.values())
-    with pytest.raises(KeyError):
-        cpu.stage_flops({**parts, "embed": parts["head"]})        # a part no stage holds is loud
-
-
 def test_stage_rows_put_unknown_stages_before_other_and_skip_rates_without_time():
     rows = cpu.stage_rows({"mlp": 4e12, "vision": 1e12}, {"mlp": 2.0, "vision": 0.0, "pack": 0.5, "other": 0.25},
                           gemm_rate=4.0)
-    assert [r["stage"] for r in rows] == [*(k for k in cpu.STAGES if k != "delta_conv"), "pack", "other"]
+    assert [r["stage"] for r in rows] == [*(k for k in PROFILER_STAGES if k != "delta_conv"), "pack", "other"]
     by_stage = {r["stage"]: r for r in rows}
     assert by_stage["delta_rule"]["name"] == "delta_rule (conv + recurrence)"      # no conv part: both in it
     mlp = by_stage["mlp"]

@@ -1,19 +1,12 @@
-"""`pixeltriage bench latency`: the stream, the percentiles and one small end-to-end report (never a timing)."""
+"""`pixeltriage bench latency`: the percentiles and one small end-to-end report (never a timing)."""
 import io
 import json
 
 import pytest
 
-from pixeltriage.bench import latency
+from pixeltriage.bench import latency, workloads
 from pixeltriage.bench.timing import cpu_machine
 from pixeltriage.cli import main
-
-
-def test_stream_is_seeded_and_varied():
-    a, b = latency.stream(12, seed=3), latency.stream(12, seed=3)
-    assert [(q, len(m), [x.image.size for x in m]) for q, m in a] == [(q, len(m), [x.image.size for x in m]) for q, m in b]
-    counts = [len(m) for _, m in a]
-    assert min(counts) >= 0 and max(counts) <= 20 and len(set(counts)) > 3
 
 
 def test_percentiles():
@@ -24,7 +17,7 @@ def test_percentiles():
 
 def test_report_end_to_end(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tiny_checkpoint.parent.parent / "cache"))
-    monkeypatch.setattr(latency, "SIZES", [(64, 64), (96, 64), (56, 112)])     # small images: a quick run
+    monkeypatch.setattr(workloads, "PHOTO_SIZES", [(64, 64), (96, 64), (56, 112)])     # small images: a quick run
     args = ["bench", "latency", "--questions", "3", "--batch", "2", "--k", "1", "--profile", str(tmp_path / "prof"),
             "--json"]
     assert main(args) == 0

@@ -37,11 +37,11 @@ def test_child_measures_each_method(tiny_checkpoint, tmp_path, monkeypatch, meth
     if method == "transformers":
         import transformers
 
-        import pixeltriage.bench.hf as hf
+        from pixeltriage.bench import transformers_baseline
 
         cls = transformers.Qwen3_5ForConditionalGeneration
         _spy(monkeypatch, cls, "from_pretrained", spans, "load")
-        _spy(monkeypatch, hf, "transformers_hidden", spans, "score")
+        _spy(monkeypatch, transformers_baseline, "transformers_hidden", spans, "score")
     else:
         from pixeltriage import Scorer
 

@@ -129,7 +129,8 @@ def test_the_service_part_names_a_missing_serve_extra(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
-    out = gpu_check.serve("tiny", torch.device("cpu"), 1, 1.0, gpu_check.Budget(60), progress=lambda msg: None)
+    out = gpu_check.service_throughput("tiny", torch.device("cpu"), 1, 1.0, gpu_check.Budget(60),
+                                       progress=lambda msg: None)
     assert out == {"skipped": "the serve extra is not installed (uvicorn missing): pip install '.[gpu,serve]'"}
     assert gpu_check.skipped_parts({"serve": out}) == [f"serve: {out['skipped']}"]
 

@@ -278,8 +278,8 @@ def test_interrupt_exits_130_without_a_traceback(tmp_path):
 
 
 def test_choice_lists_agree_with_the_library():
-    from pixeltriage.bench.cost import SCENARIOS
-    from pixeltriage.bench.flops import ANSWERING_MODELS, SYSTEM_ONE_CONFIGS
+    from pixeltriage.bench.models.prefill_cost import SCENARIOS
+    from pixeltriage.bench.models.flops import ANSWERING_SHAPES, SYSTEM_ONE_CONFIGS
     from pixeltriage.bench.latency import ANSWERING_SCALES
     from pixeltriage.cli import bench, common
     from pixeltriage.weights.demo import PRESETS
@@ -288,7 +288,7 @@ def test_choice_lists_agree_with_the_library():
     assert sorted(common.DTYPE_NAMES) == sorted(DTYPES)
     assert sorted(common.DEMO_PRESETS) == sorted(PRESETS)
     assert list(bench.SCENARIOS) == list(SCENARIOS)
-    assert list(bench.ANSWERING_MODELS) == list(ANSWERING_MODELS)
+    assert list(bench.ANSWERING_CHECKPOINTS) == list(ANSWERING_SHAPES)
     assert list(bench.SYSTEM_ONE_CONFIGS) == list(SYSTEM_ONE_CONFIGS)
     assert sorted(bench.ANSWERING_SCALES) == sorted(ANSWERING_SCALES)
 

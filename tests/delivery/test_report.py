@@ -7,7 +7,8 @@ from PIL import Image
 
 from pixeltriage.delivery.cost import visual_tokens
 from pixeltriage.delivery.profiles import ANSWERING_MODELS, DEFAULT_ANSWERING_MODEL, answering_model
-from pixeltriage.delivery.report import decision_report, delivery
+from pixeltriage.delivery.decision import decide
+from pixeltriage.delivery.report import decision_report
 from pixeltriage.engine.types import Memory, Scores
 
 SIZES = [(1920, 1080), (640, 480), (300, 2000)]
@@ -42,13 +43,13 @@ def test_report_defaults_to_the_default_model(memories):
 def test_token_budget_opens_what_fits(model):
     taus = [visual_tokens(s, model) for s in SIZES]
     budget = taus[0] + taus[1]
-    decided = delivery(SCORES, None, None, SIZES, model, budget)
+    decided = decide(SCORES, None, None, SIZES, model, budget)
     expected, left = [False] * 3, budget
     for i in (0, 2, 1):                       # by descending gain
         if taus[i] <= left:
             expected[i], left = True, left - taus[i]
-    assert decided["open"] == expected
-    assert decided["visual_tokens"]["delivery"] <= budget
+    assert decided.open == expected
+    assert decided.visual_tokens.delivery <= budget
 
 
 def test_a_processor_config_directory_prices_like_its_registry_entry(tmp_path, memories):

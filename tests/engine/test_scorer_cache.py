@@ -14,7 +14,7 @@ from PIL import Image
 
 from pixeltriage import Cache, InvalidMemoryError, Memory, Scorer, visual_tokens
 from pixeltriage.cli import main
-from pixeltriage.engine.cache import SCHEMA_VERSION
+from pixeltriage.store.schema import VERSION
 
 ATOL = 1e-6
 
@@ -193,7 +193,7 @@ def test_version_1_cache_gains_size_columns(tmp_path):
         key = c.put(Image.new("RGB", (50, 20)))
         assert c.size(key) == (50, 20)
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION     # migrated all the way
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == VERSION     # migrated all the way
 
 
 def test_delivery_api_is_exported_from_the_package():

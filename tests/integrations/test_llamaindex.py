@@ -144,7 +144,7 @@ def test_a_server_scores_the_same(scorer, retrieved, server):
 
 
 def test_encoded_images_are_decoded_as_the_server_decodes_them(scorer, no_network):
-    """The adapters decode base64 with the routes' one decoder (serve.inputs.decode_image): base64 wrapped in MIME
+    """The adapters decode base64 with the routes' one decoder (media.sources.decode_base64): base64 wrapped in MIME
     lines, a data URI's scheme in any case; a data URI of another media type is refused as the server refuses it."""
     images = [png(c) for c in COLORS[:2]]
     wrapped = base64.encodebytes(images[0]).decode("ascii")                  # lines of 76 characters

@@ -38,7 +38,7 @@ def test_chunk_size_does_not_change_result(chunk_size, native):
 
 
 def test_matches_transformers_torch_chunk(native):
-    from pixeltriage.bench.hf import force_transformers_torch_path
+    from pixeltriage.bench.transformers_baseline import force_transformers_torch_path
 
     force_transformers_torch_path()
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m

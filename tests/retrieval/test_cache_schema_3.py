@@ -1,4 +1,4 @@
-"""Cache files written before the region tables left the cache's schema (cache schema 3, where `engine/cache.py` made
+"""Cache files written before the region tables left the cache's schema (cache schema 3, where the cache made
 them) keep working: their thumbnails, notes, sizes, features and region vectors read back, they take new rows, and
 they end on the schema a new file has.
 
@@ -15,10 +15,11 @@ import torch
 from PIL import Image
 from safetensors.torch import save
 
-from pixeltriage.engine.cache import SCHEMA_VERSION, Cache
 from pixeltriage.retrieval.index import RegionIndex, index_fingerprint
 from pixeltriage.retrieval.regions import RegionGrid
-from pixeltriage.retrieval.store import RegionStore
+from pixeltriage.store.cache import Cache
+from pixeltriage.store.regions import RegionStore
+from pixeltriage.store.schema import VERSION
 from region_toys import ColourEncoder
 
 SCHEMA_3 = (
@@ -190,8 +191,8 @@ def test_a_schema_3_file_reads_back_and_takes_new_rows(tmp_path):
         conn.execute("DELETE FROM images WHERE key = ?", (keys[0],))
         assert conn.execute("SELECT COUNT(*) FROM features WHERE key = ?", (keys[0],)).fetchone()[0] == 0
         assert conn.execute("SELECT COUNT(*) FROM regions WHERE key = ?", (keys[0],)).fetchone()[0] == 0
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
-        assert conn.execute("SELECT version FROM region_schema").fetchone()[0] == 2
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == VERSION == 5
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == VERSION
     with Cache(path) as cache:
         assert keys[0] not in cache and RegionStore(cache).state(COLOUR_INDEX)[1] == 1
         assert cache.integrity_check() == "ok"
@@ -203,9 +204,9 @@ def test_a_schema_3_file_reads_back_and_takes_new_rows(tmp_path):
     assert schema(path) == schema(fresh)
 
 
-def test_a_schema_3_file_opened_by_the_cache_alone(tmp_path):
-    """The cache migrates its own part and leaves the region tables as they are; an image deleted before a region
-    store opened the file takes its vectors with it when one does."""
+def test_a_schema_3_file_opened_by_the_cache_alone_is_migrated_whole(tmp_path):
+    """The cache migrates the whole file, region tables included, before any region store opens it; an image deleted
+    afterwards by a connection without foreign keys takes its features and vectors with it."""
     path = tmp_path / "v3.db"
     old = write_schema_3_file(path)
     keys = old["keys"]
@@ -213,15 +214,15 @@ def test_a_schema_3_file_opened_by_the_cache_alone(tmp_path):
         cache.put_features(keys[2], "vit", torch.ones(1))
         assert cache.note(keys[1]) == "note 1"
     with sqlite3.connect(path, isolation_level=None) as conn:
-        assert conn.execute("SELECT deletions FROM region_log").fetchone()[0] == 2      # untouched
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert "region_log" not in tables and "region_deletions" in tables
         conn.execute("DELETE FROM images WHERE key = ?", (keys[1],))               # foreign keys off
         assert conn.execute("SELECT COUNT(*) FROM features WHERE key = ?", (keys[1],)).fetchone()[0] == 0
+        assert conn.execute("SELECT COUNT(*) FROM regions WHERE key = ?", (keys[1],)).fetchone()[0] == 0
     with Cache(path) as cache:
         store = RegionStore(cache)
         assert [r.key for r in store.rows(COLOUR_INDEX)] == [keys[0], keys[2]]
         assert store.state(COLOUR_INDEX)[1] == 1
-        assert "region_log" not in {r[0] for r in cache.connection().execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
 @pytest.mark.parametrize("table", ["regions", "features"])
@@ -236,6 +237,6 @@ def test_a_damaged_row_of_a_schema_3_file_is_deleted_and_reported_as_today(tmp_p
             assert RegionStore(cache).get(keys[0], COLOUR_INDEX) is None
         else:
             assert cache.get_features(keys[0], "vit") is None
-        assert cache.connection().execute(f"SELECT COUNT(*) FROM {table} WHERE key = ?",
-                                          (keys[0],)).fetchone()[0] == 0
+        with cache.connection() as conn:
+            assert conn.execute(f"SELECT COUNT(*) FROM {table} WHERE key = ?", (keys[0],)).fetchone()[0] == 0
     assert "corrupt" in caplog.text and keys[0] in caplog.text

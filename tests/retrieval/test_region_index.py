@@ -14,11 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
-from pixeltriage.engine.cache import Cache, image_key
 from pixeltriage.errors import InvalidMemoryError
 from pixeltriage.retrieval.index import Hit, RegionIndex, index_fingerprint
 from pixeltriage.retrieval.regions import Box, RegionGrid, region_crops
 from pixeltriage.retrieval.search import faiss_available
+from pixeltriage.store.cache import Cache, image_key
 from region_toys import ColourEncoder, colour_shares
 
 HERE = Path(__file__).resolve().parent
@@ -173,7 +173,8 @@ def test_rows_written_or_removed_elsewhere_are_followed(cache, tmp_path):
         writer.add_vectors(first, torch.tensor([[0.0, 0, 0, 1]] * 5))         # first replaced: no red any more
         assert index.refresh() == 1
         assert [h.key for h in index.search("red", top=1)] == [second]
-        other.connection().execute("DELETE FROM images WHERE key = ?", (second,))  # cascades to its vectors
+        with other.transaction() as conn:
+            conn.execute("DELETE FROM images WHERE key = ?", (second,))  # cascades to its vectors
     assert [h.key for h in index.search("red", top=5)] == [first] and len(index) == 1
 
 
@@ -183,13 +184,16 @@ def test_after_a_deletion_the_held_vectors_are_not_read_again(cache):
     keys = index.add_many([corner_cue(), thin_stripes(), plain(GREY)])
     other.add(plain(GREY))
     assert index.refresh() == 3 and other.refresh() == 1
-    cache.connection().execute("DELETE FROM regions WHERE fingerprint = ?", (other.fingerprint,))
+    with cache.transaction() as conn:
+        conn.execute("DELETE FROM regions WHERE fingerprint = ?", (other.fingerprint,))
     assert index.refresh() == 0 and len(index) == 3
     assert other.refresh() == 0 and len(other) == 0
-    cache.connection().execute("DELETE FROM images WHERE key = ?", (keys[1],))          # cascades to its vectors
+    with cache.transaction() as conn:
+        conn.execute("DELETE FROM images WHERE key = ?", (keys[1],))          # cascades to its vectors
     assert index.refresh() == 0 and len(index) == 2 and keys[1] not in index
     assert [h.key for h in index.search("red", top=5)] == [keys[0], keys[2]]
-    cache.connection().execute("DELETE FROM regions WHERE key = ?", (keys[0],))          # deleted, then
+    with cache.transaction() as conn:
+        conn.execute("DELETE FROM regions WHERE key = ?", (keys[0],))          # deleted, then
     index.add(corner_cue())                                                              # written again
     assert index.refresh() == 1 and len(index) == 2 and keys[0] in index
     assert [h.key for h in index.search("red", top=5)] == [keys[0], keys[2]]
@@ -260,8 +264,8 @@ import sys
 sys.path[:0] = [sys.argv[3]]
 from region_toys import ColourEncoder
 from test_region_index import palette
-from pixeltriage.engine.cache import Cache
 from pixeltriage.retrieval.index import RegionIndex
+from pixeltriage.store.cache import Cache
 
 db, worker = sys.argv[1], int(sys.argv[2])
 images = palette()

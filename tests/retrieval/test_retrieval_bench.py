@@ -31,7 +31,7 @@ def test_search_latency_recall_is_measured_against_exact(monkeypatch):
     """The recall is counted from the index's own answers: an index that returns other rows lowers it."""
     import pytest
 
-    from pixeltriage.bench.retrieval import search_latency
+    from pixeltriage.bench.retrieval_speed import search_latency
     from pixeltriage.retrieval import search as search_mod
 
     if not search_mod.faiss_available():

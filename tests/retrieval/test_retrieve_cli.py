@@ -8,7 +8,7 @@ from PIL import Image
 
 from pixeltriage.cli import main
 from pixeltriage.cli import retrieve as retrieve_cli
-from pixeltriage.engine.cache import Cache
+from pixeltriage.store.cache import Cache
 
 
 def write_images(directory, count=3):

@@ -13,6 +13,7 @@ from pixeltriage import Memory
 from pixeltriage.serve.schemas import error_for, error_statuses, status_of
 
 SQUARE = image_bytes((336, 336))
+STORE_ROWS = {(507, "store_full"), (503, "store_unavailable")}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,9 @@ def test_every_row_is_what_the_server_answers_and_what_both_clients_raise(served
     loading = gated("loading", hold=("load",)).wait_listening()     # its load never opens: loading throughout
     walked = calls(served, bare, loading)
     table = {(row.status, row.error_type): row for row in error_statuses()}
-    assert set(table) == set(walked) | {(415, "unsupported_media_type")}
+    # the store's rows need a store in a fault (locked, a full disk): tests/serve/test_store_faults.py walks them
+    # through real servers and both clients
+    assert set(table) == set(walked) | {(415, "unsupported_media_type")} | STORE_ROWS
     for (status, kind), (url, key, call) in walked.items():
         row = table[(status, kind)]
         held = held_upload(url) if status == 429 else None
@@ -155,7 +158,7 @@ def test_the_server_answers_each_error_with_a_row_of_its_own_class():
 
 
 def _instance(cls):
-    from pixeltriage.engine.cache import CacheMissError
+    from pixeltriage.store.cache import CacheMissError
     from pixeltriage.errors import InvalidMemoryError, OverloadedError
 
     if cls is CacheMissError:
@@ -175,7 +178,7 @@ def test_each_error_type_names_one_row():
 def test_a_client_reads_the_error_type_before_the_status():
     """The body's error_type picks the row whatever the status (a proxy may rewrite it); a body without a kind of the
     table falls back to the status's by_status row, and a status without one is a ServiceError."""
-    from pixeltriage.engine.cache import CacheMissError
+    from pixeltriage.store.cache import CacheMissError
     from pixeltriage.errors import InvalidRequestError, NoCacheError, OverloadedError, ServiceError
     from pixeltriage.serve.client import error_of
 

@@ -101,9 +101,12 @@ def test_every_route_with_a_body_is_in_the_table_and_every_request_string_has_a_
     app = app_module.create_app(Service(ServeConfig(), lambda: None))
     posted = {route.path for route in app.routes if {"POST", "PUT", "PATCH"} & set(getattr(route, "methods", ()))}
     assert posted == set(app_module.BODY_ROUTES)
-    assert all(issubclass(model, Strict) for model in app_module.BODY_ROUTES.values())
-    with pytest.raises(KeyError):
-        app_module._post(app, "/v1/new")                                  # a body route outside the table
+    assert all(issubclass(route.body, Strict) for route in app_module.BODY_ROUTES.values())
+    handler = app_module.ROUTES[0].handler
+    with pytest.raises(TypeError, match="names its request model"):
+        app_module.Route("POST", "/v1/new", handler)                      # a body route without its model
+    with pytest.raises(TypeError, match="not a schemas.Strict model"):
+        app_module.Route("POST", "/v1/new", handler, type("Loose", (BaseModel,), {}))
     with pytest.raises(UnboundedFieldError, match="Later.text"):
         type("Later", (Strict,), {"__annotations__": {"text": str}})
     with pytest.raises(UnboundedFieldError, match="Later.notes"):

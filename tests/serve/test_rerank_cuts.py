@@ -1,5 +1,5 @@
 """A rerank's `truncated` and `query_truncated` are the packer's own report (`State.text_cuts`), read by
-`Service.prepare_rerank` in process: the same as packing the same texts in the library, a cached note's cut never
+`Infer.prepare_rerank` in process: the same as packing the same texts in the library, a cached note's cut never
 reported or refused, the client's `max_tokens_per_doc` cut first, and with `truncate: false` the first text the
 library cut refused (the query first)."""
 import base64
@@ -12,7 +12,8 @@ from pixeltriage import Memory
 from pixeltriage.serve.config import ServeConfig
 from pixeltriage.serve.inputs import rerank_doc
 from pixeltriage.serve.schemas import DocumentIn, Policy
-from pixeltriage.serve.service import FieldError, ModelSpec, Service
+from pixeltriage.serve.infer import FieldError
+from pixeltriage.serve.service import ModelSpec, Service
 
 LONG = "word " * 2000
 LONG_DATE = "word " * 50                 # within the 256 characters of a date, past its 32 tokens
@@ -36,7 +37,7 @@ def service(tiny_checkpoint, tmp_path_factory):
 def prepared(service, query, documents, truncate=True, max_tokens=None):
     docs = [rerank_doc(d if isinstance(d, str) else DocumentIn.model_validate(d), "documents", j)
             for j, d in enumerate(documents)]
-    state, (_, query_cut, cuts) = service.prepare_rerank(query, docs, Policy(k=2), truncate, max_tokens, "query")()
+    state, (_, query_cut, cuts) = service.infer.prepare_rerank(query, docs, Policy(k=2), truncate, max_tokens, "query")()
     return state, query_cut, cuts
 
 

@@ -7,8 +7,9 @@ from serving import assert_scores_close, b64, episode, image_bytes, metric
 from PIL import Image
 
 from pixeltriage import Cache, InvalidMemoryError, Memory, RateGate
-from pixeltriage.engine.cache import CacheMissError
-from pixeltriage.delivery.report import delivery, image_size
+from pixeltriage.delivery.decision import decide
+from pixeltriage.delivery.report import image_size
+from pixeltriage.store.cache import CacheMissError
 
 
 def test_score_equals_the_library(client, library):
@@ -75,24 +76,24 @@ def test_policies_match_the_library_delivery(client, library):
     question, memories = episode(7, 5, size=(200, 150))
     want = library.score(question, memories)
     sizes = [image_size(m, i) for i, m in enumerate(memories)]
-    decided = client.decide(question, memories, k=2)
-    assert decided.open == delivery(want, 2, None, sizes)["open"] and sum(decided.open) == 2
-    assert decided.visual_tokens == delivery(want, 2, None, sizes)["visual_tokens"]
-    budget = client.decide(question, memories, token_budget=100, answering_model="qwen3.5")
-    assert budget.open == delivery(want, None, None, sizes, "qwen3.5", 100)["open"]
-    assert budget.visual_tokens["delivery"] <= 100 < budget.visual_tokens["open_all"]
+    decided = client.decide(question, memories, k=2).decision
+    assert decided.open == decide(want, 2, None, sizes).open and sum(decided.open) == 2
+    assert decided.visual_tokens == decide(want, 2, None, sizes).visual_tokens
+    budget = client.decide(question, memories, token_budget=100, answering_model="qwen3.5").decision
+    assert budget.open == decide(want, None, None, sizes, "qwen3.5", 100).open
+    assert budget.visual_tokens.delivery <= 100 < budget.visual_tokens.open_all
     gate = RateGate(0.5)
     for seed in range(6):                                # a stream of its own: one gate per (stream, rate)
         q, ms = episode(300 + seed, 2)
-        got = client.decide(q, ms, k=1, gate_rate=0.5, gate_stream="test-policies")
+        got = client.decide(q, ms, k=1, gate_rate=0.5, gate_stream="test-policies").decision
         assert got.gate_open == gate.opens(library.score(q, ms).p_vis)
         assert got.gate_open or got.open == [False, False]
-    every = client.decide(question, memories)                           # a policy without k or budget: all open
-    assert every.open == [True] * 5 and every.visual_tokens["delivery"] == every.visual_tokens["open_all"]
+    every = client.decide(question, memories).decision                  # a policy without k or budget: all open
+    assert every.open == [True] * 5 and every.visual_tokens.delivery == every.visual_tokens.open_all
     from pixeltriage.serve.client import decision_of, encode_memories
 
     plain = decision_of(client._score({"question": question, "memories": encode_memories(memories)}, None))
-    assert plain.open is None and plain.visual_tokens is None
+    assert plain.decision is None and len(plain.scores.gains) == 5
 
 
 def test_memories_put_get_and_score_by_key(client, library, served):
@@ -137,6 +138,8 @@ def test_metrics_count_what_happened(http):
         assert name in text, name
     assert metric(text, "pixeltriage_ready") == 1.0
     assert metric(text, "pixeltriage_questions_total") == metric(text, "pixeltriage_batch_questions_sum")
+    build = next(line for line in text.splitlines() if line.startswith("pixeltriage_build_info{"))
+    assert 'device="cpu"' in build and 'dtype="float32"' in build, build
 
 
 def test_info_and_openapi(http, served):
@@ -173,7 +176,7 @@ def test_async_client(served, library):
         want = library.score(q, m)
         assert_scores_close(got, want)
         assert_scores_close(again, want)
-    assert sum(decided.open) == 1 and ready and health == {"status": "ok"}
+    assert sum(decided.decision.open) == 1 and ready and health == {"status": "ok"}
 
 
 def test_score_batch_splits_a_long_list_into_requests_the_server_takes(client, library):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from pixeltriage import Scorer
 from pixeltriage.errors import CheckpointError
-from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
+from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
 from reference import episode, rel_err, tiny_config, write_reference_checkpoint
 
 force_transformers_torch_path()

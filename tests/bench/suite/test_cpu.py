@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from pixeltriage.bench.cpu import bench_episode
-from pixeltriage.bench.hf import force_transformers_torch_path, transformers_hidden
+from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
+from pixeltriage.bench.workloads import packed_episode
 from pixeltriage.engine.scorer import Scorer
 from pixeltriage.weights.demo import demo_checkpoint
 
@@ -26,7 +26,7 @@ def checkpoint():
 @pytest.fixture(scope="module", params=sorted(DTYPES))
 def setup(request, checkpoint):
     scorer = Scorer.load(checkpoint, dtype=DTYPES[request.param])
-    state = bench_episode(scorer.packer).state
+    state = packed_episode(scorer.packer).state
     return request.param, scorer, state
 
 

@@ -1,9 +1,8 @@
 """Projection benchmarks (pytest-benchmark): a float32 decoder projection by torch's matmul (`F.linear`: MKL's sgemm
 in the x86 wheels) against oneDNN's linear primitive (`kernels.linear`), one group per shape, 2296 rows (the bench
-state's tokens). Run with `make bench`; the ratio of a group's two medians is what `kernels/linear.py` chooses its
-float32 library by (oneDNN on AMD CPUs, measured; torch's elsewhere): on another vendor's CPU, this is the
-measurement that would change the choice. No timing is asserted; each entry's output is checked against float64
-once first.
+state's tokens). Run with `make bench`; the ratio of a group's two medians is what `kernels.tuning` measures once per
+machine, on a smaller product, to choose float32's library (`pixeltriage bench tune` shows the choice). No timing is
+asserted; each entry's output is checked against float64 once first.
 
 - projection-in_proj: bench-small's Gated DeltaNet in_proj, [2296, 1024] x [1024, 8192];
 - projection-down: bench-small's MLP down projection, [2296, 3072] x [3072, 1024].

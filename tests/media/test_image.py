@@ -1,140 +1,22 @@
-"""Image loading, thumbnails and patches; patches compared with transformers' PIL Qwen2-VL processor."""
+"""Image decoding, colour modes, thumbnails, the refusals and canonical PNG (pixeltriage.media.image)."""
 from __future__ import annotations
 
 import io
 import re
 import struct
+import warnings
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from hypothesis import given, settings, strategies as st
 from PIL import Image, ImageFile
 
-from pixeltriage.engine import image as image_mod
-from pixeltriage.config import ImageConfig
-from pixeltriage.engine.image import (
-    encode_png,
-    make_thumbnail,
-    open_image,
-    patchify,
-    preprocess,
-    smart_resize,
-    to_rgb,
-)
+from images import encoded, random_image
 from pixeltriage.errors import InvalidMemoryError
-
-
-def qwen_pil():
-    """transformers' PIL Qwen2-VL processor module, or a skip of the test asking for it: only the comparisons with
-    transformers need it, the rest of this file runs without transformers."""
-    return pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
-
-
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-MODES = ("RGB", "RGBA", "L", "P", "LA")
-
-
-def random_image(mode: str, size: tuple[int, int], seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    width, height = size
-    rgba = Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8))
-    if mode == "P":
-        return rgba.convert("RGB").quantize(64)
-    return rgba.convert(mode)
-
-
-def encoded(img: Image.Image, fmt: str, **params) -> bytes:
-    buffer = io.BytesIO()
-    img.save(buffer, format=fmt, **params)
-    return buffer.getvalue()
-
-
-def reference_processor(cfg: ImageConfig):
-    return qwen_pil().Qwen2VLImageProcessorPil(
-        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size, merge_size=cfg.merge_size,
-        image_mean=list(cfg.image_mean), image_std=list(cfg.image_std),
-        min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-    )
-
-
-def assert_matches_transformers(img: Image.Image, cfg: ImageConfig) -> None:
-    pixel_values, grid_thw = patchify(to_rgb(img) if img.mode != "RGB" else img, cfg)
-    ref = reference_processor(cfg)(images=img, return_tensors="np")
-    assert grid_thw == tuple(ref["image_grid_thw"][0].tolist())
-    assert pixel_values.dtype == torch.float32 and pixel_values.is_contiguous()
-    # Exact: same PIL resize, same float64 rescale, same float32 normalize.
-    np.testing.assert_array_equal(pixel_values.numpy(), ref["pixel_values"])
-
-
-# -- patches vs transformers -------------------------------------------------------------------
-
-@pytest.mark.parametrize("mode,size", [
-    ("RGBA", (64, 96)), ("L", (96, 64)), ("P", (500, 200)), ("RGB", (1, 1)), ("RGB", (336, 336)),
-    ("LA", (17, 333)), ("RGB", (333, 17)), ("RGB", (1000, 750)), ("RGB", (2, 300)),
-])
-def test_thumbnail_patches_match_transformers(mode, size):
-    thumbnail = make_thumbnail(to_rgb(random_image(mode, size)))
-    assert_matches_transformers(thumbnail, ImageConfig())
-
-
-def test_clip_mean_std_patch14_and_max_pixels_match_transformers():
-    cfg = ImageConfig(patch_size=14, min_pixels=28 * 28, max_pixels=128 * 128,
-                      image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD)
-    thumbnail = make_thumbnail(random_image("RGB", (640, 480), seed=3))
-    pixel_values, grid_thw = patchify(thumbnail, cfg)
-    assert pixel_values.shape[1] == 3 * 2 * 14 * 14
-    assert grid_thw[1] * grid_thw[2] * 14 * 14 <= cfg.max_pixels
-    assert_matches_transformers(thumbnail, cfg)
-
-
-@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
-def test_alpha_compositing_matches_transformers(mode):
-    img = random_image(mode, (40, 30), seed=5)
-    if mode == "P":
-        img.info["transparency"] = 7
-    assert_matches_transformers(img, ImageConfig())
-
-
-def test_patch_layout():
-    cfg = ImageConfig(min_pixels=64 * 64, max_pixels=64 * 64, image_mean=(0.0,) * 3, image_std=(1.0,) * 3,
-                      rescale_factor=1.0)
-    values = np.arange(64 * 64, dtype=np.uint8).reshape(64, 64) % 251
-    img = Image.fromarray(np.stack([values] * 3, axis=-1))
-    pixel_values, grid_thw = patchify(img, cfg)
-    assert grid_thw == (1, 4, 4)
-    # Row 1 is the patch right of patch 0 (same 2x2 merge block); row 2 the one below patch 0.
-    first = pixel_values[:, : 16 * 16].reshape(16, 16, 16)
-    np.testing.assert_array_equal(first[1].numpy(), values[0:16, 16:32])
-    np.testing.assert_array_equal(first[2].numpy(), values[16:32, 0:16])
-    np.testing.assert_array_equal(first[4].numpy(), values[0:16, 32:48])
-    # Both temporal copies are the same frame.
-    rows = pixel_values.reshape(16, 3, 2, 256)
-    np.testing.assert_array_equal(rows[:, :, 0].numpy(), rows[:, :, 1].numpy())
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([28, 32]),
-       st.integers(1, 100_000), st.integers(1, 3_000_000))
-def test_smart_resize_matches_transformers(height, width, factor, min_pixels, extra):
-    max_pixels = min_pixels + extra
-    try:
-        expected = qwen_pil().smart_resize(height, width, factor, min_pixels, max_pixels)
-    except ValueError:
-        with pytest.raises(ValueError):
-            smart_resize(height, width, factor, min_pixels, max_pixels)
-        return
-    assert smart_resize(height, width, factor, min_pixels, max_pixels) == expected
-
-
-def test_smart_resize_rejects_extreme_aspect():
-    with pytest.raises(ValueError, match="aspect ratio"):
-        smart_resize(1, 201, 32, 3136, 1_000_000)
-    with pytest.raises(ValueError):
-        smart_resize(0, 10, 32, 3136, 1_000_000)
+from pixeltriage.media import image as image_mod
+from pixeltriage.media import policy
+from pixeltriage.media.image import IMAGE_FORMATS, encode_png, make_thumbnail, open_image, to_rgb
 
 
 # -- thumbnails --------------------------------------------------------------------------------
@@ -251,19 +133,6 @@ def test_large_jpeg_is_drafted():
     assert make_thumbnail(to_rgb(drafted)).size == (336, 252)
 
 
-def test_preprocess_same_for_every_source_kind(tmp_path):
-    img = random_image("RGBA", (700, 300), seed=2)
-    data = encoded(img, "PNG")
-    path = tmp_path / "memory.png"
-    path.write_bytes(data)
-    cfg = ImageConfig()
-    expected, grid = patchify(make_thumbnail(to_rgb(img)), cfg)
-    for source in (img, data, bytearray(data), path, str(path)):
-        pixel_values, grid_thw = preprocess(source, cfg, index=0)
-        assert grid_thw == grid == (1, 8, 20)
-        np.testing.assert_array_equal(pixel_values.numpy(), expected.numpy())
-
-
 # -- errors ------------------------------------------------------------------------------------
 
 def _png() -> bytes:
@@ -306,23 +175,81 @@ def _png_declaring(width: int, height: int) -> bytes:
 def test_invalid_images_raise_with_index(tmp_path, make_source, needle):
     source = make_source(tmp_path)
     with pytest.raises(InvalidMemoryError) as info:
-        preprocess(source, ImageConfig(), index=7)
+        image_mod.thumbnail(source, index=7)
     assert info.value.index == 7
     assert needle in info.value.reason
     assert str(info.value).startswith("memory 8: ")                  # messages number memories from 1
 
 
-def test_extreme_aspect_ratio_raises_invalid_memory():
-    with pytest.raises(InvalidMemoryError, match="aspect ratio") as info:
-        preprocess(Image.new("RGB", (1000, 1)), ImageConfig(), index=3)
-    assert info.value.index == 3
+def _declaring(fmt: str, width: int, height: int) -> bytes:
+    """A small image of `fmt` whose header claims width x height: its size fields rewritten, its pixel data the
+    small image's (or, for PNG, absent)."""
+    if fmt == "PNG":
+        return _png_declaring(width, height)
+    if fmt == "TIFF":
+        return _tiff_declaring(width, height)
+    data = bytearray(encoded(Image.new("RGB", (8, 8)), fmt, **({"lossless": True} if fmt == "WEBP" else {})))
+    if fmt == "GIF":                                              # the logical screen
+        struct.pack_into("<HH", data, 6, width, height)
+    elif fmt == "BMP":                                            # BITMAPINFOHEADER
+        struct.pack_into("<ii", data, 18, width, height)
+    elif fmt == "JPEG":                                           # the baseline frame header
+        struct.pack_into(">HH", data, data.index(b"\xff\xc0") + 5, height, width)
+    elif fmt == "WEBP":                                           # VP8L: 14 bits each of width - 1, height - 1
+        at = data.index(b"VP8L") + 9
+        bits = int.from_bytes(data[at:at + 4], "little") & ~((1 << 28) - 1)
+        data[at:at + 4] = (bits | (width - 1) | (height - 1) << 14).to_bytes(4, "little")
+    return bytes(data)
 
 
-@pytest.mark.parametrize("width,height", [(30000, 30000), (10000, 10000)])
-def test_decompression_bomb_refused(width, height):
-    with pytest.raises(InvalidMemoryError, match="decompression bomb") as info:
-        open_image(_png_declaring(width, height), index=2)
+def _tiff_declaring(width: int, height: int) -> bytes:
+    """A little-endian TIFF whose IFD claims width x height (1-bit grey, one strip of 1 byte)."""
+    entries = [(256, 4, width), (257, 4, height), (258, 3, 1), (259, 3, 1), (262, 3, 1), (273, 4, 8),
+               (278, 4, height), (279, 4, 1)]
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", tag, kind, 1, value)
+                                                      for tag, kind, value in entries) + struct.pack("<I", 0)
+    return b"II*\0" + struct.pack("<I", 9) + b"\0" + ifd
+
+
+# 10000 x 10000 lies between PIL's default limit and twice it (where PIL only warns), 16384 x 16384 above twice it
+# (where PIL raises, quoting twice its limit); both are refused by the one limit, in the same words, whether PIL's
+# own check is on or off
+@pytest.mark.parametrize("pil_limit", [Image.MAX_IMAGE_PIXELS, None], ids=["PIL default", "PIL off"])
+@pytest.mark.parametrize("side", [10000, 16384])
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF"])
+def test_the_pixel_limit_is_ours_and_refuses_before_pil_warns(fmt, side, pil_limit, recwarn, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pil_limit)
+    warnings.simplefilter("always")
+    with pytest.raises(InvalidMemoryError) as info:
+        open_image(_declaring(fmt, side, side), index=2)
     assert info.value.index == 2
+    assert info.value.reason.endswith(f"{side}x{side} = {side * side:,} pixels exceeds the limit of 89,478,485 "
+                                      f"pixels (possible decompression bomb)")
+    assert not [w for w in recwarn if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
+@pytest.mark.parametrize("pil_limit", [None, 10 ** 12], ids=["PIL off", "PIL higher"])
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF"])
+def test_a_header_at_the_limit_is_read_whatever_pil_is_set_to(fmt, pil_limit, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pil_limit)
+    assert 9459 * 9459 <= policy.MAX_IMAGE_PIXELS < 9460 * 9460
+    assert image_mod.display_size(_declaring(fmt, 9459, 9459)) == (9459, 9459)
+    with pytest.raises(InvalidMemoryError, match="exceeds the limit of 89,478,485 pixels"):
+        image_mod.display_size(_declaring(fmt, 9460, 9460))
+
+
+def test_headers_are_read_as_pil_reads_them(tmp_path):
+    """The format search without PIL's size check against Image.open itself: the same format, mode, size and
+    pixels for an image of every accepted format (and an MPO, an animated GIF, a CMYK JPEG)."""
+    rgb = random_image("RGB", (40, 30), seed=6)
+    sources = {fmt: encoded(rgb, fmt) for fmt in IMAGE_FORMATS}
+    sources["MPO"] = encoded(rgb, "MPO", save_all=True, append_images=[rgb.transpose(Image.Transpose.ROTATE_180)])
+    sources["animated GIF"] = encoded(rgb, "GIF", save_all=True, append_images=[random_image("RGB", (40, 30))])
+    sources["CMYK JPEG"] = encoded(rgb.convert("CMYK"), "JPEG")
+    for label, data in sources.items():
+        ours, pils = open_image(data), Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        assert (ours.format, ours.mode, ours.size) == (pils.format, pils.mode, pils.size), label
+        assert ours.tobytes() == pils.tobytes(), label
 
 
 def test_bomb_refused_before_decoding_even_without_pil_limit(monkeypatch, tmp_path):
@@ -338,8 +265,8 @@ def test_bomb_refused_before_decoding_even_without_pil_limit(monkeypatch, tmp_pa
 
 
 def test_own_pixel_limit_is_honoured(monkeypatch):
-    monkeypatch.setattr(image_mod, "MAX_IMAGE_PIXELS", 100)
-    with pytest.raises(InvalidMemoryError, match="exceeds the limit of 100"):
+    monkeypatch.setattr(policy, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(InvalidMemoryError, match="exceeds the limit of 100 pixels"):
         open_image(encoded(Image.new("RGB", (20, 20)), "PNG"))
     assert open_image(encoded(Image.new("RGB", (10, 10)), "PNG")).size == (10, 10)
 

@@ -3,7 +3,7 @@
 One encoder (--encoder DIR, else the cached "base" demo: siglip2-base-patch16-224's shapes, random weights,
 which cost what the real ones do), in one run, warm-up excluded from every figure:
 
-write time, on --images synthetic photos of --image-size (JPEG), each into a fresh cache:
+write time, on --images synthetic photos of --image-size (JPEG, `workloads.camera_jpegs`), each into a fresh cache:
     stages    per image, medians: cache.put (decode, thumbnail, SQLite), crop (decode at full size, orient,
               the five crops), preprocess (the five crops to pixel values), encode (preprocess + the vision
               forward of the five crops), store (the vectors' SQLite write, RegionStore.put)
@@ -19,7 +19,6 @@ query time:
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import tempfile
@@ -28,31 +27,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from pixeltriage.bench.timing import set_threads, threads_label, timed
-
-QUESTIONS = ["what did the sticker on the laptop say", "which shop was the receipt from", "the red mug on the desk",
-             "where was the bike parked", "what time does the poster say the concert starts",
-             "the label on the jar in the fridge", "how much was the parking ticket", "the dog at the beach"]
-
-
-def synthetic_photos(count: int, size: tuple[int, int], seed: int = 0) -> list[bytes]:
-    """JPEG photos (quality 90) with smooth colour fields and a few shapes: a camera photo's decode cost."""
-    rng = np.random.default_rng(seed)
-    width, height = size
-    photos = []
-    for _ in range(count):
-        field = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
-        draw = ImageDraw.Draw(field)
-        for _ in range(6):
-            x, y = int(rng.integers(0, width)), int(rng.integers(0, height))
-            w, h = int(rng.integers(8, width // 4)), int(rng.integers(8, height // 4))
-            draw.rectangle([x, y, x + w, y + h], fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
-        buffer = io.BytesIO()
-        field.save(buffer, format="JPEG", quality=90)
-        photos.append(buffer.getvalue())
-    return photos
+from pixeltriage.bench.workloads import camera_jpegs, retrieval_questions
 
 
 def _ms(seconds: list[float]) -> float:
@@ -60,10 +38,10 @@ def _ms(seconds: list[float]) -> float:
 
 
 def write_stages(encoder, photos: list[bytes], workdir: Path) -> dict:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.retrieval.encoder import preprocess_images
     from pixeltriage.retrieval.regions import region_crops
-    from pixeltriage.retrieval.store import RegionStore
+    from pixeltriage.store.regions import RegionStore
 
     times: dict[str, list[float]] = {"put": [], "crop": [], "preprocess": [], "encode": [], "store": []}
     rules = getattr(encoder, "image_rules", None)
@@ -93,7 +71,7 @@ def write_stages(encoder, photos: list[bytes], workdir: Path) -> dict:
 
 
 def write_throughput(encoder, photos: list[bytes], batch: int, repeats: int, workdir: Path) -> dict:
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.retrieval.index import RegionIndex
 
     out = {}
@@ -116,7 +94,7 @@ def write_throughput(encoder, photos: list[bytes], batch: int, repeats: int, wor
 
 
 def text_latency(encoder, queries: int) -> dict:
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(queries)]
+    questions = retrieval_questions(queries)
     encoder.encode_texts(questions[:1])
     seconds = []
     for question in questions:
@@ -168,7 +146,7 @@ class _StoredOnly:
 
 def load_and_refresh(stored: int, dim: int, workdir: Path) -> dict:
     """A cache of `stored` tiny images with random vectors: the per-search check and a cold load."""
-    from pixeltriage.engine.cache import Cache
+    from pixeltriage.store.cache import Cache
     from pixeltriage.retrieval.index import RegionIndex
 
     rng = np.random.default_rng(0)
@@ -194,7 +172,7 @@ def run_retrieval(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     path = Path(args.encoder) if args.encoder else demo_encoder("base")
     encoder = SiglipEncoder.load(path, device=args.device)
-    photos = synthetic_photos(args.images, args.image_size)
+    photos = camera_jpegs(args.images, args.image_size)
     report: dict = {"encoder": encoder.describe(), "device": args.device, "threads": torch.get_num_threads(),
                     "images": args.images, "image_size": list(args.image_size)}
     with tempfile.TemporaryDirectory(prefix="pixeltriage-bench-") as tmp:

@@ -4,7 +4,7 @@
 
 Each stage of one forward (the profiler's stages: vision, gated_delta, attention, mlp, head; plus embed and the
 host-to-device copies) gets
-- its FLOPs: `pixeltriage.bench.flops.system_one_flops`, unchanged (the tests hold the two equal);
+- its FLOPs: `pixeltriage.bench.models.flops.system_one_flops`, unchanged (the tests hold the two equal);
 - its bytes of HBM traffic (`stage_traffic`): every weight it reads, once per call, in the checkpoint's dtype;
   every activation each of its kernels reads and writes, once per kernel (the residual stream in float32, the rest
   in the model dtype); the keys and values of the attention layers, read once by a flash kernel; the gated delta
@@ -25,7 +25,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from pixeltriage.bench.flops import (CHUNK_SIZE, SYSTEM_ONE_HEAD_DIM, Flops, StateShape, paper_state,
+from pixeltriage.bench.models.flops import (CHUNK_SIZE, SYSTEM_ONE_HEAD_DIM, Flops, StateShape, paper_state,
                                      shape_from_config, system_one_config, system_one_flops)
 from pixeltriage.config import FULL, ModelConfig, TextConfig, VisionConfig
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS
@@ -106,7 +106,8 @@ INT64 = 8
 ASSUMPTIONS = (
     "ideal: every stage runs at the device's dense bf16 tensor-core peak or its HBM bandwidth, whichever binds "
     "(the achievable fraction of peak is NOT folded in; gpu_check measures it)",
-    "every FLOP of pixeltriage.bench.flops counts at the tensor-core peak (the delta rule's triangular solves too)",
+    "every FLOP of pixeltriage.bench.models.flops counts at the tensor-core peak (the delta rule's triangular solves "
+    "too)",
     "HBM traffic: each weight read once per call in the checkpoint dtype; each kernel reads its inputs and writes its "
     "outputs once (residual stream float32, other activations in the model dtype: q, k, v into the gated delta rule "
     "in bf16, grouped heads as they are); attention K and V read once per layer (flash); the gated delta rule as "

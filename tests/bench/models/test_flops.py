@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pixeltriage.bench import flops as F
-from pixeltriage.bench.hf import force_transformers_torch_path
+from pixeltriage.bench import workloads
+from pixeltriage.bench.models import flops as F
+from pixeltriage.bench.transformers_baseline import force_transformers_torch_path
 from pixeltriage.config import FULL, LINEAR, ModelConfig
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
@@ -224,7 +225,7 @@ def test_answering_prefill_matches_flop_counter():
 def test_window_partition_matches_transformers(grid):
     from transformers.vision_utils import get_vision_window_index
 
-    vision = F.answering_model("qwen2.5-vl-7b").vision
+    vision = F.answering_shape("qwen2.5-vl-7b").vision
     _, cu = get_vision_window_index(torch.tensor([grid]), spatial_merge_size=2, window_size=112, patch_size=14)
     assert F._window_lengths(grid, vision) == (cu[1:] - cu[:-1]).tolist()
 
@@ -254,7 +255,7 @@ def test_system_one_at_paper_state_is_about_10_tflop():
 
 
 def test_causal_half_is_half_of_dense():
-    lang = F.answering_model("qwen3.5-27b").language
+    lang = F.answering_shape("qwen3.5-27b").language
     half, dense = F.full_attention_flops(lang, 1000, "half"), F.full_attention_flops(lang, 1000, "dense")
     assert dense.matmul - half.matmul == 2 * 1000 * 1000 * lang.num_attention_heads * lang.head_dim
     with pytest.raises(ValueError):
@@ -265,7 +266,7 @@ def test_answering_presets_match_their_parameter_counts():
     """Twice the per-token weight FLOPs of a long prefill ~ the active parameter count (published sizes)."""
     expected = {"qwen2.5-vl-7b": 7.6e9, "qwen3.5-27b": 26.9e9, "qwen3.5-397b": 17e9}  # LM incl. embeddings
     for name, params in expected.items():
-        lang = F.answering_model(name).language
+        lang = F.answering_shape(name).language
         tokens = 64 * 64
         per_token = sum(F.language_flops(lang, tokens, "half").values(), F.Flops()).matmul
         # remove the sequence-quadratic terms: attention scores and the delta rule's chunk products
@@ -337,14 +338,14 @@ def test_answering_checkpoints_count_the_registrys_visual_tokens():
     from pixeltriage.delivery.profiles import ANSWERING_MODELS as PROFILES
     from pixeltriage.delivery.profiles import CHECKPOINTS
 
-    assert list(F.ANSWERING_MODELS) == list(CHECKPOINTS)
+    assert list(F.ANSWERING_SHAPES) == list(CHECKPOINTS)
     sizes = [(1, 1), (28, 28), (333, 517), (1120, 840), (1920, 1080), (3000, 20), (5000, 4000)]
-    for name, shape in F.ANSWERING_MODELS.items():
+    for name, shape in F.ANSWERING_SHAPES.items():
         assert shape.answering == CHECKPOINTS[name]
         profile = PROFILES[shape.answering]
         assert [F.visual_tokens(w, h, shape.vision) for w, h in sizes] == [profile.tokens(s) for s in sizes], name
     with pytest.raises(ValueError, match="unknown answering checkpoint"):
-        F.answering_model("qwen2.5-vl")
+        F.answering_shape("qwen2.5-vl")
 
 
 @pytest.mark.parametrize("cached_vision", [False, True])
@@ -371,7 +372,7 @@ def test_split_moves_only_the_vision_tower_and_the_gated_deltanet_layers(cached_
 
 
 def test_vision_parts_sum_to_the_tower():
-    for shape in (F.shape_from_config(F.system_one_config()), F.answering_model("qwen2.5-vl-7b")):
+    for shape in (F.shape_from_config(F.system_one_config()), F.answering_shape("qwen2.5-vl-7b")):
         for grids in ((), ((1, 20, 20),) * 10, ((1, 8, 12), (2, 16, 4))):
             parts = F.vision_parts(shape.vision, grids)
             assert tuple(parts) == F.VISION_PARTS
@@ -385,3 +386,30 @@ def test_linear_attention_parts_sum_to_the_layer():
         parts = F.linear_attention_parts(lang, tokens, chunk, rows)
         assert tuple(parts) == F.LINEAR_PARTS
         assert F.total(parts) == F.linear_attention_flops(lang, tokens, chunk, rows)
+
+
+@pytest.mark.parametrize("cached_vision", [False, True])
+def test_every_flop_of_the_forward_lands_in_exactly_one_stage(tiny_checkpoint, cached_vision):
+    """The FLOP model's parts (split) map onto the profiler's stages: each part to one stage, every stage
+    holds some part (the tiny preset has every layer kind), and the stages' FLOPs add up to the forward's."""
+    from pixeltriage.engine.scorer import Scorer
+
+    scorer = Scorer.load(tiny_checkpoint)
+    state = workloads.packed_episode(scorer.packer, num_memories=3, target_tokens=400).state
+    parts = F.scorer_flops(scorer, state, cached_vision=cached_vision, split=True)
+    assert set(parts) == set(F.STAGE_OF_PART)
+    assert set(F.STAGE_OF_PART.values()) == set(F.PROFILER_STAGES)
+    by_stage = F.profiler_stage_flops(parts)
+    assert list(by_stage) == list(F.PROFILER_STAGES)
+    whole = F.total(F.scorer_flops(scorer, state, cached_vision)).total
+    assert sum(by_stage.values()) == F.total(parts).total == whole
+    vision = ("vision", "vision_attention")
+    assert all((by_stage[k] == 0) == cached_vision for k in vision)
+    assert all(by_stage[k] > 0 for k in F.PROFILER_STAGES if k not in vision)
+    # a run whose kernels reported no conv part: the conv's FLOPs in "delta_rule", no "delta_conv"
+    joined = F.profiler_stage_flops(parts, conv_apart=False)
+    assert list(joined) == [k for k in F.PROFILER_STAGES if k != "delta_conv"]
+    assert joined["delta_rule"] == by_stage["delta_rule"] + by_stage["delta_conv"]
+    assert sum(joined.values()) == sum(by_stage.values())
+    with pytest.raises(KeyError):
+        F.profiler_stage_flops({**parts, "embed": parts["head"]})        # a part no stage holds is loud

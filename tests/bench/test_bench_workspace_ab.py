@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pixeltriage.bench.workspace import print_report, workspace_report
+from pixeltriage.bench.workspace_ab import print_report, workspace_report
 from pixeltriage.cli import main
 
 

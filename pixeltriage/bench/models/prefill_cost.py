@@ -1,6 +1,6 @@
 """`pixeltriage bench cost`: prefill compute per question (System One + one answering call) against
 opening every retrieved image and against text proxies only, from the analytic model in
-`pixeltriage.bench.flops`.
+`pixeltriage.bench.models.flops`.
 
 ours@k opens the first k retrieved images (the ranking; every image when fewer than k exist) and
 sends the rest as text proxies; its compute includes one System One forward over the question and
@@ -25,9 +25,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pixeltriage.bench.flops import (
+from pixeltriage.bench.models.flops import (
     SYSTEM_ONE_HEAD_DIM,
-    answering_model,
+    answering_shape,
     paper_state,
     prefill_flops,
     shape_from_config,
@@ -35,7 +35,7 @@ from pixeltriage.bench.flops import (
     system_one_flops,
     total,
 )
-from pixeltriage.delivery.profiles import answering_model as answering_profile
+from pixeltriage.delivery.profiles import answering_model
 
 ImageSize = tuple[int, int]  # (width, height) in pixels
 
@@ -86,10 +86,10 @@ def custom_scenario(image_sizes: Sequence[ImageSize], text_tokens: int, proxy_to
                     proxy_tokens=proxy_tokens, keep_proxy=keep_proxy, state_text_tokens=state_text)
 
 
-def _answer_tflop(model, scenario: Scenario, sizes: tuple[ImageSize, ...], opened: int) -> float:
+def _answer_tflop(shape, scenario: Scenario, sizes: tuple[ImageSize, ...], opened: int) -> float:
     kept = opened if scenario.keep_proxy else 0
     text = scenario.text_tokens + scenario.proxy_tokens * (len(sizes) - opened + kept)
-    return total(prefill_flops(model, text, sizes[:opened])).total / 1e12
+    return total(prefill_flops(shape, text, sizes[:opened])).total / 1e12
 
 
 def _system_one_tflop(shape, scenario: Scenario, sizes: tuple[ImageSize, ...], cached_vision: bool) -> float:
@@ -108,8 +108,8 @@ def cost_report(scenario: str | Scenario, answering: str, ks: Sequence[int], sys
     if isinstance(scenario, str) and scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; known: {sorted(SCENARIOS)}")
     sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
-    model = answering_model(answering)
-    profile = answering_profile(model.answering)        # the registry's visual-token rule, as the delivery counts
+    shape = answering_shape(answering)
+    profile = answering_model(shape.answering)          # the registry's visual-token rule, as the delivery counts
     if not ks or min(ks) < 1:
         raise ValueError(f"budgets k must be >= 1, found {list(ks)}")
     vis = {"open_all": 0.0, "ours": {k: 0.0 for k in ks}}
@@ -120,13 +120,13 @@ def cost_report(scenario: str | Scenario, answering: str, ks: Sequence[int], sys
         tokens = [profile.tokens(size) for size in sizes]
         s1 = _system_one_tflop(s1_shape, sc, sizes, cached_vision)
         tf["system_one"] += r.weight * s1
-        tf["open_all"] += r.weight * _answer_tflop(model, sc, sizes, n)
-        tf["text_only"] += r.weight * _answer_tflop(model, sc, sizes, 0)
+        tf["open_all"] += r.weight * _answer_tflop(shape, sc, sizes, n)
+        tf["text_only"] += r.weight * _answer_tflop(shape, sc, sizes, 0)
         vis["open_all"] += r.weight * sum(tokens)
         for k in ks:
             opened = min(k, n)
             vis["ours"][k] += r.weight * sum(tokens[:opened])
-            tf["ours"][k] += r.weight * (s1 + _answer_tflop(model, sc, sizes, opened))
+            tf["ours"][k] += r.weight * (s1 + _answer_tflop(shape, sc, sizes, opened))
     return {
         "scenario": sc.name,
         "answering": answering,

@@ -16,9 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-from pixeltriage.engine.cache import SCHEMA_VERSION, Cache, CacheMissError, CorruptEntryError, image_key
-from pixeltriage.engine.image import encode_png, make_thumbnail, to_rgb
 from pixeltriage.errors import InvalidMemoryError, PixelTriageError
+from pixeltriage.media.image import encode_png, make_thumbnail, to_rgb
+from pixeltriage.store.cache import Cache, CacheMissError, CorruptEntryError, image_key
+from pixeltriage.store.schema import VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT = 600  # the interpreter start (torch import) can be slow on a loaded machine
@@ -30,16 +31,6 @@ def noise_png(seed: int, size=(96, 64)) -> bytes:
     buffer = io.BytesIO()
     img.save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-@pytest.fixture
-def cache(tmp_path):
-    with Cache(tmp_path / "cache.db") as c:
-        yield c
-
-
-def raw(path) -> sqlite3.Connection:
-    return sqlite3.connect(path, isolation_level=None)
 
 
 # --- images --------------------------------------------------------------------------------------
@@ -100,11 +91,10 @@ def test_bad_images_raise_invalid_memory(cache, tmp_path):
     assert len(cache) == 0
 
 
-def test_corrupt_thumbnail_is_a_cache_miss_and_put_repairs_it(cache):
+def test_corrupt_thumbnail_is_a_cache_miss_and_put_repairs_it(cache, raw):
     data = noise_png(5)
     key = cache.put(data, note="keep me")
-    with raw(cache.path) as conn:
-        conn.execute("UPDATE images SET thumbnail = ? WHERE key = ?", (b"\x89PNG garbage", key))
+    raw("UPDATE images SET thumbnail = ? WHERE key = ?", (b"\x89PNG garbage", key))
     with pytest.raises(CorruptEntryError, match="put the image again"):
         cache.thumbnail(key)
     assert cache.note(key) == "keep me"
@@ -113,13 +103,10 @@ def test_corrupt_thumbnail_is_a_cache_miss_and_put_repairs_it(cache):
     assert cache.note(key) == "keep me"
     # a row with a matching checksum that still does not decode
     bad = b"\x89PNG\r\n\x1a\n" + b"\x00" * 40
-    with raw(cache.path) as conn:
-        conn.execute("UPDATE images SET thumbnail = ?, checksum = ? WHERE key = ?",
-                     (bad, hashlib.sha256(bad).hexdigest(), key))
+    raw("UPDATE images SET thumbnail = ?, checksum = ? WHERE key = ?", (bad, hashlib.sha256(bad).hexdigest(), key))
     with pytest.raises(CorruptEntryError, match="does not decode"):
         cache.thumbnail(key)
-    with raw(cache.path) as conn:
-        conn.execute("UPDATE images SET thumbnail = 'text' WHERE key = ?", (key,))
+    raw("UPDATE images SET thumbnail = 'text' WHERE key = ?", (key,))
     with pytest.raises(CorruptEntryError, match="checksum"):
         cache.thumbnail(key)
     cache.put(data)
@@ -127,11 +114,11 @@ def test_corrupt_thumbnail_is_a_cache_miss_and_put_repairs_it(cache):
 
 
 @pytest.mark.parametrize("width, height", [("abc", 10), (b"\x00", 10), (0, 10), (-5, 7), (2.5, 10)])
-def test_a_damaged_size_reads_as_unknown(cache, caplog, width, height):
+def test_a_damaged_size_reads_as_unknown(cache, raw, backend, caplog, width, height):
+    if backend != "sqlite" and not isinstance(width, int):
+        pytest.skip("PostgreSQL keeps an INTEGER column's type: only a SQLite file can hold this")
     key = cache.put(noise_png(4))
-    conn = raw(cache.path)
-    conn.execute("UPDATE images SET width = ?, height = ? WHERE key = ?", (width, height, key))
-    conn.close()
+    raw("UPDATE images SET width = ?, height = ? WHERE key = ?", (width, height, key))
     with caplog.at_level(logging.WARNING):
         assert cache.size(key) is None
     assert "stored size" in caplog.text and "damaged" in caplog.text
@@ -139,25 +126,83 @@ def test_a_damaged_size_reads_as_unknown(cache, caplog, width, height):
 
 # --- schema --------------------------------------------------------------------------------------
 
-def test_schema_wal_and_version(cache):
-    with raw(cache.path) as conn:
-        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert tables == {"images", "features"}          # tables beside them belong to their own modules (regions)
+def test_schema_and_version_of_a_postgresql_database(cache, raw, backend):
+    if backend != "postgresql":
+        pytest.skip("a PostgreSQL database's own schema")
+    assert raw("SELECT id, version FROM schema_version") == [(0, VERSION)]
+    tables = {r[0] for r in raw("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+    assert tables == {"images", "features", "regions", "region_deletions", "schema_version"}
+    assert {r[0] for r in raw("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal")} == {"regions_deleted"}
+    assert cache.stats()["schema_version"] == VERSION and cache.stats()["backend"] == "postgresql"
     assert cache.integrity_check() == "ok"
 
 
-def test_reopen_keeps_rows_and_refuses_newer_schema(tmp_path):
-    path = tmp_path / "c.db"
+def test_schema_wal_and_version(tmp_path):
+    with Cache(tmp_path / "cache.db") as cache:
+        with sqlite3.connect(cache.path, isolation_level=None) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert conn.execute("SELECT id, version FROM schema_version").fetchall() == [(0, VERSION)]
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == VERSION == 5  # what earlier releases read
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            triggers = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
+        assert tables == {"images", "features", "regions", "region_deletions", "schema_version", "sqlite_sequence"}
+        assert triggers == {"images_deleted", "images_deleted_regions", "regions_deleted"}
+        assert cache.stats()["schema_version"] == VERSION and cache.stats()["backend"] == "sqlite"
+        assert cache.integrity_check() == "ok"
+
+
+def test_a_file_written_by_the_sqlite_only_release_opens_unchanged(tmp_path):
+    """tests/store/data/cache-v5.sqlite3 was written by the release before the PostgreSQL backend (schema 5): three
+    images put with notes, features of the first, region vectors of the second and third, the third image deleted.
+    It opens as it is (no migration, not a byte of its tables changed) and takes new rows."""
+    import shutil
+
+    import numpy as np
+
+    from pixeltriage.store.regions import RegionStore
+
+    path = tmp_path / "old.sqlite3"
+    shutil.copy(REPO / "tests" / "store" / "data" / "cache-v5.sqlite3", path)
+    keys = [image_key(noise_png(seed, (40, 24))) for seed in range(3)]
+
+    def dump():
+        with sqlite3.connect(path) as conn:
+            return list(conn.iterdump())
+
+    before = dump()
     with Cache(path) as c:
+        store = RegionStore(c)
+        assert len(c) == 2 and keys[2] not in c
+        assert [c.note(k) for k in keys[:2]] == ["note 0", "note 1"]
+        assert c.thumbnail(keys[0]).size == (40, 24) and c.size(keys[1]) == (40, 24)
+        assert torch.equal(c.get_features(keys[0], "vit"), torch.arange(12, dtype=torch.float32).reshape(3, 4))
+        assert np.array_equal(store.get(keys[1], "enc"), np.arange(10, dtype=np.float32).reshape(2, 5))
+        assert store.state("enc") == (1, 1)
+        assert c.integrity_check() == "ok"
+    assert dump() == before
+    with Cache(path) as c:
+        key = c.put(noise_png(7), note="new")
+        assert RegionStore(c).put(key, "enc", np.ones((2, 5), np.float32)) == 3       # AUTOINCREMENT goes on
+        assert len(c) == 3
+
+
+def test_reopen_keeps_rows_and_refuses_newer_schema(target, raw, backend):
+    with Cache(target) as c:
         key = c.put(noise_png(6), note="n")
-    with Cache(path) as c:
+    with Cache.open(target) as c:
         assert c.note(key) == "n"
-    with raw(path) as conn:
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
-    with pytest.raises(PixelTriageError, match="newer"):
-        Cache(path)
+    raw(f"UPDATE schema_version SET version = {VERSION + 1}")
+    with pytest.raises(PixelTriageError, match=f"schema version {VERSION + 1} is newer than this version of "
+                                               f"pixeltriage reads \\({VERSION}\\)"):
+        Cache(target)
+    if backend == "sqlite":
+        raw(f"UPDATE schema_version SET version = {VERSION}")
+        raw(f"PRAGMA user_version = {VERSION + 1}")                          # a later release's, either way
+        with pytest.raises(PixelTriageError, match="newer"):
+            Cache(target)
+    raw("DELETE FROM schema_version")
+    with pytest.raises(PixelTriageError, match="schema_version holds no valid version"):
+        Cache(target)
 
 
 def test_a_file_that_is_not_a_cache(tmp_path):
@@ -167,8 +212,8 @@ def test_a_file_that_is_not_a_cache(tmp_path):
         Cache(path)
 
 
-def test_closed_cache_refuses(tmp_path):
-    c = Cache(tmp_path / "c.db")
+def test_closed_cache_refuses(target):
+    c = Cache(target)
     c.close()
     c.close()
     with pytest.raises(ValueError, match="closed"):
@@ -204,14 +249,13 @@ def test_features_need_the_image(cache):
 
 
 @pytest.mark.parametrize("damage", ["flipped", "text", "undecodable", "wrong_name"])
-def test_corrupt_feature_rows_are_missing_then_recomputed(cache, damage):
+def test_corrupt_feature_rows_are_missing_then_recomputed(cache, raw, damage):
     from safetensors.torch import save
 
     key = cache.put(noise_png(8))
     cache.put_features(key, "vit", torch.ones(4))
     if damage == "flipped":
-        with raw(cache.path) as conn:
-            data = bytearray(conn.execute("SELECT data FROM features").fetchone()[0])
+        data = bytearray(raw.one("SELECT data FROM features"))
         data[-1] ^= 0xFF
         update = ("UPDATE features SET data = ?", (bytes(data),))
     elif damage == "text":  # not even a BLOB any more
@@ -222,11 +266,9 @@ def test_corrupt_feature_rows_are_missing_then_recomputed(cache, damage):
     else:
         other = save({"other": torch.ones(4)})
         update = ("UPDATE features SET data = ?, checksum = ?", (other, hashlib.sha256(other).hexdigest()))
-    with raw(cache.path) as conn:
-        conn.execute(*update)
+    raw(*update)
     assert cache.get_features(key, "vit") is None
-    with raw(cache.path) as conn:
-        assert conn.execute("SELECT COUNT(*) FROM features").fetchone()[0] == 0  # deleted
+    assert raw.one("SELECT COUNT(*) FROM features") == 0  # deleted
     cache.put_features(key, "vit", torch.full((4,), 2.0))  # the scorer recomputes and stores
     assert torch.equal(cache.get_features(key, "vit"), torch.full((4,), 2.0))
 
@@ -234,9 +276,10 @@ def test_corrupt_feature_rows_are_missing_then_recomputed(cache, damage):
 def test_deleting_an_image_cascades_to_features(cache):
     key = cache.put(noise_png(9))
     cache.put_features(key, "vit", torch.ones(2))
-    conn = cache.connection()
-    conn.execute("DELETE FROM images WHERE key = ?", (key,))
-    assert conn.execute("SELECT COUNT(*) FROM features").fetchone()[0] == 0
+    with cache.transaction() as conn:
+        conn.execute("DELETE FROM images WHERE key = ?", (key,))
+    with cache.connection() as conn:
+        assert conn.execute("SELECT COUNT(*) FROM features").fetchone()[0] == 0
 
 
 # --- concurrency ---------------------------------------------------------------------------------
@@ -269,7 +312,7 @@ WRITER = r"""
 import io, random, sys, time
 from pathlib import Path
 from PIL import Image
-from pixeltriage.engine.cache import Cache
+from pixeltriage.store.cache import Cache
 
 def noise_png(seed, size):
     rng = random.Random(seed)
@@ -278,8 +321,8 @@ def noise_png(seed, size):
     img.save(buffer, format="PNG")
     return buffer.getvalue()
 
-db, mode, worker, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
-cache = Cache(db, busy_timeout_ms=120_000)
+target, mode, worker, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+cache = Cache(target, busy_timeout_ms=120_000)
 print("ready", flush=True)
 while not go.exists():
     time.sleep(0.01)
@@ -299,11 +342,12 @@ else:  # endless writer, killed by the test
 """
 
 
-def _start_writer(tmp_path, db, mode, worker, go):
+def _start_writer(tmp_path, target, mode, worker, go):
     script = tmp_path / "writer.py"
-    script.write_text(WRITER)
+    if not script.exists():           # written once: a writer starting while another truncates it would run nothing
+        script.write_text(WRITER)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, str(script), str(db), mode, str(worker), str(go)],
+    return subprocess.Popen([sys.executable, str(script), str(target), mode, str(worker), str(go)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -314,82 +358,81 @@ def _wait_ready(proc):
         raise AssertionError(f"writer did not start: {line!r} {proc.stderr.read()}")
 
 
-def _open_at_once(path, barrier, results):
-    barrier.wait()
+def _open_at_once(target, barrier, results):
+    barrier.wait(timeout=SUBPROCESS_TIMEOUT)
     try:
-        Cache(path, busy_timeout_ms=60_000).close()
+        Cache(target, busy_timeout_ms=60_000).close()
         results.put("ok")
     except Exception as e:  # reported to the test, which names it
         results.put(f"{type(e).__name__}: {e}")
 
 
-def test_processes_opening_one_new_file_at_once_all_get_the_cache(tmp_path):
-    # Two connections switching a new file to WAL at once: SQLite answers one "database is locked" without waiting
-    # (without the retry, ~6% of openers failed here; 12 rounds of 4 make a miss unlikely to pass).
+def test_processes_opening_one_new_store_at_once_all_get_the_cache(tmp_path, backend, request):
+    # SQLite: two connections switching a new file to WAL at once: SQLite answers one "database is locked" without
+    # waiting (without the retry, ~6% of openers failed here; 12 rounds of 4 make a miss unlikely to pass).
+    # PostgreSQL: four processes creating the tables of one new database at once; one does, under a lock.
     import multiprocessing
     ctx = multiprocessing.get_context("fork")
+    server = request.getfixturevalue("postgres_server") if backend == "postgresql" else None
     failures = []
-    for round_ in range(12):
-        path, barrier, results = tmp_path / f"new{round_}.db", ctx.Barrier(4), ctx.Queue()
-        procs = [ctx.Process(target=_open_at_once, args=(path, barrier, results)) for _ in range(4)]
+    for round_ in range(12 if server is None else 3):
+        target = str(tmp_path / f"new{round_}.db") if server is None else server.create_database()
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(target, barrier, results)) for _ in range(4)]
         for p in procs:
             p.start()
         answers = [results.get(timeout=SUBPROCESS_TIMEOUT) for _ in procs]
         for p in procs:
             p.join(timeout=SUBPROCESS_TIMEOUT)
         failures += [a for a in answers if a != "ok"]
-        with Cache(path) as c:
+        with Cache(target) as c:
             assert c.integrity_check() == "ok" and len(c) == 0
     assert failures == []
 
 
-def test_two_processes_write_same_and_different_images(tmp_path):
-    db, go = tmp_path / "shared.db", tmp_path / "go"
-    procs = [_start_writer(tmp_path, db, "pair", w, go) for w in range(2)]
-    for p in procs:
+def test_four_processes_write_at_once_and_one_killed_mid_write_loses_nothing(tmp_path, target, raw):
+    """Three writers put 20 shared and 20 images of their own each, interleaved, while a fourth puts large images
+    without end and is SIGKILLed in the middle of one: every put that returned is there with its note and
+    thumbnail, the killed put is there whole or not at all, no row fails its checksum, and the store takes writes."""
+    go = tmp_path / "go"
+    pairs = [_start_writer(tmp_path, target, "pair", w, go) for w in range(3)]
+    endless = _start_writer(tmp_path, target, "endless", 3, go)
+    for p in (*pairs, endless):
         _wait_ready(p)
-    go.touch()
-    outputs = [p.communicate(timeout=SUBPROCESS_TIMEOUT) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
-        assert p.returncode == 0, err
-        assert "locked" not in err
-    keys = [set(out.split()) for out, _ in outputs]
-    assert len(keys[0] & keys[1]) == 20 and len(keys[0] | keys[1]) == 60
-    with Cache(db) as c:
-        assert len(c) == 60
-        assert c.integrity_check() == "ok"
-        for seed in list(range(20)) + list(range(1000, 1020)) + list(range(2000, 2020)):
-            key = image_key(noise_png(seed, (64, 48)))
-            assert c.note(key) == f"seed {seed}"
-            assert c.thumbnail(key).size == (64, 48)
-
-
-def test_kill_during_writes_leaves_a_consistent_cache(tmp_path):
-    db, go = tmp_path / "killed.db", tmp_path / "go"
-    proc = _start_writer(tmp_path, db, "endless", 0, go)
-    _wait_ready(proc)
     go.touch()
     returned = []
     deadline = time.monotonic() + SUBPROCESS_TIMEOUT
-    while len(returned) < 8 and time.monotonic() < deadline:
-        line = proc.stdout.readline()
+    while len(returned) < 4 and time.monotonic() < deadline:
+        line = endless.stdout.readline()
         if not line:
             break
         returned.append(line.strip())
     time.sleep(random.Random(0).uniform(0.0, 0.05))  # land somewhere inside the next put
-    proc.send_signal(signal.SIGKILL)
-    rest, err = proc.communicate(timeout=60)
+    endless.send_signal(signal.SIGKILL)
+    rest, err = endless.communicate(timeout=60)
     returned += rest.split()  # puts that returned before the kill
-    assert proc.returncode == -signal.SIGKILL
-    assert len(returned) >= 8, err
-    with Cache(db) as c:
+    assert endless.returncode == -signal.SIGKILL
+    assert len(returned) >= 4, err
+    outputs = [p.communicate(timeout=SUBPROCESS_TIMEOUT) for p in pairs]
+    for p, (out, err) in zip(pairs, outputs):
+        assert p.returncode == 0, err
+        assert "locked" not in err
+    keys = [set(out.split()) for out, _ in outputs]
+    assert len(keys[0] & keys[1] & keys[2]) == 20 and len(keys[0] | keys[1] | keys[2]) == 80
+    with Cache(target) as c:
         assert c.integrity_check() == "ok"
-        assert len(c) >= len(returned)
+        assert len(c) in (80 + len(returned), 80 + len(returned) + 1)      # the killed put: whole or not at all
+        for seed in [*range(20), *range(1000, 1020), *range(2000, 2020), *range(3000, 3020)]:
+            key = image_key(noise_png(seed, (64, 48)))
+            assert c.note(key) == f"seed {seed}"
+            assert c.thumbnail(key).size == (64, 48)
         for seed, key in enumerate(returned):
             assert c.note(key) == f"seed {seed}"
             assert c.thumbnail(key).size == (336, 261)
+        for (key,) in raw("SELECT key FROM images"):                       # every row whole: its checksum holds
+            c.thumbnail(key)
         c.put(noise_png(10_000), note="after")  # still writable
-        assert len(c) >= len(returned) + 1
+        assert c.note(image_key(noise_png(10_000))) == "after"
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -400,14 +443,14 @@ def _cli(argv):
     return main(["cache", *argv])
 
 
-def test_cli_put_and_stats(tmp_path, capsys):
+def test_cli_put_and_stats(tmp_path, target, capsys):
     a, b = tmp_path / "a.png", tmp_path / "sub" / "b.png"
     b.parent.mkdir()
     a.write_bytes(noise_png(20))
     b.write_bytes(noise_png(21))
     notes = tmp_path / "notes.json"
     notes.write_text(json.dumps({"a.png": "note a", str(b): "note b", "zzz.png": "unused"}))
-    db = tmp_path / "cli.db"
+    db = target
     assert _cli(["put", str(db), str(a), str(b), "--notes", str(notes)]) == 0
     out, err = capsys.readouterr()
     lines = [line.split("\t") for line in out.strip().splitlines()]
@@ -416,9 +459,13 @@ def test_cli_put_and_stats(tmp_path, capsys):
     with Cache(db) as c:
         assert c.note(lines[0][0]) == "note a" and c.note(lines[1][0]) == "note b"
     assert _cli(["stats", str(db)]) == 0
-    stats = json.loads(capsys.readouterr().out)
-    assert stats["images"] == 2 and stats["notes"] == 2 and stats["feature_rows"] == 0
-    assert stats["bytes"] > 0 and stats["path"] == str(db)
+    printed = capsys.readouterr().out
+    stats = json.loads(printed)
+    assert stats["images"] == 2 and stats["notes"] == 2 and stats["feature_rows"] == 0 and stats["bytes"] > 0
+    if "://" in db:                                                  # the URL's password is never printed
+        assert stats["path"] == db.replace(db.split(":")[2].split("@")[0], "***") and db not in printed
+    else:
+        assert stats["path"] == str(db)
 
 
 def test_cli_errors(tmp_path, capsys):
@@ -435,11 +482,9 @@ def test_cli_errors(tmp_path, capsys):
         _cli([])
 
 
-def test_entry_of_reads_when_stored_and_puts_when_not(tmp_path):
-    from pixeltriage.engine.cache import image_key
-
+def test_entry_of_reads_when_stored_and_puts_when_not(target):
     img = Image.new("RGB", (500, 300), (10, 120, 200))
-    with Cache(tmp_path / "c.db") as cache:
+    with Cache(target) as cache:
         key, (thumb, note) = cache.entry_of(img)                  # absent: stored, then read back
         assert key == image_key(img) and key in cache and note == ""
         assert thumb.size == (336, 202) and thumb.mode == "RGB"
@@ -448,15 +493,13 @@ def test_entry_of_reads_when_stored_and_puts_when_not(tmp_path):
         assert len(cache) == 1
 
 
-def test_entry_of_repairs_a_row_that_passes_its_checksum_but_does_not_decode(tmp_path):
+def test_entry_of_repairs_a_row_that_passes_its_checksum_but_does_not_decode(target, raw):
     data = noise_png(6)
-    with Cache(tmp_path / "c.db") as cache:
+    with Cache(target) as cache:
         key = cache.put(data, note="keep me")
         want = cache.thumbnail(key)
         bad = b"\x89PNG\r\n\x1a\n" + b"\x00" * 40
-        with raw(cache.path) as conn:
-            conn.execute("UPDATE images SET thumbnail = ?, checksum = ? WHERE key = ?",
-                         (bad, hashlib.sha256(bad).hexdigest(), key))
+        raw("UPDATE images SET thumbnail = ?, checksum = ? WHERE key = ?", (bad, hashlib.sha256(bad).hexdigest(), key))
         got_key, (thumb, note) = cache.entry_of(data)
         assert got_key == key and note == "keep me"
         assert thumb.tobytes() == want.tobytes()                  # the in-memory thumbnail is the stored one
@@ -464,7 +507,7 @@ def test_entry_of_repairs_a_row_that_passes_its_checksum_but_does_not_decode(tmp
 
 
 def test_entry_of_errors_name_the_memory_and_match_the_image_module(tmp_path):
-    from pixeltriage.engine.image import open_image
+    from pixeltriage.media.image import open_image
 
     empty = tmp_path / "empty.png"
     empty.write_bytes(b"")

@@ -3,25 +3,25 @@
     pixeltriage bench serve [--preset tiny|bench-small|2b] [--device cpu|cuda] [--dtype ...] [--clients N]
                             [--rate R] [--duration S] [--requests N] [--memories M] [--max-queued Q] [--json]
 
-Seeded episodes of M memories (JPEG bytes of varied photo sizes, dialogue, notes) are scored in this process first
-(`Scorer.score`: every response's expected answer). Then `pixeltriage serve` starts as a subprocess and this process
-drives it over loopback with pre-encoded request bodies: one client, each request right after the same episode was
-scored in-process (paired, so that other load on the machine falls on both; the median difference comes with a
-bootstrap 95% CI and is split at the server's own x-total-time into the part outside the server, HTTP and the body
-on the wire, and the part inside it); a closed loop with N clients, between two serial in-process runs (the serial
-questions/s it is compared with); an open loop at R requests/s (default: twice the N-client throughput, i.e. 2x
-overload) against a queue of Q questions. Every phase is bounded by S seconds and N requests; warm-up requests are
-excluded. Every response is checked against its own request (the id it echoes and the expected scores, 1e-5), so a
-lost or mixed-up response is counted. Also measured: the per-request cost of the HTTP stack on a trivial GET (raw
-uvicorn ASGI, a Starlette route, a FastAPI route, this service's /health through its guard), each in its own server
-process on the service's own socket, event loop and HTTP parser, the apps in turn, sequential keep-alive requests.
+Seeded episodes of M memories (`workloads.episodes`: JPEG bytes of varied photo sizes, dialogue, notes) are scored
+in this process first (`Scorer.score`: every response's expected answer). Then `pixeltriage serve` starts as a
+subprocess and this process drives it over loopback with pre-encoded request bodies: one client, each request right
+after the same episode was scored in-process (paired, so that other load on the machine falls on both; the median
+difference comes with a bootstrap 95% CI and is split at the server's own x-total-time into the part outside the
+server, HTTP and the body on the wire, and the part inside it); a closed loop with N clients, between two serial
+in-process runs (the serial questions/s it is compared with); an open loop at R requests/s (default: twice the
+N-client throughput, i.e. 2x overload) against a queue of Q questions. Every phase is bounded by S seconds and N
+requests; warm-up requests are excluded. Every response is checked against its own request (the id it echoes and the
+expected scores, 1e-5), so a lost or mixed-up response is counted. Also measured: the per-request cost of the HTTP
+stack on a trivial GET (raw uvicorn ASGI, a Starlette route, a FastAPI route, this service's /health through its
+guard), each in its own server process on the service's own socket, event loop and HTTP parser, the apps in turn,
+sequential keep-alive requests.
 
 The goals are benchmark goals, printed beside the figures, not test assertions.
 """
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -34,50 +34,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pixeltriage.bench import workloads
 from pixeltriage.bench.timing import median_interval, percentiles
 from pixeltriage.serve.process import ServerProcess, metric
 
-SIZES = [(640, 480), (480, 640), (1024, 768), (800, 800), (336, 336), (1280, 720), (300, 200), (1920, 1080),
-         (720, 1280), (512, 384)]
-TOLERANCE = 1e-5
+ANSWER_TOLERANCE = 1e-5      # a response's scores against the in-process ones
 WARMUP_REQUESTS = 2
 OVERHEAD_REQUESTS = 2000
-
-
-# -- episodes --------------------------------------------------------------------------------------------------------
-def episodes(count: int, memories: int, seed: int = 0):
-    """Seeded (question, memories) with JPEG bytes of varied photo sizes, and their request bodies' memory lists."""
-    from PIL import Image, ImageDraw
-
-    from pixeltriage.bench.cpu import WORDS
-    from pixeltriage.engine.types import Memory
-
-    rng = random.Random(seed)
-    out = []
-    for q in range(count):
-        mems = []
-        for i in range(memories):
-            size = rng.choice(SIZES)
-            img = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
-            draw = ImageDraw.Draw(img)
-            for _ in range(5):
-                x, y = rng.randrange(size[0]), rng.randrange(size[1])
-                draw.rectangle((x, y, x + size[0] // 4, y + size[1] // 5), fill=tuple(rng.randrange(256)
-                                                                                      for _ in range(3)))
-            buffer = io.BytesIO()
-            img.save(buffer, format="JPEG", quality=85)
-            mems.append(Memory(image=buffer.getvalue(), note=f"picture {i + 1}",
-                               dialogue=" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))),
-                               date=f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"))
-        out.append((f"question {q}: which picture shows the {rng.choice(WORDS)}?", mems))
-    return out
-
-
-def request_body(question, memories, request_id: str) -> bytes:
-    """The /v1/score body the client sends for (question, memories), with `id`."""
-    from pixeltriage.serve.client import question_body
-
-    return json.dumps(question_body(question, memories, id=request_id)).encode()
 
 
 # -- in-process ------------------------------------------------------------------------------------------------------
@@ -155,7 +118,7 @@ class Driver:
         self.http = httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_connections=connections,
                                                                                  max_keepalive_connections=connections))
         self.eps, self.expected = eps, expected
-        self.bodies = [request_body(q, m, "") for q, m in eps]
+        self.bodies = [workloads.request_body(q, m, "") for q, m in eps]
 
     def send(self, phase: Phase | None, episode: int, request_id: str) -> tuple[float, float] | None:
         """Send one request; for a 200, (the round trip, the server's own x-total-time), both in seconds."""
@@ -177,7 +140,7 @@ class Driver:
             return None
         result = response.json()
         phase.record("200", latency, result["timing"]["batch_questions"],
-                     mixed_up=result.get("id") != request_id or not _matches(result, self.expected[episode]))
+                     mixed_up=result.get("id") != request_id or not answer_matches(result, self.expected[episode]))
         return latency, float(response.headers["x-total-time"]) / 1000
 
     def interleaved(self, local: Local, duration: float, max_requests: int) -> tuple[Phase, dict[str, list[float]]]:
@@ -245,11 +208,12 @@ class Driver:
         self.http.close()
 
 
-def _matches(result: dict, want) -> bool:
-    return (len(result["gains"]) == len(want.gains) and abs(result["p_vis"] - want.p_vis) <= TOLERANCE
-            and abs(result["relevance_none"] - want.relevance_none) <= TOLERANCE
-            and all(abs(a - b) <= TOLERANCE for a, b in zip(result["gains"], want.gains))
-            and all(abs(a - b) <= TOLERANCE for a, b in zip(result["relevance"], want.relevance)))
+def answer_matches(result: dict, want) -> bool:
+    """Whether a /v1/score response holds the expected `Scores` (each within ANSWER_TOLERANCE)."""
+    return (len(result["gains"]) == len(want.gains) and abs(result["p_vis"] - want.p_vis) <= ANSWER_TOLERANCE
+            and abs(result["relevance_none"] - want.relevance_none) <= ANSWER_TOLERANCE
+            and all(abs(a - b) <= ANSWER_TOLERANCE for a, b in zip(result["gains"], want.gains))
+            and all(abs(a - b) <= ANSWER_TOLERANCE for a, b in zip(result["relevance"], want.relevance)))
 
 
 # -- the HTTP stack's own cost ---------------------------------------------------------------------------------------
@@ -329,8 +293,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     dtype = args.dtype or default_dtype(args.device)
     checkpoint = demo_checkpoint(args.preset)
-    eps = episodes(args.episodes, args.memories, args.seed)
-    body_mib = statistics.fmean(len(request_body(q, m, "")) for q, m in eps) / 2 ** 20
+    eps = workloads.episodes(args.episodes, args.memories, args.seed, jpeg=True)
+    body_mib = statistics.fmean(len(workloads.request_body(q, m, "")) for q, m in eps) / 2 ** 20
     report = {"preset": args.preset, "device": args.device, "dtype": dtype, "episodes": args.episodes,
               "memories": args.memories, "request_mib": body_mib, "clients": args.clients,
               "max_queued": args.max_queued, "max_wait_ms": args.max_wait_ms, "load_average": os.getloadavg()[0]}

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from pixeltriage.bench import roofline as R
-from pixeltriage.bench.flops import StateShape, shape_from_config, system_one_config, system_one_flops
+from pixeltriage.bench.models import roofline as R
+from pixeltriage.bench.models.flops import StateShape, shape_from_config, system_one_config, system_one_flops
 from pixeltriage.cli import main
 from pixeltriage.config import ModelConfig
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS

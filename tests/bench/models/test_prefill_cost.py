@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pixeltriage.bench import cost
-from pixeltriage.bench.flops import ANSWERING_MODELS
+from pixeltriage.bench.models import prefill_cost
+from pixeltriage.bench.models.flops import ANSWERING_SHAPES
 from pixeltriage.cli import main
 
 
@@ -42,14 +42,14 @@ def test_table_is_the_default_output(capsys):
 
 
 @pytest.mark.parametrize("scenario", ["dmv", "m3exam"])
-@pytest.mark.parametrize("answering", sorted(ANSWERING_MODELS))
+@pytest.mark.parametrize("answering", sorted(ANSWERING_SHAPES))
 def test_costs_are_ordered(scenario, answering):
     ks = [1, 2, 3, 4, 5, 10]
-    report = cost.cost_report(scenario, answering, ks)
+    report = prefill_cost.cost_report(scenario, answering, ks)
     tf, vis = report["tflop"], report["visual_tokens"]
     ours = [tf["ours"][str(k)] for k in ks]
     tokens = [vis["ours"][str(k)] for k in ks]
-    min_images = min(len(r.image_sizes) for r in cost.SCENARIOS[scenario].retrievals)
+    min_images = min(len(r.image_sizes) for r in prefill_cost.SCENARIOS[scenario].retrievals)
     assert tf["text_only"] < tf["open_all"]
     assert ours[0] > tf["system_one"] + tf["text_only"] - 1e-6  # one image costs more than its proxy
     for k, lower, higher in zip(ks, ours, ours[1:]):
@@ -77,7 +77,7 @@ def test_cached_vision_costs_less(capsys):
 
 
 def test_m3exam_averages_four_and_five_images():
-    report = cost.cost_report("m3exam", "qwen2.5-vl-7b", [1])
+    report = prefill_cost.cost_report("m3exam", "qwen2.5-vl-7b", [1])
     assert report["visual_tokens"]["open_all"] == round(4.2 * 884)
     assert report["visual_tokens"]["ours"]["1"] == 884
 
@@ -106,8 +106,9 @@ def test_bad_arguments_are_rejected(argv, capsys):
 
 def test_kept_proxy_costs_more_than_replaced():
     sizes = [(1024, 768)] * 3
-    kept = cost.cost_report(cost.custom_scenario(sizes, 400, proxy_tokens=50, keep_proxy=True), "qwen2.5-vl-7b", [1])
-    replaced = cost.cost_report(cost.custom_scenario(sizes, 400, proxy_tokens=50), "qwen2.5-vl-7b", [1])
+    kept = prefill_cost.cost_report(prefill_cost.custom_scenario(sizes, 400, proxy_tokens=50, keep_proxy=True),
+                                    "qwen2.5-vl-7b", [1])
+    replaced = prefill_cost.cost_report(prefill_cost.custom_scenario(sizes, 400, proxy_tokens=50), "qwen2.5-vl-7b", [1])
     assert kept["tflop"]["ours"]["1"] > replaced["tflop"]["ours"]["1"]
     assert kept["tflop"]["text_only"] == replaced["tflop"]["text_only"]
 
@@ -119,6 +120,6 @@ def test_visual_tokens_are_the_deliverys():
 
     sizes = [(1920, 1080), (333, 517), (4000, 30)]
     for checkpoint, model in CHECKPOINTS.items():
-        report = cost.cost_report(cost.custom_scenario(sizes, 100), checkpoint, [1, 2])
+        report = prefill_cost.cost_report(prefill_cost.custom_scenario(sizes, 100), checkpoint, [1, 2])
         want = [visual_tokens(s, model) for s in sizes]
         assert report["visual_tokens"] == {"open_all": sum(want), "ours": {"1": want[0], "2": want[0] + want[1]}}

@@ -27,11 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pixeltriage.config import FULL, LINEAR, ModelConfig
-from pixeltriage.delivery.profiles import CHECKPOINTS
-from pixeltriage.delivery.profiles import answering_model as answering_profile
+from pixeltriage.delivery.profiles import CHECKPOINTS, answering_model
 from pixeltriage.delivery.rules import GridRule
-from pixeltriage.engine.image import smart_resize  # the Qwen processors' resize, one implementation
+from pixeltriage.engine.patches import smart_resize  # the Qwen processors' resize, one implementation
 from pixeltriage.engine.state import EXTRA_HEAD_ROWS
+from pixeltriage.media.policy import THUMBNAIL_SIDE
 
 # The delta rule's chunk in the analytic count: transformers' 64, the same work definition for every implementation.
 # The engine's C path runs 32-token chunks, whose intra-chunk products are half as large: at bench-small ~5 of the
@@ -394,6 +394,45 @@ def prefill_flops(model: ModelShape, text_tokens: int, image_sizes: Iterable[tup
     return parts
 
 
+# ---- the profiler's stages ---------------------------------------------------------------------
+
+# The profiler's stages of one forward, in order, and what each holds. The vision tower is two: its attention
+# (per image, "vision_attention") timed apart from its linear layers, norms and rotary ("vision"). The Gated
+# DeltaNet layer's kernel call is timed apart from the norms, projections and gates around it ("gated_delta"); the
+# C kernels do the conv + SiLU and the recurrence in one pass per head and report the conv's share of it
+# ("delta_conv", the profiler's part), the rest being "delta_rule". Where no conv part is reported (the torch path,
+# PIXELTRIAGE_NATIVE=0, whose conv and recurrence calls sit inside the registry's one kernel function) "delta_rule"
+# holds both, and its row says so (`UNSPLIT_STAGES`).
+PROFILER_STAGES = {
+    "vision": "vision matmuls (+ norms)",
+    "vision_attention": "vision attention",
+    "gated_delta": "gated_delta projections",
+    "delta_conv": "delta conv + SiLU",
+    "delta_rule": "delta_rule (recurrence)",
+    "attention": "attention",
+    "mlp": "mlp",
+    "head": "head",
+}
+UNSPLIT_STAGES = {"delta_rule": "delta_rule (conv + recurrence)"}
+# Each part of the FLOP model (scorer_flops(..., split=True)) in exactly one stage
+STAGE_OF_PART = {"vision_matmuls": "vision", "vision_attention": "vision_attention",
+                 "linear_projections": "gated_delta", "linear_conv": "delta_conv", "linear_recurrence": "delta_rule",
+                 "full_attention": "attention", "ffn": "mlp", "head": "head"}
+
+
+def profiler_stage_flops(parts: Mapping[str, Flops], conv_apart: bool = True) -> dict[str, int]:
+    """FLOPs per stage of `PROFILER_STAGES` from the FLOP model's parts (`Flops`); a part no stage holds is a
+    KeyError. conv_apart False (the run's kernels reported no "delta_conv"): the conv's FLOPs in "delta_rule", no
+    "delta_conv" stage."""
+    out = dict.fromkeys(PROFILER_STAGES, 0)
+    for name, f in parts.items():
+        stage = STAGE_OF_PART[name]
+        out["delta_rule" if stage == "delta_conv" and not conv_apart else stage] += f.total
+    if not conv_apart:
+        del out["delta_conv"]
+    return out
+
+
 # ---- presets -----------------------------------------------------------------------------------
 
 # System One's backbone, Qwen/Qwen3.5-2B config.json (the fields ModelConfig reads): 24 layers, every
@@ -423,7 +462,6 @@ SYSTEM_ONE_CONFIGS: dict[str, dict] = {
     },
 }
 SYSTEM_ONE_HEAD_DIM = 256
-THUMBNAIL_SIZE = 336
 
 
 def system_one_config(name: str = "2b") -> ModelConfig:
@@ -432,7 +470,7 @@ def system_one_config(name: str = "2b") -> ModelConfig:
     return ModelConfig.from_dict(SYSTEM_ONE_CONFIGS[name], source=f"System One preset {name!r}")
 
 
-def paper_state(num_memories: int = 10, thumbnail: tuple[int, int] = (THUMBNAIL_SIZE, THUMBNAIL_SIZE),
+def paper_state(num_memories: int = 10, thumbnail: tuple[int, int] = (THUMBNAIL_SIDE, THUMBNAIL_SIDE),
                 text_tokens: int = 1280, vision: VisionShape | None = None) -> StateShape:
     """The paper's state: n memories with a 336-px thumbnail each. A 336x336 thumbnail resizes to
     320x320 (20x20 patches, 100 tokens); with 1280 other tokens, 10 memories make 2280 tokens
@@ -445,11 +483,11 @@ def paper_state(num_memories: int = 10, thumbnail: tuple[int, int] = (THUMBNAIL_
 _LINEAR_3_FULL_1 = (LINEAR, LINEAR, LINEAR, FULL)
 
 
-def _answering_shape(checkpoint: str, language: LanguageShape, **tower) -> ModelShape:
+def _checkpoint_shape(checkpoint: str, language: LanguageShape, **tower) -> ModelShape:
     """An answering checkpoint's shape; its vision tower's patching and resize limits are its answering model's rule
     in the registry (pixeltriage.delivery.profiles), so the FLOP model and the delivery count the same tokens."""
     model = CHECKPOINTS[checkpoint]
-    rule = answering_profile(model).rule
+    rule = answering_model(model).rule
     if not isinstance(rule, GridRule):
         raise ValueError(f"{checkpoint}: the FLOP model counts Qwen vision towers only, found {type(rule).__name__}")
     vision = VisionShape(patch_size=rule.patch_size, spatial_merge_size=rule.merge_size, min_pixels=rule.min_pixels,
@@ -462,11 +500,11 @@ _QWEN35_VISION = dict(  # Qwen3.5-27B and -397B-A17B: 27 blocks of 1152 (SigLIP-
 
 # Answering checkpoints (the registry's CHECKPOINTS), public config.json values; their patching and pixel limits are
 # the registry's (the checkpoints' preprocessor_config.json).
-_ANSWERING_SHAPES: dict[str, ModelShape] = {shape.name: shape for shape in (
+_CHECKPOINT_SHAPES: dict[str, ModelShape] = {shape.name: shape for shape in (
     # Qwen/Qwen2.5-VL-7B-Instruct. LM: 28 layers of 3584, 28 query / 4 KV heads of 128 (q/k/v biases), FFN
     # 18944, vocab 152064. ViT: 32 blocks of 1280, 16 heads, SwiGLU FFN 3420, 14-px patches merged 2x2 into
     # 3584 (one token per 28x28 px); 112-px window attention except blocks 7, 15, 23, 31.
-    _answering_shape(
+    _checkpoint_shape(
         "qwen2.5-vl-7b",
         LanguageShape(
             hidden_size=3584, vocab_size=152064, layer_types=(FULL,) * 28, num_attention_heads=28,
@@ -475,7 +513,7 @@ _ANSWERING_SHAPES: dict[str, ModelShape] = {shape.name: shape for shape in (
         window_size=112, full_attention_blocks=(7, 15, 23, 31)),
     # Qwen/Qwen3.5-27B: 64 layers of 5120 = 16 x (3 Gated DeltaNet + 1 gated attention); attention 24 query /
     # 4 KV heads of 256; linear attention 16 key / 48 value heads of 128, conv 4; FFN 17408; vocab 248320.
-    _answering_shape(
+    _checkpoint_shape(
         "qwen3.5-27b",
         LanguageShape(
             hidden_size=5120, vocab_size=248320, layer_types=_LINEAR_3_FULL_1 * 16, num_attention_heads=24,
@@ -488,7 +526,7 @@ _ANSWERING_SHAPES: dict[str, ModelShape] = {shape.name: shape for shape in (
     # 10 routed + 1 shared per token, all of width 1024; vocab 248320. Active decoder weights ~15B, with the
     # embedding and LM head ~17B, as the name says. The vision tower is taken to be the 27B's (the
     # larger Qwen3.5 models share it); its width into the decoder is 4096.
-    _answering_shape(
+    _checkpoint_shape(
         "qwen3.5-397b",
         LanguageShape(
             hidden_size=4096, vocab_size=248320, layer_types=_LINEAR_3_FULL_1 * 15, num_attention_heads=32,
@@ -498,14 +536,15 @@ _ANSWERING_SHAPES: dict[str, ModelShape] = {shape.name: shape for shape in (
             linear_value_head_dim=128, linear_conv_kernel_dim=4),
         out_hidden_size=4096, **_QWEN35_VISION),
 )}
-if set(_ANSWERING_SHAPES) != set(CHECKPOINTS):
-    raise AssertionError(f"FLOP shapes {sorted(_ANSWERING_SHAPES)} differ from the registry's checkpoints "
+if set(_CHECKPOINT_SHAPES) != set(CHECKPOINTS):
+    raise AssertionError(f"FLOP shapes {sorted(_CHECKPOINT_SHAPES)} differ from the registry's checkpoints "
                          f"{sorted(CHECKPOINTS)} (pixeltriage.delivery.profiles)")
-ANSWERING_MODELS: dict[str, ModelShape] = {name: _ANSWERING_SHAPES[name] for name in CHECKPOINTS}  # its order
+# the FLOP shape of each answering checkpoint, in the registry's order
+ANSWERING_SHAPES: dict[str, ModelShape] = {name: _CHECKPOINT_SHAPES[name] for name in CHECKPOINTS}
 
 
-def answering_model(name: str) -> ModelShape:
+def answering_shape(checkpoint: str) -> ModelShape:
     """The FLOP shape of an answering checkpoint (a name in pixeltriage.delivery.profiles.CHECKPOINTS)."""
-    if name not in ANSWERING_MODELS:
-        raise ValueError(f"unknown answering checkpoint {name!r}; known: {', '.join(ANSWERING_MODELS)}")
-    return ANSWERING_MODELS[name]
+    if checkpoint not in ANSWERING_SHAPES:
+        raise ValueError(f"unknown answering checkpoint {checkpoint!r}; known: {', '.join(ANSWERING_SHAPES)}")
+    return ANSWERING_SHAPES[checkpoint]

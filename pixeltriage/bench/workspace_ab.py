@@ -25,6 +25,7 @@ import time
 import torch
 
 from pixeltriage.bench.timing import cpu_machine, machine_line, set_threads
+from pixeltriage.bench.workloads import packed_episode
 
 
 def _forward(scorer, state) -> tuple[float, int, float, object]:
@@ -41,7 +42,6 @@ def workspace_report(preset: str = "bench-small", dtype: str = "bfloat16", pairs
     """The measurement (see the module) as a dict: "with" and "without" ({"ms", "faults", "system_s"}: medians),
     "ratio" (median with/without of the pairs), "quartiles", "pairs", "workspace_bytes", "same_scores",
     "machine", "preset", "dtype", "tokens", "memories"."""
-    from pixeltriage.bench.cpu import bench_episode
     from pixeltriage.engine.scorer import Scorer
     from pixeltriage.kernels.workspace import Workspace
     from pixeltriage.weights.demo import demo_checkpoint
@@ -49,7 +49,7 @@ def workspace_report(preset: str = "bench-small", dtype: str = "bfloat16", pairs
     if pairs < 1:
         raise ValueError(f"pairs must be at least 1, got {pairs}")
     scorer = Scorer.load(demo_checkpoint(preset), dtype=getattr(torch, dtype))
-    state = bench_episode(scorer.packer, memories, tokens).state
+    state = packed_episode(scorer.packer, memories, tokens).state
     ways = {"with": scorer.workspace, "without": Workspace(max_bytes=0)}
     progress(f"state: {state.num_tokens} tokens, {state.num_memories} memories; warm-up (untimed)")
     scores = {}

@@ -1,10 +1,9 @@
-"""Memory images -> Qwen vision patches.
+"""Memory images -> RGB thumbnails: decoding under one set of checks, orientation, mode conversion, thumbnails and
+canonical PNG bytes.
 
-open_image -> to_rgb -> make_thumbnail -> patchify, chained by `preprocess`. `patchify` reproduces
-transformers' `Qwen2VLImageProcessorPil` bit for bit on an RGB image: PIL BICUBIC resize of the
-uint8 image to the `smart_resize` size, rescale in float64 then cast to float32, normalize in
-float32, patches laid out in merge_size x merge_size blocks with the single frame repeated
-temporal_patch_size times.
+open_image -> to_rgb -> make_thumbnail, chained by `thumbnail`: the one recipe for fresh and write-time-cached
+thumbnails. Bytes and local files are opened from their header with the format allow-list and the pixel limit
+checked before any pixel data is decoded; URLs are refused.
 """
 from __future__ import annotations
 
@@ -12,32 +11,26 @@ import contextlib
 import io
 import math
 import os
-import re
 import struct
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, TiffImagePlugin, UnidentifiedImageError, WebPImagePlugin  # noqa: F401
 
-from pixeltriage.config import ImageConfig
 from pixeltriage.errors import InvalidMemoryError
+from pixeltriage.media import policy
+from pixeltriage.media.sources import local_path
 
-# Refused before any pixel data is decoded: equal to PIL's own default `Image.MAX_IMAGE_PIXELS`
-# (about 9459 x 9459, ~268 MB as RGB), so PIL's bomb warning and this limit agree.
-MAX_IMAGE_PIXELS = 89_478_485
-
-# Formats Image.open may try. Keeps exotic decoders (EPS runs Ghostscript, FITS, PSD, ...) away from
-# untrusted bytes; MPO (multi-picture camera JPEGs) is reached through the JPEG opener. The TIFF and
-# WebP plugins are imported above so that PIL need not load every plugin to find them.
+# Formats a header is read as, in this order. Keeps exotic decoders (EPS runs Ghostscript, FITS, PSD, ...) away
+# from untrusted bytes; MPO (multi-picture camera JPEGs) is reached through the JPEG opener. The TIFF and WebP
+# plugins are imported above so that PIL need not load every plugin to find them.
 IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
 
 PNG_COMPRESS_LEVEL = 6
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
 _INT_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")
-# PIL decoders raise any of these on malformed or hostile data.
-_DECODE_ERRORS = (
+# PIL decoders raise any of these on malformed or hostile data (and the processor's resize, engine.patches).
+DECODE_ERRORS = (
     OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, TypeError, struct.error,
     MemoryError, Image.DecompressionBombError, Image.DecompressionBombWarning,
 )
@@ -49,11 +42,11 @@ def open_image(source, index: int | None = None, *, max_side: int | None = None)
     source: a PIL image, the encoded bytes, or a local file path (str / os.PathLike; URLs refused).
     max_side: when given, JPEG bytes or files are decoded at a reduced DCT scale that keeps the long
         side at least 2 * max_side (the thumbnail is made from it); PIL image sources are left as given.
-    Returns the decoded image in its own mode and size (at most MAX_IMAGE_PIXELS pixels).
+    Returns the decoded image in its own mode and size (at most `policy.MAX_IMAGE_PIXELS` pixels).
     Raises InvalidMemoryError(reason, index) for anything that is not a readable image.
     """
     if isinstance(source, Image.Image):
-        _check_size(source, "image", index)
+        _check_size(source.size, "image", index)
         return _decode(source, "image", index, max_side=None)
     with _opened(source, index) as (img, name):
         return _decode(img, name, index, max_side)
@@ -63,7 +56,7 @@ def display_size(source, index: int | None = None) -> tuple[int, int]:
     """(width, height) of the image as displayed (EXIF orientation applied), read from its header only: what an
     answering model's processor sees, for visual-token costs. Accepts and refuses what `open_image` does."""
     if isinstance(source, Image.Image):
-        _check_size(source, "image", index)
+        _check_size(source.size, "image", index)
         return _oriented_size(source)
     with _opened(source, index) as (img, _):
         return _oriented_size(img)
@@ -101,48 +94,72 @@ def _oriented_size(img: Image.Image) -> tuple[int, int]:
     return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
 
 
-def local_path(source, index: int | None = None) -> str:
-    path = os.fsdecode(os.fspath(source))
-    if _URL.match(path):
-        raise InvalidMemoryError(f"{path}: URLs are not accepted; pass a local file path or the image bytes", index)
-    if not path:
-        raise InvalidMemoryError("image path is empty", index)
-    if not os.path.exists(path):
-        raise InvalidMemoryError(f"{path}: image file not found", index)
-    if os.path.isdir(path):
-        raise InvalidMemoryError(f"{path}: is a directory, not an image file", index)
-    if not os.path.isfile(path):
-        raise InvalidMemoryError(f"{path}: not a regular file", index)
-    if os.path.getsize(path) == 0:
-        raise InvalidMemoryError(f"{path}: image file is empty (0 bytes)", index)
-    return path
-
-
 def _open_stream(fp, name: str, index: int | None) -> Image.Image:
+    """The image with only its header read (`Image.open(fp, formats=IMAGE_FORMATS)` less PIL's own size check),
+    its size checked against the one limit. Every reader of a header (open_image, display_size) refuses alike."""
     try:
-        # Between 1x and 2x its limit PIL only warns; those are refused below, from the header. No
-        # warnings.catch_warnings here: it swaps the process-wide filter list, which is not thread-safe (a
-        # host's own filters can be lost when two threads decode at once). Where warnings are errors, the
-        # warning is caught below.
-        img = Image.open(fp, formats=IMAGE_FORMATS)
+        img = _read_header(fp, name, index)
+    except InvalidMemoryError:
+        raise                                                      # a WebP canvas past the limit
     except UnidentifiedImageError as e:
         raise InvalidMemoryError(f"{name}: not a recognised image (accepted formats: "
                                  f"{', '.join(IMAGE_FORMATS)})", index) from e
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        # PIL's check inside a format's own parser (a GIF frame past its screen, a WebP canvas past twice PIL's
+        # limit where a host lowered it), or its warning where warnings are errors
         raise InvalidMemoryError(f"{name}: refused as a possible decompression bomb ({e})", index) from e
-    except _DECODE_ERRORS as e:
+    except DECODE_ERRORS as e:
         raise InvalidMemoryError(f"{name}: cannot read image header ({e})", index) from e
-    _check_size(img, name, index)             # every reader of a header (open_image, display_size) refuses alike
+    _check_size(img.size, name, index)
     return img
 
 
-def _check_size(img: Image.Image, name: str, index: int | None) -> None:
-    width, height = img.size
+def _read_header(fp, name: str, index: int | None) -> Image.Image:
+    """Image.open's format search without its decompression-bomb check, which compares the size with PIL's own,
+    process-wide `Image.MAX_IMAGE_PIXELS` (a host may change it), warns above it and raises above twice it: the
+    size is checked by the caller against the one limit of ours instead, and a refused image leaves no PIL warning
+    behind. (No `warnings.catch_warnings` around Image.open instead: it swaps the process-wide filter list, which
+    is not thread-safe, so a host's own filters could be lost when two threads decode at once.)"""
+    fp.seek(0)
+    head = fp.read(30)
+    Image.preinit()
+    for fmt in IMAGE_FORMATS:
+        if fmt not in Image.OPEN:
+            Image.init()
+        factory, accept = Image.OPEN[fmt]
+        accepted = accept is None or accept(head[:16])
+        if isinstance(accepted, str) or not accepted:              # a str: the plugin's reason to decline
+            continue
+        if fmt == "WEBP" and (canvas := _webp_canvas(head)) is not None:
+            _check_size(canvas, name, index)                       # its parser allocates the canvas
+        fp.seek(0)
+        try:
+            return factory(fp, "")
+        except (SyntaxError, IndexError, TypeError, struct.error):
+            continue                                               # not this format after all, as in Image.open
+    raise UnidentifiedImageError(f"cannot identify image file {name}")
+
+
+def _webp_canvas(head: bytes) -> tuple[int, int] | None:
+    """The canvas a WebP file's first chunk declares (lossy VP8, lossless VP8L or extended VP8X), None if unread."""
+    chunk = head[12:16]
+    if chunk == b"VP8 " and len(head) >= 30 and head[23:26] == b"\x9d\x01\x2a":
+        return int.from_bytes(head[26:28], "little") & 0x3FFF, int.from_bytes(head[28:30], "little") & 0x3FFF
+    if chunk == b"VP8L" and len(head) >= 25 and head[20] == 0x2F:
+        bits = int.from_bytes(head[21:25], "little")
+        return (bits & 0x3FFF) + 1, (bits >> 14 & 0x3FFF) + 1
+    if chunk == b"VP8X" and len(head) >= 30:
+        return int.from_bytes(head[24:27], "little") + 1, int.from_bytes(head[27:30], "little") + 1
+    return None
+
+
+def _check_size(size: tuple[int, int], name: str, index: int | None) -> None:
+    width, height = size
     if width <= 0 or height <= 0:
         raise InvalidMemoryError(f"{name}: image has zero size ({width}x{height})", index)
-    if width * height > MAX_IMAGE_PIXELS:
-        raise InvalidMemoryError(f"{name}: {width}x{height} = {width * height} pixels exceeds the limit of "
-                                 f"{MAX_IMAGE_PIXELS} (possible decompression bomb)", index)
+    if width * height > policy.MAX_IMAGE_PIXELS:
+        raise InvalidMemoryError(f"{name}: {width}x{height} = {width * height:,} pixels exceeds the limit of "
+                                 f"{policy.MAX_IMAGE_PIXELS:,} pixels (possible decompression bomb)", index)
 
 
 def _decode(img: Image.Image, name: str, index: int | None, max_side: int | None) -> Image.Image:
@@ -150,7 +167,7 @@ def _decode(img: Image.Image, name: str, index: int | None, max_side: int | None
         _draft(img, max_side)
     try:
         img.load()
-    except _DECODE_ERRORS as e:
+    except DECODE_ERRORS as e:
         raise InvalidMemoryError(f"{name}: cannot decode image ({e})", index) from e
     return img
 
@@ -204,7 +221,7 @@ def _composite_on_white(img: Image.Image) -> Image.Image:
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
-def make_thumbnail(img: Image.Image, max_side: int = 336) -> Image.Image:
+def make_thumbnail(img: Image.Image, max_side: int = policy.THUMBNAIL_SIDE) -> Image.Image:
     """Scale the longer side to max_side, keeping the aspect ratio; never upscale.
 
     The short side is rounded half up (at least 1 px). Filter: PIL BICUBIC with reducing_gap=3.0
@@ -227,91 +244,17 @@ def _scaled_side(side: int, max_side: int, long_side: int) -> int:
     return max(1, (2 * side * max_side + long_side) // (2 * long_side))
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """The Qwen2-VL target size: both sides multiples of factor, area within [min_pixels, max_pixels].
-
-    Same arithmetic as transformers' `smart_resize`. Raises ValueError for a non-positive side or an
-    aspect ratio above 200. Returns (resized_height, resized_width).
-    """
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image size must be positive, got {height}x{width}")
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got "
-                         f"{max(height, width) / min(height, width)} ({width}x{height})")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def patchify(img_rgb: Image.Image, cfg: ImageConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Resize, rescale, normalize and cut an RGB image into vision patches.
-
-    Returns pixel_values float32 [grid_h * grid_w, 3 * temporal_patch_size * patch_size**2] and
-    grid_thw = (1, grid_h, grid_w); rows are ordered in merge_size x merge_size blocks, each row is
-    [C, T, patch, patch] flattened.
-    """
-    if img_rgb.mode != "RGB":
-        raise ValueError(f"patchify needs an RGB image, got mode {img_rgb.mode!r}")
-    height, width = smart_resize(img_rgb.height, img_rgb.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    resized = img_rgb.resize((width, height), Image.Resampling.BICUBIC)
-    pixels = np.asarray(resized).transpose(2, 0, 1)  # [3, H, W] uint8
-    pixels = (pixels.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None, None]
-    std = np.asarray(cfg.image_std, dtype=np.float32)[:, None, None]
-    pixels = (pixels - mean) / std  # float32 arithmetic, as transformers' normalize
-    grid_h, grid_w = height // cfg.patch_size, width // cfg.patch_size
-    return _to_patches(torch.from_numpy(pixels), cfg), (1, grid_h, grid_w)
-
-
-def _to_patches(pixels: torch.Tensor, cfg: ImageConfig) -> torch.Tensor:
-    channels, height, width = pixels.shape
-    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    grid_h, grid_w = height // p, width // p
-    blocks = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
-    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
-    blocks = blocks.unsqueeze(5).expand(*blocks.shape[:5], t, p, p)  # one frame repeated t times
-    return blocks.reshape(grid_h * grid_w, channels * t * p * p).contiguous()
-
-
-def preprocess(source, cfg: ImageConfig, thumbnail_size: int = 336,
-               index: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One memory image -> (pixel_values float32 [N, 3 * T * patch**2], grid_thw (1, grid_h, grid_w)).
-
-    = patchify(thumbnail(source, thumbnail_size), cfg). Every failure (unreadable image, aspect ratio above
-    200, ...) is raised as InvalidMemoryError(reason, index).
-    """
-    return preprocess_thumbnail(thumbnail(source, thumbnail_size, index), cfg, index, source)
-
-
-def preprocess_thumbnail(thumb: Image.Image, cfg: ImageConfig, index: int | None = None,
-                         source=None) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """`preprocess` for a thumbnail `thumbnail` already made (fresh, or write-time cached): patchify only, no
-    second decode, orientation or resize. `source` names the image in errors."""
-    try:
-        return patchify(thumb, cfg)
-    except _DECODE_ERRORS as e:
-        raise InvalidMemoryError(f"{_describe(source)}: cannot preprocess image ({e})", index) from e
-
-
-def thumbnail(source, side: int = 336, index: int | None = None) -> Image.Image:
+def thumbnail(source, side: int = policy.THUMBNAIL_SIDE, index: int | None = None) -> Image.Image:
     """The RGB thumbnail System One reads: decoded (JPEG at a reduced scale), oriented, converted to RGB, the
     longer side scaled to `side`. The one recipe for fresh and write-time-cached thumbnails."""
     img = open_image(source, index, max_side=side)
     try:
         return make_thumbnail(to_rgb(img), side)
-    except _DECODE_ERRORS as e:
-        raise InvalidMemoryError(f"{_describe(source)}: cannot preprocess image ({e})", index) from e
+    except DECODE_ERRORS as e:
+        raise InvalidMemoryError(f"{describe(source)}: cannot preprocess image ({e})", index) from e
 
 
-def _describe(source) -> str:
+def describe(source) -> str:
     if isinstance(source, (str, os.PathLike)):
         return os.fsdecode(os.fspath(source))
     if isinstance(source, (bytes, bytearray)):
