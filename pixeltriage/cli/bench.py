@@ -14,6 +14,7 @@ SYSTEM_ONE_CONFIGS = ("2b",)                                         # pixeltria
 ANSWERING_SCALES = ("7b", "small", "tiny")                           # pixeltriage.bench.latency.ANSWERING_SCALES
 DEVICE_SPECS = ("a100", "h100", "h200")                              # pixeltriage.bench.models.roofline.DEVICE_SPECS
 COMPILE_TARGETS = ("sm_80", "sm_90")                                 # pixeltriage.bench.compile.LIMITS
+SOAK_KINDS = ("normal", "oversized", "malformed", "disconnect", "burst")  # pixeltriage.bench.soak.KINDS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
@@ -166,8 +167,22 @@ def _add_soak(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int_at_least(1), default=8, help="the server's --max-queued (default 8)")
     p.add_argument("--episodes", type=int_at_least(1), default=16, help="distinct episodes (default 16)")
     p.add_argument("--memories", type=int_at_least(0), default=4, help="memories per question (default 4)")
+    p.add_argument("--no-latency-goal", action="store_true",
+                   help="report the p99 goal without enforcing it (exit code from behaviour and memory alone: for a "
+                        "machine shared with other work, such as CI)")
+    p.add_argument("--kinds", type=_soak_kinds, default=None,
+                   help="the traffic to send, comma-separated from normal, oversized, malformed, disconnect, burst "
+                        "(default: all; without normal: no baseline and no p99 goal)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+
+
+def _soak_kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in SOAK_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"kinds are among {', '.join(SOAK_KINDS)}, not {text!r}")
+    return kinds
 
 
 def _add_workspace(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,17 @@ rows where this machine measured that faster for the layer's shape (`in_row_bloc
 dtype): the 2b decoder's [2296, 12288] intermediate is 56 MB in bf16, a 1024-row block's 25 MB, which a 32 MB
 last-level cache keeps between the products.
 
+oneDNN (and ideep above it) keep one primitive per product shape they have run, ~0.5 MiB each (its descriptor and
+JIT-compiled kernels), in caches of 1024 entries; a forward's row count is its packed batch's token total, new in
+almost every batch a server forms. Fed as they came, a server's RSS climbed for as long as it served: the caches
+filling, then their evictions fragmenting the heap (docs/serve.md, "Soak"). So every product that reaches oneDNN
+(the primitive, packed weights, bf16's torch product) runs on its rows with zero rows appended up to `bucket_rows`,
+8 counts per octave (at most 1/8 more rows, 4.3% on average from 600 to 4096), and returns the first rows: each
+output row is its own input row's, and a server makes each (bucket, product) primitive once. Between a tiny-preset
+question (~660 tokens) and the CPU's 4096-token batch lie 22 buckets (44 at 16 per octave, which pad half as much
+but whose rarer buckets were still being met for the first time minutes into serving). MKL's sgemm (float32 on
+F.linear) keeps nothing per shape and runs unpadded.
+
 Registers the "linear" op (`kernels.registry`; with an activation) and the "projection" op (without one).
 
 `PIXELTRIAGE_ONEDNN`: auto (the default) as above, 1 the primitive for every float32 layer, 0 F.linear everywhere
@@ -204,13 +215,35 @@ def plain_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
     return registry.choose("projection", device, dtype) is ONEDNN_PROJECTION
 
 
+def bucket_rows(rows: int) -> int:
+    """`rows` rounded up to the next of 8 steps per octave (every count below 16 is its own): at most 1/8 more."""
+    step = 1 << max(0, rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def on_bucketed_rows(fn: Callable[[torch.Tensor], torch.Tensor | None], x: torch.Tensor) -> torch.Tensor | None:
+    """fn(x) for a product whose every output row depends on its input row alone (x: [..., in]), run on x's rows
+    with zero rows appended up to `bucket_rows`; the output's first rows (a view), or None where fn gives None."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    padded_rows = bucket_rows(rows)
+    if padded_rows == rows:
+        return fn(x)
+    padded = flat.new_empty((padded_rows, flat.shape[1]))
+    padded[:rows].copy_(flat)
+    padded[rows:].zero_()
+    out = fn(padded)
+    return None if out is None else out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
     kernel = registry.choose("linear", x.device, x.dtype)
     # a packed weight with an activation oneDNN has no epilogue for (`kernels.prepack`): its product, then the act
     if kernel is THEN_ACTIVATION or (isinstance(weight, Packed) and act not in _POST_OPS):
         return activation(act, in_place=True)(linear(x, weight, bias))   # the product's output is ours
-    out = _call_onednn(x, weight, bias, *_POST_OPS[act]) if kernel is ONEDNN and act in _POST_OPS else None
+    out = on_bucketed_rows(lambda rows: _call_onednn(rows, weight, bias, *_POST_OPS[act]), x) \
+        if kernel is ONEDNN and act in _POST_OPS else None
     return out if out is not None else linear_act_reference(x, weight, bias, act)
 
 
@@ -225,8 +258,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight: a tensor, or a weight reordered for oneDNN (`kernels.prepack`: `Packed`, `Rows`), run on its primitive
     (which has no output argument: `into` is not used)."""
     if isinstance(weight, (Packed, Rows)):
-        return weight(x, bias)
+        return on_bucketed_rows(lambda rows: weight(rows, bias), x)
     kernel = registry.choose("projection", x.device, x.dtype)
+    if kernel is ONEDNN_PROJECTION or kernel is ONEDNN_BIAS:       # oneDNN's, bf16's torch product included
+        return on_bucketed_rows(lambda rows: _product(kernel, rows, weight, bias, into), x)
+    return _product(kernel, x, weight, bias, into)
+
+
+def _product(kernel: registry.Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             into: str | None) -> torch.Tensor:
     if into is not None and bias is None and x.dim() == 2 and kernel is not ONEDNN_PROJECTION:
         out = workspace.take(into, (x.shape[0], weight.shape[0]), x.dtype, x.device)
         if out is not None:

@@ -1,5 +1,5 @@
-"""`pixeltriage bench soak`: a short run on the tiny preset against one real server (figures printed, never
-asserted: the 10-minute run and its goals are in docs/serve.md, "Soak")."""
+"""`pixeltriage bench soak`: short runs on the tiny preset against one real server (figures printed, never
+asserted: the long runs and their goals are in docs/serve.md, "Soak"), and the summary of its RSS samples."""
 import json
 import subprocess
 import sys
@@ -30,7 +30,53 @@ def test_soak_smoke():
         assert r["rss_mib"][key] > 0
     assert r["rss_mib"]["peak"] >= max(r["rss_mib"]["after_warmup"], r["rss_mib"]["end"])
     assert len(r["rss_mib"]["trajectory"]) == 11 and r["rss_mib"]["trajectory"][-1] == r["rss_mib"]["end"]
+    serving = r["rss_mib"]["serving"]
+    assert serving["samples"] >= 2 and len(serving["ten"]) == 10 and serving["reference"] == serving["ten"][0][1]
+    assert all(a[0] <= b[0] for a, b in zip(serving["ten"], serving["ten"][1:]))
     goals = r["goals"]
     assert set(goals) == {"no crash", "no lost or mixed-up response", "no 500", "end RSS within 10% of after warm-up",
-                          "normal p99 in the mix within 2x alone"}
+                          "serving RSS within 10% of its level once settled", "normal p99 in the mix within 2x alone"}
+    assert all(g["enforced"] for g in goals.values())
     assert (run.returncode == 0) == all(g["met"] for g in goals.values())
+
+
+def test_soak_of_chosen_kinds_without_the_latency_goal():
+    """--kinds oversized,disconnect: those kinds alone (no normal clients, no baseline, no p99 goal); with
+    --no-latency-goal the exit code follows behaviour and memory."""
+    run = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "soak", "--duration", "5", "--preset", "tiny",
+                          "--kinds", "oversized,disconnect", "--no-latency-goal", "--json"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode in (0, 1), run.stderr[-4000:]
+    r = json.loads(run.stdout)
+    assert r["kinds"].keys() == {"oversized", "disconnect"} and r["clients"] == 0 and r["baseline_s"] == 0
+    assert all(k["requests"] > 0 for k in r["kinds"].values()) and r["lost"] == 0 and r["status_500"] == 0
+    assert "normal p99 in the mix within 2x alone" not in r["goals"] and not r["latency_goal_enforced"]
+    assert (run.returncode == 0) == all(g["met"] for g in r["goals"].values())
+
+
+def test_bad_kinds_are_a_usage_error():
+    run = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "soak", "--duration", "5", "--kinds",
+                          "normal,huge"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "kinds are among normal, oversized, malformed, disconnect, burst" in run.stderr
+
+
+def test_cli_kinds_are_the_soaks():
+    from pixeltriage.bench import soak
+    from pixeltriage.cli import bench
+
+    assert bench.SOAK_KINDS == soak.KINDS
+
+
+def test_serving_rss_summary():
+    """Samples once a second for an hour climbing 30 MiB an hour from 500 MiB: judged from 300 s on, ten of them
+    spread over the rest, the slope read back; a run of 20 s is judged from half-way."""
+    from pixeltriage.bench.soak import serving_rss
+
+    times = [100.0 + t for t in range(3601)]
+    rss = [500 + 30 * t / 3600 for t in range(3601)]
+    r = serving_rss(times, rss, 100.0, 3700.0)
+    assert r["settled_s"] == 300 and r["samples"] == 3301 and r["ten"][0] == [300.0, r["reference"]]
+    assert r["ten"][-1] == [3600.0, 530.0] and abs(r["slope_mib_per_h"] - 30) < 1e-6
+    assert abs(r["growth"] - (530 - r["reference"]) / r["reference"]) < 1e-12
+    short = serving_rss(times[:21], rss[:21], 100.0, 120.0)
+    assert short["settled_s"] == 10 and short["samples"] == 11 and len(short["ten"]) == 10

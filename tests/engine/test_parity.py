@@ -155,3 +155,35 @@ def test_score_batch_equals_single_scores(checkpoint):
         single = scorer.score(q, m)
         assert got.p_vis == pytest.approx(single.p_vis, abs=1e-6)
         assert got.gains == pytest.approx(single.gains, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucketed_rows_leave_the_scores_bits(checkpoint, dtype, monkeypatch):
+    """oneDNN's products on bucketed row counts (`kernels.linear.bucket_rows`; float32 on the primitive, as where it
+    measured faster): a packed batch's scores are the same bits as with the buckets off, and the products ran on
+    padded rows (`on_bucketed_rows` saw row counts that are not buckets)."""
+    from pixeltriage.kernels import linear as lin
+
+    monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "1")
+    monkeypatch.setattr(lin, "_STATE", {})
+    if not lin._fused_available(dtype):
+        pytest.skip(f"no oneDNN {dtype} linear primitive for this CPU")
+    path, _ = checkpoint
+    question, memories = episode()
+    episodes = [(question, memories), ("Which one shows noise?", memories[2:]), ("No memories here", [])]
+    padding, real = [], lin.on_bucketed_rows
+
+    def spy(fn, x):
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        padding.append(lin.bucket_rows(rows) - rows)
+        return real(fn, x)
+
+    monkeypatch.setattr(lin, "on_bucketed_rows", spy)
+    scorer = Scorer.load(path, dtype=dtype)
+    bucketed = scorer.score_batch(episodes)
+    assert any(padding), padding
+    monkeypatch.setattr(lin, "bucket_rows", lambda n: n)
+    padding.clear()
+    unbucketed = scorer.score_batch(episodes)
+    assert padding and not any(padding)
+    assert bucketed == unbucketed

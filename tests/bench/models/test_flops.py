@@ -297,13 +297,18 @@ def test_the_2b_flop_preset_is_the_2b_demo_checkpoint_shape():
 
 
 @pytest.mark.parametrize("last", [FULL, LINEAR])
-def test_head_rows_only_saves_what_the_engine_leaves_out(tiny_checkpoint, last):
+def test_head_rows_only_saves_what_the_engine_leaves_out(tiny_checkpoint, last, monkeypatch):
     """The engine's forward at the head's rows (`decoder_forward(rows=...)`) against its full forward, both
-    under FlopCounterMode: the counted difference equals the analytic model's (`output_rows`)."""
+    under FlopCounterMode: the counted difference equals the analytic model's (`output_rows`). The model counts the
+    rows asked, so oneDNN's products run here on them, not on their bucket's (`kernels.linear.bucket_rows`: the
+    150 rows would be 160, the zero rows' FLOPs counted too)."""
     import dataclasses
 
     from pixeltriage.engine.model import decoder_forward
     from pixeltriage.engine.scorer import Scorer
+    from pixeltriage.kernels import linear
+
+    monkeypatch.setattr(linear, "bucket_rows", lambda rows: rows)
 
     scorer = Scorer.load(tiny_checkpoint)
     cfg, weights = scorer.model_config.text, scorer.weights.text
