@@ -19,6 +19,7 @@ os.environ["PIXELTRIAGE_TUNING"] = os.path.join(_tuning_dir, "tuning.json")
 
 import pytest
 
+from pixeltriage import settings
 from pixeltriage.weights.demo import write_demo_checkpoint
 
 
@@ -32,6 +33,32 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_copy(tiny_checkpoint, tmp_path):
     """A private copy of the tiny checkpoint that a test may break."""
     return shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+
+
+class _MonkeyPatch(pytest.MonkeyPatch):
+    """pytest's MonkeyPatch whose changes to the environment `pixeltriage.settings` reads at once (`settings.reload`),
+    on the way in and on the way out."""
+
+    def setenv(self, name, value, prepend=None):
+        super().setenv(name, value, prepend)
+        settings.reload()
+
+    def delenv(self, name, raising=True):
+        super().delenv(name, raising)
+        settings.reload()
+
+    def undo(self):
+        super().undo()
+        settings.reload()
+
+
+@pytest.fixture
+def monkeypatch():
+    """pytest's monkeypatch, the settings re-read after each environment change (a test sets a PIXELTRIAGE_*
+    switch with monkeypatch.setenv and the engine follows it)."""
+    patch = _MonkeyPatch()
+    yield patch
+    patch.undo()
 
 
 def _native_paths():

@@ -23,19 +23,19 @@ last-level cache keeps between the products.
 
 Registers the "linear" op (`kernels.registry`; with an activation) and the "projection" op (without one).
 
-`PIXELTRIAGE_ONEDNN`: auto (the default) as above, 1 the primitive for every float32 layer, 0 F.linear everywhere
+`PIXELTRIAGE_ONEDNN`: auto (the default) as above, on the primitive for every float32 layer, off F.linear everywhere
 (bf16 too: no primitive at all).
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from pixeltriage import settings
 from pixeltriage.kernels import registry, tuning, workspace
 from pixeltriage.kernels.activation import gelu_tanh_
 from pixeltriage.kernels.onednn_weights import Packed, Rows
@@ -61,22 +61,16 @@ def activation(name: str, in_place: bool = False):
 
 
 def _switch() -> str:
-    value = os.environ.get(ONEDNN_SWITCH, "auto").strip().lower() or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"{ONEDNN_SWITCH}={os.environ[ONEDNN_SWITCH]!r}: expected auto (the default: oneDNN's linear "
-                         f"primitive in bf16 for layers with a bias or an activation, and in float32 where measured "
-                         f"faster than F.linear on this machine), 1 (for every float32 layer) or 0 (F.linear "
-                         f"everywhere)")
-    return value
+    """PIXELTRIAGE_ONEDNN (`pixeltriage.settings`): "auto", "on" or "off"."""
+    return settings.current().onednn
 
 
 def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether oneDNN's linear primitive may run `dtype` here (torch has it, PIXELTRIAGE_ONEDNN is not 0, and for
+    """Whether oneDNN's linear primitive may run `dtype` here (torch has it, PIXELTRIAGE_ONEDNN is not off, and for
     bf16 the CPU has bf16 units oneDNN builds for)."""
+    if _switch() == "off":
+        return False
     if "ok" not in _STATE:
-        if _switch() == "0":
-            _STATE["ok"] = _STATE["bf16"] = False
-            return False
         try:
             _STATE["ok"] = bool(torch.backends.mkldnn.is_available()) and \
                 hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -185,11 +179,13 @@ def measure_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
 
 
 def _projection_available() -> bool:
-    """float32 on oneDNN's primitive: PIXELTRIAGE_ONEDNN=1, or auto and measured faster here (`float32_choice`)."""
+    """float32 on oneDNN's primitive: PIXELTRIAGE_ONEDNN on, or auto and measured faster here (`float32_choice`)."""
     if not _fused_available(torch.float32):
         return False
+    if _switch() == "on":
+        return True
     if "plain" not in _STATE:
-        _STATE["plain"] = _switch() == "1" or float32_choice()["library"] == "oneDNN"
+        _STATE["plain"] = float32_choice()["library"] == "oneDNN"
     return _STATE["plain"]
 
 
@@ -200,7 +196,7 @@ def float32_choice() -> dict:
 
 def plain_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether `linear` runs oneDNN's primitive for `dtype` tensors on `device` whatever the layer (float32 where
-    measured faster, or PIXELTRIAGE_ONEDNN=1); deciding it here measures once per machine where not yet known."""
+    measured faster, or PIXELTRIAGE_ONEDNN on); deciding it here measures once per machine where not yet known."""
     return registry.choose("projection", device, dtype) is ONEDNN_PROJECTION
 
 

@@ -4,7 +4,7 @@ Each op's package registers its kernels when it is imported (`register`); `choos
 kernel whose devices and dtypes fit and whose `available()` holds, and names it, so that /info, gpu_check and the
 profiler report what actually runs (`choices`). Adding an op's fast path is its kernel file and one registration.
 
-The test switch: with PIXELTRIAGE_EMULATE_CUDA=1 and TRITON_INTERPRET=1, CPU tensors get the CUDA kernels (the
+The test switch: with PIXELTRIAGE_EMULATE_CUDA=1 and TRITON_INTERPRET=1 (`pixeltriage.settings`), CPU tensors get the CUDA kernels (the
 Triton and flash-linear-attention ones run in Triton's interpreter), so the CUDA forward runs in CI without a GPU.
 The interpreter cannot run bf16 dots, so under emulation float32 stands in for the dtypes a CUDA kernel was
 registered for. The switch without the interpreter is an error, never silently ignored.
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from pixeltriage import settings
 from pixeltriage.errors import BackendUnavailableError
 
 EMULATE_CUDA = "PIXELTRIAGE_EMULATE_CUDA"
@@ -28,8 +28,6 @@ DEVICES = ("cpu", "cuda")
 OP_MODULES = ("pixeltriage.kernels.gated_delta", "pixeltriage.kernels.conv", "pixeltriage.kernels.norm",
               "pixeltriage.kernels.rotary", "pixeltriage.kernels.activation", "pixeltriage.kernels.linear",
               "pixeltriage.kernels.attention", "pixeltriage.kernels.head")
-# the words a switch in the environment may say for on and off (unset or empty: off, for `_flag`)
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 
 
 @dataclass(frozen=True)
@@ -78,24 +76,10 @@ def register(op: str, name: str, fn: Callable, *, devices: Sequence[str] = ("cpu
     return kernel
 
 
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in TRUE_WORDS:
-        return True
-    if value in FALSE_WORDS:
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r}: expected 1 or 0")
-
-
 def emulating_cuda() -> bool:
-    """Whether the test switch is on (PIXELTRIAGE_EMULATE_CUDA=1 with TRITON_INTERPRET=1); ValueError naming both
-    variables when the switch is set without the interpreter."""
-    if not _flag(EMULATE_CUDA):
-        return False
-    if not _flag(TRITON_INTERPRET):
-        raise ValueError(f"{EMULATE_CUDA}=1 runs the CUDA kernels on CPU tensors in Triton's interpreter, which "
-                         f"needs {TRITON_INTERPRET}=1 (set before triton is first imported); it is not set")
-    return True
+    """Whether the test switch is on (PIXELTRIAGE_EMULATE_CUDA=1 with TRITON_INTERPRET=1, `pixeltriage.settings`,
+    whose parse is a ValueError naming both variables when the switch is set without the interpreter)."""
+    return settings.current().emulate_cuda
 
 
 def kernel_device(device: torch.device | str) -> str:

@@ -12,14 +12,13 @@ same bf16 operands, on any machine: what the tests run where the CPU has neither
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
+from pixeltriage import settings
 from pixeltriage.errors import BackendUnavailableError
 from pixeltriage.kernels import native, tuning
-from pixeltriage.kernels.registry import FALSE_WORDS, TRUE_WORDS
 from pixeltriage.kernels.gated_delta import chunk
 from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value_heads
 
@@ -44,15 +43,8 @@ SWITCH = "PIXELTRIAGE_DELTA_BF16"
 
 
 def switch() -> str:
-    """PIXELTRIAGE_DELTA_BF16 as "auto" (unset or empty: measured), "on" or "off"; ValueError for anything else."""
-    value = os.environ.get(SWITCH, "").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in TRUE_WORDS + FALSE_WORDS:
-        return "on" if value in TRUE_WORDS else "off"
-    raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: the bf16 delta pass where it "
-                     f"measured faster than the float32 pass on this machine), 1 / on (wherever the CPU has AMX or "
-                     f"AVX512-BF16) or 0 / off (never)")
+    """PIXELTRIAGE_DELTA_BF16 (`pixeltriage.settings`): "auto" (unset: measured), "on" or "off"."""
+    return settings.current().delta_bf16
 
 
 # The record `tuning` keeps, the layer it is timed on (tokens, heads of q, k and v, their width: a bench-small layer

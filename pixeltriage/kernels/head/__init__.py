@@ -9,10 +9,10 @@ Registers the "head" op (`kernels.registry`), its kernels fn(*args of `decision_
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from pixeltriage import settings
 from pixeltriage.errors import BackendUnavailableError
 from pixeltriage.kernels import registry
 from pixeltriage.kernels.head.reference import HeadOutput, decision_head_reference, final_norm_rows
@@ -27,7 +27,7 @@ def _triton_installed() -> bool:
 
 
 def _triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
+    return settings.current().triton_interpret
 
 
 def _run_triton(*args) -> HeadOutput:

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
+from pixeltriage import settings
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,17 +57,12 @@ _isa_override: list[bool] = []     # emulated_isa()'s, innermost last: before th
 
 
 def _disabled() -> bool:
-    return os.environ.get("PIXELTRIAGE_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+    return not settings.current().native
 
 
-@functools.cache
 def _isa_switch() -> bool:
-    """PIXELTRIAGE_NATIVE_ISA, read once per process (like the libraries it picks): True for "emulated"."""
-    value = os.environ.get(ISA_SWITCH, "native").strip().lower() or "native"
-    if value not in ("native", "emulated"):
-        raise ValueError(f"{ISA_SWITCH}={value!r}: expected 'native' (the CPU's own instructions) or 'emulated' "
-                         "(AVX-512 and AMX in portable C, for tests)")
-    return value == "emulated"
+    """PIXELTRIAGE_NATIVE_ISA (`pixeltriage.settings`): True for "emulated"."""
+    return settings.current().native_isa == "emulated"
 
 
 def isa_emulated() -> bool:
