@@ -61,36 +61,28 @@ def monkeypatch():
     patch.undo()
 
 
-def _native_paths():
-    from pixeltriage.kernels import native
-
-    return [pytest.param(False, id="torch"),
-            pytest.param(None, id="native", marks=pytest.mark.skipif(not native.available(),
-                                                                       reason=f"native kernels: {native.status()}"))]
+def pytest_configure(config):
+    config.addinivalue_line("markers", "claims(*kernels): the test claims these registry kernels; it fails unless "
+                                       "each ran and declined nothing (tests/kernel_claims.py)")
 
 
-NATIVE_PATHS = _native_paths()   # `native=` values: the torch path and the C kernels beside it
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test marked `claims` runs inside its own kernel record and fails unless each kernel it claims ran and
+    declined no call (tests/kernel_claims.py)."""
+    claimed = [kernel for marker in item.iter_markers("claims") for kernel in marker.args]
+    if not claimed:
+        return (yield)
+    from kernel_claims import problems
 
+    from pixeltriage.kernels import registry
 
-@pytest.fixture(params=NATIVE_PATHS)
-def native(request, monkeypatch):
-    """Run a CPU-kernel test once through the torch path (False) and once through the C kernels (None); in the
-    second run, fail the test if no C kernel was called (a guard that declined would test torch twice)."""
-    if request.param is False:
-        yield False
-        return
-    from pixeltriage.kernels import native as native_kernels
-
-    lib, called = native_kernels.library(), []
-
-    class Counting:
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(lib, name)
-
-    monkeypatch.setattr(native_kernels, "library", lambda: Counting())
-    yield None
-    assert called, "native=None, but no C kernel ran"
+    with registry.recording() as record:
+        result = yield
+    missing = problems(record.snapshot(), claimed)
+    if missing:
+        raise AssertionError("the kernels this test claims did not run as claimed:\n  " + "\n  ".join(missing))
+    return result
 
 
 @pytest.fixture(autouse=True)
@@ -106,13 +98,3 @@ def _isa_emulation(request):
         if native_kernels.library() is None:
             pytest.skip(f"no emulated build of the native kernels: {native_kernels.status()}")
         yield
-
-
-@pytest.fixture
-def native_calls(monkeypatch):
-    """Every C kernel call of the test, as (kernel name, its arguments), the calls still made."""
-    from pixeltriage.kernels import native as native_kernels
-
-    calls, real = [], native_kernels.call
-    monkeypatch.setattr(native_kernels, "call", lambda name, *args: calls.append((name, args)) or real(name, *args))
-    return calls

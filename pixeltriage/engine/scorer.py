@@ -63,7 +63,8 @@ class Scorer:
                                       f"write-time cache keeps {THUMBNAIL_SIDE}-px thumbnails; rescaling them would "
                                       "not give the thumbnails this checkpoint was trained on")
         self.cache = cache
-        self.head_backend = resolve_head_backend(head_backend, device)
+        resolve_head_backend(head_backend, device)            # an unavailable choice is an error here
+        self.head_backend = head_backend
         self.packer = StatePacker(encoder, model_cfg, image_cfg, triage_cfg)
         self.vision_counts = {"cached": 0, "computed": 0}   # images whose ViT output was reused / computed
         # score_batch packs states into varlen forwards of at most this many tokens. On the CPU longer forwards only
@@ -151,10 +152,12 @@ class Scorer:
         self.graphs = None
 
     def kernels(self) -> dict[str, str]:
-        """op -> the name of the kernel that runs it in this scorer's forward (`kernels.registry.choices` for its
-        device and dtype; the head as this scorer resolved it): for logs, /info, gpu_check and profiles."""
+        """op -> the name of the kernel a call of it starts with in this scorer's forward (`kernels.registry.choices`
+        for its device and dtype; the head as this scorer was asked for it): what would be chosen, for logs, /info,
+        gpu_check and profiles."""
         names = registry.choices(self.device, self.dtype)
-        names["head"] = {"triton": HEAD_TRITON.name, "torch": HEAD_TORCH.name}[self.head_backend]
+        if self.head_backend != "auto":
+            names["head"] = {"triton": HEAD_TRITON.name, "torch": HEAD_TORCH.name}[self.head_backend]
         if self._prepack.roles:
             names["prepacked"] = f"oneDNN's layout, reordered by the first forward: {', '.join(self._prepack.roles)}"
         return names

@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from pixeltriage import settings
-from pixeltriage.kernels import linear, tuning, workspace
+from pixeltriage.kernels import linear, registry, tuning, workspace
 from pixeltriage.kernels.onednn_weights import Packed, Rows
 
 SWITCH = "PIXELTRIAGE_PREPACK"
@@ -91,9 +91,10 @@ def choice(dtype: torch.dtype = torch.bfloat16) -> dict:
 
 
 def applies(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """None where weights may be packed for a forward on `device` in `dtype`, else why not."""
-    if torch.device(device).type != "cpu":
-        return f"{torch.device(device).type} forward"
+    """None where weights may be packed for a forward on `device` in `dtype`, else why not (a forward that runs the
+    CUDA kernels, CPU tensors under the test switch included: `registry.kernel_device`)."""
+    if registry.kernel_device(device) != "cpu":
+        return "cuda forward"
     if dtype not in RECORDS:
         return f"{dtype} forward"
     if switch() == "off":

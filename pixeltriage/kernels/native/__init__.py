@@ -269,14 +269,28 @@ def checked_out(out, shape: tuple[int, ...], like):
     return out
 
 
-def call(kernel: str, *args) -> bool:
-    """Run `kernel` with `args` and this process's torch thread count appended; True when the library is built
-    and the kernel returned 0 (a kernel refuses arguments it does not handle before it writes anything, so on
-    False the caller takes its torch path)."""
+# native.call's code of its own (the entry points return 0 where they ran, a positive code where they declined)
+NO_LIBRARY = -2            # the library is not built
+
+
+def call(name: str, *args, lib: ctypes.CDLL | None = None) -> int:
+    """Run C entry point `name` of `lib` (None: this module's kernel library) with `args` and this process's torch
+    thread count appended; the code it returned: 0 where it ran, non-zero where it declined (an entry point refuses
+    arguments it does not handle before it writes anything, so the caller's next kernel may run them). The one call
+    site of the C kernels' entry points (`kernels.registry.c_call` turns a non-zero code into a decline)."""
     import torch
 
-    lib = library()
-    return lib is not None and getattr(lib, kernel)(*args, torch.get_num_threads()) == 0
+    lib = library() if lib is None else lib
+    if lib is None:
+        return NO_LIBRARY
+    return getattr(lib, name)(*args, torch.get_num_threads())
+
+
+def decline_reason(name: str, code: int) -> str:
+    """Why entry point `name` declined, from the code `call` returned (counted and logged as the decline's reason)."""
+    if code == NO_LIBRARY:
+        return f"{name}: the C library is not built"
+    return f"{name} returned {code}"
 
 
 # ---- parts of a kernel's call measured inside it (the delta passes' conv + SiLU), for a profiler ----------------
