@@ -114,8 +114,9 @@ def test_a_declined_call_runs_the_next_kernel_and_is_counted_and_logged_once(fre
         only(torch.zeros(1))
 
 
-def test_records_nest(fresh, no_switch):
-    """A record counts the calls made in its block, nested blocks' included, once however they nest."""
+def test_records_nest_and_scorers_keep_their_own(fresh, no_switch, tiny_checkpoint):
+    """A record counts the calls made in its block, nested blocks' included; a Scorer counts its own forwards' calls,
+    apart from other scorers', once however its methods nest."""
     op = fresh.op("counted", device_dtype)
     op.register("k", lambda x: x)
     with registry.recording() as outer:
@@ -126,6 +127,20 @@ def test_records_nest(fresh, no_switch):
         with registry.recording(outer):                     # active already: counted once
             op(torch.zeros(1))
     assert outer.snapshot().ran("counted", "k") == 4 and inner.snapshot().ran("counted", "k") == 1
+
+    from pixeltriage import Scorer
+    from pixeltriage.episode import sample_episode
+
+    first, second = Scorer.load(tiny_checkpoint), Scorer.load(tiny_checkpoint)
+    assert first.kernel_counts().calls == {}
+    with registry.recording() as around:
+        first.score(*sample_episode())
+    assert around.snapshot() == first.kernel_counts()
+    ran = first.kernel_counts()
+    assert ran.ran("head", "torch reference") == 1 and ran.ran("gated_delta", first.kernels()["gated_delta"]) > 0
+    assert second.kernel_counts().calls == {}
+    first.with_cache(None).score(*sample_episode())                 # the same loaded model: the same record
+    assert first.kernel_counts().ran("head", "torch reference") == 2
 
 
 def test_the_profiler_trace_names_each_kernel(fresh, no_switch):
