@@ -4,12 +4,14 @@
 variable's accepted values is a ValueError naming the variable and those values. Whoever changes a variable after
 that re-reads with `reload()` (the next `current()` parses the environment again) or sets it for a block with
 `environment(...)`: tests and tools do (the test suite's `monkeypatch` re-reads on every setenv and delenv). The
-kernels take their switches from here; docs/api.md has the table of variables.
+kernels take their switches from here (`kernels.registry`: which kernel may run each op); docs/api.md has the
+table of variables.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -35,6 +37,7 @@ class Settings:
     malloc_trim: bool               # PIXELTRIAGE_MALLOC_TRIM
     emulate_cuda: bool              # PIXELTRIAGE_EMULATE_CUDA (with TRITON_INTERPRET=1)
     triton_interpret: bool          # TRITON_INTERPRET, Triton's own variable, read for the head and the switch above
+    test_decline: frozenset[str]    # PIXELTRIAGE_TEST_DECLINE: C entry points forced to decline (tests)
 
 
 def _raw(name: str) -> str:
@@ -78,6 +81,18 @@ def _path(name: str) -> Path | None:
     return Path(value).expanduser() if value else None
 
 
+_ENTRY_POINT = re.compile(r"pt_[a-z0-9_]+")
+
+
+def _entry_points(name: str) -> frozenset[str]:
+    names = [n.strip() for n in _raw(name).split(",") if n.strip()]
+    wrong = [n for n in names if not _ENTRY_POINT.fullmatch(n)]
+    if wrong:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected C entry point names separated by commas "
+                         f"(pt_add_norm,pt_silu_mul), not {', '.join(map(repr, wrong))}")
+    return frozenset(names)
+
+
 def parse() -> Settings:
     """The environment as it is now, parsed (no caching: `current` keeps one)."""
     settings = Settings(
@@ -87,7 +102,8 @@ def parse() -> Settings:
         delta_bf16=_tri_state("PIXELTRIAGE_DELTA_BF16"), onednn=_tri_state("PIXELTRIAGE_ONEDNN"),
         prepack=_tri_state("PIXELTRIAGE_PREPACK"), workspace=_flag("PIXELTRIAGE_WORKSPACE", True),
         malloc_tuning=_flag("PIXELTRIAGE_MALLOC_TUNING", True), malloc_trim=_flag("PIXELTRIAGE_MALLOC_TRIM", True),
-        emulate_cuda=_flag("PIXELTRIAGE_EMULATE_CUDA", False), triton_interpret=_flag("TRITON_INTERPRET", False))
+        emulate_cuda=_flag("PIXELTRIAGE_EMULATE_CUDA", False), triton_interpret=_flag("TRITON_INTERPRET", False),
+        test_decline=_entry_points("PIXELTRIAGE_TEST_DECLINE"))
     if settings.emulate_cuda and not settings.triton_interpret:
         raise ValueError("PIXELTRIAGE_EMULATE_CUDA=1 runs the CUDA kernels on CPU tensors in Triton's interpreter, "
                          "which needs TRITON_INTERPRET=1 (set before triton is first imported); it is not set")

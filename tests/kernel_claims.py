@@ -10,6 +10,9 @@ passes its comparison.
 `paths(torch_kernel, native_kernel)`: the parameters "torch" and "native" of a test that runs (`registry.run`) an
 op's torch kernel and, beside it, its C or SIMD kernel: each claims its kernel; "native" is skipped where its kernel
 is not available here.
+
+tests/forced_declines.py runs, per C entry point, the tests claiming it with that entry point forced to decline: none
+may pass.
 """
 from __future__ import annotations
 

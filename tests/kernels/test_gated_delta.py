@@ -463,6 +463,25 @@ def test_bf16_pass_declines_what_it_does_not_take():
             bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 32, 32, engine_name="tiles")
 
 
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+def test_bf16_op_falls_back_to_the_float32_pass(monkeypatch):
+    """The "gated_delta" op on a float32 projection takes the float32 pass; on a bf16 one whose bf16 pass declines
+    (its entry point forced to, here) it takes the float32 pass too, the decline counted with its reason."""
+    x, weight, g, beta = bf16_projection(70, 2, 2, 32, 32)
+    monkeypatch.setenv(bf16.SWITCH, "1")
+    monkeypatch.setattr(native, "fast_bf16_engine", lambda: "fma")     # a bf16 pass on any machine
+    monkeypatch.setenv("PIXELTRIAGE_TEST_DECLINE", "pt_delta_chunked_bf16")
+    with registry.recording() as record:
+        on_float32 = chunk.GATED_DELTA(x.float(), weight, g, beta, 2, 32, 2, 32, None)
+        on_bf16 = chunk.GATED_DELTA(x, weight, g, beta, 2, 32, 2, 32, None)
+    counts = record.snapshot()
+    assert counts.ran("gated_delta", chunk.NATIVE.name) == 2 and counts.ran("gated_delta", bf16.BF16.name) == 0
+    assert counts.declined("gated_delta", bf16.BF16.name) == {
+        "pt_delta_chunked_bf16 forced to decline by PIXELTRIAGE_TEST_DECLINE": 1}
+    assert torch.equal(on_float32, conv_chunk_gated_delta_rule(x.float(), weight, g, beta, 2, 32, 32))
+    assert torch.equal(on_bf16, conv_chunk_gated_delta_rule(x, weight, g, beta, 2, 32, 32))
+
+
 @pytest.mark.parametrize("ratios, chosen", [([0.5, 0.6, 0.7], "bf16"), ([0.96, 0.98, 1.2], "float32")])
 def test_bf16_pass_is_measured_against_the_float32_pass(ratios, chosen, monkeypatch, tmp_path):
     """The record, where this CPU has a fast engine: "bf16" where the pass's median time is under MARGIN of the

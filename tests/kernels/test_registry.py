@@ -324,6 +324,28 @@ def test_cpu_ops_take_the_c_kernels_the_registry_names(no_switch):
     activation.silu_mul(torch.randn(8, 32))
 
 
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+def test_forced_declines_are_declines_with_their_reason(monkeypatch):
+    """PIXELTRIAGE_TEST_DECLINE names C entry points that `native.call` declines without calling (a code of its
+    own): the op records the decline with `native.decline_reason`'s words and runs the next kernel. A name that is
+    not an entry point's shape is an error naming the variable."""
+    x = torch.randn(8, 32)
+    want = activation.silu_mul_torch(x)
+    monkeypatch.setenv("PIXELTRIAGE_TEST_DECLINE", "pt_silu_mul, pt_add_norm")
+    assert native.call("pt_silu_mul") == native.FORCED_DECLINE
+    with registry.recording() as record:
+        got = activation.silu_mul(x)
+    assert torch.equal(got, want)
+    counts = record.snapshot()
+    assert counts.declined("silu_mul", "native C pt_silu_mul") == {
+        "pt_silu_mul forced to decline by PIXELTRIAGE_TEST_DECLINE": 1}
+    assert counts.ran("silu_mul", "torch") == 1
+    assert native.decline_reason("pt_rotary", 2) == "pt_rotary returned 2"
+    monkeypatch.setenv("PIXELTRIAGE_TEST_DECLINE", "silu")
+    with pytest.raises(ValueError, match="PIXELTRIAGE_TEST_DECLINE='silu'"):
+        activation.silu_mul(x)
+
+
 def test_an_older_fla_is_not_available(monkeypatch):
     """fla before 0.6 takes neither more value heads than key heads nor a precomputed chunk table."""
     import fla as fla_package

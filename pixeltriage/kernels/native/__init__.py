@@ -269,17 +269,21 @@ def checked_out(out, shape: tuple[int, ...], like):
     return out
 
 
-# native.call's code of its own (the entry points return 0 where they ran, a positive code where they declined)
+# native.call's codes of its own (the entry points return 0 where they ran, a positive code where they declined)
+FORCED_DECLINE = -1        # the entry point is named by PIXELTRIAGE_TEST_DECLINE: not called
 NO_LIBRARY = -2            # the library is not built
 
 
 def call(name: str, *args, lib: ctypes.CDLL | None = None) -> int:
     """Run C entry point `name` of `lib` (None: this module's kernel library) with `args` and this process's torch
     thread count appended; the code it returned: 0 where it ran, non-zero where it declined (an entry point refuses
-    arguments it does not handle before it writes anything, so the caller's next kernel may run them). The one call
-    site of the C kernels' entry points (`kernels.registry.c_call` turns a non-zero code into a decline)."""
+    arguments it does not handle before it writes anything, so the caller's next kernel may run them), and
+    FORCED_DECLINE, without calling it, for an entry point PIXELTRIAGE_TEST_DECLINE names. The one call site of the
+    C kernels' entry points (`kernels.registry.c_call` turns a non-zero code into a decline)."""
     import torch
 
+    if name in settings.current().test_decline:
+        return FORCED_DECLINE
     lib = library() if lib is None else lib
     if lib is None:
         return NO_LIBRARY
@@ -288,6 +292,8 @@ def call(name: str, *args, lib: ctypes.CDLL | None = None) -> int:
 
 def decline_reason(name: str, code: int) -> str:
     """Why entry point `name` declined, from the code `call` returned (counted and logged as the decline's reason)."""
+    if code == FORCED_DECLINE:
+        return f"{name} forced to decline by PIXELTRIAGE_TEST_DECLINE"
     if code == NO_LIBRARY:
         return f"{name}: the C library is not built"
     return f"{name} returned {code}"
