@@ -125,10 +125,15 @@ def _segment_bf16_accepts(q, k, v, lengths, engine=None):
     return _bf16_refusal(q, k, v, lengths, engine, MAX_SEGMENT, grouped=False)
 
 
+def _bf16_call(q, lengths, engine):
+    """What both bf16 kernels are called with: their engine's name, the output to fill, each segment's first token and
+    length (`_segments`), the query heads and the head dim."""
+    return (native.fast_bf16_engine() if engine is None else engine, q.new_empty(q.shape), *_segments(lengths),
+            *q.shape[1:])
+
+
 def _segment_bf16(q, k, v, lengths, engine=None):
-    name = native.fast_bf16_engine() if engine is None else engine
-    out, (starts, lens) = q.new_empty(q.shape), _segments(lengths)
-    heads, dim = q.shape[1:]
+    name, out, starts, lens, heads, dim = _bf16_call(q, lengths, engine)
     per_thread = native.library().pt_segment_attention_scratch(max(lengths, default=0), dim)
     scratch = torch.empty(torch.get_num_threads(), per_thread)
     registry.c_call("pt_segment_attention_bf16", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
@@ -162,9 +167,7 @@ def _causal_bf16_accepts(q, k, v, lengths, engine=None):
 
 
 def _causal_bf16(q, k, v, lengths, engine=None):
-    name = native.fast_bf16_engine() if engine is None else engine
-    out, (starts, lens) = q.new_empty(q.shape), _segments(lengths)
-    heads, dim = q.shape[1:]
+    name, out, starts, lens, heads, dim = _bf16_call(q, lengths, engine)
     lib = native.library()
     per_thread = lib.pt_causal_attention_scratch(max(lengths, default=0), dim)
     per_head = lib.pt_causal_attention_kv(max(lengths, default=0), dim)

@@ -141,14 +141,10 @@ class Op:
         for kernel in self.fitting(device, dtype):
             if not kernel.available():
                 continue
-            reason = None if kernel.accepts is None else kernel.accepts(*args, **kwargs)
-            if reason is None:
-                try:
-                    return _call(kernel, args, kwargs)
-                except Declined as e:
-                    reason = e.reason
-            _declined(kernel, reason)
-            declines.append(f"{kernel.name}: {reason}")
+            out = _attempt(kernel, args, kwargs)
+            if not isinstance(out, Declined):
+                return out
+            declines.append(f"{kernel.name}: {out.reason}")
         raise BackendUnavailableError(f"no kernel of op {self.name!r} runs {dtype} on {kernel_device(device)}"
                                       f"{' (emulated on the CPU)' if _emulated(device) else ''}"
                                       f"{'; declined: ' + '; '.join(declines) if declines else ''}")
@@ -168,14 +164,10 @@ def op(name: str, key: Callable[..., tuple[torch.device, torch.dtype]]) -> Op:
 def run(kernel: Kernel, *args, **kwargs):
     """Run exactly `kernel` (its `accepts`, then its function), counted as a call of it: for a caller that wants one
     implementation (a measurement, a test, a choice the user made). Declined where it declines the call."""
-    reason = None if kernel.accepts is None else kernel.accepts(*args, **kwargs)
-    if reason is None:
-        try:
-            return _call(kernel, args, kwargs)
-        except Declined as e:
-            reason = e.reason
-    _declined(kernel, reason)
-    raise Declined(reason, kernel)
+    out = _attempt(kernel, args, kwargs)
+    if isinstance(out, Declined):
+        raise out
+    return out
 
 
 def c_call(name: str, *args, lib=None) -> None:
@@ -266,6 +258,19 @@ def recording(record: Record | None = None) -> Iterator[Record]:
         yield record
     finally:
         _ACTIVE.reset(token)
+
+
+def _attempt(kernel: Kernel, args: tuple, kwargs: dict):
+    """The kernel's result for the call, or, where it declines it (`accepts`, or `Declined` from its function), a
+    Declined saying why (counted as a decline)."""
+    reason = None if kernel.accepts is None else kernel.accepts(*args, **kwargs)
+    if reason is None:
+        try:
+            return _call(kernel, args, kwargs)
+        except Declined as e:
+            reason = e.reason
+    _declined(kernel, reason)
+    return Declined(reason, kernel)
 
 
 def _call(kernel: Kernel, args: tuple, kwargs: dict):
