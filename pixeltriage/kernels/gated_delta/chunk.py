@@ -3,6 +3,11 @@
 Within a chunk of C tokens the delta-rule updates are condensed with the UT transform
 T = (I + tril(diag(beta) K K^T * decay, -1))^-1, so the chunk needs only matmuls; the recurrent
 state [K, V] per head is carried across chunks. Intra-chunk work is batched over heads and chunks.
+
+Registers (`kernels.registry`) the "gated_delta" op with its C pass (`pt_delta_chunked` in conv mode) and its chunked
+composition (the "conv1d" op, then the "delta_rule" op), the "delta_rule" op (q, k, v already made: C
+`pt_delta_chunked`, torch) and the "chunk_layout" op the torch rule gathers its chunks by (C `pt_chunk_gather`,
+torch).
 """
 from __future__ import annotations
 
