@@ -24,9 +24,9 @@ import ast
 import contextlib
 import importlib.metadata
 import inspect
-import os
-
 import pytest
+
+from pixeltriage import settings
 
 TRITON_VERSION = "3.9.0"
 FLA_VERSION = "0.6.0"
@@ -132,24 +132,17 @@ def fla_interpreter_mode():
         yield
         return
 
-    saved_env = {k: os.environ.get(k) for k in (EMULATE_CUDA, "TRITON_INTERPRET")}
     original_prune = autotuner.Autotuner.prune_configs
     interpreter.ASTTransformer.visit_For = _visit_for
     interpreter.InterpretedFunction.rewritten_fn.clear()
     autotuner.Autotuner.prune_configs = _first_config(original_prune)
-    os.environ[EMULATE_CUDA] = "1"
-    os.environ["TRITON_INTERPRET"] = "1"
     try:
-        yield
+        with settings.environment(**{EMULATE_CUDA: "1", "TRITON_INTERPRET": "1"}):
+            yield
     finally:
         autotuner.Autotuner.prune_configs = original_prune
         del interpreter.ASTTransformer.visit_For
         interpreter.InterpretedFunction.rewritten_fn.clear()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from pixeltriage.kernels import native
+from pixeltriage.kernels import native, registry
 
 SOURCE = native.SOURCE.with_name("simd.c")
 
@@ -60,48 +60,58 @@ def status() -> str:
     return status + (" (no AVX-512 BF16: declines)" if lib is not None and not available() else "")
 
 
-def _takes(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1 and available()
+# The passes, each a kernel function of the registry (`kernels.activation`, `kernels.norm` register them) beside its
+# `accepts`: the checks the pass needs, or why it declines the call.
+
+def silu_mul_accepts(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> str | None:
+    if (gate_up.device.type != "cpu" or gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2
+            or gate_up.stride(1) != 1 or gate_up.shape[1] % 2):
+        return "gate_up not a bf16 CPU [T, 2I] with contiguous rows"
+    return None if available() else "no AVX-512 BF16 build"
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up: bf16 [T, 2I] (gate columns first, rows contiguous) -> silu(gate) * up, bf16 [T, I] (into `out`,
-    contiguous [T, I] bf16, where given); None where the kernel does not apply (another dtype or layout, or no
-    AVX-512 BF16)."""
-    if not _takes(gate_up) or gate_up.shape[1] % 2:
-        return None
+    contiguous [T, I] bf16, where given)."""
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
     if out is None:
         out = torch.empty(rows, inner, dtype=gate_up.dtype)
     native.checked_out(out, (rows, inner), gate_up)
-    ok = library().pt_simd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, inner, out.data_ptr(),
-                                    torch.get_num_threads()) == 0
-    return out if ok else None
+    registry.c_call("pt_simd_silu_mul", gate_up.data_ptr(), gate_up.stride(0), rows, inner, out.data_ptr(),
+                    lib=library())
+    return out
 
 
-def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """w * x / sqrt(mean(x^2) + eps) * silu(gate) over the last dim, rounded once to bf16. x: float32 [R, H, D];
-    gate: bf16 [R, H, D] (each with a unit last stride); weight: [D] -> bf16 [R, H, D]; None where the kernel does
-    not apply (other dtypes or layouts, or no AVX-512 BF16)."""
+def rms_norm_gated_accepts(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
     if (x.device.type != "cpu" or x.dtype != torch.float32 or gate.dtype != torch.bfloat16 or x.dim() != 3
             or gate.shape != x.shape or x.stride(-1) != 1 or gate.stride(-1) != 1 or x.shape[-1] == 0
-            or weight.numel() != x.shape[-1] or not available()):
-        return None
+            or weight.numel() != x.shape[-1]):
+        return "not float32 x and a bf16 gate [R, H, D] on the CPU with unit last strides, weight [D]"
+    return None if available() else "no AVX-512 BF16 build"
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * x / sqrt(mean(x^2) + eps) * silu(gate) over the last dim, rounded once to bf16. x: float32 [R, H, D];
+    gate: bf16 [R, H, D] (each with a unit last stride); weight: [D] -> bf16 [R, H, D]."""
     rows, heads, dim = x.shape
     w = weight.float().contiguous()
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    ok = library().pt_simd_rms_norm_gated(x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(), gate.stride(0),
-                                          gate.stride(1), w.data_ptr(), rows, heads, dim, eps, out.data_ptr(),
-                                          torch.get_num_threads()) == 0
-    return out if ok else None
+    registry.c_call("pt_simd_rms_norm_gated", x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(),
+                    gate.stride(0), gate.stride(1), w.data_ptr(), rows, heads, dim, eps, out.data_ptr(), lib=library())
+    return out
 
 
-def sigmoid_gate_(o: torch.Tensor, gate: torch.Tensor) -> bool:
-    """o *= sigmoid(gate) in place, the sigmoid rounded to bf16 and then the product, as torch's two ops round them.
-    o, gate: bf16 [R, H, D] with unit last strides. False (o untouched) where the kernel does not apply."""
+def sigmoid_gate_accepts(o: torch.Tensor, gate: torch.Tensor) -> str | None:
     if (o.device.type != "cpu" or o.dtype != torch.bfloat16 or gate.dtype != torch.bfloat16 or o.dim() != 3
-            or gate.shape != o.shape or o.stride(-1) != 1 or gate.stride(-1) != 1 or not available()):
-        return False
+            or gate.shape != o.shape or o.stride(-1) != 1 or gate.stride(-1) != 1):
+        return "not bf16 [R, H, D] o and gate on the CPU with unit last strides"
+    return None if available() else "no AVX-512 BF16 build"
+
+
+def sigmoid_gate_(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o *= sigmoid(gate) in place, the sigmoid rounded to bf16 and then the product, as torch's two ops round them.
+    o, gate: bf16 [R, H, D] with unit last strides -> o."""
     rows, heads, dim = o.shape
-    return library().pt_simd_sigmoid_gate(o.data_ptr(), o.stride(0), o.stride(1), gate.data_ptr(), gate.stride(0),
-                                          gate.stride(1), rows, heads, dim, torch.get_num_threads()) == 0
+    registry.c_call("pt_simd_sigmoid_gate", o.data_ptr(), o.stride(0), o.stride(1), gate.data_ptr(), gate.stride(0),
+                    gate.stride(1), rows, heads, dim, lib=library())
+    return o

@@ -26,7 +26,9 @@ from pixeltriage.config import TriageConfig
 from pixeltriage.bench.gpu_check import max_diff
 from pixeltriage.engine import scorer as scorer_module
 from pixeltriage.engine.model import decoder_forward
-from pixeltriage.kernels import native, registry
+from kernel_claims import claims
+from pixeltriage.kernels import conv, head, native, registry
+from pixeltriage.kernels.gated_delta import fla
 from reference import tiny_config, write_reference_checkpoint
 from sync_guard import HostSyncs, tensors_of
 from triton_interpreter import fla_interpreter  # noqa: F401  (the fixture)
@@ -69,7 +71,7 @@ def cpu_scores(grouped_checkpoint):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "library", lambda: None)
-        assert registry.choose("gated_delta", "cpu", torch.float32).name == "torch chunked"
+        assert registry.choose("gated_delta", "cpu", torch.float32).name == "chunked (conv1d, then delta_rule)"
         torch_path = scores()
     return {"torch": torch_path, "native": scores()}
 
@@ -81,6 +83,7 @@ def counted(monkeypatch, module, name) -> list:
     return calls
 
 
+@claims(fla.FLA, conv.FLA_CONV, head.TRITON)
 def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scores, fla_interpreter, monkeypatch):
     """Each question alone through the static path a CUDA graph captures (one 64-token bucket), then both packed
     (varlen, the head's rows), through fla and the Triton head: the CPU forward's scores within TOLERANCE, and no
@@ -129,6 +132,7 @@ def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scor
         rec.check()
 
 
+@claims(fla.FLA, conv.FLA_CONV)
 def test_a_bf16_model_hands_fla_bf16_and_grouped_heads(grouped_checkpoint, fla_interpreter, monkeypatch):
     """What reaches fla in a bf16 model (two questions packed): q, k and v in bf16 (not float32: fla's float32
     kernels would move twice the bytes and skip the tensor cores), q and k with their one key head as it is (not
@@ -176,5 +180,5 @@ def test_the_load_refuses_slow_cuda_fallbacks_unless_allowed(tiny_checkpoint, fl
     with pytest.raises(BackendUnavailableError, match="flash-linear-attention.*allow_slow=True"):
         Scorer.load(tiny_checkpoint, dtype=torch.bfloat16)
     slow = Scorer.load(tiny_checkpoint, dtype=torch.bfloat16, allow_slow=True)
-    assert slow.kernels()["gated_delta"] == "torch chunked (slow)"
-    assert Scorer.load(tiny_checkpoint).kernels()["gated_delta"] == "torch chunked"
+    assert slow.kernels()["gated_delta"] == "chunked (conv1d, then delta_rule; slow)"
+    assert Scorer.load(tiny_checkpoint).kernels()["gated_delta"] == "chunked (conv1d, then delta_rule)"

@@ -10,15 +10,18 @@ import sys
 import pytest
 import torch
 
-from pixeltriage.kernels import native
-from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference
+from pixeltriage.kernels import activation, conv, native, norm, registry, rotary
+from pixeltriage.kernels.gated_delta import chunk
+from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference, conv1d_silu_torch
 import isa
+from kernel_claims import claims
 from reference import rel
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
 
 @needs_native
+@claims(conv.NATIVE)
 @pytest.mark.parametrize("seq_len,width", [(1, 4), (3, 4), (4, 4), (97, 4), (50, 2), (20, 1), (200, 6), (33, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels", [40, 96])      # 96: whole 32-channel steps, the AVX-512 loop where it is built
@@ -29,10 +32,11 @@ def test_native_conv_matches_reference_and_torch_path(seq_len, width, dtype, cha
     out = causal_conv1d_silu(x, w)
     assert out.dtype == torch.float32 and out.shape == (seq_len, channels)
     assert rel(out, causal_conv1d_silu_reference(x, w)) <= 1e-6
-    assert rel(out, causal_conv1d_silu(x, w, native=False)) <= 1e-6
+    assert rel(out, conv1d_silu_torch(x, w)) <= 1e-6
 
 
 @needs_native
+@claims(conv.NATIVE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_conv_reads_strided_rows_and_packed_sequences(dtype):
     """The layer hands the conv a column slice of its projection (row stride > C), several sequences packed."""
@@ -47,6 +51,7 @@ def test_native_conv_reads_strided_rows_and_packed_sequences(dtype):
 
 
 @needs_native
+@claims(conv.NATIVE)
 def test_native_silu_extremes_match_torch():
     """SiLU's tails and exact zeros: finite; within 1e-6 relative of torch's SiLU down to y = -80. Below -87 the
     kernel returns 0 (e^-y leaves float's range; torch's value is under 2e-36 there), including for y = -1e30
@@ -58,7 +63,8 @@ def test_native_silu_extremes_match_torch():
     for channels, width in ((1, 1), (32, 1), (32, 4)):
         w = torch.zeros(channels, width)
         w[:, -1] = 1.0
-        out, want = causal_conv1d_silu(x.expand(-1, channels), w), torch.nn.functional.silu(x.expand(-1, channels))
+        rows = x.expand(-1, channels).contiguous()             # the C kernel reads contiguous rows
+        out, want = causal_conv1d_silu(rows, w), torch.nn.functional.silu(rows)
         assert torch.isfinite(out).all()
         assert torch.allclose(out, want, rtol=1e-6, atol=0.0)
         tail = causal_conv1d_silu(far.repeat(2, channels), w)
@@ -67,6 +73,7 @@ def test_native_silu_extremes_match_torch():
 
 
 @needs_native
+@claims(conv.NATIVE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_conv_vector_rows_equal_the_row_loop(dtype):
     """Width 4 over a whole number of vector pairs of channels runs down the rows a column of vectors at a time
@@ -125,27 +132,36 @@ def test_vector_math_against_float64(unit):
 
 @needs_native
 def test_native_paths_decline_what_they_do_not_handle():
-    """Inputs the C kernels were not written for take the torch path and give its result (no out-of-bounds
-    reads): broadcast rotary angles, a delta rule whose q, k and v are one tensor, a zero-width norm."""
-    from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule
-    from pixeltriage.kernels.norm import add_rms_norm
-    from pixeltriage.kernels.rotary import apply_rotary_float
+    """Inputs the C kernels were not written for take the torch kernels and give their result (no out-of-bounds
+    reads), each decline counted with its reason: broadcast rotary angles, a delta rule whose head dims the C pass
+    does not take (q, k and v one tensor), a zero-width norm."""
+    from pixeltriage.kernels import norm, rotary
+    from pixeltriage.kernels.gated_delta import chunk
 
     g = torch.Generator().manual_seed(1)
     x, angle = torch.randn(64, 3, 8, generator=g), torch.randn(1, 8, generator=g)
-    assert torch.equal(apply_rotary_float(x, angle.cos(), angle.sin()),
-                       apply_rotary_float(x, angle.cos(), angle.sin(), native=False))
     qkv = torch.randn(70, 2, 8, generator=g)
     decay, beta = -torch.rand(70, 2, generator=g), torch.rand(70, 2, generator=g)
-    got = chunk_gated_delta_rule(qkv, qkv, qkv, decay, beta, qk_l2norm=True)
-    want = chunk_gated_delta_rule(qkv, qkv, qkv, decay, beta, qk_l2norm=True, native=False)
-    assert torch.isfinite(got).all() and rel(got, want) <= 1e-5
     h = torch.empty(5, 0)
-    assert add_rms_norm(h, None, torch.empty(0), 1e-6, torch.float32).shape == (5, 0)
+    with registry.recording() as record:
+        assert torch.equal(rotary.apply_rotary_float(x, angle.cos(), angle.sin()),
+                           rotary.apply_rotary_float_torch(x, angle.cos(), angle.sin()))
+        got = chunk.chunk_gated_delta_rule(qkv, qkv, qkv, decay, beta, qk_l2norm=True)
+        assert norm.add_rms_norm(h, None, torch.empty(0), 1e-6, torch.float32).shape == (5, 0)
+    want = chunk.delta_rule_torch(qkv, qkv, qkv, decay, beta, qk_l2norm=True)
+    assert torch.isfinite(got).all() and rel(got, want) <= 1e-5
+    assert record.snapshot().declines == {
+        ("rotary", rotary.NATIVE_ROTARY.name, "cos/sin broadcast, not [N, D]"): 1,
+        ("delta_rule", chunk.NATIVE_RULE.name, "head dims not multiples of 16"): 1,
+        ("add_norm", norm.NATIVE_ADD_NORM.name, "h not a contiguous float32 [T, D] with D > 0"): 1}
 
 
+@needs_native
+@claims(chunk.NATIVE, norm.NATIVE_ADD_NORM, norm.NATIVE_NORM_GATED, activation.NATIVE, activation.NATIVE_GELU,
+        rotary.NATIVE_ROTARY, rotary.NATIVE_NORM_ROTARY)
 def test_scores_with_and_without_native_kernels(tiny_checkpoint, monkeypatch):
-    """The whole forward on the C kernels and on the torch implementations they replace (float32): the same
+    """The whole forward on the C kernels (those the float32 forward runs whatever this machine measured: the
+    attention's and the GEMM library's choices are its own) and on the torch implementations they replace: the same
     scores within 1e-5 (the kernels' float32 roundings differ from torch's in order, not in precision)."""
     from pixeltriage import Scorer
     from pixeltriage.bench.gpu_check import max_diff
@@ -181,7 +197,7 @@ def test_conv_without_native_library_takes_the_torch_path(monkeypatch):
     monkeypatch.setattr(native, "library", lambda: None)
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(30, 8, generator=g), torch.randn(8, 4, generator=g)
-    assert torch.equal(causal_conv1d_silu(x, w), causal_conv1d_silu(x, w, native=False))
+    assert torch.equal(causal_conv1d_silu(x, w), conv1d_silu_torch(x, w))
 
 
 @needs_native
@@ -251,7 +267,7 @@ def test_emulated_isa_build_runs_every_path_and_a_bad_switch_is_an_error(tmp_pat
     assert {p.name.split("_")[0] for p in (tmp_path / "native").glob("*.so")} == {"emulated"}
     env[native.ISA_SWITCH] = "avx512"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode != 0 and "expected 'native'" in r.stderr and "'emulated'" in r.stderr
+    assert r.returncode != 0 and "PIXELTRIAGE_NATIVE_ISA='avx512': expected one of 'native', 'emulated'" in r.stderr
 
 
 def test_emulated_isa_block_switches_and_restores():

@@ -114,7 +114,7 @@ def test_a_weight_kept_in_row_parts():
 
 def test_which_roles_are_packed(monkeypatch):
     """All six where malloc is tuned or the workspace is off; with malloc as is and the workspace on, not the three
-    whose outputs the workspace keeps. The switch: 0 packs nothing, anything else but 1/auto is an error; float32,
+    whose outputs the workspace keeps. The switch: 0 packs nothing, anything but on, off or auto words is an error; float32,
     CUDA and CPUs without oneDNN's bf16 primitive pack nothing."""
     assert prepack.packed_roles(malloc_tuned=True, workspace_on=True) == prepack.ROLES
     assert prepack.packed_roles(malloc_tuned=False, workspace_on=False) == prepack.ROLES
@@ -127,13 +127,13 @@ def test_which_roles_are_packed(monkeypatch):
     # float32: only where its projections run oneDNN's primitive already (measured against F.linear here)
     assert (prepack.applies("cpu", torch.float32) is None) == lin.plain_onednn("cpu", torch.float32)
     monkeypatch.setenv(prepack.SWITCH, "0")
-    assert prepack.applies("cpu", torch.bfloat16) == "PIXELTRIAGE_PREPACK=0"
+    assert prepack.applies("cpu", torch.bfloat16) == "PIXELTRIAGE_PREPACK=off"
     assert prepack.chosen_roles("cpu", torch.bfloat16) == ()
-    monkeypatch.setenv(prepack.SWITCH, "yes")
-    with pytest.raises(ValueError, match="PIXELTRIAGE_PREPACK='yes'"):
+    monkeypatch.setenv(prepack.SWITCH, "sometimes")
+    with pytest.raises(ValueError, match="PIXELTRIAGE_PREPACK='sometimes'"):
         prepack.chosen_roles("cpu", torch.bfloat16)
+    monkeypatch.setenv(prepack.SWITCH, "1")                  # without measuring
     if lin._fused_available(torch.bfloat16):
-        monkeypatch.setenv(prepack.SWITCH, "1")              # without measuring
         monkeypatch.setattr(prepack, "choice", lambda: pytest.fail("measured under PIXELTRIAGE_PREPACK=1"))
         monkeypatch.setattr(prepack.tuning, "malloc_tuned", True)
         assert prepack.chosen_roles("cpu", torch.bfloat16) == prepack.ROLES

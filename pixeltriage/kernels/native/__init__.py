@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
+from pixeltriage import settings
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,17 +57,12 @@ _isa_override: list[bool] = []     # emulated_isa()'s, innermost last: before th
 
 
 def _disabled() -> bool:
-    return os.environ.get("PIXELTRIAGE_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+    return not settings.current().native
 
 
-@functools.cache
 def _isa_switch() -> bool:
-    """PIXELTRIAGE_NATIVE_ISA, read once per process (like the libraries it picks): True for "emulated"."""
-    value = os.environ.get(ISA_SWITCH, "native").strip().lower() or "native"
-    if value not in ("native", "emulated"):
-        raise ValueError(f"{ISA_SWITCH}={value!r}: expected 'native' (the CPU's own instructions) or 'emulated' "
-                         "(AVX-512 and AMX in portable C, for tests)")
-    return value == "emulated"
+    """PIXELTRIAGE_NATIVE_ISA (`pixeltriage.settings`): True for "emulated"."""
+    return settings.current().native_isa == "emulated"
 
 
 def isa_emulated() -> bool:
@@ -272,14 +269,34 @@ def checked_out(out, shape: tuple[int, ...], like):
     return out
 
 
-def call(kernel: str, *args) -> bool:
-    """Run `kernel` with `args` and this process's torch thread count appended; True when the library is built
-    and the kernel returned 0 (a kernel refuses arguments it does not handle before it writes anything, so on
-    False the caller takes its torch path)."""
+# native.call's codes of its own (the entry points return 0 where they ran, a positive code where they declined)
+FORCED_DECLINE = -1        # the entry point is named by PIXELTRIAGE_TEST_DECLINE: not called
+NO_LIBRARY = -2            # the library is not built
+
+
+def call(name: str, *args, lib: ctypes.CDLL | None = None) -> int:
+    """Run C entry point `name` of `lib` (None: this module's kernel library) with `args` and this process's torch
+    thread count appended; the code it returned: 0 where it ran, non-zero where it declined (an entry point refuses
+    arguments it does not handle before it writes anything, so the caller's next kernel may run them), and
+    FORCED_DECLINE, without calling it, for an entry point PIXELTRIAGE_TEST_DECLINE names. The one call site of the
+    C kernels' entry points (`kernels.registry.c_call` turns a non-zero code into a decline)."""
     import torch
 
-    lib = library()
-    return lib is not None and getattr(lib, kernel)(*args, torch.get_num_threads()) == 0
+    if name in settings.current().test_decline:
+        return FORCED_DECLINE
+    lib = library() if lib is None else lib
+    if lib is None:
+        return NO_LIBRARY
+    return getattr(lib, name)(*args, torch.get_num_threads())
+
+
+def decline_reason(name: str, code: int) -> str:
+    """Why entry point `name` declined, from the code `call` returned (counted and logged as the decline's reason)."""
+    if code == FORCED_DECLINE:
+        return f"{name} forced to decline by PIXELTRIAGE_TEST_DECLINE"
+    if code == NO_LIBRARY:
+        return f"{name}: the C library is not built"
+    return f"{name} returned {code}"
 
 
 # ---- parts of a kernel's call measured inside it (the delta passes' conv + SiLU), for a profiler ----------------
