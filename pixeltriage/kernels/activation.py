@@ -62,7 +62,7 @@ def gelu_tanh_(x: torch.Tensor, native: bool | None = None) -> torch.Tensor:
     3.2e-8 of the largest value; the ViT's [4000, 2048]: 9 against torch's 17-22 ms at 2 threads on an AVX2 EPYC);
     elsewhere (or native=False) torch's, in place too."""
     if (native is not False and registry.choose("gelu_tanh", x.device, x.dtype) is NATIVE_GELU and x.is_contiguous()
-            and _native.call("pt_gelu_tanh", x.data_ptr(), x.numel())):
+            and _native.call("pt_gelu_tanh", x.data_ptr(), x.numel()) == 0):
         return x
     torch.ops.aten.gelu_(x, approximate="tanh")
     return x
@@ -77,9 +77,9 @@ def _native_silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> 
     if out is None:
         out = torch.empty(rows, inner, dtype=gate_up.dtype)
     native.checked_out(out, (rows, inner), gate_up)
-    ok = native.call("pt_silu_mul", gate_up.data_ptr(), native.is_bf16(gate_up), gate_up.stride(0), rows, inner,
-                     out.data_ptr())
-    return out if ok else None
+    ran = native.call("pt_silu_mul", gate_up.data_ptr(), native.is_bf16(gate_up), gate_up.stride(0), rows, inner,
+                      out.data_ptr()) == 0
+    return out if ran else None
 
 
 VECTOR = registry.register("silu_mul", "AVX-512 pt_simd_silu_mul", silu_mul, devices=("cpu",),

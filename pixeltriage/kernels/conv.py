@@ -82,9 +82,9 @@ def _native_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[
     out = torch.empty(seq_len, channels, dtype=torch.float32)
     if seq_len == 0:
         return out
-    ok = native.call("pt_causal_conv1d_silu", x.data_ptr(), native.is_bf16(x), x.stride(0), taps.data_ptr(),
-                     weight.shape[1], out.data_ptr(), seq_len, channels, starts.data_ptr())
-    return out if ok else None
+    args = native.struct("pt_conv_args", x=x.data_ptr(), x_t=x.stride(0), x_bf16=native.is_bf16(x),
+                         taps=taps.data_ptr(), W=weight.shape[1], T=seq_len, C=channels, seg_start=starts.data_ptr())
+    return out if native.call("pt_causal_conv1d_silu", args, out.data_ptr()) == 0 else None
 
 
 def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -71,9 +71,10 @@ def _native_norm_rotary(x, weight, eps, cos, sin):
     w = (1.0 + weight.float()).contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), x.stride(1), w.data_ptr(), eps,
-                     cos.data_ptr(), sin.data_ptr(), n, heads, dim, cos.shape[1], out.data_ptr())
-    return out if ok else None
+    args = native.struct("pt_rotary_args", x=x.data_ptr(), x_n=x.stride(0), x_g=x.stride(1), x_bf16=native.is_bf16(x),
+                         w=w.data_ptr(), eps=eps, cos=cos.data_ptr(), sin=sin.data_ptr(), N=n, G=heads, D=dim,
+                         R=cos.shape[1])
+    return out if native.call("pt_rotary", args, out.data_ptr()) == 0 else None
 
 
 def vision_rotary_cos_sin(hw_ids: torch.Tensor, head_dim: int, theta: float):
@@ -136,9 +137,10 @@ def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
         groups *= size
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), group_stride, None, 0.0,
-                     cos.data_ptr(), sin.data_ptr(), n, groups, d, d, out.data_ptr())
-    return out if ok else None
+    args = native.struct("pt_rotary_args", x=x.data_ptr(), x_n=x.stride(0), x_g=group_stride,
+                         x_bf16=native.is_bf16(x), w=None, eps=0.0, cos=cos.data_ptr(), sin=sin.data_ptr(), N=n,
+                         G=groups, D=d, R=d)
+    return out if native.call("pt_rotary", args, out.data_ptr()) == 0 else None
 
 
 _C_DTYPES = (torch.float32, torch.bfloat16)

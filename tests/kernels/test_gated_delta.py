@@ -111,7 +111,7 @@ def test_default_chunk_is_the_c_kernels_size_where_they_run(native_calls):
     args = inputs(200, k_dim=16, v_dim=32, seed=5)
     got = chunk_gated_delta_rule(*args, native=None)
     prep = [a for name, a in native_calls if name == "pt_delta_chunked"]
-    assert prep and prep[0][15] == chunk.NATIVE_CHUNK                  # (..., restart, N, H, C, K, V, ...)
+    assert prep and prep[0][0].C == chunk.NATIVE_CHUNK                 # its pt_delta_args' chunk
     ref = recurrent_gated_delta_rule(*args)
     for out in (got, chunk_gated_delta_rule(*args, native=False)):      # NATIVE_CHUNK, TORCH_CHUNK
         assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
@@ -140,7 +140,7 @@ def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, dk, 
     g = -F.softplus(torch.randn(t, hv, generator=gen)) * 2.0
     beta = torch.rand(t, hv, generator=gen)
     got = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds)
-    assert any(name == "pt_delta_chunked" and args[24] for name, args in native_calls)     # conv mode ran
+    assert any(name == "pt_delta_chunked" and args[0].taps for name, args in native_calls)  # conv mode ran
     want = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds, native=False)
     assert got.shape == want.shape == (t, hv, dv)
     assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-5

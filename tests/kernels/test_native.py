@@ -205,11 +205,12 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_build_dir", lambda: tmp_path / "builds")
     src = tmp_path / "src"
     src.mkdir()
-    (src / "probe.c").write_text('#include "probe.h"\nint probe(void) { return PROBE; }\n')
+    (src / "probe.c").write_text('#include "probe.h"\n__attribute__((visibility("default"))) int probe(void);\n'
+                                 "int probe(void) { return PROBE; }\n")
     (src / "probe.h").write_text("#define PROBE 1\n")
-    first = native.build(src / "probe.c", "probe", "probe library")
+    first = native.build([src / "probe.c"], "probe", "probe library")
     (src / "probe.h").write_text("#define PROBE 2\n")
-    second = native.build(src / "probe.c", "probe", "probe library")
+    second = native.build([src / "probe.c"], "probe", "probe library")
     assert first is not None and second is not None
     assert (first.probe(), second.probe()) == (1, 2)
     assert len(list((tmp_path / "builds").glob("probe_*.so"))) == 2
@@ -263,3 +264,87 @@ def test_emulated_isa_block_switches_and_restores():
             assert not native.isa_emulated()
         assert native.isa_emulated()
     assert native.isa_emulated() == before
+
+
+def test_every_entry_point_names_its_reference_and_its_tests():
+    """abi.h's comment tags are a map from each C function to the Python it is compared with and the test that
+    compares them: every reference resolves to a Python object, every test exists, every kernel is in the library."""
+    import importlib
+    from pathlib import Path
+
+    header = native.abi.load()
+    root = Path(__file__).parents[2]
+    assert len(header.functions) >= 20
+    for fn in header.functions.values():
+        if fn.reference is not None:
+            for dotted in (r.split()[0] for r in fn.reference.split(", ")):
+                module, _, rest = dotted.partition(".")
+                obj = importlib.import_module(module)
+                for part in rest.split("."):
+                    try:
+                        obj = getattr(obj, part)
+                    except AttributeError:
+                        obj = importlib.import_module(f"{obj.__name__}.{part}")
+                assert callable(obj), f"{fn.name}: reference {dotted} is not a function"
+        for test in fn.tests:
+            path, _, name = test.partition("::")
+            assert f"def {name}(" in (root / path).read_text(), f"{fn.name}: no test {test}"
+        if native.available():
+            assert getattr(native.library(), fn.name).argtypes is not None
+
+
+def test_a_header_the_bindings_misread_fails_the_build(tmp_path):
+    """The checks every build compiles (`abi.check_source`) hold the bindings' reading of abi.h against the
+    compiler's: a field read in another order, a parameter of another type or an enum value read wrong each fail
+    to compile, naming what differs; the true reading compiles."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    text = native.abi.HEADER.read_text()
+
+    def compiles(header_text: str) -> subprocess.CompletedProcess:
+        check = tmp_path / "check.c"
+        check.write_text(native.abi.parse(header_text).check_source())
+        return subprocess.run([native._compiler(), "-std=c11", "-fsyntax-only", f"-I{native.abi.HEADER.parent}",
+                               str(check)], capture_output=True, text=True)
+
+    assert compiles(text).returncode == 0
+    swapped = text.replace("    int64_t delta_t;\n    int delta_bf16;", "    int delta_bf16;\n    int64_t delta_t;")
+    assert swapped != text
+    assert "pt_add_norm_args.delta_t" in compiles(swapped).stderr
+    retyped = text.replace("PT_API int pt_gelu_tanh(float *x, int64_t n,", "PT_API int pt_gelu_tanh(float *x, int n,")
+    assert retyped != text
+    r = compiles(retyped)
+    assert r.returncode != 0 and "pt_gelu_tanh" in r.stderr
+    renumbered = text.replace("PT_DECLINE_DTYPE = 5,", "PT_DECLINE_DTYPE = 6,")
+    assert "PT_DECLINE_DTYPE" in compiles(renumbered).stderr
+    with pytest.raises(ValueError, match="long"):
+        native.abi.parse(text.replace("    int64_t x_t;\n    int x_bf16;\n    const float *taps;",
+                                      "    long x_t;\n    int x_bf16;\n    const float *taps;"))
+
+
+@needs_native
+def test_a_decline_returns_its_code_and_abi_h_says_why():
+    """Every entry point returns 0 or one of abi.h's pt_status codes, and `decline_reason` reads the entry point's
+    own words for it from the header."""
+    x = torch.ones(8)
+    assert native.call("pt_gelu_tanh", x.data_ptr(), -1) == native.DECLINE["shape"]
+    assert native.decline_reason("pt_gelu_tanh", native.DECLINE["shape"]) == "shape (n < 0)"
+    gu, out = torch.ones(2, 8), torch.empty(2, 4)
+    assert native.call("pt_silu_mul", gu.data_ptr(), 2, 8, 2, 4, out.data_ptr()) == native.DECLINE["dtype"]
+    assert native.decline_reason("pt_silu_mul", native.DECLINE["dtype"]).startswith("dtype")
+    assert native.call("pt_vec_math", 9, x.data_ptr(), 8, x.data_ptr()) == native.DECLINE["argument"]
+    assert native.decline_reason("pt_gelu_tanh", 0) == "ran"
+    assert "not one of" in native.decline_reason("pt_gelu_tanh", 99)
+    assert native.call("pt_gelu_tanh", x.data_ptr(), 8) == 0 and torch.allclose(x, torch.nn.functional.gelu(
+        torch.ones(8), approximate="tanh"))
+
+
+def test_argument_blocks_take_every_field_and_no_other():
+    with pytest.raises(TypeError, match=r"missing \['eps'\]"):
+        native.struct("pt_add_norm_args", h=None, delta=None, delta_t=0, delta_bf16=0, w=None, b=None, layer_norm=0,
+                      T=0, D=0)
+    with pytest.raises(TypeError, match=r"unknown \['epsilon'\]"):
+        native.struct("pt_add_norm_args", h=None, delta=None, delta_t=0, delta_bf16=0, w=None, b=None, layer_norm=0,
+                      T=0, D=0, eps=0.0, epsilon=0.0)
+    with pytest.raises(TypeError, match="no struct"):
+        native.struct("pt_nothing")

@@ -4,15 +4,17 @@ torch runs the engine's elementwise chains as one pass over memory per op; where
 matmuls a C loop that keeps each row in registers does the same arithmetic in one pass. The largest is the
 Gated DeltaNet's token mixing (`pt_delta_chunked`): conv1d + SiLU, L2 norms, each chunk's decays, UT inverse
 and small products (register-blocked FMA outer products) and the recurrence, in one pass per head whose
-working set stays in cache. The source ships with the package (`cpu_kernels.c`, plain C11 + OpenMP, no torch
-headers: it builds in about a second) and is built with `-O3 -march=native` into the engine's cache
-directory, keyed by the source, the compiler binary and this CPU's flags, so a cache shared between machines
+working set stays in cache. The sources ship with the package (`cpu_kernels.c` and `simd.c`, plain C11 + OpenMP,
+no torch headers) and are built into one library with `-O3 -march=native` in the engine's cache directory, keyed by the source, the compiler binary and this CPU's flags, so a cache shared between machines
 never hands one machine another's instructions. Built by GCC, the library links libgomp, which resolves to the
 copy torch has already loaded (same soname), so its threads are torch's threads; clang's `-fopenmp` links
 libomp instead, a second thread pool beside torch's. `CC` names one compiler executable (no extra words).
 
-Every native kernel has a torch implementation beside it, used when there is no compiler, the build fails, or
-`PIXELTRIAGE_NATIVE=0` is set; `available()` says which is in use and `status()` why. The tests compare the two.
+Every entry point is declared once, in `abi.h` (`abi.py` binds the library from it and writes the checks each build
+compiles), and called through `call`, the one place Python calls into the library: it returns 0 where the kernel
+ran, else a decline code (`decline_reason`), and the caller takes its torch path. Every native kernel has a torch
+implementation beside it, used when there is no compiler, the build fails, or `PIXELTRIAGE_NATIVE=0` is set;
+`available()` says which is in use and `status()` why. The tests compare the two.
 
 The AVX-512 and AMX paths (the bf16 kernels, the vector conv and math) are built where `-march=native` finds those
 units. `PIXELTRIAGE_NATIVE_ISA=emulated` (or `emulated_isa()`, for a block of code) builds and loads the same sources
@@ -34,23 +36,30 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
+
+from pixeltriage.errors import BackendUnavailableError
+from pixeltriage.kernels.native import abi
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "simd.c"))
 # -fno-trapping-math: nothing here reads the floating-point exception flags, and with them kept GCC does not
 # if-convert the clamps and selects of the scalar loops (exp, SiLU), so e.g. the AVX2 build's conv stayed scalar
 # (its bench-small delta pass 0.61x with the flag; outputs bit-identical)
+# -fvisibility=hidden: abi.h's PT_API functions alone are exported; -Werror=missing-prototypes: every function the
+# sources define outside their own file is declared in a header (abi.h for the entry points)
 FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-         "-fopenmp-simd"]
+         "-fopenmp-simd", "-fvisibility=hidden", "-Werror=missing-prototypes"]
+# every symbol resolved at link time: an entry point abi.h declares and no source defines fails the build
+LINK_FLAGS = ["-Wl,-z,defs", "-lm"]
 # the emulated build's (isa.h); its 64-byte vectors between inline functions draw GCC's ABI note, which means nothing
 EMULATION_FLAGS = ["-DPT_ISA_EMULATION", "-Wno-psabi"]
 ISA_SWITCH = "PIXELTRIAGE_NATIVE_ISA"       # "native" (the default) or "emulated"
-_state: dict[str, str] = {}        # each C source's build status, by its file name (+ " emulated")
+_state: dict[str, str] = {}        # each library's build status, by its prefix (+ " emulated")
 _isa_override: list[bool] = []     # emulated_isa()'s, innermost last: before the environment
 
 
@@ -137,16 +146,22 @@ def _build_dir() -> Path:
     return cache_dir() / "native"
 
 
-def _compile(cc: str, source: Path, out: Path, flags: list[str]) -> None:
-    """Build `source` into the library at `out` (atomically: concurrent builders each rename a complete file into
-    place)."""
+def _compile(cc: str, sources: Sequence[Path], out: Path, flags: list[str], generated: str = "") -> None:
+    """Build `sources` (and the C text `generated`, compiled beside them with their directory on the include path)
+    into the library at `out` (atomically: concurrent builders each rename a complete file into place)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
+    extra = []
+    if generated:
+        fd, check = tempfile.mkstemp(prefix=out.name + ".", suffix=".c", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(generated)
+        extra = [check, f"-I{sources[0].parent}"]
     try:
         errors = []
         for openmp in (["-fopenmp"], []):              # without OpenMP the pragmas are ignored: one thread
-            cmd = [cc, *flags, *openmp, str(source), "-o", tmp, "-lm"]
+            cmd = [cc, *flags, *openmp, *map(str, sources), *extra, "-o", tmp, *LINK_FLAGS]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 if not openmp:
@@ -159,18 +174,21 @@ def _compile(cc: str, source: Path, out: Path, flags: list[str]) -> None:
             errors.append(f"$ {' '.join(cmd)}\n{r.stderr.strip()[-2000:]}")
         raise RuntimeError("\n".join(errors))
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in [tmp, *extra[:1]]:
+            if os.path.exists(path):
+                os.unlink(path)
 
 
-def build(source: Path, prefix: str, what: str, instead: str = "the torch implementations",
-          emulated: bool = False) -> ctypes.CDLL | None:
-    """Build (once per source, compiler binary, flags and CPU) and load the C library of `source`, named
-    `{prefix}_{key}.so` in the build directory (`emulated_{prefix}_{key}.so` for the emulated build, `isa.h`); None
-    when disabled, not on Linux, without a compiler, or when the build fails (`build_status(source, emulated)` says
-    which; the warning names `instead`, what runs in its place). Every C source of the package goes through here."""
+def build(sources: Sequence[Path], prefix: str, what: str, instead: str = "the torch implementations",
+          emulated: bool = False, generated: str = "") -> ctypes.CDLL | None:
+    """Build (once per source, compiler binary, flags and CPU) and load the C library of `sources` (and the C text
+    `generated` beside them), named `{prefix}_{key}.so` in the build directory (`emulated_{prefix}_{key}.so` for the
+    emulated build, `isa.h`); None when disabled, not on Linux, without a compiler, or when the build fails
+    (`build_status(prefix, emulated)` says which; the warning names `instead`, what runs in its place)."""
+    state_key = _state_key(prefix, emulated)
+
     def done(status: str, lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
-        _state[_state_key(source, emulated)] = status
+        _state[state_key] = status
         return lib
 
     flags = FLAGS + EMULATION_FLAGS if emulated else FLAGS
@@ -191,15 +209,16 @@ def build(source: Path, prefix: str, what: str, instead: str = "the torch implem
         compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     except OSError:
         compiler = cc
-    # the headers beside the source (`#include "..."`) are part of what is built: a changed header is a new build
-    headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(flags).encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
+    # the headers beside the sources (`#include "..."`) are part of what is built: a changed header is a new build
+    headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(sources[0].parent.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), *headers, generated.encode(),
+                                     compiler.encode(), " ".join(flags).encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:20]
     path = _build_dir() / f"{prefix}_{key}.so"
     try:
         if not path.is_file():
             log.info("building %s with %s -> %s", what, cc, path)
-            _compile(cc, source, path, flags)
+            _compile(cc, sources, path, flags, generated)
             _prune(path, prefix)
         import torch  # noqa: F401  (torch's OpenMP runtime is loaded first, so the library binds to it)
 
@@ -211,24 +230,23 @@ def build(source: Path, prefix: str, what: str, instead: str = "the torch implem
     return done(f"loaded {path}", lib)
 
 
-def _state_key(source: Path, emulated: bool) -> str:
-    return source.name + (" emulated" if emulated else "")
+def _state_key(prefix: str, emulated: bool) -> str:
+    return prefix + (" emulated" if emulated else "")
 
 
-def build_status(source: Path, emulated: bool | None = None) -> str:
-    """What `build` did with `source` (its emulated build if emulated; None: the one `isa_emulated()` says) in this
-    process ("not loaded" before it was asked)."""
-    return _state.get(_state_key(source, isa_emulated() if emulated is None else emulated), "not loaded")
+def build_status(prefix: str = "pixeltriage_cpu", emulated: bool | None = None) -> str:
+    """What `build` did with library `prefix` (its emulated build if emulated; None: the one `isa_emulated()` says)
+    in this process ("not loaded" before it was asked)."""
+    return _state.get(_state_key(prefix, isa_emulated() if emulated is None else emulated), "not loaded")
 
 
 @per_isa
 def library(emulated: bool) -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (then callers take their torch path); built once per machine (and once
-    more for the emulated build, `isa_emulated()`)."""
-    lib = build(SOURCE, "pixeltriage_cpu", "native CPU kernels", emulated=emulated)
-    if lib is not None:
-        _declare(lib)
-    return lib
+    """The loaded kernel library, bound from abi.h, or None (then callers take their torch path); built once per
+    machine (and once more for the emulated build, `isa_emulated()`)."""
+    lib = build(SOURCES, "pixeltriage_cpu", "native CPU kernels", emulated=emulated,
+                generated=abi.load().check_source())
+    return None if lib is None else abi.load().bind(lib)
 
 
 KEEP_BUILDS = 8     # builds kept per cache directory (other sources, compilers or CPUs sharing it), newest first
@@ -272,14 +290,60 @@ def checked_out(out, shape: tuple[int, ...], like):
     return out
 
 
-def call(kernel: str, *args) -> bool:
-    """Run `kernel` with `args` and this process's torch thread count appended; True when the library is built
-    and the kernel returned 0 (a kernel refuses arguments it does not handle before it writes anything, so on
-    False the caller takes its torch path)."""
+def call(kernel: str, *args) -> int:
+    """Run C entry point `kernel` (abi.h) with `args`, and torch's thread count where its last parameter is nthreads:
+    0 where it ran, else its decline code (`decline_reason`; a kernel declines before it writes anything, and the
+    caller takes its torch path). The one place Python calls into the library. BackendUnavailableError where no
+    library is loaded (callers ask `handles` or `available` first)."""
     import torch
 
     lib = library()
-    return lib is not None and getattr(lib, kernel)(*args, torch.get_num_threads()) == 0
+    if lib is None:
+        raise BackendUnavailableError(f"{kernel}: the native CPU kernels are not loaded ({status()})")
+    if abi.load().functions[kernel].threaded:
+        args = (*args, torch.get_num_threads())
+    return getattr(lib, kernel)(*args)
+
+
+def struct(name: str, **fields) -> ctypes.Structure:
+    """abi.h's struct `name` with every field given (TypeError for one missing or unknown): an entry point's argument
+    block, passed to `call` as it is."""
+    header = abi.load()
+    if name not in header.structs:
+        raise TypeError(f"abi.h has no struct {name!r}")
+    names = [f.name for f in header.structs[name]]
+    if set(fields) != set(names):
+        missing, unknown = sorted(set(names) - set(fields)), sorted(set(fields) - set(names))
+        raise TypeError(f"{name}: fields missing {missing}, unknown {unknown}")
+    return header.struct(name)(**fields)
+
+
+def query(name: str, *args) -> int | tuple[int, ...]:
+    """A query entry point (abi.h: scratch sizes, the build's engines and features) with `args`, its trailing
+    pointer parameters filled by the library: their value (a tuple for several)."""
+    header = abi.load()
+    outs = [header.ctype(abi.Decl(p.base, p.name))() for p in header.functions[name].params[len(args):]]
+    code = call(name, *args, *map(ctypes.byref, outs))
+    if code:
+        raise RuntimeError(f"{name}{args}: {decline_reason(name, code)}")
+    values = tuple(o.value for o in outs)
+    return values[0] if len(values) == 1 else values
+
+
+# abi.h's decline codes by key ("shape", "isa", "workspace", "argument", "dtype"): what `call` returns besides 0
+DECLINE = {m.key: m.value for m in abi.load().status.members if m.value}
+
+
+def decline_reason(name: str, code: int) -> str:
+    """Why entry point `name` returned `code`: abi.h's words for it, e.g. "shape (T < 0, D < 1)"; "ran" for 0."""
+    header = abi.load()
+    member = next((m for m in header.status.members if m.value == code), None)
+    if member is None:
+        return f"code {code}, not one of abi.h's pt_status"
+    if member.value == 0:
+        return "ran"
+    detail = header.functions[name].declines.get(member.key)
+    return f"{member.key} ({detail})" if detail else f"{member.key}: {member.text}"
 
 
 # ---- parts of a kernel's call measured inside it (the delta passes' conv + SiLU), for a profiler ----------------
@@ -328,8 +392,9 @@ def available() -> bool:
 
 
 # The engines of the bf16 kernels' products (`pt_delta_chunked_bf16`, the bf16 attention), by the number the kernels
-# take: float32 multiply-adds of the bf16 operands (any machine), AVX512-BF16 dot products, AMX tiles.
-BF16_ENGINES = {"fma": 0, "avx512_bf16": 1, "amx": 2}
+# take (abi.h's pt_bf16_engine): float32 multiply-adds of the bf16 operands (any machine), AVX512-BF16 dot products,
+# AMX tiles.
+BF16_ENGINES = abi.load().enums["pt_bf16_engine"].by_key()
 # The engines a bf16 forward's kernels run on, best first: "fma" is the others' reference, for the tests, slower
 # than the float32 kernels it would replace.
 FAST_BF16_ENGINES = ("amx", "avx512_bf16")
@@ -340,11 +405,22 @@ def bf16_engines(emulated: bool) -> frozenset[str]:
     """The bf16 engines this machine's build runs (empty without the library): the build has what `-march=native`
     found on this CPU, and AMX only once Linux has granted the process its tile state (asked here, once); the
     emulated build has all three."""
-    lib = library.of(emulated)
-    if lib is None:
-        return frozenset()
-    bits = lib.pt_bf16_engines()
+    with emulated_isa(emulated):
+        if library() is None:
+            return frozenset()
+        bits = query("pt_bf16_engines")
     return frozenset(name for name, number in BF16_ENGINES.items() if bits >> number & 1)
+
+
+@per_isa
+def build_features(emulated: bool) -> frozenset[str]:
+    """The instruction sets the library was compiled for (abi.h's pt_feature: "avx2", "avx512f", "avx512_bf16",
+    "amx", "emulated", ...); empty without the library."""
+    with emulated_isa(emulated):
+        if library() is None:
+            return frozenset()
+        bits = query("pt_build_features")
+    return frozenset(m.key for m in abi.load().enums["pt_feature"].members if bits & m.value)
 
 
 def fast_bf16_engine() -> str | None:
@@ -359,8 +435,8 @@ def on_this_engine(record: dict) -> bool:
     return record.get("engine") == fast_bf16_engine()
 
 
-# vec_math.h's functions that `vec_math` evaluates (`pt_vec_math`'s `which`)
-VEC_MATH = {"exp": 0, "exp2_bf16": 1, "silu": 2, "silu_bf16": 3}
+# vec_math.h's functions that `vec_math` evaluates (`pt_vec_math`'s `which`, abi.h's pt_vec_fn)
+VEC_MATH = abi.load().enums["pt_vec_fn"].by_key()
 
 
 def vec_math(name: str, x: torch.Tensor) -> torch.Tensor | None:
@@ -373,67 +449,14 @@ def vec_math(name: str, x: torch.Tensor) -> torch.Tensor | None:
         raise ValueError(f"{name!r} is not one of {sorted(VEC_MATH)}")
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"a float32 CPU tensor expected, got {x.dtype} on {x.device}")
-    lib = library()
-    if lib is None:
+    if library() is None:
         return None
     x = x.contiguous()
     out = torch.empty_like(x)
-    return out if lib.pt_vec_math(VEC_MATH[name], x.data_ptr(), x.numel(), out.data_ptr()) == 0 else None
+    return out if call("pt_vec_math", VEC_MATH[name], x.data_ptr(), x.numel(), out.data_ptr()) == 0 else None
 
 
 def status() -> str:
     library()
     emulated = isa_emulated()
-    return build_status(SOURCE, emulated) + (" (AVX-512 and AMX emulated in portable C)" if emulated else "")
-
-
-_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.pt_causal_conv1d_silu.argtypes = [_ptr, _i32, _i64, _ptr, _i32, _ptr, _i64, _i64, _ptr, _i32]
-    lib.pt_causal_conv1d_silu.restype = _i32
-    lib.pt_chunk_gather.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32,
-                                    ctypes.c_float, _ptr, _ptr, _i32]
-    lib.pt_chunk_gather.restype = _i32
-    lib.pt_rms_norm_gated.argtypes = [_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i64, _i64,
-                                      ctypes.c_float, _ptr, _i32]
-    lib.pt_rms_norm_gated.restype = _i32
-    lib.pt_add_norm.argtypes = [_ptr, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i64, _i64, ctypes.c_float, _ptr, _i32,
-                                _i32]
-    lib.pt_add_norm.restype = _i32
-    lib.pt_silu_mul.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i32]
-    lib.pt_silu_mul.restype = _i32
-    lib.pt_gelu_tanh.argtypes, lib.pt_gelu_tanh.restype = [_ptr, _i64, _i32], _i32
-    lib.pt_rotary.argtypes = [_ptr, _i32, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
-                              _i32]
-    lib.pt_rotary.restype = _i32
-    lib.pt_delta_chunked.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-                                     _i64, _i64, _i64, _i64, _i64, _i32, ctypes.c_float, _ptr, ctypes.c_float,
-                                     ctypes.c_float, ctypes.c_float, _ptr, _i32, _i64, _ptr, _i32, _i64, _i64, _ptr,
-                                     _ptr, _ptr, _ptr, _ptr, _i32]
-    lib.pt_delta_chunked.restype = _i32
-    lib.pt_bf16_engines.argtypes = []
-    lib.pt_bf16_engines.restype = _i32
-    lib.pt_delta_chunked_bf16.argtypes = [*lib.pt_delta_chunked.argtypes[:-5], _i32, _ptr, _ptr, _ptr, _i64, _ptr,
-                                          _i32]
-    lib.pt_delta_chunked_bf16.restype = _i32
-    lib.pt_bf16_pack.argtypes = [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr]
-    lib.pt_bf16_pack.restype = _i32
-    lib.pt_vec_math.argtypes, lib.pt_vec_math.restype = [_i32, _ptr, _i64, _ptr], _i32
-    lib.pt_segment_attention_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                              _ptr, _ptr, _i64, ctypes.c_float, _i32, _ptr, _ptr, _i64, _i32]
-    lib.pt_segment_attention_bf16.restype = _i32
-    lib.pt_delta_chunked_bf16_scratch.argtypes = [_i64, _i64, _i64]
-    lib.pt_delta_chunked_bf16_scratch.restype = _i64
-    lib.pt_segment_attention_scratch.argtypes = [_i64, _i64]
-    lib.pt_segment_attention_scratch.restype = _i64
-    lib.pt_causal_attention_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
-                                             _ptr, _ptr, _i64, ctypes.c_float, _i32, _ptr, _ptr, _i64, _ptr, _i64, _i32]
-    lib.pt_causal_attention_bf16.restype = _i32
-    for name in ("pt_causal_attention_scratch", "pt_causal_attention_kv"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [_i64, _i64], _i64
-    lib.pt_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr,
-                                     _ptr, _i64, _i32, ctypes.c_float, _ptr, _ptr, _i64, _ptr, _i64, _i32]
-    lib.pt_attention_f32.restype = _i32
-    lib.pt_attention_f32_scratch.argtypes, lib.pt_attention_f32_scratch.restype = [_i64, _i64], _i64
+    return build_status(emulated=emulated) + (" (AVX-512 and AMX emulated in portable C)" if emulated else "")

@@ -1,14 +1,13 @@
-/* PixelTriage's native CPU kernels: plain C11 + OpenMP, called through ctypes (see __init__.py).
- *
- * Each function returns 0 on success and a positive code for arguments it does not handle (the caller then
- * takes its torch path). Arrays are raw pointers into contiguous-innermost tensors; strides are in elements.
- * bf16 inputs are read as the top half of a float32 (exact); all arithmetic is float32.
+/* PixelTriage's native CPU kernels: plain C11 + OpenMP, called through ctypes (see __init__.py). Each entry point's
+ * contract, the codes it returns, its Python reference and its test: abi.h. bf16 inputs are read as the top half of
+ * a float32 (exact); all arithmetic is float32.
  */
 #define _DEFAULT_SOURCE              /* syscall(), for the AMX permission */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 
+#include "abi.h"
 #include "isa.h"
 #ifdef PT_AVX512F
 #include "vec_math.h"
@@ -44,23 +43,24 @@ static inline float exp_f32(float x) {
     return p * scale;
 }
 
-/* vec_math.h's vector functions on n floats, for the tests (their float64 references beside them): which 0 exp16,
- * 1 exp2_16_bf16, 2 silu16, 3 silu16_bf16. Returns 1 for another `which` or a build without AVX-512. */
-#define VEC_MATH_FUNCTIONS 4
-int pt_vec_math(int which, const float *x, int64_t n, float *out) {
-    if (which < 0 || which >= VEC_MATH_FUNCTIONS || n < 0)
-        return 1;
+/* vec_math.h's vector functions on n floats, for the tests (their float64 references beside them) */
+PT_API int pt_vec_math(int which, const float *x, int64_t n, float *out) {
+    if (which < PT_VEC_EXP || which > PT_VEC_SILU_BF16)
+        return PT_DECLINE_ARGUMENT;
+    if (n < 0)
+        return PT_DECLINE_SHAPE;
 #ifdef PT_AVX512F
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = lanes16(n - i);
         __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-        v = which == 0 ? exp16(v) : which == 1 ? exp2_16_bf16(v) : which == 2 ? silu16(v) : silu16_bf16(v);
+        v = which == PT_VEC_EXP ? exp16(v) : which == PT_VEC_EXP2_BF16 ? exp2_16_bf16(v)
+            : which == PT_VEC_SILU ? silu16(v) : silu16_bf16(v);
         _mm512_mask_storeu_ps(out + i, m, v);
     }
-    return 0;
+    return PT_OK;
 #else
     (void)x, (void)out;
-    return 1;
+    return PT_DECLINE_ISA;
 #endif
 }
 
@@ -126,11 +126,14 @@ static void conv_silu_span(const void *x, int x_bf16, int64_t x_t, const float *
  * with s = 1 / sqrt(sum(src[t][h][:]^2) + eps) when l2norm, else 1; mult/mult2 NULL means 1. src: float32 with
  * strides (src_t, src_h, 1); mult, mult2: [T, H] float32 contiguous; dst, dst2: [N, H, C, D] float32. Rows of dst
  * that no token maps to are left as they are (the caller zeroes chunk padding). */
-int pt_chunk_gather(const float *src, int64_t src_t, int64_t src_h, int64_t T, int64_t H, int64_t D,
-                    const int64_t *row, int64_t C, const float *mult, const float *mult2, int l2norm, float eps,
-                    float *dst, float *dst2, int nthreads) {
+PT_API int pt_chunk_gather(const pt_gather_args *a, float *dst, float *dst2, int nthreads) {
+    const float *src = a->src, *mult = a->mult, *mult2 = a->mult2;
+    int64_t src_t = a->src_t, src_h = a->src_h, T = a->T, H = a->H, D = a->D, C = a->C;
+    const int64_t *row = a->row;
+    int l2norm = a->l2norm;
+    float eps = a->eps;
     if (T < 0 || H < 0 || D < 0 || C < 1)
-        return 1;
+        return PT_DECLINE_SHAPE;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         int64_t n = row[t] / C, i = row[t] % C;
@@ -157,7 +160,7 @@ int pt_chunk_gather(const float *src, int64_t src_t, int64_t src_h, int64_t T, i
             }
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 /* float32 -> bfloat16, rounding to nearest even (torch's .to(torch.bfloat16)); NaNs stay quiet NaNs. */
@@ -235,13 +238,22 @@ static inline void bf16_row(const float *src, uint16_t *dst, int64_t n) {
         dst[i] = float_to_bf16(src[i]);
 }
 
+/* A dtype flag the kernels take: 0 float32, 1 bfloat16 */
+static inline int dtype_flag_ok(int flag) { return flag == 0 || flag == 1; }
+
 /* The Gated DeltaNet's output norm: out[r, h, :] = x[r, h, :] / sqrt(mean(x[r, h, :]^2) + eps) * w * silu(z[r, h, :]).
  * x: float32 [R, H, D] with strides (x_r, x_h, 1); z: [R, H, D] (bf16 if z_bf16) with strides (z_r, z_h, 1);
  * w: float32 [D]; out: [R, H * D] contiguous, in z's dtype (rounded once, from float32). */
-int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, int z_bf16, int64_t z_r, int64_t z_h,
-                      const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int nthreads) {
+PT_API int pt_rms_norm_gated(const pt_norm_gated_args *a, void *out, int nthreads) {
+    const float *x = a->x, *w = a->w;
+    const void *z = a->z;
+    int64_t x_r = a->x_r, x_h = a->x_h, z_r = a->z_r, z_h = a->z_h, R = a->R, H = a->H, D = a->D;
+    int z_bf16 = a->z_bf16;
+    float eps = a->eps;
     if (R < 0 || H < 0 || D < 1)
-        return 1;
+        return PT_DECLINE_SHAPE;
+    if (!dtype_flag_ok(z_bf16))
+        return PT_DECLINE_DTYPE;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < H; h++) {
@@ -267,7 +279,7 @@ int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, i
             }
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 /* The residual update and the next norm, in one pass over the residual stream (the decoder's RMSNorm, the ViT's
@@ -278,10 +290,19 @@ int pt_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, i
  * h: float32 [T, D] contiguous, updated in place; delta: [T, D] with row stride delta_t (bf16 if delta_bf16);
  * w: float32 [D] (for the decoder, the zero-centred norm's 1 + weight); b: float32 [D] (LayerNorm only);
  * out: [T, D] contiguous, bf16 if out_bf16. */
-int pt_add_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, const float *w, const float *b,
-                int layer_norm, int64_t T, int64_t D, float eps, void *out, int out_bf16, int nthreads) {
-    if (T < 0 || D < 1 || (layer_norm && b == NULL))
-        return 1;
+PT_API int pt_add_norm(const pt_add_norm_args *a, void *out, int out_bf16, int nthreads) {
+    float *h = a->h;
+    const void *delta = a->delta;
+    const float *w = a->w, *b = a->b;
+    int64_t delta_t = a->delta_t, T = a->T, D = a->D;
+    int delta_bf16 = a->delta_bf16, layer_norm = a->layer_norm;
+    float eps = a->eps;
+    if (T < 0 || D < 1)
+        return PT_DECLINE_SHAPE;
+    if (layer_norm && b == NULL)
+        return PT_DECLINE_ARGUMENT;
+    if (!dtype_flag_ok(delta_bf16) || !dtype_flag_ok(out_bf16))
+        return PT_DECLINE_DTYPE;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *restrict hv = h + t * D;
@@ -329,7 +350,7 @@ int pt_add_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, co
                 o[d] = hv[d] * inv * w[d];
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 /* The two exponential passes with exp's polynomial in fused multiply-adds (outside these regions GCC in ISO C mode
@@ -342,9 +363,11 @@ int pt_add_norm(float *h, const void *delta, int delta_bf16, int64_t delta_t, co
 #endif
 /* SwiGLU's product: out[t, i] = silu(gu[t, i]) * gu[t, I + i], in float32, rounded once if out_bf16.
  * gu: [T, 2I] with row stride gu_t (bf16 if gu_bf16); out: [T, I] contiguous, same dtype as gu. */
-int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) {
+PT_API int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) {
     if (T < 0 || I < 0)
-        return 1;
+        return PT_DECLINE_SHAPE;
+    if (!dtype_flag_ok(gu_bf16))
+        return PT_DECLINE_DTYPE;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         /* 64 values at a time, first asking for the next row's gate and up there (isa.h) */
@@ -367,16 +390,16 @@ int pt_silu_mul(const void *gu, int gu_bf16, int64_t gu_t, int64_t T, int64_t I,
             }
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 /* tanh-approximated GELU in place, float32: x <- 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed
  * as x / (1 + e^(-2u)) (the same function: 1 + tanh(u) = 2 / (1 + e^(-2u))), one exponential and one division a
  * value, where tanh's 1 + tanh(u) cancels for negative x. torch's float32 gelu(approximate="tanh") on the ViT's
  * [4000, 2048] took 22 ms at 2 threads on the AVX2 EPYC, its erf GELU 9.5 ms. x: n floats, contiguous. */
-int pt_gelu_tanh(float *x, int64_t n, int nthreads) {
+PT_API int pt_gelu_tanh(float *x, int64_t n, int nthreads) {
     if (n < 0)
-        return 1;
+        return PT_DECLINE_SHAPE;
     const int64_t block = 4096;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < n; b += block) {
@@ -387,7 +410,7 @@ int pt_gelu_tanh(float *x, int64_t n, int nthreads) {
             p[i] = v / (1.0f + exp_f32(u2));
         }
     }
-    return 0;
+    return PT_OK;
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
@@ -399,10 +422,16 @@ int pt_gelu_tanh(float *x, int64_t n, int nthreads) {
  *   out[:R/2] = y1 cos - y2 sin, out[R/2:R] = y2 cos + y1 sin (y1, y2 the halves of y[:R]; cos, sin float32 [N, R],
  *   their matching halves); out[R:] = y[R:].
  * x: [N, G, D] (bf16 if bf16) with strides (x_n, x_g, 1); out: [N, G, D] contiguous, x's dtype. */
-int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w, float eps, const float *cos,
-              const float *sin, int64_t N, int64_t G, int64_t D, int64_t R, void *out, int nthreads) {
+PT_API int pt_rotary(const pt_rotary_args *a, void *out, int nthreads) {
+    const void *x = a->x;
+    const float *w = a->w, *cos = a->cos, *sin = a->sin;
+    int64_t x_n = a->x_n, x_g = a->x_g, N = a->N, G = a->G, D = a->D, R = a->R;
+    int bf16 = a->x_bf16;
+    float eps = a->eps;
     if (N < 0 || G < 0 || D < 1 || D > 4096 || R < 0 || R > D || R % 2)
-        return 1;
+        return PT_DECLINE_SHAPE;
+    if (!dtype_flag_ok(bf16))
+        return PT_DECLINE_DTYPE;
     int64_t half = R / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -445,7 +474,7 @@ int pt_rotary(const void *x, int bf16, int64_t x_n, int64_t x_g, const float *w,
             }
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 /* ---- The delta rule's chunk matmuls --------------------------------------------------------------------------
@@ -750,14 +779,18 @@ static void conv_silu_chunk(const delta_args *a, int64_t t0, int64_t len, int64_
 
 /* Depthwise causal conv1d + SiLU over tokens-major rows: `conv_silu_chunk` (so `conv_silu_span`'s values) over all
  * C channels, in blocks of CONV_ROWS rows split at packed sequences' starts, rows before seg_start[t] read as zeros.
- * x: [T, C] (bf16 if x_bf16) with row stride x_stride; taps: [W, C] float32; out: [T, C] float32, contiguous.
+ * x: [T, C] (bf16 if x_bf16) with row stride x_t; taps: [W, C] float32; out: [T, C] float32, contiguous.
  * Blocks are independent: split over threads. */
 #define CONV_ROWS 64
-int pt_causal_conv1d_silu(const void *x, int x_bf16, int64_t x_stride, const float *taps, int W, float *out,
-                          int64_t T, int64_t C, const int64_t *seg_start, int nthreads) {
-    if (W < 1 || W > MAX_CONV_WIDTH || T < 0 || C < 0)
-        return 1;
-    delta_args a = {.x = x, .x_bf16 = x_bf16, .W = W, .x_t = x_stride, .conv_dim = C, .taps = taps};  /* the conv's */
+PT_API int pt_causal_conv1d_silu(const pt_conv_args *args, float *out, int nthreads) {
+    int64_t T = args->T, C = args->C;
+    const int64_t *seg_start = args->seg_start;
+    if (args->W < 1 || args->W > MAX_CONV_WIDTH || T < 0 || C < 0)
+        return PT_DECLINE_SHAPE;
+    if (!dtype_flag_ok(args->x_bf16))
+        return PT_DECLINE_DTYPE;
+    delta_args a = {.x = args->x, .x_bf16 = args->x_bf16, .W = args->W, .x_t = args->x_t, .conv_dim = C,
+                    .taps = args->taps};                                                          /* the conv's */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < (T + CONV_ROWS - 1) / CONV_ROWS; b++) {
         int64_t t = b * CONV_ROWS, end = t + CONV_ROWS < T ? t + CONV_ROWS : T;
@@ -769,7 +802,7 @@ int pt_causal_conv1d_silu(const void *x, int x_bf16, int64_t x_stride, const flo
             t = r;
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 
@@ -958,19 +991,27 @@ static int delta_chunks_ok(int64_t N, int64_t C, const int64_t *chunk_start, con
     return 1;
 }
 
-int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h,
-                     const float *v, int64_t v_t, int64_t v_h, const float *beta, const int64_t *chunk_start,
-                     const int64_t *chunk_len, const uint8_t *restart, int64_t N, int64_t H, int64_t C, int64_t K,
-                     int64_t V, int l2norm, float eps, const float *gamma, float scale, float cutoff, float tiny,
-                     const void *x, int x_bf16, int64_t x_t, const float *taps, int W, int64_t conv_dim,
-                     int64_t group, const int64_t *seg_start, float *out, float *state, float *scratch,
-                     double *prof, int nthreads) {
+/* pt_delta_args -> the passes' delta_args (prof: the profiler's array or NULL; silu_bf16: the bf16 pass's SiLU) */
+static delta_args delta_args_of(const pt_delta_args *p, double *prof, int silu_bf16) {
+    delta_args a = {p->q, p->k, p->v, p->beta, p->q_t, p->q_h, p->k_t, p->k_h, p->v_t, p->v_h, p->H, p->C, p->K,
+                    p->V, p->l2norm, p->eps, p->scale, p->cutoff, p->tiny, p->x, p->x_bf16, p->W, p->x_t,
+                    p->conv_dim, p->group, p->taps, prof, silu_bf16};
+    return a;
+}
+
+PT_API int pt_delta_chunked(const pt_delta_args *args, float *out, float *state, float *scratch, double *prof,
+                            int nthreads) {
+    int64_t N = args->N, H = args->H, C = args->C, K = args->K, V = args->V;
+    const int64_t *chunk_start = args->chunk_start, *chunk_len = args->chunk_len, *seg_start = args->seg_start;
+    const uint8_t *restart = args->restart;
+    const float *gamma = args->gamma, *taps = args->taps;
     if (N < 0 || H < 0 || C < VL || C % VL || C > MAX_DELTA_CHUNK || K < VL || K % VL || V < VL || V % VL
-        || !delta_conv_ok(taps, W, group, H, K, V, conv_dim)
+        || !delta_conv_ok(taps, args->W, args->group, H, K, V, args->conv_dim)
         || !delta_chunks_ok(N, C, chunk_start, chunk_len, taps, seg_start))
-        return 1;
-    delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
-                    x, x_bf16, W, x_t, conv_dim, group, taps, prof, 0};
+        return PT_DECLINE_SHAPE;
+    if (!dtype_flag_ok(args->x_bf16))
+        return PT_DECLINE_DTYPE;
+    delta_args a = delta_args_of(args, prof, 0);
 #pragma omp parallel num_threads(nthreads)
     {
         double start = prof ? delta_seconds() : 0.0;
@@ -997,7 +1038,7 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
         if (prof)
             prof[2 * tid + 1] += delta_seconds() - start;
     }
-    return 0;
+    return PT_OK;
 }
 
 /* ---- The delta rule in bf16 on the matrix units ----------------------------------------------------------------
@@ -1015,11 +1056,13 @@ int pt_delta_chunked(const float *q, int64_t q_t, int64_t q_h, const float *k, i
 #include <unistd.h>
 #endif
 
-enum { ENGINE_FMA = 0, ENGINE_AVX512_BF16 = 1, ENGINE_AMX = 2 };
+#define ENGINE_FMA PT_ENGINE_FMA
+#define ENGINE_AVX512_BF16 PT_ENGINE_AVX512_BF16
+#define ENGINE_AMX PT_ENGINE_AMX
 
 /* Which engines this build has: bit e set for engine e; AMX only once Linux has granted this process the tile
  * state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA: asked at each call, a no-op after the first grant). */
-int pt_bf16_engines(void) {
+static int bf16_engines(void) {
     int engines = 1 << ENGINE_FMA;
 #ifdef PT_AVX512BF16
     engines |= 1 << ENGINE_AVX512_BF16;
@@ -1031,6 +1074,46 @@ int pt_bf16_engines(void) {
         engines |= 1 << ENGINE_AMX;
 #endif
     return engines;
+}
+
+PT_API int pt_bf16_engines(int *engines) {
+    *engines = bf16_engines();
+    return PT_OK;
+}
+
+PT_API int pt_build_features(uint64_t *features) {
+    uint64_t f = 0;
+#ifdef __AVX2__
+    f |= PT_FEATURE_AVX2;
+#endif
+#ifdef __FMA__
+    f |= PT_FEATURE_FMA;
+#endif
+#ifdef PT_AVX512F
+    f |= PT_FEATURE_AVX512F;
+#endif
+#ifdef PT_AVX512BW
+    f |= PT_FEATURE_AVX512BW;
+#endif
+#ifdef PT_AVX512VL
+    f |= PT_FEATURE_AVX512VL;
+#endif
+#ifdef PT_AVX512BF16
+    f |= PT_FEATURE_AVX512BF16;
+#endif
+#ifdef PT_AMX
+    f |= PT_FEATURE_AMX;
+#endif
+#ifdef PT_ISA_EMULATION
+    f |= PT_FEATURE_EMULATED;
+#endif
+    *features = f;
+    return PT_OK;
+}
+
+/* Where `engine` names a bf16 engine this build runs */
+static inline int engine_ok(int engine) {
+    return engine >= ENGINE_FMA && engine <= ENGINE_AMX && (bf16_engines() & (1 << engine));
 }
 
 typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4), may_alias));
@@ -1350,15 +1433,18 @@ static void to_bf16_t_fast(const float *src, int64_t lds, int64_t N, int64_t R, 
 #define to_bf16_t to_bf16_t_ref
 #endif
 
-/* The packers for the tests: `which` 0 to_bf16_rows (rowscale = scale if given), 1 pack_pairs, 2 pack_pairs_t,
- * 3 to_bf16_t (rowscale = scale, required), of src [R, N] float32 contiguous (for 2 and 3, src is [N, R]) into dst
- * (the layout's R * N bf16), the vector packer if fast and this build has it, else the reference. Returns 1 for
- * what it does not take, 2 for a fast packer this build lacks. */
-int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_t N, const float *scale, uint16_t *dst) {
-    if (which < 0 || which > 3 || R < 0 || N < 0 || (which == 3 && !scale))
-        return 1;
+/* The packers for the tests: PT_PACK_ROWS to_bf16_rows (rowscale = scale if given), PT_PACK_PAIRS pack_pairs,
+ * PT_PACK_PAIRS_T pack_pairs_t, PT_PACK_ROWS_T to_bf16_t (rowscale = scale, required), of src [R, N] float32
+ * contiguous (for the last two, src is [N, R]) into dst (the layout's R * N bf16), the vector packer if fast and this
+ * build has it, else the reference. */
+PT_API int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_t N, const float *scale,
+                        uint16_t *dst) {
+    if (which < PT_PACK_ROWS || which > PT_PACK_ROWS_T || (which == PT_PACK_ROWS_T && !scale))
+        return PT_DECLINE_ARGUMENT;
+    if (R < 0 || N < 0)
+        return PT_DECLINE_SHAPE;
     if (fast && !PT_FAST_PACK)
-        return 2;
+        return PT_DECLINE_ISA;
     switch (which * 2 + (fast != 0)) {
     case 0: to_bf16_rows_ref(src, N, R, N, scale, dst, N); break;
     case 1: to_bf16_rows(src, N, R, N, scale, dst, N); break;
@@ -1369,7 +1455,7 @@ int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_t N, co
     case 6: to_bf16_t_ref(src, R, N, R, scale, dst, N); break;
     default: to_bf16_t(src, R, N, R, scale, dst, N); break;
     }
-    return 0;
+    return PT_OK;
 }
 
 /* Per-thread scratch of the bf16 pass, in floats, for K and V the head dims padded to multiples of 32 (zero
@@ -1384,8 +1470,9 @@ int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_t N, co
      + 24 * 64)
 
 /* DELTA_BF16_SCRATCH for head dims K and V (padded here): what the caller allocates per thread */
-int64_t pt_delta_chunked_bf16_scratch(int64_t C, int64_t K, int64_t V) {
-    return DELTA_BF16_SCRATCH(C, round32(K), round32(V));
+PT_API int pt_delta_chunked_bf16_scratch(int64_t C, int64_t K, int64_t V, int64_t *floats) {
+    *floats = DELTA_BF16_SCRATCH(C, round32(K), round32(V));
+    return PT_OK;
 }
 
 /* scratch taken in 64-float (256-byte) pieces from a thread's block, in floats and in bf16 */
@@ -1459,26 +1546,24 @@ static void delta_chunk_bf16(const delta_args *a, int engine, int64_t t0, int64_
 /* pt_delta_chunked's contract (conv mode or not) with its products in bf16 on `engine` (a bit of
  * pt_bf16_engines()), the conv's SiLU `silu16_bf16`; the state is [H, K32, V32] floats, with K32 and V32 the head
  * dims rounded up to multiples of 32; scratch holds scratch_floats floats per thread, at least
- * DELTA_BF16_SCRATCH(C, K32, V32), zeroed. C a multiple of 32; returns 1 (nothing written) for what it does not
- * handle, 2 for an engine this build lacks. */
-int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h,
-                          const float *v, int64_t v_t, int64_t v_h, const float *beta, const int64_t *chunk_start,
-                          const int64_t *chunk_len, const uint8_t *restart, int64_t N, int64_t H, int64_t C, int64_t K,
-                          int64_t V, int l2norm, float eps, const float *gamma, float scale, float cutoff, float tiny,
-                          const void *x, int x_bf16, int64_t x_t, const float *taps, int W, int64_t conv_dim,
-                          int64_t group, const int64_t *seg_start, int engine, float *out, float *state,
-                          float *scratch, int64_t scratch_floats, double *prof, int nthreads) {
+ * DELTA_BF16_SCRATCH(C, K32, V32), zeroed. C a multiple of 32. */
+PT_API int pt_delta_chunked_bf16(const pt_delta_args *args, int engine, float *out, float *state, float *scratch,
+                                 int64_t scratch_floats, double *prof, int nthreads) {
+    int64_t N = args->N, H = args->H, C = args->C, K = args->K, V = args->V;
+    const int64_t *chunk_start = args->chunk_start, *chunk_len = args->chunk_len, *seg_start = args->seg_start;
+    const uint8_t *restart = args->restart;
+    const float *gamma = args->gamma, *taps = args->taps;
     if (N < 0 || H < 0 || C < 32 || C % 32 || C > MAX_DELTA_CHUNK || K < 1 || V < 1 || K > MAX_DELTA_HEAD
-        || V > MAX_DELTA_HEAD || scratch_floats < DELTA_BF16_SCRATCH(C, round32(K), round32(V)))
-        return 1;
-    if (!delta_conv_ok(taps, W, group, H, K, V, conv_dim))
-        return 1;
-    if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
-        return 2;
-    if (!delta_chunks_ok(N, C, chunk_start, chunk_len, taps, seg_start))
-        return 1;
-    delta_args a = {q, k, v, beta, q_t, q_h, k_t, k_h, v_t, v_h, H, C, K, V, l2norm, eps, scale, cutoff, tiny,
-                    x, x_bf16, W, x_t, conv_dim, group, taps, prof, 1};
+        || V > MAX_DELTA_HEAD || !delta_conv_ok(taps, args->W, args->group, H, K, V, args->conv_dim)
+        || !delta_chunks_ok(N, C, chunk_start, chunk_len, taps, seg_start))
+        return PT_DECLINE_SHAPE;
+    if (scratch_floats < DELTA_BF16_SCRATCH(C, round32(K), round32(V)))
+        return PT_DECLINE_WORKSPACE;
+    if (!dtype_flag_ok(args->x_bf16))
+        return PT_DECLINE_DTYPE;
+    if (!engine_ok(engine))
+        return PT_DECLINE_ISA;
+    delta_args a = delta_args_of(args, prof, 1);
 #pragma omp parallel num_threads(nthreads)
     {
         double start = prof ? delta_seconds() : 0.0;
@@ -1498,7 +1583,7 @@ int pt_delta_chunked_bf16(const float *q, int64_t q_t, int64_t q_h, const float 
         if (prof)
             prof[2 * tid + 1] += delta_seconds() - start;
     }
-    return 0;
+    return PT_OK;
 }
 
 /* rows t0 .. t0 + n of one head of a token-major bf16 tensor (row stride x_t, the head at offset off) into dst
@@ -1703,26 +1788,34 @@ static inline __attribute__((always_inline)) void query_block_out(
  * in elements; out: [T, H, D] bf16 contiguous.
  * Rows and columns past L up to Lp = L rounded up to 32 are zeros (padded keys masked out of the softmax). Segments
  * and heads are split over threads; scratch holds SEGMENT_SCRATCH(Lp, D) floats per thread for the longest
- * segment. D a multiple of 32 up to 256, the engine as in pt_delta_chunked_bf16. Returns 1 for what it does not
- * take, 2 for an engine this build lacks. */
+ * segment. D a multiple of 32 up to 256, the engine as in pt_delta_chunked_bf16. */
 #define QUERY_BLOCK 64
 #define MAX_SEGMENT 4096
 #define SEGMENT_SCRATCH(L, D) \
     (QUERY_BLOCK * (L) + QUERY_BLOCK * (L) + QUERY_BLOCK * (D) + QUERY_BLOCK + 3 * (L) * (D) / 2 + 8 * 64)
 
 /* SEGMENT_SCRATCH for the longest segment (padded here): what the caller allocates per thread */
-int64_t pt_segment_attention_scratch(int64_t longest, int64_t D) { return SEGMENT_SCRATCH(round32(longest), D); }
+PT_API int pt_segment_attention_scratch(int64_t longest, int64_t D, int64_t *floats) {
+    *floats = SEGMENT_SCRATCH(round32(longest), D);
+    return PT_OK;
+}
 
-int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const uint16_t *k, int64_t k_t,
-                              int64_t k_h, const uint16_t *v, int64_t v_t, int64_t v_h, int64_t H, int64_t D,
-                              const int64_t *seg_start, const int64_t *seg_len, int64_t nseg, float scale, int engine,
-                              uint16_t *out, float *scratch, int64_t scratch_floats, int nthreads) {
+PT_API int pt_segment_attention_bf16(const pt_attention_args *a, int engine, uint16_t *out, float *scratch,
+                                     int64_t scratch_floats, int nthreads) {
+    const uint16_t *q = a->q, *k = a->k, *v = a->v;
+    int64_t q_t = a->q_t, q_h = a->q_h, k_t = a->k_t, k_h = a->k_h, v_t = a->v_t, v_h = a->v_h, H = a->H, D = a->D;
+    const int64_t *seg_start = a->seg_start, *seg_len = a->seg_len;
+    int64_t nseg = a->nseg;
+    float scale = a->scale;
     int64_t longest = longest_segment(seg_start, seg_len, nseg), Lmax = round32(longest);
-    if (longest < 0 || H < 0 || D < 32 || D % 32 || D > 256 || longest > MAX_SEGMENT
-        || scratch_floats < SEGMENT_SCRATCH(Lmax, D))
-        return 1;
-    if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
-        return 2;
+    if (longest < 0 || H < 0 || a->Hkv != H || D < 32 || D % 32 || D > 256 || longest > MAX_SEGMENT)
+        return PT_DECLINE_SHAPE;
+    if (a->causal)
+        return PT_DECLINE_ARGUMENT;
+    if (scratch_floats < SEGMENT_SCRATCH(Lmax, D))
+        return PT_DECLINE_WORKSPACE;
+    if (!engine_ok(engine))
+        return PT_DECLINE_ISA;
     int64_t rows_of = engine == ENGINE_AMX ? 32 : engine == ENGINE_AVX512_BF16 ? DP_ROWS : 4;   /* a product's rows */
 #pragma omp parallel num_threads(nthreads)
     {
@@ -1751,7 +1844,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
         }
         tiles_off(engine);
     }
-    return 0;
+    return PT_OK;
 }
 
 /* ---- Causal attention within segments (the decoder's packed questions) in bf16 on the matrix units ------------
@@ -1764,8 +1857,7 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
  * CAUSAL_KV(Lp, D) bf16 per key/value head for the longest segment (Lp its length rounded up to 32); scratch holds
  * CAUSAL_SCRATCH(Lp, D) floats per thread. The query blocks of a segment go to threads last (longest) first.
  * q, k, v: bf16 with strides (t, h, 1) in elements; out: [T, H, D] bf16 contiguous. D a multiple of 32 up to 256, H
- * a multiple of Hkv, the engine as in pt_delta_chunked_bf16. Returns 1 for what it does not take, 2 for an engine
- * this build lacks. */
+ * a multiple of Hkv, the engine as in pt_delta_chunked_bf16. */
 #define MAX_CAUSAL 32768
 #define CAUSAL_KV(L, D) (2 * (L) * (D))
 #define CAUSAL_SCRATCH(L, D) \
@@ -1773,20 +1865,28 @@ int pt_segment_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const
      + 7 * 64)
 
 /* CAUSAL_SCRATCH and CAUSAL_KV for the longest segment (padded here): what the caller allocates */
-int64_t pt_causal_attention_scratch(int64_t longest, int64_t D) { return CAUSAL_SCRATCH(round32(longest), D); }
-int64_t pt_causal_attention_kv(int64_t longest, int64_t D) { return CAUSAL_KV(round32(longest), D); }
+PT_API int pt_causal_attention_scratch(int64_t longest, int64_t D, int64_t *floats, int64_t *kv_per_head) {
+    *floats = CAUSAL_SCRATCH(round32(longest), D);
+    *kv_per_head = CAUSAL_KV(round32(longest), D);
+    return PT_OK;
+}
 
-int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const uint16_t *k, int64_t k_t,
-                             int64_t k_h, const uint16_t *v, int64_t v_t, int64_t v_h, int64_t H, int64_t Hkv,
-                             int64_t D, const int64_t *seg_start, const int64_t *seg_len, int64_t nseg, float scale,
-                             int engine, uint16_t *out, uint16_t *kv, int64_t kv_per_head, float *scratch,
-                             int64_t scratch_floats, int nthreads) {
+PT_API int pt_causal_attention_bf16(const pt_attention_args *a, int engine, uint16_t *out, uint16_t *kv,
+                                    int64_t kv_per_head, float *scratch, int64_t scratch_floats, int nthreads) {
+    const uint16_t *q = a->q, *k = a->k, *v = a->v;
+    int64_t q_t = a->q_t, q_h = a->q_h, k_t = a->k_t, k_h = a->k_h, v_t = a->v_t, v_h = a->v_h, H = a->H;
+    int64_t Hkv = a->Hkv, D = a->D, nseg = a->nseg;
+    const int64_t *seg_start = a->seg_start, *seg_len = a->seg_len;
+    float scale = a->scale;
     int64_t longest = longest_segment(seg_start, seg_len, nseg), Lmax = round32(longest);
-    if (longest < 0 || H < 1 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > 256 || longest > MAX_CAUSAL
-        || scratch_floats < CAUSAL_SCRATCH(Lmax, D) || kv_per_head < CAUSAL_KV(Lmax, D))
-        return 1;
-    if (engine < 0 || engine > ENGINE_AMX || !(pt_bf16_engines() & (1 << engine)))
-        return 2;
+    if (longest < 0 || H < 1 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > 256 || longest > MAX_CAUSAL)
+        return PT_DECLINE_SHAPE;
+    if (!a->causal)
+        return PT_DECLINE_ARGUMENT;
+    if (scratch_floats < CAUSAL_SCRATCH(Lmax, D) || kv_per_head < CAUSAL_KV(Lmax, D))
+        return PT_DECLINE_WORKSPACE;
+    if (!engine_ok(engine))
+        return PT_DECLINE_ISA;
     int64_t group = H / Hkv;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -1823,7 +1923,7 @@ int pt_causal_attention_bf16(const uint16_t *q, int64_t q_t, int64_t q_h, const 
         }
         tiles_off(engine);
     }
-    return 0;
+    return PT_OK;
 }
 
 /* ---- Attention within segments in float32 (any CPU): the vision tower's images and the decoder's questions -----
@@ -1885,7 +1985,10 @@ static inline float exp2_softmax(float y) {
     return p * scale;
 }
 
-int64_t pt_attention_f32_scratch(int64_t longest, int64_t D) { return ATTENTION_F32_SCRATCH(round16(longest), D); }
+PT_API int pt_attention_f32_scratch(int64_t longest, int64_t D, int64_t *floats) {
+    *floats = ATTENTION_F32_SCRATCH(round16(longest), D);
+    return PT_OK;
+}
 
 /* x[0:VRL] as the rows of a VRL x VRL matrix, transposed in place: the rounds above, in GCC's generic vectors at
  * this build's register width */
@@ -1983,21 +2086,25 @@ static inline __attribute__((always_inline)) void attention_f32_block(
  * threads idle at the end: the decoder's one question over two key/value heads) */
 #define ATTENTION_F32_TASKS_PER_THREAD 4
 
-int pt_attention_f32(const float *q, int64_t q_t, int64_t q_h, const float *k, int64_t k_t, int64_t k_h,
-                     const float *v, int64_t v_t, int64_t v_h, int64_t H, int64_t Hkv, int64_t D,
-                     const int64_t *seg_start, const int64_t *seg_len, int64_t nseg, int causal, float scale,
-                     float *out, float *kv, int64_t kv_floats, float *scratch, int64_t scratch_floats,
-                     int nthreads) {
+PT_API int pt_attention_f32(const pt_attention_args *a, float *out, float *kv, int64_t kv_floats, float *scratch,
+                            int64_t scratch_floats, int nthreads) {
+    const float *q = a->q, *k = a->k, *v = a->v;
+    int64_t q_t = a->q_t, q_h = a->q_h, k_t = a->k_t, k_h = a->k_h, v_t = a->v_t, v_h = a->v_h, H = a->H;
+    int64_t Hkv = a->Hkv, D = a->D, nseg = a->nseg;
+    const int64_t *seg_start = a->seg_start, *seg_len = a->seg_len;
+    int causal = a->causal;
+    float scale = a->scale;
     int64_t longest = longest_segment(seg_start, seg_len, nseg), Lmax = round16(longest), sumLp = 0, ntasks = 0;
-    if (longest < 0 || H < 1 || Hkv < 1 || H % Hkv || D < VL || D % VL || D > 512 || longest > MAX_ATTENTION_F32
-        || scratch_floats < ATTENTION_F32_SCRATCH(Lmax, D))
-        return 1;
+    if (longest < 0 || H < 1 || Hkv < 1 || H % Hkv || D < VL || D % VL || D > 512 || longest > MAX_ATTENTION_F32)
+        return PT_DECLINE_SHAPE;
+    if (scratch_floats < ATTENTION_F32_SCRATCH(Lmax, D))
+        return PT_DECLINE_WORKSPACE;
     for (int64_t s = 0; s < nseg; s++) {
         sumLp += round16(seg_len[s]);
         ntasks += (seg_len[s] + QUERY_BLOCK - 1) / QUERY_BLOCK;
     }
     if (kv_floats < ATTENTION_F32_KV(Hkv, D, sumLp))
-        return 1;
+        return PT_DECLINE_WORKSPACE;
     int64_t group = H / Hkv, nkb = sumLp / VL;
     int per_segment = nseg * Hkv >= ATTENTION_F32_TASKS_PER_THREAD * (int64_t)nthreads;
     float *vbase = kv + Hkv * D * sumLp;
@@ -2052,7 +2159,7 @@ int pt_attention_f32(const float *q, int64_t q_t, int64_t q_h, const float *k, i
             }
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
