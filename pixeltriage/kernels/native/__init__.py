@@ -4,9 +4,11 @@ torch runs the engine's elementwise chains as one pass over memory per op; where
 matmuls a C loop that keeps each row in registers does the same arithmetic in one pass. The largest is the
 Gated DeltaNet's token mixing (`pt_delta_chunked`): conv1d + SiLU, L2 norms, each chunk's decays, UT inverse
 and small products (register-blocked FMA outer products) and the recurrence, in one pass per head whose
-working set stays in cache. The sources ship with the package (`cpu_kernels.c` and `simd.c`, plain C11 + OpenMP,
-no torch headers) and are built into one library with `-O3 -march=native` in the engine's cache directory, keyed by the source, the compiler binary and this CPU's flags, so a cache shared between machines
-never hands one machine another's instructions. Built by GCC, the library links libgomp, which resolves to the
+working set stays in cache. The sources ship with the package (a file per op family: norm_act.c and its AVX-512
+twin, conv.c, delta.c, delta_bf16.c, attention.c, attention_bf16.c, features.c, over the shared headers vec.h,
+matmul.h, matmul_bf16.h; plain C11 + OpenMP, no torch headers) and are built into one library with
+`-O3 -march=native` in the engine's cache directory, keyed by the sources, the compiler binary and this CPU's flags,
+so a cache shared between machines never hands one machine another's instructions. Built by GCC, the library links libgomp, which resolves to the
 copy torch has already loaded (same soname), so its threads are torch's threads; clang's `-fopenmp` links
 libomp instead, a second thread pool beside torch's. `CC` names one compiler executable (no extra words).
 
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "simd.c"))
+# the library's sources, one file per op family (abi.h names the functions of each)
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 # -fno-trapping-math: nothing here reads the floating-point exception flags, and with them kept GCC does not
 # if-convert the clamps and selects of the scalar loops (exp, SiLU), so e.g. the AVX2 build's conv stayed scalar
 # (its bench-small delta pass 0.61x with the flag; outputs bit-identical)

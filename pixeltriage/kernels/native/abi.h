@@ -12,6 +12,7 @@
  *   query:     what it answers                                                        (the rest)
  *   test:      the test that compares the two (tests/<file>.py::<name>; several separated by ", ")
  *   declines:  key (when), ... : the codes it returns besides PT_OK
+ * (a tag runs on over the lines after it, up to the next).
  * Arrays are raw pointers into tensors whose last dimension is contiguous; strides are in elements. A kernel checks
  * its arguments before it writes anything: where it declines, its outputs are untouched and the caller runs its
  * Python path. Where the last parameter is `nthreads`, kernels.native.call passes torch's thread count. */
@@ -201,12 +202,13 @@ PT_API int pt_causal_attention_scratch(int64_t longest, int64_t D, int64_t *floa
  * test: tests/kernels/test_fast_paths.py::test_attention_f32_matches_float64_and_sdpa */
 PT_API int pt_attention_f32_scratch(int64_t longest, int64_t D, int64_t *floats);
 
-/* ---- norms and activations (norm_act.c, simd.c) -------------------------------------------------------------- */
+/* ---- norms and activations (norm_act.c, norm_act_avx512.c) --------------------------------------------------- */
 
 /* The residual update and the next norm in one pass over the residual stream: out = norm(h += delta), out [T, D]
  * contiguous, bf16 if out_bf16.
  * reference: pixeltriage.kernels.norm._add_norm_torch
- * test: tests/kernels/test_fast_paths.py::test_add_rms_norm_matches_add_then_norm, tests/kernels/test_fast_paths.py::test_add_layer_norm_matches_add_then_layer_norm
+ * test: tests/kernels/test_fast_paths.py::test_add_rms_norm_matches_add_then_norm,
+ *     tests/kernels/test_fast_paths.py::test_add_layer_norm_matches_add_then_layer_norm
  * declines: shape (T < 0, D < 1), argument (LayerNorm without b), dtype (delta_bf16 or out_bf16) */
 PT_API int pt_add_norm(const pt_add_norm_args *a, void *out, int out_bf16, int nthreads);
 
@@ -249,8 +251,10 @@ PT_API int pt_simd_sigmoid_gate(const pt_gate_args *a, int nthreads);
 PT_API int pt_gelu_tanh(float *x, int64_t n, int nthreads);
 
 /* Rotary on the first R features, optionally after the zero-centred RMSNorm; out [N, G, D] contiguous in x's dtype.
- * reference: pixeltriage.kernels.rotary.norm_partial_rotary (native=False), pixeltriage.kernels.rotary.apply_rotary_float_reference
- * test: tests/kernels/test_fast_paths.py::test_norm_partial_rotary_matches_float64, tests/kernels/test_fast_paths.py::test_rotary_matches_reference
+ * reference: pixeltriage.kernels.rotary.norm_partial_rotary (native=False),
+ *     pixeltriage.kernels.rotary.apply_rotary_float_reference
+ * test: tests/kernels/test_fast_paths.py::test_norm_partial_rotary_matches_float64,
+ *     tests/kernels/test_fast_paths.py::test_rotary_matches_reference
  * declines: shape (N < 0, G < 0, D outside 1..4096, R odd or outside 0..D), dtype (x_bf16) */
 PT_API int pt_rotary(const pt_rotary_args *a, void *out, int nthreads);
 
@@ -280,8 +284,10 @@ PT_API int pt_chunk_gather(const pt_gather_args *a, float *dst, float *dst2, int
 /* The chunked gated delta rule in float32, one pass per head; out [N * C, H, V] token-major, state [H, K, V],
  * scratch DELTA_SCRATCH(C, K, V) floats per thread, prof NULL or [nthreads, 2] seconds (conv, whole pass) added to.
  * reference: pixeltriage.kernels.gated_delta.chunk._torch_prep (then chunk._torch_loop)
- * test: tests/kernels/test_gated_delta.py::test_c_chunk_kernels_match_torch_prep_and_loop, tests/kernels/test_gated_delta.py::test_conv_chunk_rule_matches_conv_then_chunk_rule
- * declines: shape (C, K or V not multiples of 16, C over 256, a conv width, projection or chunk table it cannot read), dtype (x_bf16) */
+ * test: tests/kernels/test_gated_delta.py::test_c_chunk_kernels_match_torch_prep_and_loop,
+ *     tests/kernels/test_gated_delta.py::test_conv_chunk_rule_matches_conv_then_chunk_rule
+ * declines: shape (C, K or V not multiples of 16, C over 256, a conv width, projection or chunk table it cannot read),
+ *     dtype (x_bf16) */
 PT_API int pt_delta_chunked(const pt_delta_args *a, float *out, float *state, float *scratch, double *prof,
                             int nthreads);
 
@@ -289,7 +295,8 @@ PT_API int pt_delta_chunked(const pt_delta_args *a, float *out, float *state, fl
  * rounded up to 32), scratch at least pt_delta_chunked_bf16_scratch floats per thread, zeroed.
  * reference: pixeltriage.kernels.gated_delta.naive.recurrent_gated_delta_rule (float64)
  * test: tests/kernels/test_gated_delta.py::test_bf16_pass_matches_float32_pass_and_float64_recurrence
- * declines: shape (C not a multiple of 32 up to 256, heads over 512, a conv width, projection or chunk table it cannot read), workspace (scratch_floats), isa (an engine this build lacks), dtype (x_bf16) */
+ * declines: shape (C not a multiple of 32 up to 256, heads over 512, a conv width, projection or chunk table it cannot
+ *     read), workspace (scratch_floats), isa (an engine this build lacks), dtype (x_bf16) */
 PT_API int pt_delta_chunked_bf16(const pt_delta_args *a, int engine, float *out, float *state, float *scratch,
                                  int64_t scratch_floats, double *prof, int nthreads);
 
@@ -307,7 +314,8 @@ PT_API int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_
  * [T, H, D] bf16 contiguous; scratch at least pt_segment_attention_scratch floats per thread.
  * reference: pixeltriage.kernels.attention._sdpa_segments
  * test: tests/kernels/test_fast_paths.py::test_segment_attention_bf16_matches_masked_attention_and_sdpa
- * declines: shape (D not a multiple of 32 up to 256, a segment over 4096 or negative, Hkv other than H), argument (causal), workspace (scratch_floats), isa (an engine this build lacks) */
+ * declines: shape (D not a multiple of 32 up to 256, a segment over 4096 or negative, Hkv other than H), argument
+ *     (causal), workspace (scratch_floats), isa (an engine this build lacks) */
 PT_API int pt_segment_attention_bf16(const pt_attention_args *a, int engine, uint16_t *out, float *scratch,
                                      int64_t scratch_floats, int nthreads);
 
@@ -316,7 +324,8 @@ PT_API int pt_segment_attention_bf16(const pt_attention_args *a, int engine, uin
  * (pt_causal_attention_scratch).
  * reference: pixeltriage.kernels.attention._sdpa_segments
  * test: tests/kernels/test_fast_paths.py::test_causal_attention_bf16_matches_masked_attention_and_sdpa
- * declines: shape (D not a multiple of 32 up to 256, a segment over 32768 or negative, H not a multiple of Hkv), argument (causal), workspace (scratch_floats, kv_per_head), isa (an engine this build lacks) */
+ * declines: shape (D not a multiple of 32 up to 256, a segment over 32768 or negative, H not a multiple of Hkv),
+ *     argument (causal), workspace (scratch_floats, kv_per_head), isa (an engine this build lacks) */
 PT_API int pt_causal_attention_bf16(const pt_attention_args *a, int engine, uint16_t *out, uint16_t *kv,
                                     int64_t kv_per_head, float *scratch, int64_t scratch_floats, int nthreads);
 
@@ -324,7 +333,8 @@ PT_API int pt_causal_attention_bf16(const pt_attention_args *a, int engine, uint
  * 2 Hkv D (the segments' lengths rounded up to 16, summed) floats, scratch pt_attention_f32_scratch per thread.
  * reference: pixeltriage.kernels.attention._sdpa_segments
  * test: tests/kernels/test_fast_paths.py::test_attention_f32_matches_float64_and_sdpa
- * declines: shape (D not a multiple of 16 up to 512, a segment over 32768 or negative, H not a multiple of Hkv), workspace (scratch_floats, kv_floats) */
+ * declines: shape (D not a multiple of 16 up to 512, a segment over 32768 or negative, H not a multiple of Hkv),
+ *     workspace (scratch_floats, kv_floats) */
 PT_API int pt_attention_f32(const pt_attention_args *a, float *out, float *kv, int64_t kv_floats, float *scratch,
                             int64_t scratch_floats, int nthreads);
 

@@ -164,11 +164,16 @@ def _check_type(decl: Decl, structs: dict, where: str) -> None:
 
 
 def _tags(comment: str, name: str) -> dict[str, str]:
-    tags = {}
+    """The tags that end a function's comment, each a line and the lines after it up to the next tag."""
+    tags, last = {}, None
     for line in comment.splitlines():
-        m = re.match(r"\s*(?:/\*|\*)?\s*(\w+):\s*(.*?)\s*(?:\*/)?\s*$", line)
+        text = re.sub(r"^\s*(?:/\*|\*)?\s*|\s*(?:\*/)?\s*$", "", line)
+        m = re.match(r"(\w+):\s*(.*)", text)
         if m and m.group(1) in TAGS:
-            tags[m.group(1)] = m.group(2)
+            last = m.group(1)
+            tags[last] = m.group(2)
+        elif last is not None:
+            tags[last] += " " + text
     if ("reference" in tags) == ("query" in tags) or "test" not in tags:
         raise ValueError(f"{name}: its comment needs `test:` and one of `reference:` or `query:`")
     return tags
