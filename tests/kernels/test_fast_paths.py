@@ -673,8 +673,8 @@ def register_width_library(request, tmp_path_factory):
     if cc is None or not native.available():
         pytest.skip("no C compiler or no native build here")
     path = tmp_path_factory.mktemp("width") / f"pt_{request.param}.so"
-    native._compile(cc, native.SOURCES, path, [*native.FLAGS, f"-DPT_VR_BYTES={request.param}"],
-                    native.abi.load().check_source())
+    native.variants.compile(cc, native.chosen(False), path, native.abi.load().check_source(),
+                            extra=[f"-DPT_VR_BYTES={request.param}"])
     return native.abi.load().bind(ctypes.CDLL(str(path)))
 
 

@@ -1,4 +1,4 @@
-"""Small C kernels for the CPU path, compiled on first use with the machine's C compiler and loaded with ctypes.
+"""Small C kernels for the CPU path, built with the package and loaded with ctypes.
 
 torch runs the engine's elementwise chains as one pass over memory per op; where a chain sits between two
 matmuls a C loop that keeps each row in registers does the same arithmetic in one pass. The largest is the
@@ -6,21 +6,25 @@ Gated DeltaNet's token mixing (`pt_delta_chunked`): conv1d + SiLU, L2 norms, eac
 and small products (register-blocked FMA outer products) and the recurrence, in one pass per head whose
 working set stays in cache. The sources ship with the package (a file per op family: norm_act.c and its AVX-512
 twin, conv.c, delta.c, delta_bf16.c, attention.c, attention_bf16.c, features.c, over the shared headers vec.h,
-matmul.h, matmul_bf16.h; plain C11 + OpenMP, no torch headers) and are built into one library with
-`-O3 -march=native` in the engine's cache directory, keyed by the sources, the compiler binary and this CPU's flags,
-so a cache shared between machines never hands one machine another's instructions. Built by GCC, the library links libgomp, which resolves to the
-copy torch has already loaded (same soname), so its threads are torch's threads; clang's `-fopenmp` links
-libomp instead, a second thread pool beside torch's. `CC` names one compiler executable (no extra words).
+matmul.h, matmul_bf16.h; plain C11 + OpenMP, no torch headers).
+
+The package build (setup.py) compiles them once per x86 level (`variants`: x86-64-v3, x86-64-v4, AVX512-BF16,
+AMX), once portable, once emulated, into `prebuilt/`; at load the probe library reads this CPU's instruction sets
+(`cpu_features`: CPUID, and for AMX the tile state Linux grants) and the best build they run is loaded
+(`variant()`). A source checkout whose prebuilt libraries are missing or older than its sources builds the one it
+needs on first use with the machine's C compiler (`CC`: one executable, no extra words) into the engine's cache
+directory, keyed by the sources, the compiler and the flags. Built by GCC, the library links libgomp, which
+resolves to the copy torch has already loaded (the same soname: it is loaded after torch), so its threads are
+torch's threads; clang's `-fopenmp` links libomp instead, a second thread pool beside torch's.
 
 Every entry point is declared once, in `abi.h` (`abi.py` binds the library from it and writes the checks each build
 compiles), and called through `call`, the one place Python calls into the library: it returns 0 where the kernel
 ran, else a decline code (`decline_reason`), and the caller takes its torch path. Every native kernel has a torch
-implementation beside it, used when there is no compiler, the build fails, or `PIXELTRIAGE_NATIVE=0` is set;
-`available()` says which is in use and `status()` why. The tests compare the two.
+implementation beside it, used when no library loads (no prebuilt one and no compiler, a failed build) or
+`PIXELTRIAGE_NATIVE=0` is set; `available()` says which is in use and `status()` why. The tests compare the two.
 
-The AVX-512 and AMX paths (the bf16 kernels, the vector conv and math) are built where `-march=native` finds those
-units. `PIXELTRIAGE_NATIVE_ISA=emulated` (or `emulated_isa()`, for a block of code) builds and loads the same sources
-with `isa_emulation.h` in place of the CPU's intrinsics instead: every such path then runs on any CPU, slowly, so
+`PIXELTRIAGE_NATIVE_ISA=emulated` (or `emulated_isa()`, for a block of code) loads the emulated build instead, with
+`isa_emulation.h` in place of the CPU's AVX-512 and AMX intrinsics: every such path then runs on any CPU, slowly, so
 that their tests check them on machines without the units (`isa.h` says what the sources test).
 """
 from __future__ import annotations
@@ -34,35 +38,21 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 from pixeltriage.errors import BackendUnavailableError
-from pixeltriage.kernels.native import abi
+from pixeltriage.kernels.native import abi, variants
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-# the library's sources, one file per op family (abi.h names the functions of each)
-SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
-# -fno-trapping-math: nothing here reads the floating-point exception flags, and with them kept GCC does not
-# if-convert the clamps and selects of the scalar loops (exp, SiLU), so e.g. the AVX2 build's conv stayed scalar
-# (its bench-small delta pass 0.61x with the flag; outputs bit-identical)
-# -fvisibility=hidden: abi.h's PT_API functions alone are exported; -Werror=missing-prototypes: every function the
-# sources define outside their own file is declared in a header (abi.h for the entry points)
-FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-         "-fopenmp-simd", "-fvisibility=hidden", "-Werror=missing-prototypes"]
-# every symbol resolved at link time: an entry point abi.h declares and no source defines fails the build
-LINK_FLAGS = ["-Wl,-z,defs", "-lm"]
-# the emulated build's (isa.h); its 64-byte vectors between inline functions draw GCC's ABI note, which means nothing
-EMULATION_FLAGS = ["-DPT_ISA_EMULATION", "-Wno-psabi"]
 ISA_SWITCH = "PIXELTRIAGE_NATIVE_ISA"       # "native" (the default) or "emulated"
-_state: dict[str, str] = {}        # each library's build status, by its prefix (+ " emulated")
+_state: dict[str, str] = {}        # what loading each build did, by its name
 _isa_override: list[bool] = []     # emulated_isa()'s, innermost last: before the environment
 
 
@@ -149,110 +139,119 @@ def _build_dir() -> Path:
     return cache_dir() / "native"
 
 
-def _compile(cc: str, sources: Sequence[Path], out: Path, flags: list[str], generated: str = "") -> None:
-    """Build `sources` (and the C text `generated`, compiled beside them with their directory on the include path)
-    into the library at `out` (atomically: concurrent builders each rename a complete file into place)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    extra = []
-    if generated:
-        fd, check = tempfile.mkstemp(prefix=out.name + ".", suffix=".c", dir=out.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(generated)
-        extra = [check, f"-I{sources[0].parent}"]
-    try:
-        errors = []
-        for openmp in (["-fopenmp"], []):              # without OpenMP the pragmas are ignored: one thread
-            cmd = [cc, *flags, *openmp, *map(str, sources), *extra, "-o", tmp, *LINK_FLAGS]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                if not openmp:
-                    log.warning("%s built without OpenMP (%s): it runs on one thread", source.name, cc)
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o755 & ~umask)       # mkstemp made it 0600: readable by every user of the cache
-                os.replace(tmp, out)
-                return
-            errors.append(f"$ {' '.join(cmd)}\n{r.stderr.strip()[-2000:]}")
-        raise RuntimeError("\n".join(errors))
-    finally:
-        for path in [tmp, *extra[:1]]:
-            if os.path.exists(path):
-                os.unlink(path)
-
-
-def build(sources: Sequence[Path], prefix: str, what: str, instead: str = "the torch implementations",
-          emulated: bool = False, generated: str = "") -> ctypes.CDLL | None:
-    """Build (once per source, compiler binary, flags and CPU) and load the C library of `sources` (and the C text
-    `generated` beside them), named `{prefix}_{key}.so` in the build directory (`emulated_{prefix}_{key}.so` for the
-    emulated build, `isa.h`); None when disabled, not on Linux, without a compiler, or when the build fails
-    (`build_status(prefix, emulated)` says which; the warning names `instead`, what runs in its place)."""
-    state_key = _state_key(prefix, emulated)
-
+def _load(variant: variants.Variant, names: Sequence[str] | None = None) -> ctypes.CDLL | None:
+    """The library of `variant`, bound from abi.h (its entry points `names`; None: all): the package's prebuilt one,
+    else built here on first use (once per sources, compiler and flags) as `{prefix}_{key}.so` in the cache; None
+    when disabled, not on Linux, without either, or when the build fails (`status()` says which, a warning names
+    the torch implementations running instead). Loaded after torch, whose OpenMP runtime it then shares."""
     def done(status: str, lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
-        _state[state_key] = status
+        _state[variant.name] = status
         return lib
-
-    flags = FLAGS + EMULATION_FLAGS if emulated else FLAGS
-    if emulated:
-        prefix, what = f"emulated_{prefix}", f"{what} (AVX-512 and AMX emulated)"   # not in the native build's glob
 
     if _disabled():
         return done("disabled by PIXELTRIAGE_NATIVE=0")
     if platform.system() != "Linux":
         return done(f"not built on {platform.system()} (Linux only)")
-    cc = _compiler()
-    if cc is None:
-        log.warning("%s: no C compiler found (set CC); using %s", what, instead)
-        return done("no C compiler found (set CC)")
-    try:                              # the compiler binary itself (cheaper than running `cc --version` per process)
-        real = os.path.realpath(cc)
-        st = os.stat(real)
-        compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
-    except OSError:
-        compiler = cc
-    # the headers beside the sources (`#include "..."`) are part of what is built: a changed header is a new build
-    headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(sources[0].parent.glob("*.h"))]
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), *headers, generated.encode(),
-                                     compiler.encode(), " ".join(flags).encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:20]
-    path = _build_dir() / f"{prefix}_{key}.so"
+    check = abi.load().check_source(names)
+    path, how = variants.prebuilt(variant), "prebuilt"
     try:
-        if not path.is_file():
-            log.info("building %s with %s -> %s", what, cc, path)
-            _compile(cc, sources, path, flags, generated)
-            _prune(path, prefix)
+        if path is None:
+            cc = _compiler()
+            if cc is None:
+                log.warning("native CPU kernels (%s): no prebuilt library and no C compiler found (set CC); using the "
+                            "torch implementations", variant.name)
+                return done("no prebuilt library and no C compiler found (set CC)")
+            key = hashlib.sha256("\0".join([variants.sources_key(), check, _compiler_key(cc), *variant.flags,
+                                            variants.machine()]).encode()).hexdigest()[:20]
+            prefix = f"pixeltriage_{variant.name}"
+            path, how = _build_dir() / f"{prefix}_{key}.so", "built on first use"
+            if not path.is_file():
+                log.info("building the native CPU kernels (%s) with %s -> %s", variant.name, cc, path)
+                if not variants.compile(cc, variant, path, check):
+                    log.warning("native CPU kernels (%s) built without OpenMP (%s): one thread", variant.name, cc)
+                _prune(path, prefix)
         import torch  # noqa: F401  (torch's OpenMP runtime is loaded first, so the library binds to it)
 
-        lib = ctypes.CDLL(str(path))
+        lib = abi.load().bind(ctypes.CDLL(str(path)), names)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         status = f"build or load failed: {str(e).strip()[:4000]}"
-        log.warning("%s unavailable, using %s: %s", what, instead, status)
+        log.warning("native CPU kernels (%s) unavailable, using the torch implementations: %s", variant.name, status)
         return done(status)
-    return done(f"loaded {path}", lib)
+    return done(f"loaded {variant.name} ({how}): {path}", lib)
 
 
-def _state_key(prefix: str, emulated: bool) -> str:
-    return prefix + (" emulated" if emulated else "")
+def _compiler_key(cc: str) -> str:
+    """The compiler binary itself (cheaper than running `cc --version` per process)."""
+    try:
+        real = os.path.realpath(cc)
+        st = os.stat(real)
+        return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        return cc
 
 
-def build_status(prefix: str = "pixeltriage_cpu", emulated: bool | None = None) -> str:
-    """What `build` did with library `prefix` (its emulated build if emulated; None: the one `isa_emulated()` says)
-    in this process ("not loaded" before it was asked)."""
-    return _state.get(_state_key(prefix, isa_emulated() if emulated is None else emulated), "not loaded")
+# the probe library's entry points (features.c alone: `variants.probe`)
+PROBE = ("pt_build_features", "pt_bf16_engines", "pt_cpu_features")
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """This CPU's instruction sets, abi.h's pt_feature keys ("avx2", "avx512f", "avx512_bf16", "amx", ...): CPUID and
+    what the OS saves, read by the probe library, which asks Linux for the AMX tile state; empty where the probe
+    does not load (then no kernel build does either)."""
+    lib = _load(variants.probe(), PROBE)
+    if lib is None:
+        return frozenset()
+    bits = ctypes.c_uint64()
+    lib.pt_cpu_features(ctypes.byref(bits))
+    return _feature_keys(bits.value)
+
+
+def _feature_keys(bits: int) -> frozenset[str]:
+    return frozenset(m.key for m in abi.load().enums["pt_feature"].members if bits & m.value)
+
+
+def chosen(emulated: bool) -> variants.Variant:
+    """The build this process loads: the emulated one, or the best this CPU runs (`variants.choose`)."""
+    return variants.emulated() if emulated else variants.choose(cpu_features())
+
+
+def _state_key(emulated: bool) -> str:
+    return chosen(emulated).name
+
+
+def build_status(emulated: bool | None = None) -> str:
+    """What loading the build in use did (the emulated one if emulated; None: the one `isa_emulated()` says) in this
+    process ("not loaded" before it was asked)."""
+    return _state.get(_state_key(isa_emulated() if emulated is None else emulated), "not loaded")
 
 
 @per_isa
 def library(emulated: bool) -> ctypes.CDLL | None:
-    """The loaded kernel library, bound from abi.h, or None (then callers take their torch path); built once per
-    machine (and once more for the emulated build, `isa_emulated()`)."""
-    lib = build(SOURCES, "pixeltriage_cpu", "native CPU kernels", emulated=emulated,
-                generated=abi.load().check_source())
-    return None if lib is None else abi.load().bind(lib)
+    """The loaded kernel library, bound from abi.h, or None (then callers take their torch path): the build this CPU
+    runs best (`chosen`), or the emulated one (`isa_emulated()`). A build compiled for instruction sets the CPU
+    lacks (a mistake in `variants`' table) is refused before any kernel runs."""
+    variant = chosen(emulated)
+    lib = _load(variant)
+    if lib is None or emulated:
+        return lib
+    bits = ctypes.c_uint64()
+    lib.pt_build_features(ctypes.byref(bits))
+    missing = _feature_keys(bits.value) - cpu_features()
+    if missing:
+        _state[variant.name] = f"refused: {variant.name} is built for {sorted(missing)}, which this CPU lacks"
+        log.error("native CPU kernels: %s; using the torch implementations", _state[variant.name])
+        return None
+    return lib
 
 
-KEEP_BUILDS = 8     # builds kept per cache directory (other sources, compilers or CPUs sharing it), newest first
+def variant() -> str | None:
+    """The name of the build in use ("amx", "avx512bf16", "x86-64-v4", "x86-64-v3", "portable", or "emulated"
+    under `isa_emulated()`), or None where no library is loaded."""
+    return chosen(isa_emulated()).name if library() is not None else None
+
+
+KEEP_BUILDS = 8     # first-use builds kept per build in the cache (other sources or compilers sharing it), newest first
 
 
 def _prune(keep: Path, prefix: str) -> None:
@@ -460,6 +459,7 @@ def vec_math(name: str, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def status() -> str:
+    """The build in use and how it was found, e.g. "loaded avx512bf16 (prebuilt): <path>", or why none is."""
     library()
     emulated = isa_emulated()
-    return build_status(emulated=emulated) + (" (AVX-512 and AMX emulated in portable C)" if emulated else "")
+    return build_status(emulated) + (" (AVX-512 and AMX emulated in portable C)" if emulated else "")

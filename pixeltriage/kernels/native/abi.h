@@ -40,16 +40,24 @@ typedef enum {
     PT_ENGINE_AMX = 2,          /* amx: AMX tiles (Linux grants the process their state first) */
 } pt_bf16_engine;
 
-/* The instruction sets a build was compiled for (pt_build_features), as bits */
+/* Instruction sets, as bits: those a build was compiled for (pt_build_features) and those this CPU runs
+ * (pt_cpu_features); kernels/native/variants.py picks the build from the second */
 typedef enum {
     PT_FEATURE_AVX2 = 1 << 0,        /* avx2: AVX2 */
     PT_FEATURE_FMA = 1 << 1,         /* fma: FMA3 */
-    PT_FEATURE_AVX512F = 1 << 2,     /* avx512f: AVX-512 foundation */
-    PT_FEATURE_AVX512BW = 1 << 3,    /* avx512bw: AVX-512 byte and word */
-    PT_FEATURE_AVX512VL = 1 << 4,    /* avx512vl: AVX-512 on 128- and 256-bit vectors */
-    PT_FEATURE_AVX512BF16 = 1 << 5,  /* avx512_bf16: AVX-512 bf16 conversions and dot products */
-    PT_FEATURE_AMX = 1 << 6,         /* amx: AMX tiles with bf16 products */
-    PT_FEATURE_EMULATED = 1 << 7,    /* emulated: the AVX-512 and AMX paths in portable C (isa_emulation.h) */
+    PT_FEATURE_BMI1 = 1 << 2,        /* bmi1: BMI1 */
+    PT_FEATURE_BMI2 = 1 << 3,        /* bmi2: BMI2 */
+    PT_FEATURE_F16C = 1 << 4,        /* f16c: half-precision conversions */
+    PT_FEATURE_LZCNT = 1 << 5,       /* lzcnt: LZCNT */
+    PT_FEATURE_MOVBE = 1 << 6,       /* movbe: MOVBE */
+    PT_FEATURE_AVX512F = 1 << 7,     /* avx512f: AVX-512 foundation */
+    PT_FEATURE_AVX512BW = 1 << 8,    /* avx512bw: AVX-512 byte and word */
+    PT_FEATURE_AVX512CD = 1 << 9,    /* avx512cd: AVX-512 conflict detection */
+    PT_FEATURE_AVX512DQ = 1 << 10,   /* avx512dq: AVX-512 doubleword and quadword */
+    PT_FEATURE_AVX512VL = 1 << 11,   /* avx512vl: AVX-512 on 128- and 256-bit vectors */
+    PT_FEATURE_AVX512BF16 = 1 << 12, /* avx512_bf16: AVX-512 bf16 conversions and dot products */
+    PT_FEATURE_AMX = 1 << 13,        /* amx: AMX tiles with bf16 products (a CPU's: Linux granted the tile state) */
+    PT_FEATURE_EMULATED = 1 << 14,   /* emulated: the AVX-512 and AMX paths in portable C (isa_emulation.h) */
 } pt_feature;
 
 /* vec_math.h's functions pt_vec_math evaluates */
@@ -170,10 +178,18 @@ typedef struct {
 
 /* ---- queries ----------------------------------------------------------------------------------------------- */
 
-/* The instruction sets this build was compiled for (pt_feature bits) into *features.
+/* The instruction sets this build's code uses (pt_feature bits) into *features: the compiler's target, and the
+ * AVX-512 and AMX paths isa.h enables (all of them, and PT_FEATURE_EMULATED, in the emulated build).
  * query: the build's instruction sets
- * test: tests/kernels/test_native.py::test_emulated_isa_build_runs_every_path_and_a_bad_switch_is_an_error */
+ * test: tests/kernels/test_native.py::test_each_build_is_compiled_for_what_the_cpu_runs */
 PT_API int pt_build_features(uint64_t *features);
+
+/* The instruction sets this CPU runs (pt_feature bits) into *features, from CPUID and what the OS saves (XCR0):
+ * the AVX and AVX-512 registers, and on Linux the AMX tile state once granted to the process (asked here, as
+ * pt_bf16_engines does); 0 on other architectures.
+ * query: this CPU's instruction sets
+ * test: tests/kernels/test_native.py::test_cpu_features_agree_with_proc_cpuinfo */
+PT_API int pt_cpu_features(uint64_t *features);
 
 /* The bf16 engines this build runs (bit e for pt_bf16_engine e) into *engines; AMX only once Linux has granted the
  * process its tile state (asked here).

@@ -13,6 +13,7 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 HEADER = Path(__file__).with_name("abi.h")
 
@@ -107,17 +108,20 @@ class Abi:
         """The ctypes Structure of struct `name`, its fields in the header's order."""
         return self._classes[name]
 
-    def bind(self, lib: ctypes.CDLL) -> ctypes.CDLL:
-        """Set every entry point's argument and result types on `lib` (AttributeError for one it lacks)."""
-        for fn in self.functions.values():
+    def bind(self, lib: ctypes.CDLL, names: Sequence[str] | None = None) -> ctypes.CDLL:
+        """Set the argument and result types of the entry points `names` (None: all) on `lib` (AttributeError for
+        one it lacks)."""
+        for name in self.functions if names is None else names:
+            fn = self.functions[name]
             f = getattr(lib, fn.name)
             f.argtypes = [self.ctype(p) for p in fn.params]
             f.restype = ctypes.c_int
         return lib
 
-    def check_source(self) -> str:
+    def check_source(self, names: Sequence[str] | None = None) -> str:
         """C source that compiles only where the compiler reads abi.h as this module did: each struct's size and field
-        offsets as ctypes lays them out, each entry point's type as read here, each enum member's value."""
+        offsets as ctypes lays them out, each entry point's type as read here (those of `names`, the entry points a
+        build defines; None: all), each enum member's value."""
         lines = ["/* Written by kernels/native/abi.py for each build: abi.h as the ctypes bindings read it. */",
                  "#include <stddef.h>", '#include "abi.h"',
                  '#pragma GCC diagnostic error "-Wincompatible-pointer-types"']
@@ -132,7 +136,7 @@ class Abi:
         for enum in self.enums.values():
             for m in enum.members:
                 lines.append(f'_Static_assert({m.cname} == {m.value}, "{m.cname}: read as {m.value}");')
-        for fn in self.functions.values():
+        for fn in (self.functions[n] for n in (self.functions if names is None else names)):
             params = ", ".join(p.ctype for p in fn.params) or "void"
             lines.append(f"int (*const pt_abi_{fn.name})({params}) __attribute__((unused)) = {fn.name};")
         return "\n".join(lines) + "\n"
