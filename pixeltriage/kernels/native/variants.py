@@ -7,8 +7,8 @@ architecture, runs `PORTABLE` (the compiler's baseline target). The emulated bui
 place of the CPU's AVX-512 and AMX instructions) is the portable one with every such path compiled in, for the
 tests. `PROBE`, features.c alone, answers pt_cpu_features before any of them is chosen.
 
-setup.py builds all of them into the package (`build_all`); a source checkout without them builds the one it needs
-on first use (kernels.native). Standard library only: setup.py loads this file (and abi.py) on its own, before
+setup.py builds all of them into the package (`all_builds`, into PREBUILT with MANIFEST); a source checkout without
+them builds the one it needs on first use (kernels.native). Standard library only: setup.py loads this file (and abi.py) on its own, before
 anything is installed.
 """
 from __future__ import annotations
@@ -125,11 +125,10 @@ def compile(cc: str, variant: Variant, out: Path, check: str = "", extra: Sequen
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
     generated = []
-    if check:
-        fd, path = tempfile.mkstemp(prefix=out.name + ".", suffix=".c", dir=out.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(check)
-        generated = [path, f"-I{HERE}"]
+    if check:                        # under one name wherever it is built: the same library's bytes from any build
+        path = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent)) / "abi_check.c"
+        path.write_text(check)
+        generated = [str(path), f"-I{HERE}"]
     try:
         errors = []
         for openmp in (["-fopenmp"], []):              # without OpenMP the pragmas are ignored: one thread
@@ -148,27 +147,8 @@ def compile(cc: str, variant: Variant, out: Path, check: str = "", extra: Sequen
         for path in [tmp, *generated[:1]]:
             if os.path.exists(path):
                 os.unlink(path)
-
-
-def build_all(cc: str, out_dir: Path, check_source, arch: str | None = None, jobs: int = 1) -> dict:
-    """Every build of `all_builds` into out_dir, with MANIFEST beside them: the sources' digest, the compiler and,
-    per build, its file, flags and whether it has OpenMP. check_source(names) is abi.py's checks for the entry
-    points a build has (None: all). Builds run `jobs` at a time. Returns the manifest."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    builds = all_builds(arch)
-
-    def one(v: Variant) -> bool:
-        names = ("pt_build_features", "pt_bf16_engines", "pt_cpu_features") if v.name == "probe" else None
-        return compile(cc, v, out_dir / v.filename, check_source(names))
-
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        openmp = list(pool.map(one, builds))
-    manifest = {"sources": sources_key(), "compiler": compiler_id(cc), "machine": arch or machine(),
-                "builds": {v.name: {"file": v.filename, "flags": list(v.flags), "openmp": omp}
-                           for v, omp in zip(builds, openmp)}}
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
+        if generated:
+            os.rmdir(os.path.dirname(generated[0]))
 
 
 def compiler_id(cc: str) -> str:
