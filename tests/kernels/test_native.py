@@ -153,9 +153,13 @@ def test_scores_with_and_without_native_kernels(tiny_checkpoint, monkeypatch):
     from pixeltriage.episode import sample_episode
 
     episode = sample_episode()
-    with_native = Scorer.load(tiny_checkpoint).score(*episode)
+    scorer = Scorer.load(tiny_checkpoint)
+    assert scorer.kernels()["native"] == native.variant() == native.chosen(native.isa_emulated()).name
+    with_native = scorer.score(*episode)
     monkeypatch.setattr(native, "library", lambda: None)
-    assert max_diff(with_native, Scorer.load(tiny_checkpoint).score(*episode)) <= 1e-5
+    without = Scorer.load(tiny_checkpoint)
+    assert without.kernels()["native"] == "none"
+    assert max_diff(with_native, without.score(*episode)) <= 1e-5
 
 
 # A subprocess's code that takes the package's prebuilt libraries away, as in a source checkout nobody installed
