@@ -364,6 +364,19 @@ def test_each_build_is_compiled_for_what_the_cpu_runs(tmp_path):
     assert abi.load().functions.keys() >= set(native.PROBE)
 
 
+def test_a_build_for_instruction_sets_the_cpu_lacks_is_refused(monkeypatch):
+    """Were `variants` to choose a build for an instruction set this CPU lacks, its library is refused (after
+    asking it what it was built for, which runs none of its instructions) and the torch implementations run."""
+    from pixeltriage.kernels.native import variants
+
+    amx = variants.X86_64[0]
+    if "amx" in native.cpu_features() or variants.prebuilt(amx) is None:
+        pytest.skip("a CPU with AMX, or no prebuilt AMX build here")
+    monkeypatch.setattr(native, "chosen", lambda emulated: amx)
+    assert native.library.of.__wrapped__(False) is None
+    assert native.build_status(False).startswith("refused: amx is built for ['amx']")
+
+
 @needs_native
 def test_the_library_shares_torchs_openmp_runtime(tmp_path):
     """Loaded after torch, a GCC build's libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime

@@ -94,8 +94,8 @@ def per_isa(fn: Callable[[bool], T]) -> Callable[[], T]:
 
 @contextlib.contextmanager
 def emulated_isa(on: bool = True) -> Iterator[None]:
-    """Inside the block, every kernel library (this one's and `kernels.simd`'s) is the emulated build (on=True) or
-    the CPU's own (False), whatever PIXELTRIAGE_NATIVE_ISA says; both stay loaded. Process-wide, not per thread: for
+    """Inside the block, the kernel library is the emulated build (on=True) or the one this CPU runs (False),
+    whatever PIXELTRIAGE_NATIVE_ISA says; both stay loaded. Process-wide, not per thread: for
     tests and tools, not for a server with requests in flight."""
     _isa_override.append(on)
     try:
@@ -113,8 +113,9 @@ def _compiler() -> str | None:
 
 def cpuinfo_fields(text: str | None = None) -> dict[str, str]:
     """/proc/cpuinfo's fields (or `text`'s), each key's first value: "vendor_id", "model name" and "flags" on x86,
-    "Features" and "CPU implementer" on aarch64; {} where there is no such file. The one reader of the file for the
-    build's key, `kernels.tuning.machine_key` and `bench.timing.cpu_machine`."""
+    "Features" and "CPU implementer" on aarch64; {} where there is no such file. The one reader of the file, for
+    `kernels.tuning.machine_key` and `bench.timing.cpu_machine` (the kernels' build is chosen from CPUID instead:
+    `cpu_features`)."""
     if text is None:
         try:
             text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
@@ -200,10 +201,14 @@ def cpu_features() -> frozenset[str]:
     what the OS saves, read by the probe library, which asks Linux for the AMX tile state; empty where the probe
     does not load (then no kernel build does either)."""
     lib = _load(variants.probe(), PROBE)
-    if lib is None:
-        return frozenset()
+    return frozenset() if lib is None else _features(lib, "pt_cpu_features")
+
+
+def _features(lib: ctypes.CDLL, query: str) -> frozenset[str]:
+    """A feature query of a library being loaded (the probe, or a build before it is put in use: `call` runs only
+    the library in use) as pt_feature keys."""
     bits = ctypes.c_uint64()
-    lib.pt_cpu_features(ctypes.byref(bits))
+    getattr(lib, query)(ctypes.byref(bits))
     return _feature_keys(bits.value)
 
 
@@ -216,14 +221,10 @@ def chosen(emulated: bool) -> variants.Variant:
     return variants.emulated() if emulated else variants.choose(cpu_features())
 
 
-def _state_key(emulated: bool) -> str:
-    return chosen(emulated).name
-
-
 def build_status(emulated: bool | None = None) -> str:
     """What loading the build in use did (the emulated one if emulated; None: the one `isa_emulated()` says) in this
     process ("not loaded" before it was asked)."""
-    return _state.get(_state_key(isa_emulated() if emulated is None else emulated), "not loaded")
+    return _state.get(chosen(isa_emulated() if emulated is None else emulated).name, "not loaded")
 
 
 @per_isa
@@ -235,9 +236,7 @@ def library(emulated: bool) -> ctypes.CDLL | None:
     lib = _load(variant)
     if lib is None or emulated:
         return lib
-    bits = ctypes.c_uint64()
-    lib.pt_build_features(ctypes.byref(bits))
-    missing = _feature_keys(bits.value) - cpu_features()
+    missing = _features(lib, "pt_build_features") - cpu_features()
     if missing:
         _state[variant.name] = f"refused: {variant.name} is built for {sorted(missing)}, which this CPU lacks"
         log.error("native CPU kernels: %s; using the torch implementations", _state[variant.name])
