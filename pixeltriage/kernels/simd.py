@@ -8,9 +8,9 @@ step instead of a division, the bf16 rounding by `vcvtneps2bf16`) the same arith
 kernels (paired medians of 40 interleaved runs at one thread, 60 at two, load 7-8): the bench-small MLP's
 [2296, 6144] -> [2296, 3072] 0.66x at one thread, 0.61x at two; the output norm at [2296, 16, 128] 0.70x and 0.66x.
 
-The source (`kernels/native/norm_act_avx512.c`) is part of `kernels.native`'s library, called through `native.call` like the
-others (`PIXELTRIAGE_NATIVE=0` turns it off too). Where the library is built without AVX512-F/BW/VL/BF16 its
-functions decline: `available()` is False and the op keeps its other kernels (its emulated build,
+The source (`kernels/native/norm_act_avx512.c`) is part of `kernels.native`'s library, called through `native.call`
+like the others (`PIXELTRIAGE_NATIVE=0` turns it off too). Where the library is built without AVX512-F/BW/VL/BF16
+its functions decline: `available()` is False and the op keeps its other kernels (its emulated build,
 `native.emulated_isa()`, has them on any CPU, for the tests). The result is float32 arithmetic rounded once to bf16,
 within a few float32 ulps of the exact value before that rounding, so it differs from a correctly rounded result
 only where the exact value sits next to a rounding boundary (against the C kernels, by one bf16 ulp in 6.8e-6 of

@@ -163,7 +163,8 @@ def test_scores_with_and_without_native_kernels(tiny_checkpoint, monkeypatch):
 
 
 # A subprocess's code that takes the package's prebuilt libraries away, as in a source checkout nobody installed
-NO_PREBUILT = "from pathlib import Path; from pixeltriage.kernels.native import variants; variants.PREBUILT = Path('/')\n"
+NO_PREBUILT = ("from pathlib import Path; from pixeltriage.kernels.native import variants; "
+               "variants.PREBUILT = Path('/')\n")
 
 
 def _library_in_subprocess(env_extra: dict, tmp_path, prebuilt: bool = False) -> str:

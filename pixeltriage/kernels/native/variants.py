@@ -3,13 +3,13 @@
 On x86-64 the library is built once per instruction-set level (`X86_64`, best first) and the first whose
 instruction sets the CPU has (`pt_cpu_features`: CPUID, what the OS saves, and for AMX the tile state Linux grants
 the process) is loaded, as ggml's CPU backend and oneDNN pick their code paths; a CPU below x86-64-v3, or another
-architecture, runs `PORTABLE` (the compiler's baseline target). The emulated build (`EMULATED`, isa_emulation.h in
-place of the CPU's AVX-512 and AMX instructions) is the portable one with every such path compiled in, for the
-tests. `PROBE`, features.c alone, answers pt_cpu_features before any of them is chosen.
+architecture, runs `portable()` (the compiler's baseline target). The emulated build (`emulated()`, isa_emulation.h
+in place of the CPU's AVX-512 and AMX instructions) is the portable one with every such path compiled in, for the
+tests. The probe (`probe()`, features.c alone) answers pt_cpu_features before any of them is chosen.
 
-setup.py builds all of them into the package (`all_builds`, into PREBUILT with MANIFEST); a source checkout without
-them builds the one it needs on first use (kernels.native). Standard library only: setup.py loads this file (and abi.py) on its own, before
-anything is installed.
+setup.py builds all of them (`all_builds`) into PREBUILT, with MANIFEST; a source checkout without them builds the
+one it needs on first use (kernels.native). Standard library only: setup.py loads this file (and abi.py) on its
+own, before anything is installed.
 """
 from __future__ import annotations
 
