@@ -171,6 +171,10 @@ class Scorer:
         names = registry.choices(self.device, self.dtype)
         if self.head_backend != "auto":
             names["head"] = {"triton": HEAD_TRITON.name, "torch": HEAD_TORCH.name}[self.head_backend]
+        if registry.kernel_device(self.device) == "cpu":
+            from pixeltriage.kernels import native
+
+            names["native"] = native.variant() or "none"     # the C library's build in use (kernels.native.variants)
         if self._prepack.roles:
             names["prepacked"] = f"oneDNN's layout, reordered by the first forward: {', '.join(self._prepack.roles)}"
         return names

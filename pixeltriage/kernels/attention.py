@@ -126,20 +126,17 @@ def _segment_bf16_accepts(q, k, v, lengths, engine=None):
 
 
 def _bf16_call(q, lengths, engine):
-    """What both bf16 kernels are called with: their engine's name, the output to fill, each segment's first token and
-    length (`_segments`), the query heads and the head dim."""
-    return (native.fast_bf16_engine() if engine is None else engine, q.new_empty(q.shape), *_segments(lengths),
-            *q.shape[1:])
+    """What both bf16 kernels are called with: their engine's name, the output to fill, and each segment's first
+    token and length (`_segments`)."""
+    return (native.fast_bf16_engine() if engine is None else engine, q.new_empty(q.shape), *_segments(lengths))
 
 
 def _segment_bf16(q, k, v, lengths, engine=None):
-    name, out, starts, lens, heads, dim = _bf16_call(q, lengths, engine)
-    per_thread = native.library().pt_segment_attention_scratch(max(lengths, default=0), dim)
+    name, out, starts, lens = _bf16_call(q, lengths, engine)
+    per_thread = native.query("pt_segment_attention_scratch", max(lengths, default=0), q.shape[2])
     scratch = torch.empty(torch.get_num_threads(), per_thread)
-    registry.c_call("pt_segment_attention_bf16", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                    k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), heads, dim, ctypes.addressof(starts),
-                    ctypes.addressof(lens), len(lengths), dim ** -0.5, native.BF16_ENGINES[name], out.data_ptr(),
-                    scratch.data_ptr(), per_thread)
+    registry.c_call("pt_segment_attention_bf16", _attention_args(q, k, v, starts, lens, False),
+                    native.BF16_ENGINES[name], out.data_ptr(), scratch.data_ptr(), per_thread)
     return out
 
 
@@ -167,16 +164,13 @@ def _causal_bf16_accepts(q, k, v, lengths, engine=None):
 
 
 def _causal_bf16(q, k, v, lengths, engine=None):
-    name, out, starts, lens, heads, dim = _bf16_call(q, lengths, engine)
-    lib = native.library()
-    per_thread = lib.pt_causal_attention_scratch(max(lengths, default=0), dim)
-    per_head = lib.pt_causal_attention_kv(max(lengths, default=0), dim)
+    name, out, starts, lens = _bf16_call(q, lengths, engine)
+    per_thread, per_head = native.query("pt_causal_attention_scratch", max(lengths, default=0), q.shape[2])
     scratch = torch.empty(torch.get_num_threads(), per_thread)
     kv = torch.empty(k.shape[1], per_head, dtype=torch.bfloat16)
-    registry.c_call("pt_causal_attention_bf16", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                    k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), heads, k.shape[1], dim,
-                    ctypes.addressof(starts), ctypes.addressof(lens), len(lengths), dim ** -0.5,
-                    native.BF16_ENGINES[name], out.data_ptr(), kv.data_ptr(), per_head, scratch.data_ptr(), per_thread)
+    registry.c_call("pt_causal_attention_bf16", _attention_args(q, k, v, starts, lens, True),
+                    native.BF16_ENGINES[name], out.data_ptr(), kv.data_ptr(), per_head, scratch.data_ptr(),
+                    per_thread)
     return out
 
 
@@ -210,17 +204,30 @@ def _f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], 
     if not q.shape[0]:
         return out
     starts, lens = _segments(lengths)
-    lib = native.library()
-    heads, dim = q.shape[1:]
+    dim = q.shape[2]
     padded = sum(-(-n // 16) * 16 for n in lengths)
     kv = torch.empty(2 * k.shape[1] * dim * padded)
-    per_thread = lib.pt_attention_f32_scratch(max(lengths), dim)
+    per_thread = native.query("pt_attention_f32_scratch", max(lengths), dim)
     scratch = torch.empty(torch.get_num_threads(), per_thread)
-    registry.c_call("pt_attention_f32", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                    k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), heads, k.shape[1], dim,
-                    ctypes.addressof(starts), ctypes.addressof(lens), len(lengths), int(causal), dim ** -0.5,
-                    out.data_ptr(), kv.data_ptr(), kv.numel(), scratch.data_ptr(), per_thread)
+    registry.c_call("pt_attention_f32", _attention_args(q, k, v, starts, lens, causal), out.data_ptr(),
+                    kv.data_ptr(), kv.numel(), scratch.data_ptr(), per_thread)
     return out
+
+
+def _attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts, lens, causal: bool):
+    """The C attention kernels' argument block (abi.h's pt_attention_args) for q [T, H, D], k and v [T, Hkv, D]."""
+    return native.struct("pt_attention_args", q=q.data_ptr(), q_t=q.stride(0), q_h=q.stride(1), k=k.data_ptr(),
+                         k_t=k.stride(0), k_h=k.stride(1), v=v.data_ptr(), v_t=v.stride(0), v_h=v.stride(1),
+                         H=q.shape[1], Hkv=k.shape[1], D=q.shape[2], seg_start=ctypes.addressof(starts),
+                         seg_len=ctypes.addressof(lens), nseg=len(lens), causal=int(causal), scale=q.shape[2] ** -0.5)
+
+
+def _attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts, lens, causal: bool):
+    """The C attention kernels' argument block (abi.h's pt_attention_args) for q [T, H, D], k and v [T, Hkv, D]."""
+    return native.struct("pt_attention_args", q=q.data_ptr(), q_t=q.stride(0), q_h=q.stride(1), k=k.data_ptr(),
+                         k_t=k.stride(0), k_h=k.stride(1), v=v.data_ptr(), v_t=v.stride(0), v_h=v.stride(1),
+                         H=q.shape[1], Hkv=k.shape[1], D=q.shape[2], seg_start=ctypes.addressof(starts),
+                         seg_len=ctypes.addressof(lens), nseg=len(lens), causal=int(causal), scale=q.shape[2] ** -0.5)
 
 
 # The shapes each dtype's choice is timed on: the decoder's causal attention (8 query heads of 256 over 2, one

@@ -89,8 +89,9 @@ def _conv_c(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None 
     out = torch.empty(seq_len, channels, dtype=torch.float32)
     if seq_len == 0:
         return out
-    registry.c_call("pt_causal_conv1d_silu", x.data_ptr(), _native.is_bf16(x), x.stride(0), taps.data_ptr(),
-                    weight.shape[1], out.data_ptr(), seq_len, channels, starts.data_ptr())
+    args = _native.struct("pt_conv_args", x=x.data_ptr(), x_t=x.stride(0), x_bf16=_native.is_bf16(x),
+                          taps=taps.data_ptr(), W=weight.shape[1], T=seq_len, C=channels, seg_start=starts.data_ptr())
+    registry.c_call("pt_causal_conv1d_silu", args, out.data_ptr())
     return out
 
 

@@ -67,10 +67,12 @@ def _add_norm_c(h, delta, weight, bias, eps, out_dtype):
         weight = 1.0 + weight.float()
     weight, bias = (None if t is None else t.float().contiguous() for t in (weight, bias))
     out = torch.empty(h.shape, dtype=out_dtype)
-    registry.c_call("pt_add_norm", h.data_ptr(), None if delta is None else delta.data_ptr(),
-                    0 if delta is None else _native.is_bf16(delta), 0 if delta is None else delta.stride(0),
-                    weight.data_ptr(), None if bias is None else bias.data_ptr(), int(bias is not None),
-                    h.shape[0], h.shape[1], eps, out.data_ptr(), _native.is_bf16(out))
+    args = _native.struct("pt_add_norm_args", h=h.data_ptr(), delta=None if delta is None else delta.data_ptr(),
+                          delta_t=0 if delta is None else delta.stride(0),
+                          delta_bf16=0 if delta is None else _native.is_bf16(delta), w=weight.data_ptr(),
+                          b=None if bias is None else bias.data_ptr(), layer_norm=int(bias is not None),
+                          T=h.shape[0], D=h.shape[1], eps=eps)
+    registry.c_call("pt_add_norm", args, out.data_ptr(), _native.is_bf16(out))
     return out
 
 
@@ -113,9 +115,10 @@ def _norm_gated_c(x, gate, weight, eps):
     rows, heads, dim = x.shape
     w = weight.float().contiguous()
     out = torch.empty(x.shape, dtype=gate.dtype)
-    registry.c_call("pt_rms_norm_gated", x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(),
-                    _native.is_bf16(gate), gate.stride(0), gate.stride(1), w.data_ptr(), rows, heads, dim, eps,
-                    out.data_ptr())
+    args = _native.struct("pt_norm_gated_args", x=x.data_ptr(), x_r=x.stride(0), x_h=x.stride(1),
+                          z=gate.data_ptr(), z_r=gate.stride(0), z_h=gate.stride(1), z_bf16=_native.is_bf16(gate),
+                          w=w.data_ptr(), R=rows, H=heads, D=dim, eps=eps)
+    registry.c_call("pt_rms_norm_gated", args, out.data_ptr())
     return out
 
 

@@ -170,14 +170,14 @@ def run(kernel: Kernel, *args, **kwargs):
     return out
 
 
-def c_call(name: str, *args, lib=None) -> None:
-    """Call C entry point `name` (`native.call`, the one call site of the C kernels: `lib` if given, else the
-    kernel library); a non-zero return raises Declined with `native.decline_reason`'s words."""
+def c_call(name: str, *args) -> None:
+    """Call C entry point `name` (`native.call`, the one call site of the C kernels); a non-zero return raises
+    Declined with `native.decline_reason`'s words (abi.h's reason for the code), so the op's next kernel runs."""
     from pixeltriage.kernels import native
 
-    code = native.call(name, *args, lib=lib)
+    code = native.call(name, *args)
     if code:
-        raise Declined(native.decline_reason(name, code))
+        raise Declined(f"{name}: {native.decline_reason(name, code)}")
 
 
 # ---- what ran ---------------------------------------------------------------------------------------------------

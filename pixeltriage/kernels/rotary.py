@@ -76,8 +76,10 @@ def _norm_rotary_c(x, weight, eps, cos, sin):
     w = (1.0 + weight.float()).contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    registry.c_call("pt_rotary", x.data_ptr(), _native.is_bf16(x), x.stride(0), x.stride(1), w.data_ptr(), eps,
-                    cos.data_ptr(), sin.data_ptr(), n, heads, dim, cos.shape[1], out.data_ptr())
+    args = _native.struct("pt_rotary_args", x=x.data_ptr(), x_n=x.stride(0), x_g=x.stride(1),
+                          x_bf16=_native.is_bf16(x), w=w.data_ptr(), eps=eps, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                          N=n, G=heads, D=dim, R=cos.shape[1])
+    registry.c_call("pt_rotary", args, out.data_ptr())
     return out
 
 
@@ -147,8 +149,10 @@ def _rotary_c(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     n, d = x.shape[0], x.shape[-1]
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    registry.c_call("pt_rotary", x.data_ptr(), _native.is_bf16(x), x.stride(0), _group_stride(x), None, 0.0,
-                    cos.data_ptr(), sin.data_ptr(), n, math.prod(x.shape[1:-1]), d, d, out.data_ptr())
+    args = _native.struct("pt_rotary_args", x=x.data_ptr(), x_n=x.stride(0), x_g=_group_stride(x),
+                          x_bf16=_native.is_bf16(x), w=None, eps=0.0, cos=cos.data_ptr(), sin=sin.data_ptr(), N=n,
+                          G=math.prod(x.shape[1:-1]), D=d, R=d)
+    registry.c_call("pt_rotary", args, out.data_ptr())
     return out
 
 

@@ -8,56 +8,33 @@ step instead of a division, the bf16 rounding by `vcvtneps2bf16`) the same arith
 kernels (paired medians of 40 interleaved runs at one thread, 60 at two, load 7-8): the bench-small MLP's
 [2296, 6144] -> [2296, 3072] 0.66x at one thread, 0.61x at two; the output norm at [2296, 16, 128] 0.70x and 0.66x.
 
-The source (`kernels/native/simd.c`) is built on first use by `kernels.native.build`, like `cpu_kernels.c`, with the
-same compiler, flags and switch (`PIXELTRIAGE_NATIVE=0` turns it off too), into its own library beside theirs. Where the compiler does not target
-AVX512-F/BW/VL/BF16 (`-march=native` on another CPU) the library builds without them and the kernel declines:
-`available()` is False and the op keeps its other kernels (its emulated build, `native.emulated_isa()`, has them on
-any CPU, for the tests). The result is float32 arithmetic rounded once to bf16,
+The source (`kernels/native/norm_act_avx512.c`) is part of `kernels.native`'s library, called through `native.call`
+like the others (`PIXELTRIAGE_NATIVE=0` turns it off too). Where the library is built without AVX512-F/BW/VL/BF16
+its functions decline: `available()` is False and the op keeps its other kernels (its emulated build,
+`native.emulated_isa()`, has them on any CPU, for the tests). The result is float32 arithmetic rounded once to bf16,
 within a few float32 ulps of the exact value before that rounding, so it differs from a correctly rounded result
 only where the exact value sits next to a rounding boundary (against the C kernels, by one bf16 ulp in 6.8e-6 of
 SwiGLU's elements and 9.1e-6 of the norm's).
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from pixeltriage.kernels import native, registry
 
-SOURCE = native.SOURCE.with_name("simd.c")
+# the instruction sets the passes need (`native.build_features`)
+NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 
 
-@native.per_isa
-def library(emulated: bool) -> ctypes.CDLL | None:
-    """The loaded library, or None (disabled, no compiler, not Linux, or the build failed); the emulated build where
-    `native.isa_emulated()`."""
-    lib = native.build(SOURCE, "pixeltriage_simd", "AVX-512 activation kernels", "the C or torch kernels",
-                       emulated=emulated)
-    if lib is None:
-        return None
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.pt_simd_available.argtypes, lib.pt_simd_available.restype = [], i32
-    lib.pt_simd_silu_mul.argtypes, lib.pt_simd_silu_mul.restype = [ptr, i64, i64, i64, ptr, i32], i32
-    lib.pt_simd_rms_norm_gated.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float, ptr, i32]
-    lib.pt_simd_rms_norm_gated.restype = i32
-    lib.pt_simd_sigmoid_gate.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32]
-    lib.pt_simd_sigmoid_gate.restype = i32
-    return lib
-
-
-@native.per_isa
-def available(emulated: bool) -> bool:
-    """Built, and built for a CPU with AVX512-F/BW/VL/BF16 or emulating them (otherwise its functions decline
-    everything)."""
-    lib = library.of(emulated)
-    return lib is not None and lib.pt_simd_available() == 1
+def available() -> bool:
+    """The library is loaded, built for a CPU with AVX512-F/BW/VL/BF16 or emulating them (otherwise its functions
+    decline everything)."""
+    return native.library() is not None and NEEDS <= native.build_features()
 
 
 def status() -> str:
-    lib = library()
-    status = native.build_status(SOURCE)
-    return status + (" (no AVX-512 BF16: declines)" if lib is not None and not available() else "")
+    status = native.status()
+    return status + (" (no AVX-512 BF16: declines)" if native.available() and not available() else "")
 
 
 # The passes, each a kernel function of the registry (`kernels.activation`, `kernels.norm` register them) beside its
@@ -77,8 +54,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if out is None:
         out = torch.empty(rows, inner, dtype=gate_up.dtype)
     native.checked_out(out, (rows, inner), gate_up)
-    registry.c_call("pt_simd_silu_mul", gate_up.data_ptr(), gate_up.stride(0), rows, inner, out.data_ptr(),
-                    lib=library())
+    registry.c_call("pt_simd_silu_mul", gate_up.data_ptr(), gate_up.stride(0), rows, inner, out.data_ptr())
     return out
 
 
@@ -96,8 +72,10 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     rows, heads, dim = x.shape
     w = weight.float().contiguous()
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    registry.c_call("pt_simd_rms_norm_gated", x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(),
-                    gate.stride(0), gate.stride(1), w.data_ptr(), rows, heads, dim, eps, out.data_ptr(), lib=library())
+    args = native.struct("pt_norm_gated_args", x=x.data_ptr(), x_r=x.stride(0), x_h=x.stride(1), z=gate.data_ptr(),
+                         z_r=gate.stride(0), z_h=gate.stride(1), z_bf16=1, w=w.data_ptr(), R=rows, H=heads, D=dim,
+                         eps=eps)
+    registry.c_call("pt_simd_rms_norm_gated", args, out.data_ptr())
     return out
 
 
@@ -112,6 +90,7 @@ def sigmoid_gate_(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """o *= sigmoid(gate) in place, the sigmoid rounded to bf16 and then the product, as torch's two ops round them.
     o, gate: bf16 [R, H, D] with unit last strides -> o."""
     rows, heads, dim = o.shape
-    registry.c_call("pt_simd_sigmoid_gate", o.data_ptr(), o.stride(0), o.stride(1), gate.data_ptr(), gate.stride(0),
-                    gate.stride(1), rows, heads, dim, lib=library())
+    args = native.struct("pt_gate_args", o=o.data_ptr(), o_r=o.stride(0), o_h=o.stride(1), g=gate.data_ptr(),
+                         g_r=gate.stride(0), g_h=gate.stride(1), R=rows, H=heads, D=dim)
+    registry.c_call("pt_simd_sigmoid_gate", args)
     return o

@@ -63,8 +63,11 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert len(r["paired_speedups"]) == 2
     from pixeltriage.kernels import registry
 
-    # the Scorer's kernels: the registry's choices, and the weights its first forward reordered (kernels.prepack)
-    assert {op: k for op, k in r["kernels"].items() if op != "prepacked"} == registry.choices("cpu", torch.float32)
+    # the Scorer's kernels: the registry's choices, the weights its first forward reordered (kernels.prepack) and
+    # the C library's build
+    assert r["kernels"]["native"] == (native.variant() or "none")
+    assert ({op: k for op, k in r["kernels"].items() if op not in ("prepacked", "native")}
+            == registry.choices("cpu", torch.float32))
     assert "gated_delta" in r["kernels"]
     assert r["machine"] == dict(cpu_machine(), torch_threads=1) and r["machine"]["torch_threads"] == r["threads"]
     buf = io.StringIO()

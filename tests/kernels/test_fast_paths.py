@@ -726,7 +726,6 @@ def register_width_library(request, tmp_path_factory):
     The block shapes, panel widths and tails of the float32 attention and the delta rule's products differ by
     width, and each CPU runs only its own."""
     import ctypes
-    import subprocess
 
     from pixeltriage.kernels import native
 
@@ -734,12 +733,9 @@ def register_width_library(request, tmp_path_factory):
     if cc is None or not native.available():
         pytest.skip("no C compiler or no native build here")
     path = tmp_path_factory.mktemp("width") / f"pt_{request.param}.so"
-    cmd = [cc, *native.FLAGS, "-fopenmp", f"-DPT_VR_BYTES={request.param}", str(native.SOURCE), "-o", str(path),
-           "-lm"]
-    subprocess.run(cmd, check=True, capture_output=True)
-    lib = ctypes.CDLL(str(path))
-    native._declare(lib)
-    return lib
+    native.variants.compile(cc, native.chosen(False), path, native.abi.load().check_source(),
+                            extra=[f"-DPT_VR_BYTES={request.param}"])
+    return native.abi.load().bind(ctypes.CDLL(str(path)))
 
 
 @pytest.mark.parametrize("case", ["edges", "gqa4", "wide"])

@@ -152,7 +152,7 @@ def test_default_chunk_is_the_c_kernels_size_where_they_run(monkeypatch):
     args = inputs(200, k_dim=16, v_dim=32, seed=5)
     got = chunk_gated_delta_rule(*args)
     prep = [a for name, a in calls if name == "pt_delta_chunked"]
-    assert prep and prep[0][15] == chunk.NATIVE_CHUNK                  # (..., restart, N, H, C, K, V, ...)
+    assert prep and prep[0][0].C == chunk.NATIVE_CHUNK                 # its pt_delta_args' chunk
     ref = recurrent_gated_delta_rule(*args)
     with torch_only():
         torch_out = chunk_gated_delta_rule(*args)

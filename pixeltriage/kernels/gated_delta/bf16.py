@@ -133,11 +133,12 @@ def _round32(n: int) -> int:
 def scratch_floats(c: int, k_dim: int, v_dim: int) -> int:
     """Per-thread scratch of `pt_delta_chunked_bf16`, in floats, as the library computes it (its DELTA_BF16_SCRATCH
     at the padded head dims, which it checks). The library must be built (`refusal`)."""
-    return native.library().pt_delta_chunked_bf16_scratch(c, k_dim, v_dim)
+    return native.query("pt_delta_chunked_bf16_scratch", c, k_dim, v_dim)
 
 
-# The pass's operand layouts (`pt_bf16_pack`'s `which`): what each packer makes of a float32 matrix
-PACKERS = {"rows": 0, "pairs": 1, "pairs_t": 2, "rows_t": 3}
+# The pass's operand layouts (`pt_bf16_pack`'s `which`, abi.h's pt_pack_layout): what each packer makes of a float32
+# matrix
+PACKERS = native.abi.load().enums["pt_pack_layout"].by_key()
 
 
 def pack(layout: str, src: torch.Tensor, scale: torch.Tensor | None = None, fast: bool = True) -> torch.Tensor:
@@ -163,16 +164,16 @@ def pack(layout: str, src: torch.Tensor, scale: torch.Tensor | None = None, fast
         scale = scale.float().contiguous()
         if scale.shape != (needs,):
             raise ValueError(f"scale of shape ({needs},) expected for {layout!r}, got {tuple(scale.shape)}")
-    lib = native.library()
-    if lib is None:
+    if native.library() is None:
         raise BackendUnavailableError(f"the native library is not built ({native.status()})")
     out = torch.empty(rows * cols, dtype=torch.bfloat16)
-    rc = lib.pt_bf16_pack(PACKERS[layout], int(fast), src.data_ptr(), rows, cols,
-                          None if scale is None else scale.data_ptr(), out.data_ptr())
-    if rc == 2:
+    rc = native.call("pt_bf16_pack", PACKERS[layout], int(fast), src.data_ptr(), rows, cols,
+                     None if scale is None else scale.data_ptr(), out.data_ptr())
+    if rc == native.DECLINE["isa"]:
         raise BackendUnavailableError("this build has no vector packers (the CPU lacks AVX512-BF16)")
     if rc != 0:
-        raise ValueError(f"pt_bf16_pack refused {layout!r} of {tuple(src.shape)} (code {rc})")
+        raise ValueError(f"pt_bf16_pack refused {layout!r} of {tuple(src.shape)}: "
+                         f"{native.decline_reason('pt_bf16_pack', rc)}")
     shape = {"rows": (rows, cols), "rows_t": (rows, cols), "pairs": (rows // 2, 2 * cols),
              "pairs_t": (rows // 2, 2 * cols)}[layout]
     return out.view(shape)
@@ -219,13 +220,15 @@ def gated_delta_bf16(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tens
     state = gamma.new_empty(num_v_heads, _round32(k_dim), _round32(v_dim))
     per_thread = scratch_floats(c, k_dim, v_dim)
     scratch = gamma.new_zeros(torch.get_num_threads(), per_thread)    # the head dims' padding stays zero
+    args = native.struct("pt_delta_args", q=None, q_t=0, q_h=0, k=None, k_t=0, k_h=0, v=None, v_t=0, v_h=0,
+                         beta=beta.data_ptr(), gamma=gamma.data_ptr(), chunk_start=plan.chunk_start.data_ptr(),
+                         chunk_len=plan.chunk_len.data_ptr(), restart=plan.restart.data_ptr(), N=plan.num_chunks,
+                         H=num_v_heads, C=c, K=k_dim, V=v_dim, l2norm=1, eps=chunk.L2NORM_EPS, scale=k_dim ** -0.5,
+                         cutoff=chunk.LOG_DECAY_CUTOFF, tiny=chunk._TINY, x=qkv.data_ptr(), x_t=qkv.stride(0),
+                         x_bf16=1, taps=taps.data_ptr(), W=taps.shape[0], conv_dim=qkv.shape[1],
+                         group=num_v_heads // num_k_heads, seg_start=plan.seg_start.data_ptr())
     with native.part_of_pass(chunk.CONV_PART) as prof:                # a profiler's split of the conv
-        registry.c_call("pt_delta_chunked_bf16", None, 0, 0, None, 0, 0, None, 0, 0, beta.data_ptr(),
-                        plan.chunk_start.data_ptr(), plan.chunk_len.data_ptr(), plan.restart.data_ptr(),
-                        plan.num_chunks, num_v_heads, c, k_dim, v_dim, 1, chunk.L2NORM_EPS, gamma.data_ptr(),
-                        k_dim ** -0.5, chunk.LOG_DECAY_CUTOFF, chunk._TINY, qkv.data_ptr(), 1, qkv.stride(0),
-                        taps.data_ptr(), taps.shape[0], qkv.shape[1], num_v_heads // num_k_heads,
-                        plan.seg_start.data_ptr(), native.BF16_ENGINES[name], out.data_ptr(), state.data_ptr(),
+        registry.c_call("pt_delta_chunked_bf16", args, native.BF16_ENGINES[name], out.data_ptr(), state.data_ptr(),
                         scratch.data_ptr(), per_thread, prof)
     return plan.unpad(out.view(plan.num_chunks * c, num_v_heads, v_dim))
 

@@ -357,10 +357,11 @@ def _layout_c(q, k, v, beta, qk_l2norm, plan):
         for buf in out:
             for n, first in pads:
                 buf[n, :, first:].zero_()
-        registry.c_call("pt_chunk_gather", x.data_ptr(), x.stride(0), x.stride(1), seq_len, num_heads, x.shape[-1],
-                        rows.data_ptr(), c, None if mult is None else mult.data_ptr(),
-                        None if mult2 is None else mult2.data_ptr(), int(l2norm), L2NORM_EPS, out[0].data_ptr(),
-                        None if mult2 is None else out[1].data_ptr())
+        args = native.struct("pt_gather_args", src=x.data_ptr(), src_t=x.stride(0), src_h=x.stride(1), T=seq_len,
+                             H=num_heads, D=x.shape[-1], row=rows.data_ptr(), C=c,
+                             mult=None if mult is None else mult.data_ptr(),
+                             mult2=None if mult2 is None else mult2.data_ptr(), l2norm=int(l2norm), eps=L2NORM_EPS)
+        registry.c_call("pt_chunk_gather", args, out[0].data_ptr(), None if mult2 is None else out[1].data_ptr())
         return out
 
     k_pair, q_c, v_beta = gather(k, qk_l2norm, None, beta), gather(q, qk_l2norm), gather(v, False, beta)
@@ -378,25 +379,26 @@ def _c_pass(plan, inputs, beta, gamma, qk_l2norm, scale):
         x, conv_weight, group, k_dim, v_dim = inputs
         taps = conv_weight.float().t().contiguous()                  # [W, conv_dim]
         q = k = v = x.new_empty(0, 0, 0, dtype=torch.float32)
-        conv_args = (x.data_ptr(), native.is_bf16(x), x.stride(0), taps.data_ptr(), taps.shape[0], x.shape[1], group,
-                     plan.seg_start.data_ptr())
+        conv_args = dict(x=x.data_ptr(), x_t=x.stride(0), x_bf16=native.is_bf16(x), taps=taps.data_ptr(),
+                         W=taps.shape[0], conv_dim=x.shape[1], group=group, seg_start=plan.seg_start.data_ptr())
     else:
         q, k, v = inputs
         k_dim, v_dim = k.shape[-1], v.shape[-1]
-        conv_args = (None, 0, 0, None, 0, 0, 1, None)
+        conv_args = dict(x=None, x_t=0, x_bf16=0, taps=None, W=0, conv_dim=0, group=1, seg_start=None)
     beta = beta.contiguous()
     out = gamma.new_empty(num_chunks * c, num_heads, v_dim)
     state = gamma.new_empty(num_heads, k_dim, v_dim)
     # per thread: the decay matrix and T (2 C^2), q_start, w, normalised k (C K each), u (C V), intra (C^2),
     # k_end^T (K C)
     scratch = gamma.new_empty(torch.get_num_threads(), 3 * c * c + 4 * c * k_dim + c * v_dim)
+    args = native.struct("pt_delta_args", q=q.data_ptr(), q_t=q.stride(0), q_h=q.stride(1), k=k.data_ptr(),
+                         k_t=k.stride(0), k_h=k.stride(1), v=v.data_ptr(), v_t=v.stride(0), v_h=v.stride(1),
+                         beta=beta.data_ptr(), gamma=gamma.data_ptr(), chunk_start=plan.chunk_start.data_ptr(),
+                         chunk_len=plan.chunk_len.data_ptr(), restart=plan.restart.data_ptr(), N=num_chunks,
+                         H=num_heads, C=c, K=k_dim, V=v_dim, l2norm=int(qk_l2norm), eps=L2NORM_EPS, scale=scale,
+                         cutoff=LOG_DECAY_CUTOFF, tiny=_TINY, **conv_args)
     with native.part_of_pass(CONV_PART if len(inputs) == 5 else None) as prof:    # a profiler's split of the conv
-        registry.c_call("pt_delta_chunked", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                        k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(),
-                        plan.chunk_start.data_ptr(), plan.chunk_len.data_ptr(), plan.restart.data_ptr(), num_chunks,
-                        num_heads, c, k_dim, v_dim, int(qk_l2norm), L2NORM_EPS, gamma.data_ptr(), scale,
-                        LOG_DECAY_CUTOFF, _TINY, *conv_args, out.data_ptr(), state.data_ptr(), scratch.data_ptr(),
-                        prof)
+        registry.c_call("pt_delta_chunked", args, out.data_ptr(), state.data_ptr(), scratch.data_ptr(), prof)
     return out
 
 
