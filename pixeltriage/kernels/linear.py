@@ -58,15 +58,15 @@ def activation(name: str, in_place: bool = False):
     return _IN_PLACE.get(name, _ACTIVATIONS[name]) if in_place else _ACTIVATIONS[name]
 
 
-def _switch() -> str:
+def switch() -> str:
     """PIXELTRIAGE_ONEDNN (`pixeltriage.settings`): "auto", "on" or "off"."""
     return settings.current().onednn
 
 
-def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN's linear primitive may run `dtype` here (torch has it, PIXELTRIAGE_ONEDNN is not off, and for
     bf16 the CPU has bf16 units oneDNN builds for)."""
-    if _switch() == "off":
+    if switch() == "off":
         return False
     if "ok" not in _STATE:
         try:
@@ -200,9 +200,9 @@ def measure_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
 
 def _projection_available() -> bool:
     """float32 on oneDNN's primitive: PIXELTRIAGE_ONEDNN on, or auto and measured faster here (`float32_choice`)."""
-    if not _fused_available(torch.float32):
+    if not onednn_available(torch.float32):
         return False
-    if _switch() == "on":
+    if switch() == "on":
         return True
     if "plain" not in _STATE:
         _STATE["plain"] = float32_choice()["library"] == "oneDNN"
@@ -271,7 +271,7 @@ def _device_dtype(x: torch.Tensor, *args) -> tuple[torch.device, torch.dtype]:
 LINEAR = registry.op("linear", _device_dtype)
 # bf16 (oneDNN builds its bf16 primitives only on some CPUs): the activation in the primitive's epilogue, a bias too
 ONEDNN = LINEAR.register("oneDNN linear with fused post-ops", _fused, accepts=_fused_accepts, dtypes=(torch.bfloat16,),
-                         available=lambda: _fused_available(torch.bfloat16), priority=10)
+                         available=lambda: onednn_available(torch.bfloat16), priority=10)
 # float32, and bf16 activations without an epilogue: the product on this machine's faster library ("projection"),
 # then the activation
 THEN_ACTIVATION = LINEAR.register("linear, then the activation", _then_activation, devices=("cpu",),
@@ -282,7 +282,7 @@ ONEDNN_PROJECTION = PROJECTION.register("oneDNN linear", _primitive, accepts=_pr
                                        dtypes=(torch.float32,), available=_projection_available, priority=10)
 ONEDNN_BIAS = PROJECTION.register("oneDNN linear for layers with a bias, torch linear without", _bias_primitive,
                                   accepts=_primitive_accepts, dtypes=(torch.bfloat16,),
-                                  available=lambda: _fused_available(torch.bfloat16), priority=10)
+                                  available=lambda: onednn_available(torch.bfloat16), priority=10)
 TORCH_PROJECTION = PROJECTION.register("torch linear", projection_torch, devices=("cpu", "cuda"))
 # a weight reordered for oneDNN's primitive by the first forward (`kernels.prepack`, which packs only where it runs)
 PREPACKED = registry.op("prepacked_linear", _device_dtype)

@@ -99,7 +99,7 @@ def applies(device: torch.device | str, dtype: torch.dtype) -> str | None:
         return f"{dtype} forward"
     if switch() == "off":
         return f"{SWITCH}=off"
-    if dtype == torch.bfloat16 and not linear._fused_available(torch.bfloat16):
+    if dtype == torch.bfloat16 and not linear.onednn_available(torch.bfloat16):
         return "no oneDNN bf16 linear primitive for this CPU"
     if dtype == torch.float32 and not linear.plain_onednn("cpu", torch.float32):
         return "float32 projections on F.linear here (kernels.linear), not oneDNN's primitive"

@@ -233,12 +233,12 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias, library, mo
     monkeypatch.delenv("PIXELTRIAGE_ONEDNN", raising=False)
     with registry.recording() as record:
         got = linear_act(cast(x), cast(w), cast(b), act)
-    fused = dtype == torch.bfloat16 and linear._fused_available(dtype) and act in linear._POST_OPS
+    fused = dtype == torch.bfloat16 and linear.onednn_available(dtype) and act in linear._POST_OPS
     after = not fused                   # the product's output, then the activation (tanh GELU: in place, in C)
     ran = record.snapshot()             # the path under test is the one that ran
     assert (ran.ran("linear", linear.ONEDNN.name), ran.ran("linear", linear.THEN_ACTIVATION.name)) == (fused, after)
     if after:
-        on_onednn = library == "oneDNN" and linear._fused_available(dtype)
+        on_onednn = library == "oneDNN" and linear.onednn_available(dtype)
         if dtype == torch.float32:
             assert linear.plain_onednn("cpu", dtype) is on_onednn
             product = (torch.ops.mkldnn._linear_pointwise(cast(x), cast(w), cast(b), "none", [], "") if on_onednn
@@ -970,7 +970,7 @@ def test_float32_projection_matches_float64_on_awkward_shapes(case, monkeypatch)
     exact = F.linear(x.double(), w.double())
     got = linear(x, w)
     assert got.dtype == torch.float32 and got.shape == exact.shape
-    assert plain_onednn("cpu", torch.float32) is module._fused_available(torch.float32)
+    assert plain_onednn("cpu", torch.float32) is module.onednn_available(torch.float32)
     if plain_onednn("cpu", torch.float32):
         assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     if exact.numel():
@@ -993,7 +993,7 @@ def test_float32_layers_take_the_measured_library_unless_switched(library, switc
         monkeypatch.delenv("PIXELTRIAGE_ONEDNN", raising=False)
     else:
         monkeypatch.setenv("PIXELTRIAGE_ONEDNN", switch)
-    available = switch != "0" and linear._fused_available(torch.float32)
+    available = switch != "0" and linear.onednn_available(torch.float32)
     assert linear.plain_onednn("cpu", torch.float32) is (plain and available)
     assert len(measured) == (1 if switch in (None, "auto") and available else 0)
     assert not linear.plain_onednn("cpu", torch.bfloat16)

@@ -16,7 +16,7 @@ from pixeltriage.kernels import linear as lin
 from pixeltriage.kernels import prepack
 from pixeltriage.kernels.onednn_weights import Packed, Rows, packed_label, row_slice
 
-needs_bf16_primitive = pytest.mark.skipif(not lin._fused_available(torch.bfloat16),
+needs_bf16_primitive = pytest.mark.skipif(not lin.onednn_available(torch.bfloat16),
                                           reason="no oneDNN bf16 linear primitive for this CPU")
 
 
@@ -133,7 +133,7 @@ def test_which_roles_are_packed(monkeypatch):
     with pytest.raises(ValueError, match="PIXELTRIAGE_PREPACK='sometimes'"):
         prepack.chosen_roles("cpu", torch.bfloat16)
     monkeypatch.setenv(prepack.SWITCH, "1")                  # without measuring
-    if lin._fused_available(torch.bfloat16):
+    if lin.onednn_available(torch.bfloat16):
         monkeypatch.setattr(prepack, "choice", lambda: pytest.fail("measured under PIXELTRIAGE_PREPACK=1"))
         monkeypatch.setattr(prepack.tuning, "malloc_tuned", True)
         assert prepack.chosen_roles("cpu", torch.bfloat16) == prepack.ROLES
