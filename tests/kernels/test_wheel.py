@@ -68,8 +68,7 @@ def test_a_wheel_runs_its_prebuilt_kernels_with_no_compiler(tiny_checkpoint, tmp
     _score(sys.executable, tiny_checkpoint, source, tmp_path)
     here = _score(sys.executable, tiny_checkpoint, source, tmp_path)
 
-    _run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w",
-          str(tmp_path / "dist")], env=env)
+    _run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(tmp_path / "dist")], env=env)
     wheel = next((tmp_path / "dist").glob("pixeltriage-*.whl"))
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
