@@ -18,11 +18,8 @@ StoreUnavailableError, naming the location; never the driver's own exception, ne
 """
 from __future__ import annotations
 
-import os
 import re
 from urllib.parse import unquote
-
-from pixeltriage.errors import PixelTriageError
 
 URL_SCHEMES = ("postgresql://", "postgres://")
 
@@ -30,22 +27,6 @@ URL_SCHEMES = ("postgresql://", "postgres://")
 def is_url(target) -> bool:
     """Whether a cache target is a PostgreSQL URL (else it is a path)."""
     return isinstance(target, str) and target.lower().startswith(URL_SCHEMES)
-
-
-def open_backend(target, timeout_ms: int):
-    """The backend of `target`: a PostgreSQL URL, else a path of a SQLite file."""
-    if is_url(target):
-        from pixeltriage.store.postgres import PostgresBackend
-
-        return PostgresBackend(target, timeout_ms)
-    if isinstance(target, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", target):
-        raise PixelTriageError(f"cache {redact(target)}: a cache is a file path or a postgresql:// URL, not a "
-                               f"{target.split('://', 1)[0]}:// URL")
-    if not isinstance(target, (str, os.PathLike)):
-        raise TypeError(f"a cache is a file path or a postgresql:// URL, found {type(target).__name__}")
-    from pixeltriage.store.sqlite import SQLiteBackend
-
-    return SQLiteBackend(target, timeout_ms)
 
 
 _USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/?#]*):(?P<secret>[^@/?#]*)@")

@@ -3,10 +3,10 @@ short note, made once when the host stores it.
 
 Where: `Cache(target)` (or `Cache.open(target)`) is given a path, for one SQLite file in WAL mode (the embedded
 default), or a `postgresql://` (or `postgres://`) URL, for a PostgreSQL database that every replica on every machine
-shares (`pip install 'pixeltriage[postgres]'`); store.backend has the two. Either is safe to use from several
-threads and several processes at once: every write is one short transaction, and waits for other writers up to
-`busy_timeout_ms`. A process killed mid-write leaves the last committed state. A forked child opens its own
-connections.
+shares (`pip install 'pixeltriage[postgres]'`); store.sqlite and store.postgres hold the two, store.backend what
+they share. Either is safe to use from several threads and several processes at once: every write is one short
+transaction, and waits for other writers up to `busy_timeout_ms`. A process killed mid-write leaves the last
+committed state. A forked child opens its own connections.
 
 Keys: the SHA-256 hex digest of the image's encoded bytes: of the bytes themselves for a bytes
 input, of the file's bytes for a path, and of `encode_png(img)` for a PIL image. The same
@@ -44,6 +44,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,12 +57,28 @@ from pixeltriage.media.image import display_size, encode_png, thumbnail
 from pixeltriage.media.policy import THUMBNAIL_SIDE
 from pixeltriage.media.sources import ImageSource, read_local
 from pixeltriage.store import schema
-from pixeltriage.store.backend import open_backend
+from pixeltriage.store.backend import is_url, redact
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+def _open_backend(target, timeout_ms: int):
+    """The backend of `target`: a PostgreSQL URL, else a path of a SQLite file."""
+    if is_url(target):
+        from pixeltriage.store.postgres import PostgresBackend
+
+        return PostgresBackend(target, timeout_ms)
+    if isinstance(target, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", target):
+        raise PixelTriageError(f"cache {redact(target)}: a cache is a file path or a postgresql:// URL, not a "
+                               f"{target.split('://', 1)[0]}:// URL")
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"a cache is a file path or a postgresql:// URL, found {type(target).__name__}")
+    from pixeltriage.store.sqlite import SQLiteBackend
+
+    return SQLiteBackend(target, timeout_ms)
+
 
 def image_key(image: ImageSource) -> str:
     """The cache key of an image: SHA-256 hex of its encoded bytes (see the module docstring)."""
@@ -77,7 +94,7 @@ class Cache:
 
     def __init__(self, target: str | os.PathLike, *, busy_timeout_ms: int = 60_000):
         self.busy_timeout_ms = int(busy_timeout_ms)
-        self.backend = open_backend(target, self.busy_timeout_ms)
+        self.backend = _open_backend(target, self.busy_timeout_ms)
         self.location: str = self.backend.location
         self.path: Path | None = self.backend.path
 
