@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # a module only an optional extra installs -> the extra that brings it
 EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "httptools": "serve", "httpx": "serve", "pydantic": "serve",
-          "prometheus_client": "serve", "ray": "ray", "faiss": "retrieval", "triton": "gpu", "fla": "gpu",
+          "prometheus_client": "serve", "ray": "ray", "pandas": "ray", "pyarrow": "ray", "faiss": "retrieval", "triton": "gpu", "fla": "gpu",
           "matplotlib": "plot"}
 
 

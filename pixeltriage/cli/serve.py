@@ -113,6 +113,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="CPUs Ray reserves per replica (default 1)")
     ray.add_argument("--gpus-per-replica", metavar="X", type=fraction, default=None,
                      help="GPUs per replica on CUDA, a fraction shares one (default 1 with --device cuda)")
+    ray.add_argument("--max-replicas-per-node", metavar="N", type=int_at_least(1), default=None,
+                     help="at most N replicas on one Ray node, also while a node is lost (default: no bound; Ray "
+                          "Serve spreads replicas over the nodes as far as their CPUs allow)")
 
 
 def check_serve_arguments(args: argparse.Namespace) -> None:
@@ -123,7 +126,8 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-client-batch {args.max_client_batch} is above --max-queued {args.max_queued}: "
                          "such a batch could never be admitted")
     ray_flags = [name for name in ("ray_address", "replicas", "min_replicas", "max_replicas",
-                                   "target_ongoing_requests", "gpus_per_replica") if getattr(args, name) is not None]
+                                   "target_ongoing_requests", "gpus_per_replica", "max_replicas_per_node")
+                 if getattr(args, name) is not None]
     if ray_flags and not args.ray:
         raise UsageError(f"--{ray_flags[0].replace('_', '-')} needs --ray")
     autoscaling = [n for n in ("min_replicas", "max_replicas", "target_ongoing_requests") if getattr(args, n) is not None]

@@ -54,6 +54,8 @@ CONNECTION_GRACE = 5.0                         # seconds a proxy's HTTP server w
 LINGER = 1.0                                   # seconds a proxy answers the connections it accepted, once it stopped
                                                # accepting, before it closes the idle ones
 POLL = 0.25
+RETRY_AFTER = 1                                # seconds, the Retry-After of a 503 that Ray Serve's proxy answers
+GUARD_PERIOD = 2.0                             # seconds between the driver's looks for proxies to guard
 
 
 def replica_class():
@@ -88,11 +90,14 @@ def replica_class():
 def deployment(spec: ModelSpec, config: ServeConfig, *, replicas: int | None = 1,
                autoscaling: dict | None = None, cpus: float = 1.0, gpus: float = 0.0,
                max_ongoing_requests: int | None = None, max_queued_requests: int | None = None,
-               describe: dict | None = None):
+               max_replicas_per_node: int | None = None, describe: dict | None = None):
     """The bound Ray Serve application: `replicas` fixed replicas, or `autoscaling` (Ray Serve's autoscaling_config:
     min_replicas, max_replicas, target_ongoing_requests, ...). max_ongoing_requests: requests in a replica at once
     (default: its --max-queued, so that its batcher sees everything it may batch). max_queued_requests: requests
-    Ray Serve holds for the deployment beyond those, 503 past it (default: --max-queued as well; -1: no bound)."""
+    Ray Serve holds for the deployment beyond those, 503 with Retry-After past it (default: --max-queued as well;
+    -1: no bound). max_replicas_per_node: at most that many replicas on one node (Ray Serve spreads replicas over
+    the nodes by default, as far as their resources allow; this bound holds also when a node is lost: its replicas
+    wait for a node with room, such as the lost one when it comes back, rather than pile onto the others)."""
     from ray import serve
 
     if spec.device == "cpu" and spec.threads is None:
@@ -100,8 +105,11 @@ def deployment(spec: ModelSpec, config: ServeConfig, *, replicas: int | None = 1
     options = dict(name=DEPLOYMENT_NAME, ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
                    max_ongoing_requests=max_ongoing_requests or config.max_queued,
                    max_queued_requests=config.max_queued if max_queued_requests is None else max_queued_requests,
+                   backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER},
                    graceful_shutdown_timeout_s=config.graceful_timeout, graceful_shutdown_wait_loop_s=0.5,
                    health_check_period_s=5.0, health_check_timeout_s=30.0, max_constructor_retry_count=3)
+    if max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = max_replicas_per_node
     if autoscaling is not None:
         options["autoscaling_config"] = autoscaling
     else:
@@ -110,7 +118,8 @@ def deployment(spec: ModelSpec, config: ServeConfig, *, replicas: int | None = 1
     described["ray"] = {"replicas": None if autoscaling is not None else replicas, "autoscaling": autoscaling,
                         "cpus_per_replica": cpus, "gpus_per_replica": gpus, "torch_threads": spec.threads,
                         "max_ongoing_requests": options["max_ongoing_requests"],
-                        "max_queued_requests": options["max_queued_requests"]}
+                        "max_queued_requests": options["max_queued_requests"],
+                        "max_replicas_per_node": max_replicas_per_node}
     return serve.deployment(replica_class(), **options).bind(spec, config, described)
 
 
@@ -157,9 +166,10 @@ def replica_status(_actor_object) -> dict:
     import ray
 
     replica, servable = _local_replica()
-    batcher = servable.service.batcher
+    batcher, cache = servable.service.batcher, servable.service.cache
     return {"replica": replica, "status": servable.service.readiness, "host": socket.gethostname(),
             "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(), "cache": cache.location if cache is not None else None,
             "admitted": batcher.admitted if batcher is not None else 0}
 
 
@@ -395,6 +405,99 @@ def proxy_transport(proxy) -> dict:
     return {"loop": loop, "http": getattr(http, "__module__", str(http)).rsplit(".", 1)[-1].removesuffix("_impl")}
 
 
+def lost_replica(exc: BaseException) -> bool:
+    """Whether `exc`, as Ray Serve's proxy meets it, says the replica went away (its actor died or cannot be
+    reached: a replica killed, a node lost) rather than that the application failed."""
+    from ray.exceptions import RayActorError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RayActorError):
+            return True
+        seen.add(id(exc))
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
+
+
+def proxy_guard(_proxy) -> bool:
+    """Run in a Ray Serve proxy (`__ray_call__`), again whenever the driver looks (it does nothing the second time):
+    a request whose replica is lost before it answered is answered 503 with Retry-After and the reason, where Ray
+    Serve's proxy writes no answer at all (its ASGI call returns without one, so uvicorn sends a bare 500). The
+    question was scored by nobody, scoring is idempotent, and clients and load balancers retry a 503: a node lost
+    under load costs its in-flight requests one retry, not an error. Any other failure keeps Ray Serve's answer.
+
+    The proxy maps a failed request to its status with `get_http_response_status` of its module (Ray Serve 2.60),
+    which this wraps; False with a warning where it is not there."""
+    from ray.serve._private import proxy as ray_proxy
+    from ray.serve._private.proxy_request_response import ResponseStatus
+
+    current = getattr(ray_proxy, "get_http_response_status", None)
+    if current is None:
+        log.warning("this Ray Serve proxy has no get_http_response_status: a lost replica's requests answer 500")
+        return False
+    if getattr(current, "pixeltriage_guard", False):
+        return True
+
+    def response_status(exc: BaseException, request_timeout_s, request_id: str) -> ResponseStatus:
+        if lost_replica(exc):
+            log.warning("request %s: its replica was lost before answering (%s): 503", request_id,
+                        type(exc).__name__)
+            return ResponseStatus(code=503, is_error=True,
+                                  message=f"the replica of request {request_id} was lost before it answered; "
+                                          f"retry after {RETRY_AFTER} s",
+                                  headers=[(b"retry-after", str(RETRY_AFTER).encode())])
+        return current(exc, request_timeout_s, request_id)
+
+    response_status.pixeltriage_guard = True
+    ray_proxy.get_http_response_status = response_status
+    return True
+
+
+class ProxyGuards:
+    """The driver's side of `proxy_guard`: every GUARD_PERIOD s (`poll`), the guard is sent to every Ray Serve proxy
+    (one per node: a node that joins, or comes back, has a new one), without waiting for the answers; a proxy
+    that did not answer within CALL_TIMEOUT (its node lost) is sent it again on a later look, and one that failed
+    is reported once."""
+
+    def __init__(self):
+        self.pending: dict[str, tuple[Any, float]] = {}    # proxy name -> (the call's ref, sent at)
+        self.guarded: set[str] = set()
+        self.failed: set[str] = set()
+        self._next = 0.0
+
+    def poll(self, wait: float = 0.0) -> None:
+        """Look now if GUARD_PERIOD has passed; with `wait`, wait up to that long for the answers of this look."""
+        import ray
+
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + GUARD_PERIOD
+            for name in serve_actor_names(PROXY_ACTOR_PREFIX):
+                if name not in self.pending:
+                    try:
+                        self.pending[name] = (_actor(name).__ray_call__.remote(proxy_guard), now)
+                    except ValueError:         # gone since it was listed
+                        continue
+        if not self.pending:
+            return
+        refs = [ref for ref, _ in self.pending.values()]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        done = set(done)
+        for name, (ref, sent) in list(self.pending.items()):
+            if ref in done:
+                del self.pending[name]
+                try:
+                    if ray.get(ref):
+                        self.guarded.add(name)
+                except ray.exceptions.RayError as e:   # a proxy on a node being lost: tried again while listed
+                    if name not in self.failed:
+                        self.failed.add(name)
+                        log.warning("%s did not take the guard (tried again while it is listed): %s", name,
+                                    str(e).splitlines()[0])
+            elif time.monotonic() - sent > CALL_TIMEOUT:
+                del self.pending[name]
+
+
 def _call_all(names: list[str], fn: Callable, *args) -> dict[str, Any]:
     """`fn(*args)` in each named actor, at once, from the driver -> {name: answer}; None for an actor that did not
     answer within CALL_TIMEOUT, no entry for one that is gone."""
@@ -514,7 +617,8 @@ def run_ray(spec: ModelSpec, config: ServeConfig, args: argparse.Namespace) -> i
             pass
         serve.start(http_options={"host": args.host, "port": args.port})
         app = deployment(spec, config, replicas=args.replicas or 1, autoscaling=autoscaling,
-                         cpus=args.cpus_per_replica, gpus=gpus, describe={"checkpoint": args.checkpoint})
+                         cpus=args.cpus_per_replica, gpus=gpus, max_replicas_per_node=args.max_replicas_per_node,
+                         describe={"checkpoint": args.checkpoint})
         print(f"pixeltriage serve --ray: starting replicas on Ray ({ray.get_runtime_context().gcs_address})",
               file=sys.stderr, flush=True)
         try:
@@ -523,12 +627,16 @@ def run_ray(spec: ModelSpec, config: ServeConfig, args: argparse.Namespace) -> i
             raise
         except Exception as e:                 # a replica that cannot load: Ray's error names the cause
             raise ServerError(f"the Ray Serve application did not start: {str(e).strip().splitlines()[-1]}") from None
+        guards = ProxyGuards()
+        guards.poll(wait=CALL_TIMEOUT)
         signals.started = True
         if signals.stop.is_set():
             raise KeyboardInterrupt("signalled while starting")
-        print(f"pixeltriage serve --ray: ready on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        while not signals.stop.wait(1.0):
-            pass
+        nodes = sum(1 for node in ray.nodes() if node["Alive"])
+        print(f"pixeltriage serve --ray: ready on http://{args.host}:{args.port} ({nodes} Ray nodes, "
+              f"{len(guards.guarded)} proxies)", file=sys.stderr, flush=True)
+        while not signals.stop.wait(POLL):
+            guards.poll()
         print(f"pixeltriage serve --ray: draining (up to {config.graceful_timeout:g} s), no new requests admitted",
               file=sys.stderr, flush=True)
         drained = drain(config, signals.hurry, stop_proxies=owns_serve)

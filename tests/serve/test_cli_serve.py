@@ -22,6 +22,8 @@ from pixeltriage.cli import main
     (["--ray", "--min-replicas", "5", "--max-replicas", "4"], "--min-replicas 5 is above --max-replicas 4"),
     (["--ray", "--gpus-per-replica", "0.5"], "--gpus-per-replica needs --device cuda"),
     (["--ray", "--gpus-per-replica", "1.5", "--device", "cuda"], "--gpus-per-replica: must be in (0, 1]"),
+    (["--max-replicas-per-node", "1"], "--max-replicas-per-node needs --ray"),
+    (["--ray", "--max-replicas-per-node", "0"], "--max-replicas-per-node: must be at least 1"),
 ])
 def test_serve_usage_errors(argv, needle, tiny_checkpoint, tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("x")
