@@ -222,7 +222,7 @@ PT_API int pt_attention_f32_scratch(int64_t longest, int64_t D, int64_t *floats)
 
 /* The residual update and the next norm in one pass over the residual stream: out = norm(h += delta), out [T, D]
  * contiguous, bf16 if out_bf16.
- * reference: pixeltriage.kernels.norm._add_norm_torch
+ * reference: pixeltriage.kernels.norm.add_norm_torch
  * test: tests/kernels/test_fast_paths.py::test_add_rms_norm_matches_add_then_norm,
  *     tests/kernels/test_fast_paths.py::test_add_layer_norm_matches_add_then_layer_norm
  * declines: shape (T < 0, D < 1), argument (LayerNorm without b), dtype (delta_bf16 or out_bf16) */
@@ -328,7 +328,7 @@ PT_API int pt_bf16_pack(int which, int fast, const float *src, int64_t R, int64_
 
 /* Non-causal attention within segments in bf16 on `engine` (the vision tower's images); Hkv = H, causal 0; out
  * [T, H, D] bf16 contiguous; scratch at least pt_segment_attention_scratch floats per thread.
- * reference: pixeltriage.kernels.attention._sdpa_segments
+ * reference: pixeltriage.kernels.attention.sdpa_segments
  * test: tests/kernels/test_fast_paths.py::test_segment_attention_bf16_matches_masked_attention_and_sdpa
  * declines: shape (D not a multiple of 32 up to 256, a segment over 4096 or negative, Hkv other than H), argument
  *     (causal), workspace (scratch_floats), isa (an engine this build lacks) */
@@ -338,7 +338,7 @@ PT_API int pt_segment_attention_bf16(const pt_attention_args *a, int engine, uin
 /* Causal attention within segments in bf16 on `engine` (the decoder's packed questions), grouped-query heads;
  * causal 1; out [T, H, D] bf16 contiguous; kv: Hkv blocks of kv_per_head bf16, scratch scratch_floats per thread
  * (pt_causal_attention_scratch).
- * reference: pixeltriage.kernels.attention._sdpa_segments
+ * reference: pixeltriage.kernels.attention.sdpa_segments
  * test: tests/kernels/test_fast_paths.py::test_causal_attention_bf16_matches_masked_attention_and_sdpa
  * declines: shape (D not a multiple of 32 up to 256, a segment over 32768 or negative, H not a multiple of Hkv),
  *     argument (causal), workspace (scratch_floats, kv_per_head), isa (an engine this build lacks) */
@@ -347,7 +347,7 @@ PT_API int pt_causal_attention_bf16(const pt_attention_args *a, int engine, uint
 
 /* Attention within segments in float32, causal or not, grouped-query heads; out [T, H, D] contiguous; kv at least
  * 2 Hkv D (the segments' lengths rounded up to 16, summed) floats, scratch pt_attention_f32_scratch per thread.
- * reference: pixeltriage.kernels.attention._sdpa_segments
+ * reference: pixeltriage.kernels.attention.sdpa_segments
  * test: tests/kernels/test_fast_paths.py::test_attention_f32_matches_float64_and_sdpa
  * declines: shape (D not a multiple of 16 up to 512, a segment over 32768 or negative, H not a multiple of Hkv),
  *     workspace (scratch_floats, kv_floats) */
