@@ -18,14 +18,19 @@ $(VENV)/.torch:
 		--extra-index-url "$(TORCH_INDEX)" && $(PIP) install -q "$(TORCH_SPEC)"; }
 	touch $@
 
-# what the demo needs: the package and its runtime dependencies
-$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+# the package build's inputs: its metadata, and the C kernels setup.py compiles (in place, an editable install)
+PACKAGE_BUILD := pyproject.toml setup.py $(wildcard pixeltriage/kernels/native/*.[ch]) \
+	pixeltriage/kernels/native/abi.py pixeltriage/kernels/native/variants.py
+
+# what the demo needs: the package (its C kernels built for every x86 level, as a user's `pip install .` builds
+# them) and its runtime dependencies
+$(VENV)/.installed: $(PACKAGE_BUILD) $(VENV)/.torch
 	$(PIP) install -q -e .
 	touch $@
 
 # everything the test suite needs (the test extra: Triton for the fused head under its interpreter, peft, the
 # server's and the retrieval index's dependencies, ...); implies the demo's
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+$(VENV)/.installed-test: $(PACKAGE_BUILD) $(VENV)/.torch
 	$(PIP) install -q -e ".[test]"
 	touch $@ $(VENV)/.installed
 
@@ -48,4 +53,4 @@ bench: $(VENV)/.installed-test
 	$(PY) -m pytest -q -o addopts="" -m bench --benchmark-only --benchmark-columns=min,median,max,rounds tests/bench/suite
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .benchmarks
+	rm -rf $(VENV) .cache .pytest_cache .benchmarks build pixeltriage/kernels/native/prebuilt

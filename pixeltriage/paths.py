@@ -9,12 +9,13 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from pixeltriage import settings
 from pixeltriage.errors import CheckpointError
 
 
 def cache_dir() -> Path:
-    """$PIXELTRIAGE_CACHE, else ~/.cache/pixeltriage."""
-    return Path(os.environ.get("PIXELTRIAGE_CACHE") or Path.home() / ".cache" / "pixeltriage")
+    """$PIXELTRIAGE_CACHE (`pixeltriage.settings`), else ~/.cache/pixeltriage."""
+    return settings.current().cache or Path.home() / ".cache" / "pixeltriage"
 
 
 def cached_directory(name: str, write: Callable[[Path], Path]) -> Path:

@@ -19,6 +19,7 @@ os.environ["PIXELTRIAGE_TUNING"] = os.path.join(_tuning_dir, "tuning.json")
 
 import pytest
 
+from pixeltriage import settings
 from pixeltriage.weights.demo import write_demo_checkpoint
 from postgres import postgres_server, postgres_url  # noqa: F401  (fixtures: a real PostgreSQL, tests/postgres.py)
 
@@ -35,36 +36,54 @@ def tiny_copy(tiny_checkpoint, tmp_path):
     return shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
 
 
-def _native_paths():
-    from pixeltriage.kernels import native
+class _MonkeyPatch(pytest.MonkeyPatch):
+    """pytest's MonkeyPatch whose changes to the environment `pixeltriage.settings` reads at once (`settings.reload`),
+    on the way in and on the way out."""
 
-    return [pytest.param(False, id="torch"),
-            pytest.param(None, id="native", marks=pytest.mark.skipif(not native.available(),
-                                                                       reason=f"native kernels: {native.status()}"))]
+    def setenv(self, name, value, prepend=None):
+        super().setenv(name, value, prepend)
+        settings.reload()
+
+    def delenv(self, name, raising=True):
+        super().delenv(name, raising)
+        settings.reload()
+
+    def undo(self):
+        super().undo()
+        settings.reload()
 
 
-NATIVE_PATHS = _native_paths()   # `native=` values: the torch path and the C kernels beside it
+@pytest.fixture
+def monkeypatch():
+    """pytest's monkeypatch, the settings re-read after each environment change (a test sets a PIXELTRIAGE_*
+    switch with monkeypatch.setenv and the engine follows it)."""
+    patch = _MonkeyPatch()
+    yield patch
+    patch.undo()
 
 
-@pytest.fixture(params=NATIVE_PATHS)
-def native(request, monkeypatch):
-    """Run a CPU-kernel test once through the torch path (False) and once through the C kernels (None); in the
-    second run, fail the test if no C kernel was called (a guard that declined would test torch twice)."""
-    if request.param is False:
-        yield False
-        return
-    from pixeltriage.kernels import native as native_kernels
+def pytest_configure(config):
+    config.addinivalue_line("markers", "claims(*kernels): the test claims these registry kernels; it fails unless "
+                                       "each ran and declined nothing (tests/kernel_claims.py)")
 
-    lib, called = native_kernels.library(), []
 
-    class Counting:
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(lib, name)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test marked `claims` runs inside its own kernel record and fails unless each kernel it claims ran and
+    declined no call (tests/kernel_claims.py)."""
+    claimed = [kernel for marker in item.iter_markers("claims") for kernel in marker.args]
+    if not claimed:
+        return (yield)
+    from kernel_claims import problems
 
-    monkeypatch.setattr(native_kernels, "library", lambda: Counting())
-    yield None
-    assert called, "native=None, but no C kernel ran"
+    from pixeltriage.kernels import registry
+
+    with registry.recording() as record:
+        result = yield
+    missing = problems(record.snapshot(), claimed)
+    if missing:
+        raise AssertionError("the kernels this test claims did not run as claimed:\n  " + "\n  ".join(missing))
+    return result
 
 
 @pytest.fixture(autouse=True)
@@ -80,13 +99,3 @@ def _isa_emulation(request):
         if native_kernels.library() is None:
             pytest.skip(f"no emulated build of the native kernels: {native_kernels.status()}")
         yield
-
-
-@pytest.fixture
-def native_calls(monkeypatch):
-    """Every C kernel call of the test, as (kernel name, its arguments), the calls still made."""
-    from pixeltriage.kernels import native as native_kernels
-
-    calls, real = [], native_kernels.call
-    monkeypatch.setattr(native_kernels, "call", lambda name, *args: calls.append((name, args)) or real(name, *args))
-    return calls

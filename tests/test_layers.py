@@ -7,8 +7,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pixeltriage"
 
 # lowest first; a module may import any module of its own layer or of a layer before it
 LAYERS = [
-    {"pixeltriage.errors", "pixeltriage.paths", "pixeltriage.config", "pixeltriage.lazy", "pixeltriage.hub",
-     "pixeltriage.libc", "pixeltriage.media"},
+    {"pixeltriage.errors", "pixeltriage.settings", "pixeltriage.paths", "pixeltriage.config", "pixeltriage.lazy",
+     "pixeltriage.hub", "pixeltriage.libc", "pixeltriage.media"},
     {"pixeltriage.kernels"},
     {"pixeltriage.weights"},
     {"pixeltriage.store"},

@@ -91,6 +91,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     rates = [gemm_tflops(dtype=torch_dtype)]
     # interleaved, so that this machine's drifting speed (its GEMM rate moves between runs) hits both alike
     progress(f"timing {repeats} engine and {hf_repeats} transformers runs, interleaved")
+    counted = scorer.kernel_counts()
     engine_times, hf_times, stage_runs, beside = [], [], [], []
     for i in range(max(repeats, hf_repeats)):
         if i < repeats:
@@ -102,6 +103,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
             t0 = time.perf_counter()
             transformers_hidden(model, state)
             hf_times.append(time.perf_counter() - t0)
+    ran = scorer.kernel_counts().since(counted)
     rates.append(gemm_tflops(dtype=torch_dtype))
     stages = {k: statistics.median(r.get(k, 0.0) for r in stage_runs) for k in stage_runs[0]}
     # the GEMM rate of the run: the median of every measurement, before, beside each engine run and after. On a
@@ -113,7 +115,7 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
     achieved = flop_rate(flops.total, engine_s, rate)
     # an engine that did the forward's FLOPs at the measured GEMM rate and nothing else: the speed-up it would reach
     gemm_bound_s = flops.total / (rate * 1e12)
-    from pixeltriage.kernels import linear
+    from pixeltriage.kernels import linear, native
 
     tuned = tune.kept_records(torch_dtype)[0]
     return {
@@ -130,6 +132,9 @@ def cpu_report(preset: str = "bench-small", dtype: str = "bfloat16", repeats: in
         # and on PIXELTRIAGE_DELTA_BF16; the weights the first forward reordered, `kernels.prepack`): a stage's
         # figure means little without it
         "kernels": scorer.kernels(),
+        # what the timed engine runs ran, per op and kernel, and the calls a kernel declined, by reason
+        # (`Scorer.kernel_counts`); the C library's build loaded (`kernels.native.variant`; None: none loaded)
+        "kernels_ran": ran.to_dict(), "native_variant": native.variant(),
         # float32: the GEMM library measured faster on this machine (kernels.linear); float32 and bf16 (AMX): per
         # mask whether the C attention measured faster than SDPA (kernels.attention), with their ratios (bench.tune)
         "float32_gemm": tuned[tune.GEMM], "float32_attention": tuned[tune.ATTENTION],
@@ -182,6 +187,13 @@ def print_table(r: dict, out=None) -> None:
         print(f"  note          the machine's GEMM rate moved {max(before, after) / min(before, after):.1f}x during the "
               "timed runs: the speed-ups above are less reliable than usual; run again", file=out)
     kernels = r.get("kernels") or {}
+    if "native_variant" in r:
+        print(f"  {'C kernels build':<18} {r['native_variant'] or 'none loaded: torch runs their ops'}", file=out)
+    for op, by_kernel in ((r.get("kernels_ran") or {}).get("declines") or {}).items():
+        for kernel, reasons in by_kernel.items():
+            for reason, n in reasons.items():
+                print(f"  {'declined':<18} {op}: {kernel} declined {n} calls ({reason}); the next kernel ran them",
+                      file=out)
     # those depending on the CPU and a switch
     for op, label in (("projection", "projection kernel"), ("prepacked", "weights"),
                       ("gated_delta", "gated_delta kernel"), ("attention", "attention kernel")):

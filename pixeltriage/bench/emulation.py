@@ -39,6 +39,8 @@ import os
 import types
 from dataclasses import dataclass, field
 
+from pixeltriage import settings
+
 TRITON_VERSION = "3.9.0"
 FLA_VERSION = "0.6.0"
 EMULATE_CUDA = "PIXELTRIAGE_EMULATE_CUDA"
@@ -309,7 +311,6 @@ def cuda_emulation():
     check_versions()
     check_internals()
 
-    saved_env = {k: os.environ.get(k) for k in (EMULATE_CUDA, "TRITON_INTERPRET")}
     original_prune, original_dot = autotuner.Autotuner.prune_configs, interpreter.InterpreterBuilder.create_dot
     original_run, original_autotune = interpreter.InterpretedFunction.run, autotuner.Autotuner.run
     interpreter.ASTTransformer.visit_For = _visit_for
@@ -318,10 +319,9 @@ def cuda_emulation():
     interpreter.InterpreterBuilder.create_dot = tensor_core_dot(original_dot)
     interpreter.InterpretedFunction.run = _recording_run(original_run)
     autotuner.Autotuner.run = _recording_autotune(original_autotune)
-    os.environ[EMULATE_CUDA] = "1"
-    os.environ["TRITON_INTERPRET"] = "1"
     try:
-        yield
+        with settings.environment(**{EMULATE_CUDA: "1", "TRITON_INTERPRET": "1"}):
+            yield
     finally:
         autotuner.Autotuner.prune_configs = original_prune
         autotuner.Autotuner.run = original_autotune
@@ -329,11 +329,6 @@ def cuda_emulation():
         interpreter.InterpretedFunction.run = original_run
         del interpreter.ASTTransformer.visit_For
         interpreter.InterpretedFunction.rewritten_fn.clear()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def emulating() -> bool:

@@ -34,9 +34,9 @@ def kept_records(dtype: torch.dtype | None = None) -> tuple[dict, dict]:
     if dtype not in (None, torch.float32):
         why[GEMM] = why[ATTENTION] = f"{dtype} forward"
     else:
-        if linear._switch() != "auto":
-            why[GEMM] = f"{linear.ONEDNN_SWITCH}={linear._switch()} decides"
-        elif not linear._fused_available(torch.float32):
+        if linear.switch() != "auto":
+            why[GEMM] = f"{linear.ONEDNN_SWITCH}={linear.switch()} decides"
+        elif not linear.onednn_available(torch.float32):
             why[GEMM] = "this torch has no oneDNN linear primitive"
         else:
             records[GEMM] = linear.float32_choice()

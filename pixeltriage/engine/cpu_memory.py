@@ -25,8 +25,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
+from pixeltriage import settings
 from pixeltriage.libc import libc_function
 
 log = logging.getLogger(__name__)
@@ -36,14 +36,10 @@ MMAP_THRESHOLD = 32 * 2 ** 20
 TRIM_THRESHOLD = 2 ** 30
 
 
-def _opted_out(variable: str) -> bool:
-    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "off", "no")
-
-
 @functools.cache
 def tune_malloc() -> bool:
     """Apply the settings once per process; True when they are in effect (glibc on Linux, not opted out)."""
-    if _opted_out("PIXELTRIAGE_MALLOC_TUNING"):
+    if not settings.current().malloc_tuning:
         log.debug("malloc tuning disabled by PIXELTRIAGE_MALLOC_TUNING")
         return False
     mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
@@ -61,7 +57,7 @@ def tune_malloc() -> bool:
 
 def can_trim() -> bool:
     """Whether `trim_malloc` gives memory back here (glibc on Linux, PIXELTRIAGE_MALLOC_TRIM not 0)."""
-    return not _opted_out("PIXELTRIAGE_MALLOC_TRIM") and libc_function(
+    return settings.current().malloc_trim and libc_function(
         "malloc_trim", (ctypes.c_size_t,), ctypes.c_int) is not None
 
 

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from pixeltriage.config import FULL, TextConfig
-from pixeltriage.engine import profiling
 from pixeltriage.engine.profiling import stage
 from pixeltriage.kernels import registry
 from pixeltriage.kernels.activation import sigmoid_gate_, silu_mul
-from pixeltriage.kernels.attention import segment_attention
+from pixeltriage.kernels.attention import rows_attention, segment_attention
+from pixeltriage.kernels.gated_delta import GATED_DELTA
 from pixeltriage.kernels.linear import in_row_blocks, linear
 from pixeltriage.kernels.norm import add_rms_norm, rms_norm_gated
 from pixeltriage.kernels.onednn_weights import packed_label, row_slice
@@ -81,12 +81,11 @@ def gated_delta_net(x: torch.Tensor, w: LinearAttentionWeights, cfg: TextConfig,
     # after the rounding. [T, Hv] is small: microseconds.
     beta = b.double().sigmoid().float()
     g = (-w.A_log.double().exp() * F.softplus(a.double() + w.dt_bias.double())).float()
-    # the conv + SiLU, q and k L2-normalised, the delta rule: [T, Hv, dv] float32, by the registry's kernel (fla's
-    # on CUDA in bf16/fp16, the torch chunked rule in float32 there; the C kernel on the CPU)
+    # the conv + SiLU, q and k L2-normalised, the delta rule: [T, Hv, dv] float32, by the "gated_delta" op's kernel
+    # (fla's on CUDA in bf16/fp16, the chunked rule in float32 there; the C passes on the CPU)
     bounds, device_bounds = (None, None) if varlen is None else (varlen.bounds, varlen.device_bounds)
-    kernel = registry.choose("gated_delta", x.device, x.dtype)
-    with stage("delta_rule"), profiling.kernel(kernel):     # timed apart from the projections around it
-        o = kernel.fn(qkv, w.conv, g, beta, hk, dk, hv, dv, bounds, device_bounds)
+    with stage("delta_rule"):                               # timed apart from the projections around it
+        o = GATED_DELTA(qkv, w.conv, g, beta, hk, dk, hv, dv, bounds, device_bounds)
     z = z.view(seq_len, hv, dv)
     if rows is not None:
         o, z = o.index_select(0, rows), z.index_select(0, rows)
@@ -126,20 +125,6 @@ def gated_attention(x: torch.Tensor, w: FullAttentionWeights, cfg: TextConfig, c
     # either
     o = sigmoid_gate_(o, gate).reshape(num_q, nh * hd)
     return linear(o, w.o_proj)
-
-
-def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-                   segments: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the queries at token positions `rows` only. q: [Hq, R, D]; k, v: [Hkv, T, D] ->
-    [Hq, R, D]. The query at row r sees keys 0..r of its own packed sequence (segments: [T], each token's
-    sequence, from `Varlen`), as in the full causal attention, whose rows `rows` this equals."""
-    seq_len = k.shape[1]
-    keys = torch.arange(seq_len, device=k.device)
-    mask = keys[None, :] <= rows[:, None]                                       # [R, T] causal
-    if segments is not None:
-        mask &= segments[None, :] == segments.index_select(0, rows)[:, None]
-    gqa = q.shape[0] != k.shape[0]
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa)[0]
 
 
 def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

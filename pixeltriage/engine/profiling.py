@@ -11,24 +11,18 @@ A kernel may report a part of its call it measured inside it (the C delta passes
 as its share of the threads' time in the pass): a stage of its own, out of the stage around the call.
 Timings are wall clock on the CPU; on CUDA a stage would need a synchronize, which `record(sync=...)` applies.
 
-`kernel(chosen)` names a registry kernel's call in torch.profiler's trace ("gated_delta: fla
-chunk_gated_delta_rule") while a profiler runs, so a trace says which implementation each range is.
+While torch.profiler records, every kernel call the registry makes is a range named for it ("gated_delta: fla
+chunk_gated_delta_rule", `kernels.registry`), so a trace says which implementation each range is.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
-
-import torch
+from typing import Callable, Iterator
 
 from pixeltriage.kernels import native
-
-if TYPE_CHECKING:
-    from pixeltriage.kernels.registry import Kernel
 
 _local = threading.local()
 
@@ -88,11 +82,3 @@ def record(sync: Callable[[], None] | None = None) -> Iterator[dict[str, float]]
 def paused():
     """No stage of this thread records inside the block (e.g. while a CUDA graph captures: no synchronize)."""
     return _recording(None, None)
-
-
-def kernel(chosen: "Kernel") -> ContextManager[None]:
-    """Around a call of the registry's kernel `chosen`: a torch.profiler range named "op: kernel name" while a
-    profiler records, else nothing (one check: a range costs ~40 us, the check ~0.5 us)."""
-    if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(f"{chosen.op}: {chosen.name}")
-    return contextlib.nullcontext()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -38,6 +39,16 @@ log = logging.getLogger(__name__)
 SMALL_TENSOR = 1 << 20     # elements: the weights a packed load reads on every load (all but the matrices)
 
 
+def _recorded(method):
+    """A Scorer method whose kernel calls are counted in the scorer's record too (`Scorer.kernel_counts`)."""
+    @functools.wraps(method)
+    def recorded(self, *args, **kwargs):
+        with registry.recording(self._kernel_record):
+            return method(self, *args, **kwargs)
+
+    return recorded
+
+
 class Scorer:
     """System One for one checkpoint. Thread-safe: `score` may be called from many threads at once.
 
@@ -63,7 +74,8 @@ class Scorer:
                                       f"write-time cache keeps {THUMBNAIL_SIDE}-px thumbnails; rescaling them would "
                                       "not give the thumbnails this checkpoint was trained on")
         self.cache = cache
-        self.head_backend = resolve_head_backend(head_backend, device)
+        resolve_head_backend(head_backend, device)            # an unavailable choice is an error here
+        self.head_backend = head_backend
         self.packer = StatePacker(encoder, model_cfg, image_cfg, triage_cfg)
         self.vision_counts = {"cached": 0, "computed": 0}   # images whose ViT output was reused / computed
         # score_batch packs states into varlen forwards of at most this many tokens. On the CPU longer forwards only
@@ -78,6 +90,8 @@ class Scorer:
         self.workspace = Workspace()
         # the decoder's weights to reorder for oneDNN on the first forward (`kernels.prepack`; the load decides)
         self._prepack = prepack.OnFirstForward()
+        # the kernels this scorer's forwards ran and the calls they declined (`kernel_counts`)
+        self._kernel_record = registry.Record()
         self._lock = threading.Lock()
 
     @classmethod
@@ -132,7 +146,7 @@ class Scorer:
         scorer = type(self)(self.model_config, self.image_config, self.triage_config, self.packer.encoder,
                             self.weights, self.device, self.dtype, cache, self.head_backend)
         scorer._fingerprint, scorer.checkpoint_fingerprint = self._fingerprint, self.checkpoint_fingerprint
-        scorer.workspace, scorer._prepack = self.workspace, self._prepack
+        scorer.workspace, scorer._prepack, scorer._kernel_record = self.workspace, self._prepack, self._kernel_record
         return scorer
 
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool | None = None) -> None:
@@ -151,13 +165,25 @@ class Scorer:
         self.graphs = None
 
     def kernels(self) -> dict[str, str]:
-        """op -> the name of the kernel that runs it in this scorer's forward (`kernels.registry.choices` for its
-        device and dtype; the head as this scorer resolved it): for logs, /info, gpu_check and profiles."""
+        """op -> the name of the kernel a call of it starts with in this scorer's forward (`kernels.registry.choices`
+        for its device and dtype; the head as this scorer was asked for it): what would be chosen, for logs, /info,
+        gpu_check and profiles. What ran: `kernel_counts`."""
         names = registry.choices(self.device, self.dtype)
-        names["head"] = {"triton": HEAD_TRITON.name, "torch": HEAD_TORCH.name}[self.head_backend]
+        if self.head_backend != "auto":
+            names["head"] = {"triton": HEAD_TRITON.name, "torch": HEAD_TORCH.name}[self.head_backend]
+        if registry.kernel_device(self.device) == "cpu":
+            from pixeltriage.kernels import native
+
+            names["native"] = native.variant() or "none"     # the C library's build in use (kernels.native.variants)
         if self._prepack.roles:
             names["prepacked"] = f"oneDNN's layout, reordered by the first forward: {', '.join(self._prepack.roles)}"
         return names
+
+    def kernel_counts(self) -> registry.KernelCounts:
+        """What this scorer's forwards ran (this one's and those of the scorers `with_cache` made from it): calls per
+        (op, kernel) and declined calls per (op, kernel, reason) since the load (`registry.KernelCounts`; the
+        process's: `registry.counts()`)."""
+        return self._kernel_record.snapshot()
 
     @classmethod
     def _load(cls, path: Path, device, dtype, cache, head_backend, adapter, allow_slow, verify,
@@ -258,6 +284,7 @@ class Scorer:
             return self._fingerprint
 
     # -- forward -------------------------------------------------------------------------------
+    @_recorded
     @torch.inference_mode()
     def visual_rows(self, state: State) -> torch.Tensor:
         """The merged vision-tower output for every image of the state: [num_image_tokens, hidden].
@@ -309,6 +336,7 @@ class Scorer:
             embeds.index_copy_(0, rows, visual.float())
         return embeds
 
+    @_recorded
     @torch.inference_mode()
     def last_hidden(self, state: State, visual: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's last output, before the final norm: [T, hidden] float32."""
@@ -319,6 +347,7 @@ class Scorer:
         with self.workspace.active():
             return decoder_forward(embeds, positions, self.weights.text, self.model_config.text)
 
+    @_recorded
     @torch.inference_mode()
     def last_hidden_packed(self, states: Sequence[State], rows: torch.Tensor | None = None) -> torch.Tensor:
         """Several states in one varlen forward (packed along the token axis, no attention, conv or recurrence
@@ -361,6 +390,7 @@ class Scorer:
         """Score several (question, memories) episodes; results in input order."""
         return self.score_states([self.pack(q, m) for q, m in episodes])
 
+    @_recorded
     @torch.inference_mode()
     def score_states(self, states: Sequence[State]) -> list[Scores]:
         if not states:

@@ -4,7 +4,7 @@ Registers the "conv1d" op (`kernels.registry`), its kernels all fn(x [T, C], wei
 | None, cu_seqlens_device: torch.Tensor | None) -> [T, C]: the C kernel on the CPU and the torch shifted
 multiply-adds everywhere (float32 out: they feed the float32 chunked rule), flash-linear-attention's Triton conv
 on CUDA for bf16/fp16 (out in x's dtype, rounded once: it feeds fla's bf16 gated delta rule). `causal_conv1d_silu`
-chooses between the first two only: its contract is a float32 result.
+is the op: a float32 result from the first two, x's dtype from fla's.
 """
 from __future__ import annotations
 
@@ -15,31 +15,30 @@ from pixeltriage.kernels import native as _native
 from pixeltriage.kernels import registry
 
 
-def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None,
-                       block_rows: int = 64, native: bool | None = None) -> torch.Tensor:
-    """x: [T, C]; weight: [C, W] -> silu(sum_j x[t - W + 1 + j] * w[:, j]): [T, C] float32.
+def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:
+    """x: [T, C]; weight: [C, W] -> silu(sum_j x[t - W + 1 + j] * w[:, j]): [T, C], by the "conv1d" op's kernel
+    (float32 from the CPU's kernels; fla's on CUDA returns x's dtype, see the module).
 
-    cu_seqlens: [0, t1, ..., T] for several sequences packed along T: no sequence sees another's tokens.
-    native: on the CPU, the C kernel (`kernels.native`: the delta pass's own conv, 64 rows at a time; 2.3x faster at
-    bench-small) when it is built (None: whenever available; False: the torch path below, which it is tested
-    against).
+    cu_seqlens: [0, t1, ..., T] for several sequences packed along T: no sequence sees another's tokens."""
+    return CONV1D(x, weight, cu_seqlens)
 
-    W shifted multiply-adds in the tokens-major layout the projection produced: no transposes, no padded copy
-    (F.conv1d wants [C, T] and spent 2.4x longer on the layout changes than on the arithmetic). Accumulated and
-    returned in float32: its outputs feed the L2 norms of q and k and the delta rule, all float32.
-    On the CPU the rows go `block_rows` at a time (64 x 6144 float32 = 1.5 MiB, within a core's L2): each block's float32
-    copy of x (with the W - 1 rows before it) and its output stay in cache through the W passes, which made the
-    bench-small conv 2.5x faster (60 -> 24 ms) than whole-sequence passes that stream 56 MiB from memory each.
+
+def conv1d_silu_torch(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None,
+                      cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None,
+                      block_rows: int = 64) -> torch.Tensor:
+    """The "conv1d" op in torch: W shifted multiply-adds in the tokens-major layout the projection produced: no
+    transposes, no padded copy (F.conv1d wants [C, T] and spent 2.4x longer on the layout changes than on the
+    arithmetic). Accumulated and returned in float32: its outputs feed the L2 norms of q and k and the delta rule,
+    all float32.
+    On the CPU the rows go `block_rows` at a time (64 x 6144 float32 = 1.5 MiB, within a core's L2): each block's
+    float32 copy of x (with the W - 1 rows before it) and its output stay in cache through the W passes, which made
+    the bench-small conv 2.5x faster (60 -> 24 ms) than whole-sequence passes that stream 56 MiB from memory each.
     """
-    if native is not False and registry.choose("conv1d", x.device, x.dtype) is NATIVE:
-        out = _native_conv1d_silu(x, weight, cu_seqlens)
-        if out is not None:
-            return out
     if cu_seqlens is not None and len(cu_seqlens) > 2:
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         for b, e in zip(cu_seqlens, cu_seqlens[1:]):
             if e > b:
-                out[b:e] = causal_conv1d_silu(x[b:e], weight, block_rows=block_rows, native=False)
+                out[b:e] = conv1d_silu_torch(x[b:e], weight, block_rows=block_rows)
         return out
     seq_len, channels = x.shape
     width = weight.shape[1]
@@ -64,17 +63,25 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[i
     return out
 
 
-def _native_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None) -> torch.Tensor | None:
-    """The C kernel's result, or None where it does not apply (no library, other dtypes, strided columns)."""
-    from pixeltriage.kernels import native
+def _conv_c_accepts(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None,
+                    cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
+    if (x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) or weight.dim() != 2
+            or weight.shape[0] != x.shape[1]):
+        return "x not [T, C] with contiguous rows, or weight not [C, W]"
+    if not _native.handles(x):
+        return "a device or dtype the C kernels do not take, or no C library"
+    bounds = [0, x.shape[0]] if cu_seqlens is None else cu_seqlens
+    if bounds[0] != 0 or bounds[-1] != x.shape[0] or any(b > e for b, e in zip(bounds, bounds[1:])):
+        return "boundaries that do not rise from 0 to T"
+    return None
 
-    if (x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) or weight.dim() != 2 or weight.shape[0] != x.shape[1]
-            or not native.handles(x)):
-        return None
+
+def _conv_c(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None,
+            cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
+    """The "conv1d" op in C (`pt_causal_conv1d_silu`: the delta pass's own conv, 64 rows at a time; 2.3x faster than
+    the torch kernel at bench-small)."""
     seq_len, channels = x.shape
     bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
-    if bounds[0] != 0 or bounds[-1] != seq_len or any(b > e for b, e in zip(bounds, bounds[1:])):
-        return None                                                   # the torch path's behaviour, not ours
     taps = weight.float().t().contiguous()                            # [W, C]
     starts = torch.zeros(seq_len, dtype=torch.int64)                 # each row's sequence start
     for b, e in zip(bounds, bounds[1:]):
@@ -82,9 +89,10 @@ def _native_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[
     out = torch.empty(seq_len, channels, dtype=torch.float32)
     if seq_len == 0:
         return out
-    ok = native.call("pt_causal_conv1d_silu", x.data_ptr(), native.is_bf16(x), x.stride(0), taps.data_ptr(),
-                     weight.shape[1], out.data_ptr(), seq_len, channels, starts.data_ptr())
-    return out if ok else None
+    args = _native.struct("pt_conv_args", x=x.data_ptr(), x_t=x.stride(0), x_bf16=_native.is_bf16(x),
+                          taps=taps.data_ptr(), W=weight.shape[1], T=seq_len, C=channels, seg_start=starts.data_ptr())
+    registry.c_call("pt_causal_conv1d_silu", args, out.data_ptr())
+    return out
 
 
 def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -95,25 +103,7 @@ def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch
     return F.silu(y[0, :, :seq_len]).t()
 
 
-# The "conv1d" op's kernels share one signature: fn(x [T, C], weight [C, W], cu_seqlens, cu_seqlens_device=None, *,
-# chunk_indices=None) -> [T, C]; the device boundaries and fla's chunk table are read by fla's kernel only.
-def _conv_native(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
-                 cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
-    return causal_conv1d_silu(x, weight, cu_seqlens)
-
-
-def _conv_torch(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
-                cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
-    return causal_conv1d_silu(x, weight, cu_seqlens, native=False)
-
-
-NATIVE = registry.register("conv1d", "native C pt_causal_conv1d_silu", _conv_native, devices=("cpu",),
-                           dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(),
-                           priority=10)
-TORCH = registry.register("conv1d", "torch shifted multiply-adds", _conv_torch, devices=("cpu", "cuda"))
-
-
-def _fla_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
+def _fla_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None,
               cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
     from pixeltriage.kernels.gated_delta.fla import causal_conv1d_silu_fla
 
@@ -126,6 +116,12 @@ def _fla_conv_available() -> bool:
     return conv_available()
 
 
-FLA_CONV = registry.register("conv1d", "fla causal_conv1d", _fla_conv, devices=("cuda",),
-                             dtypes=(torch.bfloat16, torch.float16), available=_fla_conv_available, priority=20,
-                             package="flash-linear-attention>=0.6")
+# The "conv1d" op's kernels share one signature: fn(x [T, C], weight [C, W], cu_seqlens, cu_seqlens_device=None, *,
+# chunk_indices=None) -> [T, C]; the device boundaries and fla's chunk table are read by fla's kernel only.
+CONV1D = registry.op("conv1d", lambda x, *args, **kwargs: (x.device, x.dtype))
+FLA_CONV = CONV1D.register("fla causal_conv1d", _fla_conv, devices=("cuda",), dtypes=(torch.bfloat16, torch.float16),
+                           available=_fla_conv_available, priority=20, package="flash-linear-attention>=0.6")
+NATIVE = CONV1D.register("native C pt_causal_conv1d_silu", _conv_c, accepts=_conv_c_accepts,
+                         dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(), priority=10,
+                         entry="pt_causal_conv1d_silu")
+TORCH = CONV1D.register("torch shifted multiply-adds", conv1d_silu_torch, devices=("cpu", "cuda"))

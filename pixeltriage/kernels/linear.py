@@ -32,26 +32,24 @@ question (~660 tokens) and the CPU's 4096-token batch lie 22 buckets (44 at 16 p
 but whose rarer buckets were still being met for the first time minutes into serving). MKL's sgemm (float32 on
 F.linear) keeps nothing per shape and runs unpadded.
 
-Registers the "linear" op (`kernels.registry`; with an activation) and the "projection" op (without one).
+Registers the "linear" op (`kernels.registry`; with an activation), the "projection" op (without one) and the
+"prepacked_linear" op (a weight reordered for oneDNN, `kernels.prepack`).
 
-`PIXELTRIAGE_ONEDNN`: auto (the default) as above, 1 the primitive for every float32 layer, 0 F.linear everywhere
+`PIXELTRIAGE_ONEDNN`: auto (the default) as above, on the primitive for every float32 layer, off F.linear everywhere
 (bf16 too: no primitive at all).
 """
 from __future__ import annotations
 
-import logging
-import os
 import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from pixeltriage import settings
 from pixeltriage.kernels import registry, tuning, workspace
 from pixeltriage.kernels.activation import gelu_tanh_
 from pixeltriage.kernels.onednn_weights import Packed, Rows
-
-log = logging.getLogger(__name__)
 
 # activation name (transformers' hidden_act) -> oneDNN post-op (attr, algorithm)
 _POST_OPS = {"gelu_pytorch_tanh": ("gelu", "tanh"), "gelu": ("gelu", "none"), "silu": ("swish", "")}
@@ -71,23 +69,17 @@ def activation(name: str, in_place: bool = False):
     return _IN_PLACE.get(name, _ACTIVATIONS[name]) if in_place else _ACTIVATIONS[name]
 
 
-def _switch() -> str:
-    value = os.environ.get(ONEDNN_SWITCH, "auto").strip().lower() or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"{ONEDNN_SWITCH}={os.environ[ONEDNN_SWITCH]!r}: expected auto (the default: oneDNN's linear "
-                         f"primitive in bf16 for layers with a bias or an activation, and in float32 where measured "
-                         f"faster than F.linear on this machine), 1 (for every float32 layer) or 0 (F.linear "
-                         f"everywhere)")
-    return value
+def switch() -> str:
+    """PIXELTRIAGE_ONEDNN (`pixeltriage.settings`): "auto", "on" or "off"."""
+    return settings.current().onednn
 
 
-def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether oneDNN's linear primitive may run `dtype` here (torch has it, PIXELTRIAGE_ONEDNN is not 0, and for
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's linear primitive may run `dtype` here (torch has it, PIXELTRIAGE_ONEDNN is not off, and for
     bf16 the CPU has bf16 units oneDNN builds for)."""
+    if switch() == "off":
+        return False
     if "ok" not in _STATE:
-        if _switch() == "0":
-            _STATE["ok"] = _STATE["bf16"] = False
-            return False
         try:
             _STATE["ok"] = bool(torch.backends.mkldnn.is_available()) and \
                 hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -98,30 +90,55 @@ def _fused_available(dtype: torch.dtype = torch.float32) -> bool:
     return _STATE["ok"] and (dtype != torch.bfloat16 or _STATE.get("bf16", False))
 
 
-def _call_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str,
-                 algorithm: str) -> torch.Tensor | None:
-    """oneDNN's linear primitive with post-op `attr` (the registry has chosen oneDNN), else None where the dtypes
-    differ. A oneDNN build without the primitive for this CPU/dtype raises once: logged, and the callers take
-    their torch path from then on (which differs by at most one rounding of the output)."""
+def _onednn_refusal(x: torch.Tensor, weight, bias: torch.Tensor | None) -> str | None:
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        return None
+        return "weight or bias in another dtype than x"
+    return None
+
+
+def _call_onednn(x: torch.Tensor, weight, bias: torch.Tensor | None, attr: str, algorithm: str) -> torch.Tensor:
+    """oneDNN's linear primitive with post-op `attr` (on a weight in its plain layout or reordered, `Packed`). A
+    oneDNN build without the primitive for this CPU/dtype raises once: the call is declined and the primitive is
+    unavailable from then on (the torch kernels differ by at most one rounding of the output)."""
     try:
         if isinstance(weight, Packed):                # reordered for the primitive once (`kernels.prepack`)
             return weight(x, bias, attr, algorithm)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
     except RuntimeError as e:
         _STATE["ok"] = False
-        log.warning("oneDNN linear (post-op %s) unavailable (%s); using F.linear from now on", attr, e)
-        return None
+        raise registry.Declined(f"oneDNN's primitive raised {type(e).__name__}; not used from now on") from e
 
 
-def _primitive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = _call_onednn(x, weight, bias, "none", "")
-    return out if out is not None else F.linear(x, weight, bias)
+def _primitive_accepts(x, weight, bias=None, into=None) -> str | None:
+    return _onednn_refusal(x, weight, bias)
 
 
-def _bias_primitive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight) if bias is None else _primitive(x, weight, bias)
+def _primitive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               into: str | None = None) -> torch.Tensor:
+    """The "projection" op on oneDNN's primitive (float32; its product has no output argument: `into` unused), on
+    bucketed rows."""
+    return on_bucketed_rows(lambda rows: _call_onednn(rows, weight, bias, "none", ""), x)
+
+
+def _bias_primitive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    into: str | None = None) -> torch.Tensor:
+    """The "projection" op in bf16: a layer with a bias on oneDNN's primitive (the bias in its epilogue), one
+    without on torch's product (oneDNN's already in bf16); both on bucketed rows."""
+    if bias is None:
+        return on_bucketed_rows(lambda rows: projection_torch(rows, weight, into=into), x)
+    return on_bucketed_rows(lambda rows: _call_onednn(rows, weight, bias, "none", ""), x)
+
+
+def projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     into: str | None = None) -> torch.Tensor:
+    """The "projection" op on torch's product (`F.linear`); into: a workspace role (`kernels.workspace`) whose
+    buffer, where a workspace is active and the product has no bias and a 2-D x on the CPU, receives it by
+    `torch.mm`'s out= form (the same library call, the same values) and is returned."""
+    if into is not None and bias is None and x.dim() == 2:
+        out = workspace.take(into, (x.shape[0], weight.shape[0]), x.dtype, x.device)
+        if out is not None:
+            return torch.mm(x, weight.t(), out=out)
+    return F.linear(x, weight, bias)
 
 
 # The product the float32 choice is timed on: a decoder projection's order of size (2048 rows, 16 MB of weight)
@@ -196,11 +213,13 @@ def measure_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
 
 
 def _projection_available() -> bool:
-    """float32 on oneDNN's primitive: PIXELTRIAGE_ONEDNN=1, or auto and measured faster here (`float32_choice`)."""
-    if not _fused_available(torch.float32):
+    """float32 on oneDNN's primitive: PIXELTRIAGE_ONEDNN on, or auto and measured faster here (`float32_choice`)."""
+    if not onednn_available(torch.float32):
         return False
+    if switch() == "on":
+        return True
     if "plain" not in _STATE:
-        _STATE["plain"] = _switch() == "1" or float32_choice()["library"] == "oneDNN"
+        _STATE["plain"] = float32_choice()["library"] == "oneDNN"
     return _STATE["plain"]
 
 
@@ -211,7 +230,7 @@ def float32_choice() -> dict:
 
 def plain_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether `linear` runs oneDNN's primitive for `dtype` tensors on `device` whatever the layer (float32 where
-    measured faster, or PIXELTRIAGE_ONEDNN=1); deciding it here measures once per machine where not yet known."""
+    measured faster, or PIXELTRIAGE_ONEDNN on); deciding it here measures once per machine where not yet known."""
     return registry.choose("projection", device, dtype) is ONEDNN_PROJECTION
 
 
@@ -236,60 +255,70 @@ def on_bucketed_rows(fn: Callable[[torch.Tensor], torch.Tensor | None], x: torch
     return None if out is None else out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
-def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
-    """act(x @ weight^T + bias); x: [..., in], weight: [out, in] -> [..., out] in x's dtype."""
-    kernel = registry.choose("linear", x.device, x.dtype)
-    # a packed weight with an activation oneDNN has no epilogue for (`kernels.prepack`): its product, then the act
-    if kernel is THEN_ACTIVATION or (isinstance(weight, Packed) and act not in _POST_OPS):
-        return activation(act, in_place=True)(linear(x, weight, bias))   # the product's output is ours
-    out = on_bucketed_rows(lambda rows: _call_onednn(rows, weight, bias, *_POST_OPS[act]), x) \
-        if kernel is ONEDNN and act in _POST_OPS else None
-    return out if out is not None else linear_act_reference(x, weight, bias, act)
+def linear_act(x: torch.Tensor, weight, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    """act(x @ weight^T + bias); x: [..., in], weight: [out, in] (or reordered for oneDNN, `kernels.prepack`) ->
+    [..., out] in x's dtype, by the "linear" op's kernel."""
+    return LINEAR(x, weight, bias, act)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           into: str | None = None) -> torch.Tensor:
-    """x @ weight^T + bias, as `F.linear`, by the "projection" op's kernel (see the module).
+def _fused_accepts(x, weight, bias, act) -> str | None:
+    if act not in _POST_OPS:
+        return f"no oneDNN post-op for {act}"
+    return _onednn_refusal(x, weight, bias)
+
+
+def _fused(x: torch.Tensor, weight, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    """The "linear" op on oneDNN's primitive with the activation in its epilogue, on bucketed rows."""
+    return on_bucketed_rows(lambda rows: _call_onednn(rows, weight, bias, *_POST_OPS[act]), x)
+
+
+def _then_activation(x: torch.Tensor, weight, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    """The "linear" op as the "projection" op's product, then the activation in place (the product is ours)."""
+    return activation(act, in_place=True)(linear(x, weight, bias))
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, into: str | None = None) -> torch.Tensor:
+    """x @ weight^T + bias, as `F.linear`, by the "projection" op's kernel (see the module); a weight reordered for
+    oneDNN (`kernels.prepack`: `Packed`, `Rows`) by the "prepacked_linear" op's.
 
     into: a workspace role (`kernels.workspace`): where a workspace is active and the kernel is torch's product (no
-    bias, x 2-D on the CPU, not oneDNN's float32 primitive), the product is written into the role's buffer by
-    `torch.mm`'s out= form (the same library call, the same values) and that buffer is returned.
-
-    weight: a tensor, or a weight reordered for oneDNN (`kernels.prepack`: `Packed`, `Rows`), run on its primitive
-    (which has no output argument: `into` is not used)."""
+    bias, x 2-D on the CPU), the product is written into the role's buffer and that buffer is returned (oneDNN's
+    primitive has no output argument)."""
     if isinstance(weight, (Packed, Rows)):
-        return on_bucketed_rows(lambda rows: weight(rows, bias), x)
-    kernel = registry.choose("projection", x.device, x.dtype)
-    if kernel is ONEDNN_PROJECTION or kernel is ONEDNN_BIAS:       # oneDNN's, bf16's torch product included
-        return on_bucketed_rows(lambda rows: _product(kernel, rows, weight, bias, into), x)
-    return _product(kernel, x, weight, bias, into)
+        return PREPACKED(x, weight, bias)
+    return PROJECTION(x, weight, bias, into)
 
 
-def _product(kernel: registry.Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             into: str | None) -> torch.Tensor:
-    if into is not None and bias is None and x.dim() == 2 and kernel is not ONEDNN_PROJECTION:
-        out = workspace.take(into, (x.shape[0], weight.shape[0]), x.dtype, x.device)
-        if out is not None:
-            return torch.mm(x, weight.t(), out=out)
-    return kernel.fn(x, weight, bias)
-
-
-def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
-    if isinstance(weight, (Packed, Rows)):         # reordered for oneDNN, which has failed since: the plain weight
+def linear_act_reference(x: torch.Tensor, weight, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    if isinstance(weight, (Packed, Rows)):         # reordered for oneDNN: the plain weight
         weight = weight.plain()
     return activation(act)(F.linear(x, weight, bias))
 
 
+def _prepacked(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return on_bucketed_rows(lambda rows: weight(rows, bias), x)
+
+
+def _device_dtype(x: torch.Tensor, *args) -> tuple[torch.device, torch.dtype]:
+    return x.device, x.dtype
+
+
+LINEAR = registry.op("linear", _device_dtype)
 # bf16 (oneDNN builds its bf16 primitives only on some CPUs): the activation in the primitive's epilogue, a bias too
-ONEDNN = registry.register("linear", "oneDNN linear with fused post-ops", linear_act, devices=("cpu",),
-                          dtypes=(torch.bfloat16,), available=lambda: _fused_available(torch.bfloat16), priority=10)
-# float32: the product on this machine's faster library ("projection"), then the activation
-THEN_ACTIVATION = registry.register("linear", "linear, then the activation", linear_act, devices=("cpu",),
-                                    dtypes=(torch.float32,), priority=10)
-registry.register("linear", "torch linear", linear_act_reference, devices=("cpu", "cuda"))
-ONEDNN_PROJECTION = registry.register("projection", "oneDNN linear", _primitive, devices=("cpu",),
-                                      dtypes=(torch.float32,), available=_projection_available, priority=10)
-ONEDNN_BIAS = registry.register("projection", "oneDNN linear for layers with a bias, torch linear without",
-                                _bias_primitive, devices=("cpu",), dtypes=(torch.bfloat16,),
-                                available=lambda: _fused_available(torch.bfloat16), priority=10)
-registry.register("projection", "torch linear", F.linear, devices=("cpu", "cuda"))
+ONEDNN = LINEAR.register("oneDNN linear with fused post-ops", _fused, accepts=_fused_accepts, dtypes=(torch.bfloat16,),
+                         available=lambda: onednn_available(torch.bfloat16), priority=10)
+# float32, and bf16 activations without an epilogue: the product on this machine's faster library ("projection"),
+# then the activation
+THEN_ACTIVATION = LINEAR.register("linear, then the activation", _then_activation, devices=("cpu",),
+                                  dtypes=(torch.float32, torch.bfloat16), priority=5)
+TORCH_LINEAR = LINEAR.register("torch linear", linear_act_reference, devices=("cpu", "cuda"))
+PROJECTION = registry.op("projection", _device_dtype)
+ONEDNN_PROJECTION = PROJECTION.register("oneDNN linear", _primitive, accepts=_primitive_accepts,
+                                       dtypes=(torch.float32,), available=_projection_available, priority=10)
+ONEDNN_BIAS = PROJECTION.register("oneDNN linear for layers with a bias, torch linear without", _bias_primitive,
+                                  accepts=_primitive_accepts, dtypes=(torch.bfloat16,),
+                                  available=lambda: onednn_available(torch.bfloat16), priority=10)
+TORCH_PROJECTION = PROJECTION.register("torch linear", projection_torch, devices=("cpu", "cuda"))
+# a weight reordered for oneDNN's primitive by the first forward (`kernels.prepack`, which packs only where it runs)
+PREPACKED = registry.op("prepacked_linear", _device_dtype)
+PACKED = PREPACKED.register("oneDNN prepacked weight", _prepacked)

@@ -27,18 +27,18 @@ CPU only: bf16 where oneDNN has bf16 primitives for this CPU; float32 where the 
 (`kernels.linear`), every role (none writes into the workspace there), measured under its own record (malloc
 tuned, [2048, 1024] x [1024, 4096]: 0.953x here; the forward 0.950x).
 
-`PIXELTRIAGE_PREPACK`: auto (the default) as above, 1 pack where possible without measuring, 0 never.
+`PIXELTRIAGE_PREPACK`: auto (the default) as above, on: pack where possible without measuring, off: never.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from pixeltriage.kernels import linear, tuning, workspace
+from pixeltriage import settings
+from pixeltriage.kernels import linear, registry, tuning, workspace
 from pixeltriage.kernels.onednn_weights import Packed, Rows
 
 SWITCH = "PIXELTRIAGE_PREPACK"
@@ -58,11 +58,8 @@ VISION_FIELDS = ("patch_w", "merger_fc1_w", "merger_fc2_w")
 
 
 def switch() -> str:
-    value = os.environ.get(SWITCH, "auto").strip().lower() or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: weights reordered for "
-                         "oneDNN where measured faster here), 1 (wherever possible) or 0 (never)")
-    return value
+    """PIXELTRIAGE_PREPACK (`pixeltriage.settings`): "auto", "on" or "off"."""
+    return settings.current().prepack
 
 
 def measure(dtype: torch.dtype = torch.bfloat16, shape: tuple[int, int, int] = MEASURE_SHAPE, pairs: int = 7) -> dict:
@@ -94,14 +91,15 @@ def choice(dtype: torch.dtype = torch.bfloat16) -> dict:
 
 
 def applies(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """None where weights may be packed for a forward on `device` in `dtype`, else why not."""
-    if torch.device(device).type != "cpu":
-        return f"{torch.device(device).type} forward"
+    """None where weights may be packed for a forward on `device` in `dtype`, else why not (a forward that runs the
+    CUDA kernels, CPU tensors under the test switch included: `registry.kernel_device`)."""
+    if registry.kernel_device(device) != "cpu":
+        return "cuda forward"
     if dtype not in RECORDS:
         return f"{dtype} forward"
-    if switch() == "0":
-        return f"{SWITCH}=0"
-    if dtype == torch.bfloat16 and not linear._fused_available(torch.bfloat16):
+    if switch() == "off":
+        return f"{SWITCH}=off"
+    if dtype == torch.bfloat16 and not linear.onednn_available(torch.bfloat16):
         return "no oneDNN bf16 linear primitive for this CPU"
     if dtype == torch.float32 and not linear.plain_onednn("cpu", torch.float32):
         return "float32 projections on F.linear here (kernels.linear), not oneDNN's primitive"

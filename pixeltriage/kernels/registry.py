@@ -1,114 +1,327 @@
-"""Which kernel runs each op: one small registry per op, decided from device, dtype, availability and a test switch.
+"""Which kernel runs each op, through one entry point per op that also records what ran.
 
-Each op's package registers its kernels when it is imported (`register`); `choose` hands back the highest-priority
-kernel whose devices and dtypes fit and whose `available()` holds, and names it, so that /info, gpu_check and the
-profiler report what actually runs (`choices`). Adding an op's fast path is its kernel file and one registration.
+An op (`op(name, key)`) holds its kernels, best first. Calling it runs the first kernel, in priority order, whose
+devices and dtypes fit the call (`key` names the call's device and the dtype that decides), whose `available()`
+holds (the library or package is there; the switches of `pixeltriage.settings` and the choices measured on this
+machine, `kernels.tuning`, say it may run) and whose `accepts(*args)` returns None; `accepts` returns instead the
+reason the kernel declines the call (the shape, dtype and layout checks it needs), and a kernel whose function
+raises `Declined` declines too (a C entry point's non-zero return, `c_call`): the next kernel runs. A kernel is
+its function, its `accepts` and one `register` call beside them; no op looks at which kernel was chosen.
 
-The test switch: with PIXELTRIAGE_EMULATE_CUDA=1 and TRITON_INTERPRET=1, CPU tensors get the CUDA kernels (the
-Triton and flash-linear-attention ones run in Triton's interpreter), so the CUDA forward runs in CI without a GPU.
-The interpreter cannot run bf16 dots, so under emulation float32 stands in for the dtypes a CUDA kernel was
-registered for. The switch without the interpreter is an error, never silently ignored.
+Every call and every decline is counted, per (op, kernel) and per reason: for the process (`counts`) and for the
+`Record` active in the caller's context (`recording`: a Scorer's, for its forwards). The first decline of each
+(op, kernel, reason) logs one WARNING. While torch.profiler records, each call is a range named "op: kernel".
+`choose` and `choices` name the kernel a call would start with (the load's log, /info, gpu_check).
+
+The test switch: with PIXELTRIAGE_EMULATE_CUDA=1 and TRITON_INTERPRET=1 (`pixeltriage.settings`), CPU tensors get
+the CUDA kernels (the Triton and flash-linear-attention ones run in Triton's interpreter), so the CUDA forward runs
+in CI without a GPU. The interpreter cannot run bf16 dots, so under emulation float32 stands in for the dtypes a
+CUDA kernel was registered for.
 """
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
 import importlib
-import os
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import torch
 
+from pixeltriage import settings
 from pixeltriage.errors import BackendUnavailableError
 
-EMULATE_CUDA = "PIXELTRIAGE_EMULATE_CUDA"
-TRITON_INTERPRET = "TRITON_INTERPRET"
+log = logging.getLogger(__name__)
+
 DEVICES = ("cpu", "cuda")
-# The packages whose import registers the ops' kernels; `choose` and `choices` import them first.
+# The packages whose import registers the ops' kernels; `choose`, `choices` and `ops` import them first.
 OP_MODULES = ("pixeltriage.kernels.gated_delta", "pixeltriage.kernels.conv", "pixeltriage.kernels.norm",
               "pixeltriage.kernels.rotary", "pixeltriage.kernels.activation", "pixeltriage.kernels.linear",
               "pixeltriage.kernels.attention", "pixeltriage.kernels.head")
-# the words a switch in the environment may say for on and off (unset or empty: off, for `_flag`)
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 
 
-@dataclass(frozen=True)
+class Declined(BackendUnavailableError):
+    """A kernel declined a call: raised by its function where it finds out only while running (a C entry point's
+    non-zero return), and by `run` to a caller that asked for that one kernel. `reason` says why, in words that do
+    not depend on the call's sizes (they label the decline counters)."""
+
+    def __init__(self, reason: str, kernel: "Kernel | None" = None):
+        self.reason, self.kernel = reason, kernel
+        super().__init__(reason if kernel is None else f"{kernel.op}: {kernel.name} declined: {reason}")
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True, eq=False)
 class Kernel:
-    """One implementation of an op. slow: a fallback that CUDA refuses unless allow_slow (`check_fast`)."""
+    """One implementation of an op: fn(*args) -> the op's result; accepts(*args) -> None, or why it declines them.
+    available: whether calls may take it here. slow: a fallback that CUDA refuses unless allow_slow (`check_fast`).
+    entry: the C entry point it calls, if any (named by the tests that claim it)."""
     op: str
     name: str
     fn: Callable
+    accepts: Callable[..., str | None] | None = None
+    available: Callable[[], bool] = _always
+    devices: tuple[str, ...] = ("cpu",)
+    dtypes: tuple[torch.dtype, ...] | None = None
+    priority: int = 0
     slow: bool = False
+    package: str | None = None
+    entry: str | None = None
+    label: str = field(init=False)
 
+    def __post_init__(self):
+        object.__setattr__(self, "label", f"{self.op}: {self.name}")
+
+    def fits(self, kdevice: str, dtype: torch.dtype, emulated: bool) -> bool:
+        return kdevice in self.devices and (self.dtypes is None or dtype in self.dtypes
+                                            or (emulated and dtype == torch.float32))
+
+
+class Op:
+    """One op: its kernels best first, and its entry point (calling the Op runs the call, see the module).
+    key(*args, **kwargs) -> (the call's torch.device, the dtype its kernels are chosen by)."""
+
+    def __init__(self, name: str, key: Callable[..., tuple[torch.device, torch.dtype]]):
+        self.name, self.key = name, key
+        self.kernels: list[Kernel] = []
+        self._fitting: dict[tuple[str, torch.dtype, bool], tuple[Kernel, ...]] = {}
+
+    def register(self, name: str, fn: Callable, *, accepts: Callable[..., str | None] | None = None,
+                 devices: Sequence[str] = ("cpu",), dtypes: Sequence[torch.dtype] | None = None,
+                 available: Callable[[], bool] = _always, priority: int = 0, slow: bool = False,
+                 package: str | None = None, entry: str | None = None) -> Kernel:
+        """Register `fn` as kernel `name` for tensors on `devices` of `dtypes` (None: any) while `available()`.
+
+        Higher priority is tried first; between equal priorities, the earlier registration. package: what to
+        install when the kernel is unavailable (named by `check_fast` when a slow fallback is chosen in its place).
+        Registering one name twice for overlapping devices and dtypes is an error (a module imported twice under two
+        names would double up)."""
+        devices = tuple(devices)
+        if not devices or any(d not in DEVICES for d in devices):
+            raise ValueError(f"kernel {self.name}/{name}: devices must be some of {DEVICES}, got {devices}")
+        dtypes = None if dtypes is None else tuple(dtypes)
+        if any(k.name == name and set(k.devices) & set(devices)
+               and (k.dtypes is None or dtypes is None or set(k.dtypes) & set(dtypes)) for k in self.kernels):
+            raise ValueError(f"kernel {self.name}/{name} is already registered for {devices} and {dtypes}")
+        kernel = Kernel(self.name, name, fn, accepts, available, devices, dtypes, priority, slow, package, entry)
+        self.kernels.append(kernel)
+        self.kernels.sort(key=lambda k: -k.priority)          # stable: equal priorities keep registration order
+        self._fitting.clear()
+        return kernel
+
+    def fitting(self, device: torch.device | str, dtype: torch.dtype) -> tuple[Kernel, ...]:
+        """The kernels whose devices and dtypes fit, best first (availability is asked at each call)."""
+        kind = _kind(device)
+        emulated = kind == "cpu" and emulating_cuda()
+        found = self._fitting.get((kind, dtype, emulated))
+        if found is None:
+            kdevice = "cuda" if emulated else kind
+            found = self._fitting[kind, dtype, emulated] = tuple(
+                k for k in self.kernels if k.fits(kdevice, dtype, emulated))
+        return found
+
+    def choose(self, device: torch.device | str, dtype: torch.dtype) -> Kernel:
+        """The kernel a call on `device` deciding by `dtype` starts with: the first fitting one available.
+        BackendUnavailableError when none is."""
+        for kernel in self.fitting(device, dtype):
+            if kernel.available():
+                return kernel
+        raise BackendUnavailableError(f"no kernel of op {self.name!r} runs {dtype} on {kernel_device(device)}"
+                                      f"{' (emulated on the CPU)' if _emulated(device) else ''}")
+
+    def __call__(self, *args, **kwargs):
+        """Run the op: the first fitting, available kernel that accepts the call and does not decline it."""
+        device, dtype = self.key(*args, **kwargs)
+        declines = []
+        for kernel in self.fitting(device, dtype):
+            if not kernel.available():
+                continue
+            out = _attempt(kernel, args, kwargs)
+            if not isinstance(out, Declined):
+                return out
+            declines.append(f"{kernel.name}: {out.reason}")
+        raise BackendUnavailableError(f"no kernel of op {self.name!r} runs {dtype} on {kernel_device(device)}"
+                                      f"{' (emulated on the CPU)' if _emulated(device) else ''}"
+                                      f"{'; declined: ' + '; '.join(declines) if declines else ''}")
+
+
+_OPS: dict[str, Op] = {}
+
+
+def op(name: str, key: Callable[..., tuple[torch.device, torch.dtype]]) -> Op:
+    """A new op named `name` (an error if there is one: each op is made once, by its module)."""
+    if name in _OPS:
+        raise ValueError(f"op {name!r} exists already")
+    made = _OPS[name] = Op(name, key)
+    return made
+
+
+def run(kernel: Kernel, *args, **kwargs):
+    """Run exactly `kernel` (its `accepts`, then its function), counted as a call of it: for a caller that wants one
+    implementation (a measurement, a test, a choice the user made). Declined where it declines the call."""
+    out = _attempt(kernel, args, kwargs)
+    if isinstance(out, Declined):
+        raise out
+    return out
+
+
+def c_call(name: str, *args) -> None:
+    """Call C entry point `name` (`native.call`, the one call site of the C kernels); a non-zero return raises
+    Declined with `native.decline_reason`'s words (abi.h's reason for the code), so the op's next kernel runs."""
+    from pixeltriage.kernels import native
+
+    code = native.call(name, *args)
+    if code:
+        raise Declined(f"{name}: {native.decline_reason(name, code)}")
+
+
+# ---- what ran ---------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _Entry:
-    kernel: Kernel
-    devices: tuple[str, ...]
-    dtypes: tuple[torch.dtype, ...] | None
-    available: Callable[[], bool]
-    priority: int
-    package: str | None
+class KernelCounts:
+    """Calls per (op, kernel name) and declines per (op, kernel name, reason), as counted up to a moment."""
+    calls: dict[tuple[str, str], int]
+    declines: dict[tuple[str, str, str], int]
+
+    def ran(self, op: str, kernel: str) -> int:
+        return self.calls.get((op, kernel), 0)
+
+    def declined(self, op: str, kernel: str) -> dict[str, int]:
+        """reason -> how many calls `kernel` of `op` declined for it."""
+        return {r: n for (o, k, r), n in self.declines.items() if (o, k) == (op, kernel)}
+
+    def since(self, earlier: "KernelCounts") -> "KernelCounts":
+        """What was counted after `earlier` (a snapshot of the same record)."""
+        return KernelCounts({k: n - earlier.calls.get(k, 0) for k, n in self.calls.items()
+                             if n > earlier.calls.get(k, 0)},
+                            {k: n - earlier.declines.get(k, 0) for k, n in self.declines.items()
+                             if n > earlier.declines.get(k, 0)})
+
+    def to_dict(self) -> dict:
+        """{"calls": {op: {kernel: n}}, "declines": {op: {kernel: {reason: n}}}}, sorted (for JSON)."""
+        calls: dict = {}
+        for (o, k), n in sorted(self.calls.items()):
+            calls.setdefault(o, {})[k] = n
+        declines: dict = {}
+        for (o, k, r), n in sorted(self.declines.items()):
+            declines.setdefault(o, {}).setdefault(k, {})[r] = n
+        return {"calls": calls, "declines": declines}
 
 
-_ENTRIES: dict[str, list[_Entry]] = {}
+class Record:
+    """Counts of calls and declines (see the module); `snapshot()` reads them."""
+
+    def __init__(self) -> None:
+        self._calls: dict[Kernel, int] = {}
+        self._declines: dict[tuple[Kernel, str], int] = {}
+
+    def snapshot(self) -> KernelCounts:
+        calls: dict[tuple[str, str], int] = {}
+        declines: dict[tuple[str, str, str], int] = {}
+        with _lock:
+            for kernel, n in self._calls.items():
+                calls[kernel.op, kernel.name] = calls.get((kernel.op, kernel.name), 0) + n
+            for (kernel, reason), n in self._declines.items():
+                key = (kernel.op, kernel.name, reason)
+                declines[key] = declines.get(key, 0) + n
+        return KernelCounts(calls, declines)
 
 
-def register(op: str, name: str, fn: Callable, *, devices: Sequence[str] = ("cpu",),
-             dtypes: Sequence[torch.dtype] | None = None, available: Callable[[], bool] = lambda: True,
-             priority: int = 0, slow: bool = False, package: str | None = None) -> Kernel:
-    """Register `fn` as kernel `name` of `op` for tensors on `devices` of `dtypes` (None: any) while `available()`.
-
-    Higher priority wins; between equal priorities, the earlier registration. package: what to install when the
-    kernel is unavailable (named by `check_fast` when a slow fallback is chosen in its place). Registering one name
-    twice for overlapping devices and dtypes is an error (a module imported twice under two names would double
-    up). Returns the Kernel, which the op's own functions compare `choose`'s answer with."""
-    devices = tuple(devices)
-    if not devices or any(d not in DEVICES for d in devices):
-        raise ValueError(f"kernel {op}/{name}: devices must be some of {DEVICES}, got {devices}")
-    entries = _ENTRIES.setdefault(op, [])
-    dtypes = None if dtypes is None else tuple(dtypes)
-    if any(e.kernel.name == name and set(e.devices) & set(devices)
-           and (e.dtypes is None or dtypes is None or set(e.dtypes) & set(dtypes)) for e in entries):
-        raise ValueError(f"kernel {op}/{name} is already registered for {devices} and {dtypes}")
-    kernel = Kernel(op, name, fn, slow)
-    entries.append(_Entry(kernel, devices, dtypes, available, priority, package))
-    entries.sort(key=lambda e: -e.priority)          # stable: equal priorities keep registration order
-    _candidates.cache_clear()
-    return kernel
+_lock = threading.Lock()
+_PROCESS = Record()
+_ACTIVE: contextvars.ContextVar[tuple[Record, ...]] = contextvars.ContextVar("pixeltriage_kernel_records", default=())
+_warned: set[tuple[Kernel, str]] = set()
 
 
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in TRUE_WORDS:
-        return True
-    if value in FALSE_WORDS:
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r}: expected 1 or 0")
+def counts() -> KernelCounts:
+    """Every kernel call and decline of this process so far."""
+    return _PROCESS.snapshot()
 
+
+@contextlib.contextmanager
+def recording(record: Record | None = None) -> Iterator[Record]:
+    """Inside the block (in this context: this thread, this task), calls and declines are counted in `record` (a
+    new one when None) as well as the process's and those of the blocks around it (a record active already is
+    not counted twice)."""
+    record = Record() if record is None else record
+    active = _ACTIVE.get()
+    if record in active:
+        yield record
+        return
+    token = _ACTIVE.set(active + (record,))
+    try:
+        yield record
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _attempt(kernel: Kernel, args: tuple, kwargs: dict):
+    """The kernel's result for the call, or, where it declines it (`accepts`, or `Declined` from its function), a
+    Declined saying why (counted as a decline)."""
+    reason = None if kernel.accepts is None else kernel.accepts(*args, **kwargs)
+    if reason is None:
+        try:
+            return _call(kernel, args, kwargs)
+        except Declined as e:
+            reason = e.reason
+    _declined(kernel, reason)
+    return Declined(reason, kernel)
+
+
+def _call(kernel: Kernel, args: tuple, kwargs: dict):
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(kernel.label):
+            out = kernel.fn(*args, **kwargs)
+    else:
+        out = kernel.fn(*args, **kwargs)
+    records = _ACTIVE.get()
+    with _lock:
+        _PROCESS._calls[kernel] = _PROCESS._calls.get(kernel, 0) + 1
+        for record in records:
+            record._calls[kernel] = record._calls.get(kernel, 0) + 1
+    return out
+
+
+def _declined(kernel: Kernel, reason: str) -> None:
+    key = (kernel, reason)
+    records = _ACTIVE.get()
+    with _lock:
+        _PROCESS._declines[key] = _PROCESS._declines.get(key, 0) + 1
+        for record in records:
+            record._declines[key] = record._declines.get(key, 0) + 1
+        first = key not in _warned
+        _warned.add(key)
+    if first:
+        log.warning("%s: kernel %r declined a call (%s); the next kernel runs it (logged once per reason)",
+                    kernel.op, kernel.name, reason)
+
+
+# ---- choices ----------------------------------------------------------------------------------------------------
 
 def emulating_cuda() -> bool:
-    """Whether the test switch is on (PIXELTRIAGE_EMULATE_CUDA=1 with TRITON_INTERPRET=1); ValueError naming both
-    variables when the switch is set without the interpreter."""
-    if not _flag(EMULATE_CUDA):
-        return False
-    if not _flag(TRITON_INTERPRET):
-        raise ValueError(f"{EMULATE_CUDA}=1 runs the CUDA kernels on CPU tensors in Triton's interpreter, which "
-                         f"needs {TRITON_INTERPRET}=1 (set before triton is first imported); it is not set")
-    return True
+    """Whether the test switch is on (PIXELTRIAGE_EMULATE_CUDA=1 with TRITON_INTERPRET=1, `pixeltriage.settings`,
+    whose parse is a ValueError naming both variables when the switch is set without the interpreter)."""
+    return settings.current().emulate_cuda
 
 
 def kernel_device(device: torch.device | str) -> str:
     """The device whose kernels run tensors on `device`: "cuda" for CUDA, and for the CPU under the test switch
     (`emulating_cuda`); "cpu" otherwise."""
     kind = _kind(device)
-    if kind == "cuda" or (kind == "cpu" and emulating_cuda()):
-        return "cuda"
-    return kind
+    return "cuda" if kind == "cuda" or (kind == "cpu" and emulating_cuda()) else kind
 
 
 def _kind(device: torch.device | str) -> str:
     return device.type if isinstance(device, torch.device) else torch.device(device).type
+
+
+def _emulated(device: torch.device | str) -> bool:
+    return _kind(device) == "cpu" and emulating_cuda()
 
 
 def _load_ops() -> None:
@@ -116,39 +329,33 @@ def _load_ops() -> None:
         importlib.import_module(module)
 
 
-@functools.lru_cache(maxsize=None)
-def _candidates(op: str, kdevice: str, dtype: torch.dtype, emulated: bool) -> tuple[_Entry, ...]:
-    """The op's entries for this device and dtype, best first (availability is asked at each choice)."""
-    return tuple(e for e in _ENTRIES.get(op, ()) if kdevice in e.devices
-                 and (e.dtypes is None or dtype in e.dtypes or (emulated and dtype == torch.float32)))
+def ops() -> dict[str, Op]:
+    """Every registered op, by name."""
+    _load_ops()
+    return dict(sorted(_OPS.items()))
 
 
-def choose(op: str, device: torch.device | str, dtype: torch.dtype) -> Kernel:
-    """The kernel that runs `op` for tensors of `dtype` on `device`: the highest-priority registration whose devices
-    (`kernel_device(device)`) and dtypes fit and whose `available()` holds. BackendUnavailableError when none does;
-    KeyError for an op nobody registered."""
-    if op not in _ENTRIES:
-        _load_ops()
-        if op not in _ENTRIES:
-            raise KeyError(f"no kernels registered for op {op!r}; known: {sorted(_ENTRIES)}")
-    kdevice = kernel_device(device)
-    emulated = kdevice == "cuda" and _kind(device) == "cpu"
-    for entry in _candidates(op, kdevice, dtype, emulated):
-        if entry.available():
-            return entry.kernel
-    raise BackendUnavailableError(f"no kernel of op {op!r} runs {dtype} on {kdevice}"
-                                  f"{' (emulated on the CPU)' if emulated else ''}")
+def get(name: str) -> Op:
+    """The op named `name`; KeyError naming the known ones."""
+    _load_ops()
+    if name not in _OPS:
+        raise KeyError(f"no kernels registered for op {name!r}; known: {sorted(_OPS)}")
+    return _OPS[name]
+
+
+def choose(op_name: str, device: torch.device | str, dtype: torch.dtype) -> Kernel:
+    """`get(op_name).choose(device, dtype)`: the kernel a call starts with."""
+    return get(op_name).choose(device, dtype)
 
 
 def choices(device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
     """op -> the name of the kernel `choose` takes for it, for every registered op (for /info, gpu_check, logs)."""
-    _load_ops()
     names = {}
-    for op in sorted(_ENTRIES):
+    for name, an_op in ops().items():
         try:
-            names[op] = choose(op, device, dtype).name
+            names[name] = an_op.choose(device, dtype).name
         except BackendUnavailableError:
-            names[op] = "none available"
+            names[name] = "none available"
     return names
 
 
@@ -157,21 +364,18 @@ def check_fast(device: torch.device | str, dtype: torch.dtype, allow_slow: bool)
     faster kernel for this dtype is registered but unavailable) and allow_slow is False."""
     if allow_slow:
         return
-    _load_ops()
     slow = {}
-    for op in sorted(_ENTRIES):
+    for name, an_op in ops().items():
         try:
-            kernel = choose(op, device, dtype)
+            kernel = an_op.choose(device, dtype)
         except BackendUnavailableError:
             continue
         if kernel.slow:
-            kdevice = kernel_device(device)
-            emulated = kdevice == "cuda" and _kind(device) == "cpu"
-            slow[op] = sorted({e.package for e in _candidates(op, kdevice, dtype, emulated)
-                               if e.package and not e.kernel.slow and not e.available()})
+            slow[name] = (kernel, sorted({k.package for k in an_op.fitting(device, dtype)
+                                          if k.package and not k.slow and not k.available()}))
     if slow:
-        missing = sorted({p for packages in slow.values() for p in packages}) or ["its fast kernels"]
-        detail = ", ".join(f"{op}: {choose(op, device, dtype).name}" for op in slow)
+        missing = sorted({p for _, packages in slow.values() for p in packages}) or ["its fast kernels"]
+        detail = ", ".join(f"{name}: {kernel.name}" for name, (kernel, _) in slow.items())
         raise BackendUnavailableError(f"CUDA needs {' and '.join(missing)} for its fast kernels (pip install "
                                       f"'pixeltriage[gpu]'); without them it would run {detail}; pass "
                                       f"allow_slow=True to run these fallbacks")

@@ -5,6 +5,8 @@ Registers the "norm_rotary" (the decoder attention's q/k norm + partial rotary) 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pixeltriage.kernels import native as _native
@@ -44,36 +46,41 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
-def norm_partial_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                        native: bool | None = None) -> torch.Tensor:
-    """`apply_partial_rotary(rms_norm_zero_centred(x, weight, eps), cos, sin)`: the decoder attention's q and k.
-    x: [T, heads, head_dim]; cos/sin: [T, rotary_dim] -> x's dtype.
+def norm_partial_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+    """`apply_partial_rotary(rms_norm_zero_centred(x, weight, eps), cos, sin)`: the decoder attention's q and k, by
+    the "norm_rotary" op's kernel. x: [T, heads, head_dim]; cos/sin: [T, rotary_dim] -> x's dtype.
 
-    native: on the CPU, one C pass per row (`kernels.native`) in float32, rounded once, where the torch path
-    rounds the normed x and then each rotary product (transformers' order; the two agree within those
-    roundings), reading q straight from its strided [query | gate] projection. None: whenever available;
-    False: the torch path."""
-    if native is not False and registry.choose("norm_rotary", x.device, x.dtype) is NATIVE_NORM_ROTARY:
-        out = _native_norm_rotary(x, weight, eps, cos, sin)
-        if out is not None:
-            return out
+    On the CPU the C kernel makes it one pass per row in float32, rounded once, where the torch kernel rounds the
+    normed x and then each rotary product (transformers' order; the two agree within those roundings), reading q
+    straight from its strided [query | gate] projection."""
+    return NORM_ROTARY(x, weight, eps, cos, sin)
+
+
+def norm_partial_rotary_torch(x, weight, eps, cos, sin):
+    """The "norm_rotary" op in torch."""
     return apply_partial_rotary(rms_norm_zero_centred(x, weight, eps), cos, sin)
 
 
-def _native_norm_rotary(x, weight, eps, cos, sin):
-    from pixeltriage.kernels import native
-
+def _norm_rotary_c_accepts(x, weight, eps, cos, sin) -> str | None:
     if (x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] == 0 or weight.numel() != x.shape[-1]
-            or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0] or cos.shape[1] > x.shape[-1]
-            or not native.handles(x, weight, cos, sin)):
-        return None
+            or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0] or cos.shape[1] > x.shape[-1]):
+        return "x not [T, H, D] with a unit last stride, weight not [D], or cos/sin not [T, R <= D]"
+    return None if _native.handles(x, weight, cos, sin) else \
+        "a device or dtype the C kernels do not take, or no C library"
+
+
+def _norm_rotary_c(x, weight, eps, cos, sin):
+    """The "norm_rotary" op in one C pass (`pt_rotary` with the norm)."""
     n, heads, dim = x.shape
     w = (1.0 + weight.float()).contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), x.stride(1), w.data_ptr(), eps,
-                     cos.data_ptr(), sin.data_ptr(), n, heads, dim, cos.shape[1], out.data_ptr())
-    return out if ok else None
+    args = _native.struct("pt_rotary_args", x=x.data_ptr(), x_n=x.stride(0), x_g=x.stride(1),
+                          x_bf16=_native.is_bf16(x), w=w.data_ptr(), eps=eps, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                          N=n, G=heads, D=dim, R=cos.shape[1])
+    registry.c_call("pt_rotary", args, out.data_ptr())
+    return out
 
 
 def vision_rotary_cos_sin(hw_ids: torch.Tensor, head_dim: int, theta: float):
@@ -86,20 +93,17 @@ def vision_rotary_cos_sin(hw_ids: torch.Tensor, head_dim: int, theta: float):
     return emb.cos(), emb.sin()
 
 
-def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       native: bool | None = None) -> torch.Tensor:
-    """Full-width rotary in float32, cast back: x * cos + rotate_half(x) * sin.
+def apply_rotary_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Full-width rotary in float32, cast back: x * cos + rotate_half(x) * sin, by the "rotary" op's kernel.
     x: [N, ..., head_dim] (e.g. [N, heads, head_dim], or q and k together as [N, 2, heads, head_dim]);
-    cos/sin: [N, head_dim], broadcast over x's middle dimensions.
+    cos/sin: [N, head_dim], broadcast over x's middle dimensions."""
+    return ROTARY(x, cos, sin)
 
-    rotate_half's negated concatenation is never built: each half takes its partner half times the matching
-    half of sin, negated for the first, with one multiply-add in place (3 passes over x instead of 6).
-    native: on the CPU, one C pass (`kernels.native`) when it is built (None: whenever available; False: torch).
-    """
-    if native is not False and registry.choose("rotary", x.device, x.dtype) is NATIVE_ROTARY:
-        out = _native_rotary(x, cos, sin)
-        if out is not None:
-            return out
+
+def apply_rotary_float_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The "rotary" op in torch: rotate_half's negated concatenation is never built: each half takes its partner
+    half times the matching half of sin, negated for the first, with one multiply-add in place (3 passes over x
+    instead of 6)."""
     half = x.shape[-1] // 2
     cos, sin = (t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[-1]) for t in (cos, sin))
     xf = x.float()
@@ -116,16 +120,9 @@ def apply_rotary_float_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
-def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """x viewed as [N, G, D] (its middle dimensions merged, which their strides must allow) through the C kernel."""
-    from pixeltriage.kernels import native
-
-    if x.dim() < 2 or x.stride(-1) != 1 or x.shape[-1] % 2 or not native.handles(x, cos, sin):
-        return None
-    n, d = x.shape[0], x.shape[-1]
-    if cos.shape != (n, d) or sin.shape != (n, d):           # broadcast cos/sin: the torch path handles those
-        return None
-    groups, group_stride = 1, d
+def _group_stride(x: torch.Tensor) -> int | None:
+    """The stride of x's middle dimensions merged into one ([N, G, D]), or None where their strides do not allow it."""
+    groups, group_stride = 1, x.shape[-1]
     for size, stride in zip(reversed(x.shape[1:-1]), reversed(x.stride()[1:-1])):  # innermost middle dim first
         if size == 1:
             continue
@@ -134,22 +131,38 @@ def _native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
         elif stride != groups * group_stride:
             return None                                                 # not one evenly strided group dim
         groups *= size
+    return group_stride
+
+
+def _rotary_c_accepts(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    if x.dim() < 2 or x.stride(-1) != 1 or x.shape[-1] % 2:
+        return "x not [N, ..., D] with an even D and a unit last stride"
+    if cos.shape != (x.shape[0], x.shape[-1]) or sin.shape != cos.shape:
+        return "cos/sin broadcast, not [N, D]"
+    if _group_stride(x) is None:
+        return "x's middle dimensions not one evenly strided group"
+    return None if _native.handles(x, cos, sin) else "a device or dtype the C kernels do not take, or no C library"
+
+
+def _rotary_c(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The "rotary" op in one C pass (`pt_rotary`), x viewed as [N, G, D] (its middle dimensions merged)."""
+    n, d = x.shape[0], x.shape[-1]
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    ok = native.call("pt_rotary", x.data_ptr(), native.is_bf16(x), x.stride(0), group_stride, None, 0.0,
-                     cos.data_ptr(), sin.data_ptr(), n, groups, d, d, out.data_ptr())
-    return out if ok else None
+    args = _native.struct("pt_rotary_args", x=x.data_ptr(), x_n=x.stride(0), x_g=_group_stride(x),
+                          x_bf16=_native.is_bf16(x), w=None, eps=0.0, cos=cos.data_ptr(), sin=sin.data_ptr(), N=n,
+                          G=math.prod(x.shape[1:-1]), D=d, R=d)
+    registry.c_call("pt_rotary", args, out.data_ptr())
+    return out
 
 
 _C_DTYPES = (torch.float32, torch.bfloat16)
-NATIVE_NORM_ROTARY = registry.register(
-    "norm_rotary", "native C pt_rotary (with the norm)", lambda x, weight, eps, cos, sin: norm_partial_rotary(
-        x, weight, eps, cos, sin), devices=("cpu",), dtypes=_C_DTYPES, available=lambda: _native.available(),
-    priority=10)
-registry.register("norm_rotary", "torch", lambda x, weight, eps, cos, sin: norm_partial_rotary(
-    x, weight, eps, cos, sin, native=False), devices=("cpu", "cuda"))
-NATIVE_ROTARY = registry.register("rotary", "native C pt_rotary", lambda x, cos, sin: apply_rotary_float(x, cos, sin),
-                                  devices=("cpu",), dtypes=_C_DTYPES, available=lambda: _native.available(),
-                                  priority=10)
-registry.register("rotary", "torch", lambda x, cos, sin: apply_rotary_float(x, cos, sin, native=False),
-                  devices=("cpu", "cuda"))
+NORM_ROTARY = registry.op("norm_rotary", lambda x, *args: (x.device, x.dtype))
+NATIVE_NORM_ROTARY = NORM_ROTARY.register("native C pt_rotary (with the norm)", _norm_rotary_c,
+                                          accepts=_norm_rotary_c_accepts, dtypes=_C_DTYPES,
+                                          available=lambda: _native.available(), priority=10, entry="pt_rotary")
+TORCH_NORM_ROTARY = NORM_ROTARY.register("torch", norm_partial_rotary_torch, devices=("cpu", "cuda"))
+ROTARY = registry.op("rotary", lambda x, *args: (x.device, x.dtype))
+NATIVE_ROTARY = ROTARY.register("native C pt_rotary", _rotary_c, accepts=_rotary_c_accepts, dtypes=_C_DTYPES,
+                                available=lambda: _native.available(), priority=10, entry="pt_rotary")
+TORCH_ROTARY = ROTARY.register("torch", apply_rotary_float_torch, devices=("cpu", "cuda"))

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from pixeltriage import settings
 from pixeltriage.kernels import native, workspace
 from pixeltriage.paths import cache_dir, locked
 
@@ -71,7 +72,7 @@ def machine_key() -> str:
 def path() -> Path:
     """The records' file: $PIXELTRIAGE_TUNING, else tuning.json in the cache. A file of its own keeps one process's
     measurements (a test run's, taken on a loaded machine) from the choices every other process follows."""
-    return Path(os.environ.get(ENV) or cache_dir() / FILE)
+    return settings.current().tuning or cache_dir() / FILE
 
 
 def _lock_path(file: Path) -> Path:

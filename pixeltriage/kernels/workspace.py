@@ -27,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import os
 import threading
 from typing import Iterator, Sequence
 
 import torch
+
+from pixeltriage import settings
 
 SWITCH = "PIXELTRIAGE_WORKSPACE"
 # What a workspace holds at most: the CPU's 4096-token forwards need ~180 MiB at bench-small's widths (in_proj 64,
@@ -44,8 +45,9 @@ _ACTIVE: contextvars.ContextVar["Workspace | None"] = contextvars.ContextVar("pi
 
 
 def enabled() -> bool:
-    """Whether forwards use a workspace (PIXELTRIAGE_WORKSPACE is not 0/false/off/no), read at each forward."""
-    return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether forwards use a workspace (PIXELTRIAGE_WORKSPACE, `pixeltriage.settings`: unless off), asked at each
+    forward."""
+    return settings.current().workspace
 
 
 class Workspace:

@@ -7,8 +7,13 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from typing import TYPE_CHECKING
+
 from pixeltriage.serve.batcher import Observer, Timing
 from pixeltriage.serve.schemas import DOCUMENT_STATUSES
+
+if TYPE_CHECKING:
+    from pixeltriage.kernels.registry import KernelCounts
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 QUESTIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -61,8 +66,13 @@ class Metrics(Observer):
         self.ready = Gauge("pixeltriage_ready", "1 once the model is loaded and warmed up, 0 while loading or "
                            "shutting down", registry=r)
         self.build = Info("pixeltriage_build", "version, checkpoint, device and dtype", registry=r)
+        self.kernel_calls = Counter("pixeltriage_kernel_calls", "the scorer's op calls, by the kernel that ran "
+                                    "each (kernels.registry)", ["op", "kernel"], registry=r)
+        self.kernel_declines = Counter("pixeltriage_kernel_declines", "the scorer's op calls a kernel declined, "
+                                       "by reason: the next kernel ran them", ["op", "kernel", "reason"], registry=r)
         self._vision_seen = {"cached": 0, "computed": 0}
-        self._vision_lock = threading.Lock()        # two scrapes at once would count one gain twice
+        self._kernels_seen: dict[tuple[str, ...], int] = {}
+        self._seen_lock = threading.Lock()        # two scrapes at once would count one gain twice
 
     def expose(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""
@@ -70,12 +80,24 @@ class Metrics(Observer):
 
     def vision_counts(self, counts: dict[str, int]) -> None:
         """Add what a scorer's `vision_counts` gained since the last call (safe from several threads at once)."""
-        with self._vision_lock:
+        with self._seen_lock:
             for source in ("cached", "computed"):
                 gained = counts.get(source, 0) - self._vision_seen[source]
                 if gained > 0:
                     self.vision_images.labels(source).inc(gained)
                     self._vision_seen[source] += gained
+
+    def kernel_counts(self, counts: KernelCounts) -> None:
+        """Add what a scorer's `kernel_counts()` gained since the last call (safe from several threads at once)."""
+        with self._seen_lock:
+            for kind, counter, items in (("calls", self.kernel_calls, counts.calls),
+                                         ("declines", self.kernel_declines, counts.declines)):
+                for labels, n in items.items():
+                    key = (kind, *labels)
+                    gained = n - self._kernels_seen.get(key, 0)
+                    if gained > 0:
+                        counter.labels(*labels).inc(gained)
+                        self._kernels_seen[key] = n
 
     # -- Observer ------------------------------------------------------------------------------------------------
     def batch(self, questions: int, tokens: int, seconds: float) -> None:

@@ -38,6 +38,7 @@ def info(service: "Service") -> dict:
                   "head_dim": scorer.triage_config.head_dim,
                   "thumbnail_size": scorer.triage_config.thumbnail_size},
         "kernels": kernels(scorer),
+        "kernels_ran": scorer.kernel_counts().to_dict(),
         "cache": scorer.cache is not None,
         "region_index": None if index is None else {"images": _indexed_images(index), "fingerprint": index.fingerprint},
         "gates": {"active": len(service.infer.gates), "window": config.gate_window, "max": config.max_gates},
@@ -69,16 +70,19 @@ def exposition(service: "Service") -> tuple[bytes, str]:
 
 def update_scorer_metrics(service: "Service") -> None:
     """Bring what the metrics read off the loaded scorer up to date: the build (`build_info`), the vision tower's
-    counters (`Metrics.vision_counts` adds what they gained since its last call) and the workspace's bytes."""
+    counters and the kernels' calls and declines (`Metrics.vision_counts` and `Metrics.kernel_counts` add what they
+    gained since their last call) and the workspace's bytes."""
     if service.scorer is not None:
         service.metrics.build.info({k: str(v) for k, v in build_info(service).items()})
         service.metrics.vision_counts(service.scorer.vision_counts)
+        service.metrics.kernel_counts(service.scorer.kernel_counts())
         service.metrics.workspace_bytes.set(service.scorer.workspace.nbytes)
 
 
 def kernels(scorer: "Scorer") -> dict[str, str]:
-    """Which kernel runs each op of the forward on this scorer's device and dtype (`Scorer.kernels`, from the kernel
-    registry), and on the CPU whether the C kernels are built (or why not)."""
+    """Which kernel a call of each op of the forward starts with on this scorer's device and dtype (`Scorer.kernels`,
+    from the kernel registry; on the CPU "native" names the C library's build in use), and on the CPU whether the C
+    kernels are loaded (or why not). What ran: /info's "kernels_ran" (`Scorer.kernel_counts`)."""
     from pixeltriage.kernels import native, registry
 
     names = scorer.kernels()

@@ -63,15 +63,25 @@ def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, c
     assert len(r["paired_speedups"]) == 2
     from pixeltriage.kernels import registry
 
-    # the Scorer's kernels: the registry's choices, and the weights its first forward reordered (kernels.prepack)
-    assert {op: k for op, k in r["kernels"].items() if op != "prepacked"} == registry.choices("cpu", torch.float32)
+    # the Scorer's kernels: the registry's choices, the weights its first forward reordered (kernels.prepack) and
+    # the C library's build
+    assert r["kernels"]["native"] == (native.variant() or "none")
+    assert ({op: k for op, k in r["kernels"].items() if op not in ("prepacked", "native")}
+            == registry.choices("cpu", torch.float32))
     assert "gated_delta" in r["kernels"]
+    # what the two timed engine runs ran: the C build loaded, and where it is, its delta pass, declining nothing
+    assert r["native_variant"] == native.variant()
+    ran = r["kernels_ran"]
+    assert set(ran) == {"calls", "declines"} and ran["calls"]["gated_delta"]
+    if native.available():
+        assert set(ran["calls"]["gated_delta"]) == {"native C pt_delta_chunked"} and not ran["declines"]
     assert r["machine"] == dict(cpu_machine(), torch_threads=1) and r["machine"]["torch_threads"] == r["threads"]
     buf = io.StringIO()
     cpu.print_table(r, buf)
     assert f"machine       {r['machine']['cpu']}, {r['machine']['logical_cpus']} logical CPUs" in buf.getvalue()
     assert f"gated_delta kernel {r['kernels']['gated_delta']}" in buf.getvalue()
     assert f"projection kernel  {r['kernels']['projection']}" in buf.getvalue()
+    assert f"C kernels build    {r['native_variant'] or 'none loaded'}" in buf.getvalue()
     # float32: the machine's measured GEMM library, the one the projections ran
     from pixeltriage.bench import tune
     from pixeltriage.kernels import linear

@@ -27,7 +27,10 @@ from pixeltriage.config import TriageConfig
 from pixeltriage.bench.gpu_check import max_diff
 from pixeltriage.engine import scorer as scorer_module
 from pixeltriage.engine.model import decoder_forward
-from pixeltriage.kernels import native, registry
+from kernel_claims import claims
+from pixeltriage.kernels import conv, head, native, registry
+from pixeltriage.kernels.gated_delta import fla
+from pixeltriage.bench.emulation import EMULATE_CUDA
 from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
 from reference import float64_head, tiny_config, write_reference_checkpoint
 from sync_guard import HostSyncs, tensors_of
@@ -71,7 +74,7 @@ def cpu_scores(grouped_checkpoint):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "library", lambda: None)
-        assert registry.choose("gated_delta", "cpu", torch.float32).name == "torch chunked"
+        assert registry.choose("gated_delta", "cpu", torch.float32).name == "chunked (conv1d, then delta_rule)"
         torch_path = scores()
     return {"torch": torch_path, "native": scores()}
 
@@ -83,6 +86,7 @@ def counted(monkeypatch, module, name) -> list:
     return calls
 
 
+@claims(fla.FLA, conv.FLA_CONV, head.TRITON)
 def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scores, fla_interpreter, monkeypatch):
     """Each question alone through the static path a CUDA graph captures (one 64-token bucket), then both packed
     (varlen, the head's rows), through fla and the Triton head: the CPU forward's scores within TOLERANCE, and no
@@ -131,6 +135,7 @@ def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scor
         rec.check()
 
 
+@claims(fla.FLA, conv.FLA_CONV)
 def test_a_bf16_model_hands_fla_bf16_and_grouped_heads(grouped_checkpoint, fla_interpreter, monkeypatch):
     """What reaches fla in a bf16 model (two questions packed): q, k and v in bf16 (not float32: fla's float32
     kernels would move twice the bytes and skip the tensor cores), q and k with their one key head as it is (not
@@ -176,8 +181,8 @@ def test_the_load_refuses_slow_cuda_fallbacks_unless_allowed(tiny_checkpoint, fl
     with pytest.raises(BackendUnavailableError, match="flash-linear-attention.*allow_slow=True"):
         Scorer.load(tiny_checkpoint, dtype=torch.bfloat16)
     slow = Scorer.load(tiny_checkpoint, dtype=torch.bfloat16, allow_slow=True)
-    assert slow.kernels()["gated_delta"] == "torch chunked (slow)"
-    assert Scorer.load(tiny_checkpoint).kernels()["gated_delta"] == "torch chunked"
+    assert slow.kernels()["gated_delta"] == "chunked (conv1d, then delta_rule; slow)"
+    assert Scorer.load(tiny_checkpoint).kernels()["gated_delta"] == "chunked (conv1d, then delta_rule)"
 
 
 # The CUDA branch against a float64 reference: transformers' forward in float64 (its torch path), the scores from its
@@ -232,6 +237,7 @@ def cuda_branch_scores(scorer):
     return list(zip(singles, scorer.score_states(states), strict=True))
 
 
+@claims(fla.FLA, conv.FLA_CONV, head.TRITON)
 def test_bf16_cuda_branch_no_further_from_float64_than_transformers_bf16(grouped_checkpoint, references,
                                                                          fla_interpreter, monkeypatch):
     """The bf16 CUDA branch, every kernel the registry picks for bf16 on CUDA (fla's conv and chunked rule, the fused
@@ -260,22 +266,22 @@ def test_bf16_cuda_branch_no_further_from_float64_than_transformers_bf16(grouped
             assert gap(got, want) <= min(bar, BF16_GAP), (gap(got, want), bar)
 
 
+@claims(head.TRITON)
 def test_float32_cuda_branch_against_float64(grouped_checkpoint, references, fla_interpreter, monkeypatch):
     """The float32 CUDA branch as a GPU runs it: the registry's float32 CUDA kernels (the torch chunked rule: fla's
     kernels take bf16/fp16 only, so they are made unavailable here, where the interpreter would stand float32 in for
     them), the fused Triton head; per question within FLOAT32_GAP of the float64 scores."""
     import fla.ops.gated_delta_rule as fla_ops
 
-    from pixeltriage.kernels.gated_delta import fla
     from pixeltriage.kernels.head import triton as head_triton
 
     exact, theirs = references
     monkeypatch.setattr(fla, "available", lambda: False)
     monkeypatch.setattr(fla, "conv_available", lambda: False)
     scorer = Scorer.load(grouped_checkpoint, dtype=torch.float32)
-    monkeypatch.delenv(registry.EMULATE_CUDA)
+    monkeypatch.delenv(EMULATE_CUDA)
     cuda = registry.choices("cuda", torch.float32)
-    monkeypatch.setenv(registry.EMULATE_CUDA, "1")
+    monkeypatch.setenv(EMULATE_CUDA, "1")
     assert {op: scorer.kernels()[op] for op in ("gated_delta", "conv1d", "head")} == {
         op: cuda[op] for op in ("gated_delta", "conv1d", "head")}
     fla_calls = counted(monkeypatch, fla_ops, "chunk_gated_delta_rule")

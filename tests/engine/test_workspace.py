@@ -5,7 +5,8 @@ import threading
 import pytest
 import torch
 
-from pixeltriage.kernels import prepack, workspace
+from kernel_claims import claims
+from pixeltriage.kernels import activation, prepack, registry, workspace
 from pixeltriage.kernels.workspace import Workspace
 
 
@@ -104,20 +105,23 @@ def test_products_into_a_role_are_the_products(dtype):
     assert ws.nbytes == rows * 96 * x.element_size()
 
 
-@pytest.mark.parametrize("path", ["auto", "c", "torch"])
+@pytest.mark.parametrize("path", ["auto", pytest.param("c", marks=claims(activation.NATIVE)), "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_into_a_role_is_the_swiglu(path, dtype):
-    """`silu_mul(..., into=role)` on each of its kernels (the AVX-512 pass where "auto" picks it, the C pass,
-    torch): the values it gives without a workspace, in the role's buffer."""
-    from pixeltriage.kernels.activation import silu_mul
+    """`silu_mul(..., into=role)` (the op: the AVX-512 pass where it picks it), and each of its kernels on the role's
+    buffer (the C pass, torch): the values it gives without a workspace, in the role's buffer."""
+    def swiglu():
+        if path == "auto":
+            return activation.silu_mul(gate_up, into="swiglu")
+        out = workspace.take("swiglu", (37, 80), dtype, "cpu")
+        return registry.run({"c": activation.NATIVE, "torch": activation.TORCH}[path], gate_up, out)
 
-    flags = {"auto": {}, "c": {"vector": False}, "torch": {"native": False}}[path]
     g = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(37, 2 * 80 + 6, generator=g) * 4).to(dtype)[:, 3:3 + 2 * 80]     # strided rows
-    want = silu_mul(gate_up, into="swiglu", **flags)
+    want = swiglu()
     with Workspace().active():
         buf = workspace.take("swiglu", (37, 80), dtype, "cpu").fill_(float("nan"))
-        got = silu_mul(gate_up, into="swiglu", **flags)
+        got = swiglu()
         assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want)
 
 
@@ -125,16 +129,15 @@ def test_the_c_passes_check_what_they_write_into():
     """The SwiGLU passes' out (a workspace buffer) is checked before any kernel writes: a wrong shape, dtype or
     layout is a ValueError, not a write past it."""
     from pixeltriage.kernels import simd
-    from pixeltriage.kernels.activation import _native_silu_mul
 
     gate_up = torch.randn(37, 160).bfloat16()
     for bad in (torch.empty(37, 81, dtype=torch.bfloat16), torch.empty(80, 37, dtype=torch.bfloat16).t(),
                 torch.empty(37, 80)):
-        for kernel in (simd.silu_mul, _native_silu_mul):
-            if kernel is simd.silu_mul and not simd.available():
+        for kernel in (activation.VECTOR, activation.NATIVE):
+            if kernel is activation.VECTOR and not simd.available():
                 continue
             with pytest.raises(ValueError, match="out"):
-                kernel(gate_up, bad)
+                registry.run(kernel, gate_up, bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

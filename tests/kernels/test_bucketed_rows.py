@@ -62,7 +62,7 @@ def test_onednn_products_run_on_bucketed_rows(dtype, packed, bias, pointwise_row
     kept) and matches the unpadded product."""
     monkeypatch.setattr(lin, "_STATE", {})
     monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "1")
-    if not lin._fused_available(dtype):
+    if not lin.onednn_available(dtype):
         pytest.skip(f"no oneDNN {dtype} linear primitive for this CPU")
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(48, 40, generator=g) * 0.2).to(dtype)
@@ -125,7 +125,7 @@ def test_bucketed_products_are_the_unbucketed_bits(dtype, packed, threads, produ
     count), then with the buckets off (`bucket_rows` the identity: the spy sees the rows as asked), the same bits."""
     monkeypatch.setattr(lin, "_STATE", {})
     monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "1")
-    if not lin._fused_available(dtype):
+    if not lin.onednn_available(dtype):
         pytest.skip(f"no oneDNN {dtype} linear primitive for this CPU")
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(96, 512, generator=g) * 512 ** -0.5).to(dtype)
@@ -153,7 +153,7 @@ def test_padding_rows_never_reach_the_real_rows(dtype, packed, threads, monkeypa
     among them: no output row reads another input row."""
     monkeypatch.setattr(lin, "_STATE", {})
     monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "1")
-    if not lin._fused_available(dtype):
+    if not lin.onednn_available(dtype):
         pytest.skip(f"no oneDNN {dtype} linear primitive for this CPU")
     g = torch.Generator().manual_seed(6)
     w = (torch.randn(96, 512, generator=g) * 512 ** -0.5).to(dtype)
@@ -222,7 +222,7 @@ def test_memory_levels_off_over_many_row_counts():
     """400 products of distinct row counts in a fresh process (its oneDNN caches empty), live malloc bytes after
     against before: on each row count oneDNN keeps a primitive per count (~0.5 MiB, >= 100 MiB in all, measured
     ~230); on bucketed rows, one per bucket (7 between 700 and 1100 rows: a few MiB)."""
-    if not lin._fused_available(torch.float32) or not sys.platform.startswith("linux"):
+    if not lin.onednn_available(torch.float32) or not sys.platform.startswith("linux"):
         pytest.skip("needs oneDNN's float32 linear primitive and glibc's mallinfo2")
     run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "PIXELTRIAGE_ONEDNN": "1"})

@@ -3,15 +3,31 @@
 Tolerances (float32): conv1d + SiLU <= 1e-6 relative; the delta rule with strong decays (where the subnormal
 cut-off acts) <= 1e-5 relative to the recurrent reference, as for mild decays in tests/test_gated_delta.py.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference
-from pixeltriage.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from pixeltriage.kernels import activation, attention, conv, native, norm, registry, rotary
+from pixeltriage.kernels.conv import causal_conv1d_silu_reference, conv1d_silu_torch
+from pixeltriage.kernels.gated_delta import chunk, recurrent_gated_delta_rule
 import isa
+from kernel_claims import claims, paths
 from poison import NanPoisonedEmpty
 from reference import rel
+
+@contextlib.contextmanager
+def torch_only():
+    """No C kernel library inside the block: every op runs its torch kernels."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "library", lambda: None)
+        yield
+
+
+RULE_PATHS = paths(chunk.TORCH_RULE, chunk.NATIVE_RULE)          # the delta rule's torch and C kernels
+CONV_PATHS = paths(conv.TORCH, conv.NATIVE)
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
 
 @pytest.mark.parametrize("seq_len,width", [(1, 4), (3, 4), (4, 4), (97, 4), (50, 2), (20, 1), (200, 6)])
@@ -21,30 +37,32 @@ def test_conv_matches_reference(seq_len, width, dtype, block_rows):
     g = torch.Generator().manual_seed(seq_len * 10 + width)
     x = torch.randn(seq_len, 24, generator=g).to(dtype)
     w = torch.randn(24, width, generator=g).to(dtype)
-    out = causal_conv1d_silu(x, w, block_rows=block_rows, native=False)   # the torch path (tests/test_native.py: C)
+    out = conv1d_silu_torch(x, w, block_rows=block_rows)                  # the torch kernel (tests/test_native.py: C)
     assert out.dtype == torch.float32 and out.shape == (seq_len, 24)
     assert rel(out, causal_conv1d_silu_reference(x, w)) <= 1e-6
 
 
+@pytest.mark.parametrize("kernel", RULE_PATHS)
 @pytest.mark.parametrize("seq_len", [65, 300])
-def test_strong_decays_stay_exact(seq_len, native):
+def test_strong_decays_stay_exact(seq_len, kernel):
     g = torch.Generator().manual_seed(seq_len)
-    h, dk, dv = 3, 16, 8
+    h, dk, dv = 3, 16, 16                                          # head dims the C kernel takes (multiples of 16)
     q = F.normalize(torch.randn(seq_len, h, dk, generator=g), dim=-1)
     k = F.normalize(torch.randn(seq_len, h, dk, generator=g), dim=-1)
     v = torch.randn(seq_len, h, dv, generator=g)
     decay = -torch.rand(seq_len, h, generator=g) * 40              # down to e^-40 per token: subnormals without the cut
     beta = torch.rand(seq_len, h, generator=g)
-    got = chunk_gated_delta_rule(q, k, v, decay, beta, native=native)
+    got = registry.run(kernel, q, k, v, decay, beta)
     assert rel(got, recurrent_gated_delta_rule(q, k, v, decay, beta)) <= 1e-5
 
 
+@pytest.mark.parametrize("kernel", RULE_PATHS)
 @pytest.mark.parametrize("qk_l2norm", [False, True])
-def test_strided_inputs_and_infinite_decays(native, qk_l2norm):
+def test_strided_inputs_and_infinite_decays(kernel, qk_l2norm):
     """The layer hands v over as a column slice of the conv output, and a decay can be -inf (A_log large):
     the result equals the reference on contiguous copies, the -inf steps erase the state exactly."""
     g = torch.Generator().manual_seed(11)
-    seq_len, h, dk, dv = 150, 2, 8, 6
+    seq_len, h, dk, dv = 150, 2, 16, 32
     wide = torch.randn(seq_len, h * (dk + dv) + 5, generator=g)
     v = wide[:, 5:5 + h * dv].view(seq_len, h, dv)                  # row stride wider than the tensor
     assert not v.is_contiguous()
@@ -53,7 +71,7 @@ def test_strided_inputs_and_infinite_decays(native, qk_l2norm):
     decay = -torch.rand(seq_len, h, generator=g) * 2
     decay[[3, 64, 100]] = -float("inf")
     beta = torch.rand(seq_len, h, generator=g)
-    got = chunk_gated_delta_rule(q, k, v, decay, beta, native=native, qk_l2norm=qk_l2norm)
+    got = registry.run(kernel, q, k, v, decay, beta, qk_l2norm=qk_l2norm)
     assert torch.isfinite(got).all()
     assert rel(got, recurrent_gated_delta_rule(q, k, v.contiguous(), decay, beta)) <= 1e-5
 
@@ -70,13 +88,14 @@ def _rand_inputs(seq_len, h=2, dk=8, dv=6, seed=0):
     return q, k, v, decay, beta
 
 
+@pytest.mark.parametrize("kernel", RULE_PATHS)
 @pytest.mark.parametrize("lengths", [[5, 70, 0, 64, 1], [200], [63, 65]])
-def test_varlen_delta_rule_equals_separate_sequences(lengths, native):
+def test_varlen_delta_rule_equals_separate_sequences(lengths, kernel):
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    q, k, v, decay, beta = _rand_inputs(bounds[-1], seed=len(lengths))
-    packed = chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=bounds, native=native)
+    q, k, v, decay, beta = _rand_inputs(bounds[-1], dk=16, dv=32, seed=len(lengths))
+    packed = registry.run(kernel, q, k, v, decay, beta, cu_seqlens=bounds)
     for b, e in zip(bounds, bounds[1:]):
         if e > b:
             alone = recurrent_gated_delta_rule(q[b:e], k[b:e], v[b:e], decay[b:e], beta[b:e])
@@ -86,16 +105,17 @@ def test_varlen_delta_rule_equals_separate_sequences(lengths, native):
 def test_varlen_rejects_bad_boundaries():
     q, k, v, decay, beta = _rand_inputs(10)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=[0, 4, 3, 10])
+        chunk.chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=[0, 4, 3, 10])
     with pytest.raises(ValueError, match="cu_seqlens"):
-        chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=[0, 9])
+        chunk.chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=[0, 9])
 
 
-def test_varlen_conv_equals_separate_sequences(native):
+@pytest.mark.parametrize("kernel", CONV_PATHS)
+def test_varlen_conv_equals_separate_sequences(kernel):
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(40, 12, generator=g), torch.randn(12, 4, generator=g)
     bounds = [0, 2, 2, 17, 40]
-    packed = causal_conv1d_silu(x, w, bounds, native=native)
+    packed = registry.run(kernel, x, w, bounds)
     for b, e in zip(bounds, bounds[1:]):   # against the F.conv1d reference (the torch path splits into itself)
         if e > b:
             assert rel(packed[b:e], causal_conv1d_silu_reference(x[b:e], w)) <= 1e-6
@@ -162,10 +182,11 @@ def test_forward_at_rows_equals_full_forward_rows(tiny_checkpoint, last):
             assert rel(got, full[rows]) <= 1e-5
 
 
+@pytest.mark.parametrize("kernel", paths(rotary.TORCH_ROTARY, rotary.NATIVE_ROTARY))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 3, 16), (50, 2, 4, 64), (1, 1, 2), (20, 1, 3, 8), "qk-of-qkv"])
-def test_rotary_matches_reference(dtype, shape, native):
-    from pixeltriage.kernels.rotary import apply_rotary_float, apply_rotary_float_reference
+def test_rotary_matches_reference(dtype, shape, kernel):
+    from pixeltriage.kernels.rotary import apply_rotary_float_reference
 
     g = torch.Generator().manual_seed(len(str(shape)))
     if shape == "qk-of-qkv":                     # the ViT's q and k: a strided [N, 2, heads, dim] view of qkv
@@ -174,7 +195,7 @@ def test_rotary_matches_reference(dtype, shape, native):
     else:
         x = torch.randn(*shape, generator=g).to(dtype)
     angle = torch.randn(shape[0], shape[-1], generator=g) * 3
-    got = apply_rotary_float(x, angle.cos(), angle.sin(), native=native)
+    got = registry.run(kernel, x, angle.cos(), angle.sin())
     want = apply_rotary_float_reference(x, angle.cos(), angle.sin())
     assert got.dtype == dtype and got.shape == x.shape
     # float32: one rounding apart at most (a multiply-add against a multiply then an add); bf16: at most one
@@ -195,9 +216,9 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias, library, mo
     """bf16: the oneDNN epilogue; float32: the product on the machine's measured library (`library` here), then the
     activation (the tanh GELU in place, in C); each against F.linear + activation, both against float64: the fused
     one is never further from float64 than the reference plus one rounding of the output (it rounds once, the
-    reference twice). quick_gelu has no oneDNN post-op: there the reference runs in bf16, and only the float64 bound
-    tests it."""
-    from pixeltriage.kernels import registry
+    reference twice). quick_gelu has no oneDNN post-op: the epilogue kernel declines it and the product, then the
+    activation, runs; only the float64 bound tests it."""
+    from pixeltriage.kernels import linear
     from pixeltriage.kernels.linear import linear_act, linear_act_reference
 
     g = torch.Generator().manual_seed(7)
@@ -207,23 +228,23 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias, library, mo
     exact = _ACTIVATIONS_F64[act](F.linear(x.double(), w.double(), None if b is None else b.double()))
     cast = lambda t: None if t is None else t.to(dtype)
     want = linear_act_reference(cast(x), cast(w), cast(b), act)
-    from pixeltriage.kernels import linear
-
     monkeypatch.setattr(linear, "_STATE", {})
     monkeypatch.setattr(linear, "float32_choice", lambda: {"library": library})
     monkeypatch.delenv("PIXELTRIAGE_ONEDNN", raising=False)
-    calls = []
-    monkeypatch.setattr(linear, "linear_act_reference", lambda *a: calls.append(a) or linear_act_reference(*a))
-    got = linear_act(cast(x), cast(w), cast(b), act)
-    after = registry.choose("linear", "cpu", dtype) is linear.THEN_ACTIVATION
-    assert after is (dtype == torch.float32)
-    fused = act in linear._POST_OPS and linear._fused_available(dtype) and not after
-    assert len(calls) == (0 if fused or after else 1)    # the path under test is the one that ran
-    if after:                        # the product's output, then the activation (tanh GELU: in place, in C)
-        on_onednn = library == "oneDNN" and linear._fused_available(dtype)
-        assert linear.plain_onednn("cpu", dtype) is on_onednn
-        product = (torch.ops.mkldnn._linear_pointwise(cast(x), cast(w), cast(b), "none", [], "") if on_onednn
-                   else F.linear(cast(x), cast(w), cast(b)))
+    with registry.recording() as record:
+        got = linear_act(cast(x), cast(w), cast(b), act)
+    fused = dtype == torch.bfloat16 and linear.onednn_available(dtype) and act in linear._POST_OPS
+    after = not fused                   # the product's output, then the activation (tanh GELU: in place, in C)
+    ran = record.snapshot()             # the path under test is the one that ran
+    assert (ran.ran("linear", linear.ONEDNN.name), ran.ran("linear", linear.THEN_ACTIVATION.name)) == (fused, after)
+    if after:
+        on_onednn = library == "oneDNN" and linear.onednn_available(dtype)
+        if dtype == torch.float32:
+            assert linear.plain_onednn("cpu", dtype) is on_onednn
+            product = (torch.ops.mkldnn._linear_pointwise(cast(x), cast(w), cast(b), "none", [], "") if on_onednn
+                       else F.linear(cast(x), cast(w), cast(b)))
+        else:
+            product = linear.linear(cast(x), cast(w), cast(b))
         then = linear.activation(act, in_place=True)
         assert then is (linear.gelu_tanh_ if act == "gelu_pytorch_tanh" else linear.activation(act))
         assert torch.equal(got, then(product))
@@ -240,10 +261,11 @@ def test_fused_linear_activation_matches_reference(act, dtype, bias, library, mo
         linear.linear_act(x, w, b, "relu6")
 
 
+@pytest.mark.parametrize("kernel", paths(norm.TORCH_NORM_GATED, norm.NATIVE_NORM_GATED))
 @pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strided", [False, True])
-def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype, strided, native):
-    from pixeltriage.kernels.norm import rms_norm_gated, rms_norm_gated_reference
+def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype, strided, kernel):
+    from pixeltriage.kernels.norm import rms_norm_gated_reference
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(70, 3, 24, generator=g) * 1e-2                  # the delta rule's output is small
@@ -252,7 +274,7 @@ def test_gated_rms_norm_matches_reference_and_leaves_its_inputs(gate_dtype, stri
         gate = torch.randn(70, 100, generator=g).to(gate_dtype)[:, 10:82].view(70, 3, 24)
     w = torch.rand(24, generator=g)
     x0, gate0 = x.clone(), gate.clone()
-    got = rms_norm_gated(x, gate, w, 1e-6, native=native, vector=False)    # the AVX-512 pass: tested below
+    got = registry.run(kernel, x, gate, w, 1e-6)                    # the AVX-512 pass: tested below
     want = rms_norm_gated_reference(x, gate, w, 1e-6)
     assert got.dtype == gate_dtype
     assert rel(got.float(), want.float()) <= (1e-6 if gate_dtype == torch.float32 else 2 ** -8)
@@ -273,15 +295,22 @@ def _onednn_refuses(monkeypatch):
     monkeypatch.setattr(torch.ops, "mkldnn", Ops(), raising=False)
 
 
-def test_fused_linear_falls_back_once_when_onednn_refuses(monkeypatch, caplog):
+def test_fused_linear_falls_back_once_when_onednn_refuses(monkeypatch):
+    """oneDNN's primitive raising declines the call (the record says why) and leaves the primitive unavailable from
+    then on: the next calls go to F.linear without asking it."""
     from pixeltriage.kernels import linear
 
     _onednn_refuses(monkeypatch)
     x, w = torch.randn(5, 8), torch.randn(3, 8)
-    with caplog.at_level("WARNING"):
+    with registry.recording() as record:
         got = linear.linear_act(x, w, None, "gelu")
-    assert torch.equal(got, linear.linear_act_reference(x, w, None, "gelu"))
-    assert linear._STATE["ok"] is False and "unavailable" in caplog.text
+        again = linear.linear_act(x, w, None, "gelu")
+    want = linear.linear_act_reference(x, w, None, "gelu")
+    assert torch.equal(got, want) and torch.equal(again, want) and linear._STATE["ok"] is False
+    counts = record.snapshot()
+    assert counts.declined("projection", linear.ONEDNN_PROJECTION.name) == {
+        "oneDNN's primitive raised RuntimeError; not used from now on": 1}
+    assert counts.ran("projection", linear.TORCH_PROJECTION.name) == 2
 
 
 def _rms_norm_zero_centred_f64(x, weight, eps):
@@ -290,12 +319,13 @@ def _rms_norm_zero_centred_f64(x, weight, eps):
     return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.double())
 
 
+@pytest.mark.parametrize("kernel", paths(norm.TORCH_ADD_NORM, norm.NATIVE_ADD_NORM))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
-def test_add_rms_norm_matches_add_then_norm(out_dtype, delta_dtype, native):
+def test_add_rms_norm_matches_add_then_norm(out_dtype, delta_dtype, kernel):
     """h += delta, then the zero-centred RMSNorm: the same h and (within the output dtype's rounding: float32
     1e-6 relative, bf16 one ulp) the same normalised rows as the two torch steps."""
-    from pixeltriage.kernels.norm import add_rms_norm, rms_norm_zero_centred
+    from pixeltriage.kernels.norm import rms_norm_zero_centred
 
     g = torch.Generator().manual_seed(9)
     h = torch.randn(57, 40, generator=g) * 3
@@ -303,58 +333,66 @@ def test_add_rms_norm_matches_add_then_norm(out_dtype, delta_dtype, native):
     w = torch.randn(40, generator=g) * 0.1
     want_h = h + (0 if delta is None else delta.float())
     want = rms_norm_zero_centred(want_h, w, 1e-6, out_dtype)
-    exact = _rms_norm_zero_centred_f64(want_h, w, 1e-6)    # native=False runs the two torch steps themselves
-    got = add_rms_norm(h, delta, w, 1e-6, out_dtype, native=native)
+    exact = _rms_norm_zero_centred_f64(want_h, w, 1e-6)    # the torch kernel runs the two torch steps themselves
+    got = registry.run(kernel, h, delta, w, None, 1e-6, out_dtype)
     assert got.dtype == out_dtype and got.shape == (57, 40)
     assert rel(h, want_h) <= 1e-7
     assert rel(got.float(), want.float()) <= (1e-6 if out_dtype == torch.float32 else 2 ** -8)
     assert rel(got.double(), exact) <= (1e-6 if out_dtype == torch.float32 else 2 ** -8)
 
 
+@pytest.mark.parametrize("kernel", paths(activation.TORCH, activation.NATIVE))
 @pytest.mark.parametrize("inner", [40, 150])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_float64(dtype, inner, native):
+def test_silu_mul_matches_float64(dtype, inner, kernel):
     """silu(gate) * up from a strided [T, 2I] projection: float32 within 1e-6 of float64; bf16 within one ulp. I
     under and over the C kernel's 64-value steps (and not a multiple of them)."""
-    from pixeltriage.kernels.activation import silu_mul
-
     g = torch.Generator().manual_seed(4)
     gate_up = (torch.randn(33, 2 * inner + 10, generator=g) * 4).to(dtype)[:, 5:5 + 2 * inner]   # row stride 2I + 10
-    got = silu_mul(gate_up, native=native, vector=False)                   # the AVX-512 kernel: tested below
+    got = registry.run(kernel, gate_up)                                    # the AVX-512 kernel: tested below
     gate, up = gate_up.double().chunk(2, dim=-1)
     exact = F.silu(gate) * up
     assert got.dtype == dtype and got.shape == (33, inner)
     assert rel(got.double(), exact) <= (1e-6 if dtype == torch.float32 else 2 ** -7)
 
 
-def test_gelu_tanh_in_place_matches_float64(native):
-    """The tanh GELU in place (`activation.gelu_tanh_`; the C kernel in float32 where built, torch's otherwise)
-    against float64 torch: within 1e-6 of the largest value (measured: C 3.2e-8, torch 2.7e-8) and, for values of
-    magnitude over 1e-3, within 2e-6 of each (C 1.3e-6; torch's 1 + tanh(u) cancels for negative inputs: 5e-5, so
-    the torch path gets 1e-4); far tails finite and right (-100 -> 0 within 1e-30, 100 -> 100), NaN stays NaN. A
-    non-contiguous tensor, bf16 and no elements at all go to torch's in-place GELU."""
-    from pixeltriage.kernels import activation, registry
-
+@pytest.mark.parametrize("kernel", paths(activation.TORCH_GELU, activation.NATIVE_GELU))
+def test_gelu_tanh_in_place_matches_float64(kernel):
+    """The tanh GELU in place (the "gelu_tanh" op: the C kernel in float32 where built, torch's otherwise) against
+    float64 torch: within 1e-6 of the largest value (measured: C 3.2e-8, torch 2.7e-8) and, for values of magnitude
+    over 1e-3, within 2e-6 of each (C 1.3e-6; torch's 1 + tanh(u) cancels for negative inputs: 5e-5, so the torch
+    kernel gets 1e-4); far tails finite and right (-100 -> 0 within 1e-30, 100 -> 100), NaN stays NaN; no elements
+    at all."""
     g = torch.Generator().manual_seed(9)
     x = torch.randn(37, 129, generator=g) * 3                  # odd sizes: partial vectors at the end
     x[0, :7] = torch.tensor([-100.0, -20.0, -5.0, 0.0, 5.0, 100.0, float("nan")])
     exact = F.gelu(x.double(), approximate="tanh")
     y = x.clone()
-    assert activation.gelu_tanh_(y, native=native) is y
-    if native is None:
-        assert registry.choose("gelu_tanh", "cpu", torch.float32) is activation.NATIVE_GELU
+    assert registry.run(kernel, y) is y
     assert y[0, 6].isnan() and y[0, :6].isfinite().all() and y[0, 5] == 100.0 and abs(y[0, 0]) < 1e-30
     assert rel(y[1:].double(), exact[1:]) <= 1e-6
     big = exact.abs() > 1e-3
-    assert ((y.double() - exact).abs()[big] / exact.abs()[big]).max() <= (2e-6 if native is None else 1e-4)
-    z = x[1:].clone()
+    c_kernel = kernel is activation.NATIVE_GELU
+    assert ((y.double() - exact).abs()[big] / exact.abs()[big]).max() <= (2e-6 if c_kernel else 1e-4)
+    assert registry.run(kernel, torch.empty(0, 5)).shape == (0, 5)
+
+
+def test_gelu_tanh_op_takes_torch_for_what_the_c_kernel_declines():
+    """The op on a non-contiguous tensor and on bf16 runs torch's in-place GELU (the C kernel declines the first,
+    takes float32 only), in place too; the record names the decline."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(37, 129, generator=g) * 3
+    z = x.clone()
     strided = z.t()                                            # not contiguous: torch's, in place
     want = F.gelu(strided, approximate="tanh")
-    assert activation.gelu_tanh_(strided, native=native) is strided and rel(z.t(), want) <= 1e-6
-    half = x[1:].bfloat16()
-    assert rel(activation.gelu_tanh_(half.clone(), native=native).float(), F.gelu(half, approximate="tanh").float()) \
-        <= 2 ** -8
-    assert activation.gelu_tanh_(torch.empty(0, 5), native=native).shape == (0, 5)
+    with registry.recording() as record:
+        assert activation.gelu_tanh_(strided) is strided and rel(z.t(), want) <= 1e-6
+        half = x.bfloat16()
+        assert rel(activation.gelu_tanh_(half.clone()).float(), F.gelu(half, approximate="tanh").float()) <= 2 ** -8
+    counts = record.snapshot()
+    assert counts.ran("gelu_tanh", "torch") == 2
+    if native.available():
+        assert counts.declined("gelu_tanh", activation.NATIVE_GELU.name) == {"x not contiguous float32": 1}
 
 
 def _vector_kernel():
@@ -371,54 +409,65 @@ SIMD = isa.params("simd")       # the AVX-512 BF16 passes: on this CPU, or emula
 @pytest.mark.parametrize("rows,inner,stride", [(1, 1, 2), (7, 15, 30), (33, 16, 37), (5, 17, 40), (64, 40, 90),
                                                (3, 3072, 6144)])
 @pytest.mark.parametrize("unit", SIMD)
+@claims(activation.VECTOR, activation.NATIVE)
 def test_vector_silu_mul_matches_float64_and_the_c_kernel(unit, rows, inner, stride):
     """The AVX-512 bf16 kernel (`kernels.simd`) on lane counts that are not multiples of 16 (masked tails), one
     row, and row strides wider than 2I, into a NaN-poisoned output: every element within one bf16 rounding of the
     float64 value (|got - exact| <= 2^-8 |exact|, plus 1e-30 for the values that underflow), and equal to the C
     kernel's, or one bf16 ulp from it where the float32 value sits next to a rounding boundary."""
-    simd = _vector_kernel()
-    from pixeltriage.kernels.activation import silu_mul
-
+    _vector_kernel()
     g = torch.Generator().manual_seed(rows * 1000 + inner)
     gate_up = (torch.randn(rows, stride, generator=g) * 4).bfloat16()[:, stride - 2 * inner:]
     gate_up[0, :inner] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-30, -9.0, 88.5, -88.5] * 384)[:inner].bfloat16()
     with NanPoisonedEmpty():
-        got = simd.silu_mul(gate_up)
+        got = registry.run(activation.VECTOR, gate_up)
     gate, up = gate_up.double().chunk(2, dim=-1)
     exact = F.silu(gate) * up
     assert got.dtype == torch.bfloat16 and got.shape == (rows, inner) and not got.isnan().any()
     assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-30).all()
-    c_kernel = silu_mul(gate_up, vector=False)
+    c_kernel = registry.run(activation.NATIVE, gate_up)
     ulp = 2.0 ** (torch.floor(torch.log2(c_kernel.double().abs().clamp_min(1e-38))) - 7)
     assert ((got.double() - c_kernel.double()).abs() <= ulp).all()
-    assert silu_mul(gate_up).equal(got)                    # the op's bf16 choice on this machine is this kernel
+    assert activation.silu_mul(gate_up).equal(got)         # the op's bf16 choice on this machine is this kernel
 
 
 @pytest.mark.parametrize("unit", SIMD)
-def test_vector_silu_mul_nan_inf_and_what_it_declines(unit):
-    """NaN in the gate or the up half stays NaN; silu(+inf) * 1 = inf; float32 and a last dim that is not unit
-    stride are declined (None), and the op then runs its other kernels on them."""
-    simd = _vector_kernel()
-    from pixeltriage.kernels.activation import silu_mul
-
+@claims(activation.VECTOR)
+def test_vector_silu_mul_keeps_nan_and_inf(unit):
+    """NaN in the gate or the up half stays NaN; silu(+inf) * 1 = inf."""
+    _vector_kernel()
     gate_up = torch.tensor([[float("nan"), 1.0, float("inf"), 2.0, 1.0, float("nan"), 1.0, 3.0]]).bfloat16()
-    got = simd.silu_mul(gate_up)
+    got = registry.run(activation.VECTOR, gate_up)
     assert got[0, 0].isnan() and got[0, 1].isnan() and got[0, 2] == float("inf")
     assert got[0, 3].float() == pytest.approx(float(F.silu(torch.tensor(2.0)) * 3), rel=2 ** -8)
-    assert simd.silu_mul(gate_up.float()) is None
-    assert simd.silu_mul(torch.zeros(4, 6, dtype=torch.bfloat16).t()) is None
+
+
+@pytest.mark.parametrize("unit", SIMD)
+def test_vector_passes_decline_what_they_do_not_take(unit):
+    """float32, a last dim that is not unit stride: declined, with the reason in the record; the op then runs its
+    other kernels on them."""
+    _vector_kernel()
+    gate_up = torch.zeros(4, 6, dtype=torch.bfloat16)
+    for bad in (gate_up.float(), gate_up.t()):
+        with pytest.raises(registry.Declined, match="gate_up not a bf16 CPU"):
+            registry.run(activation.VECTOR, bad)
+    x, gate = torch.randn(5, 2, 8), torch.randn(5, 2, 8).bfloat16()
+    for args in ((x, gate.float()), (x.bfloat16(), gate)):
+        with pytest.raises(registry.Declined, match="not float32 x and a bf16 gate"):
+            registry.run(norm.VECTOR_NORM_GATED, *args, torch.ones(8), 1e-6)
+    with pytest.raises(registry.Declined, match="not bf16"):
+        registry.run(activation.VECTOR_GATE, x, x)
     f32 = torch.randn(5, 8)
-    assert rel(silu_mul(f32).double(), F.silu(f32[:, :4].double()) * f32[:, 4:].double()) <= 1e-6
+    assert rel(activation.silu_mul(f32).double(), F.silu(f32[:, :4].double()) * f32[:, 4:].double()) <= 1e-6
 
 
+@pytest.mark.parametrize("kernel", paths(norm.TORCH_ADD_NORM, norm.NATIVE_ADD_NORM))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
-def test_add_layer_norm_matches_add_then_layer_norm(out_dtype, delta_dtype, native):
+def test_add_layer_norm_matches_add_then_layer_norm(out_dtype, delta_dtype, kernel):
     """The ViT's h += delta, then LayerNorm: the same h, and rows within 1e-5 relative (float32; one bf16 ulp in
     bf16) of the float64 LayerNorm of that h, with rows far off zero (h ~ 300: float32 rounding of h - mean is
     ~6e-6 of the result there, for the torch op too) included."""
-    from pixeltriage.kernels.norm import add_layer_norm
-
     g = torch.Generator().manual_seed(8)
     h = torch.randn(45, 64, generator=g) * 2
     h[::3] += 300.0
@@ -426,7 +475,7 @@ def test_add_layer_norm_matches_add_then_layer_norm(out_dtype, delta_dtype, nati
     w, b = torch.randn(64, generator=g), torch.randn(64, generator=g)
     want_h = h + (0 if delta is None else delta.float())
     exact = F.layer_norm(want_h.double(), (64,), w.double(), b.double(), 1e-6)
-    got = add_layer_norm(h, delta, w, b, 1e-6, out_dtype, native=native)
+    got = registry.run(kernel, h, delta, w, b, 1e-6, out_dtype)
     assert got.dtype == out_dtype and rel(h, want_h) <= 1e-7
     assert rel(got.double(), exact) <= (1e-5 if out_dtype == torch.float32 else 2 ** -8)
 
@@ -487,6 +536,7 @@ ATTENTION_ENGINES = isa.params("fma", "amx")   # AMX on this CPU, or emulated wh
 @pytest.mark.parametrize("lengths", [[37], [0, 5, 33, 0, 64], [417, 1], [1], [1100, 70]],
                          ids=["37", "mixed", "417+1", "1", "1100+70"])
 @pytest.mark.parametrize("dim", [32, 64])
+@claims(attention.BF16_SEGMENTS)
 def test_segment_attention_bf16_matches_masked_attention_and_sdpa(engine, lengths, dim):
     """`pt_segment_attention_bf16` (non-causal, the vision tower's) on each engine ("fma": the same bf16 operands
     through float32 multiply-adds, any machine; "amx": the tiles) against float64 attention and against SDPA in
@@ -523,7 +573,8 @@ def _far_scores_bad_lengths_long_segments(kernel, causal, length, limit):
     with pytest.raises(ValueError, match="do not cover"):
         kernel(q, k, v, [length + 1], engine="fma")
     x = torch.zeros(limit + 1, 1, 32, dtype=torch.bfloat16)
-    assert kernel(x, x, x, [limit + 1], engine="fma") is None
+    with pytest.raises(registry.Declined, match=f"a segment over {limit} tokens"):
+        kernel(x, x, x, [limit + 1], engine="fma")
     for lengths in ([], [0], [0, 0]):                 # no tokens: an empty output, nothing read
         empty = kernel(x[:0], x[:0], x[:0], lengths, engine="fma")
         assert empty.shape == (0, 1, 32) and empty.dtype == torch.bfloat16
@@ -541,9 +592,10 @@ def test_segment_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     k[40, 1, 5] = float("nan")
     out = attention.segment_attention_bf16(q, k, v, [30, 40], engine="fma")
     assert out[:30].isfinite().all() and out[30:, 1].isnan().all() and out[30:, 0].isfinite().all()
-    assert attention.segment_attention_bf16(q.float(), k.float(), v.float(), [30, 40], engine="fma") is None
-    assert attention.segment_attention_bf16(q, k[:, :1], v[:, :1], [30, 40], engine="fma") is None
-    assert attention.segment_attention_bf16(q[..., :16], k[..., :16], v[..., :16], [30, 40], engine="fma") is None
+    for args, reason in (((q.float(), k.float(), v.float()), "not bfloat16"), ((q, k[:, :1], v[:, :1]), "unlike"),
+                         ((q[..., :16], k[..., :16], v[..., :16]), "head dims")):
+        with pytest.raises(registry.Declined, match=reason):
+            attention.segment_attention_bf16(*args, [30, 40], engine="fma")
     _far_scores_bad_lengths_long_segments(attention.segment_attention_bf16, False, 33, attention.MAX_SEGMENT)
 
 
@@ -557,6 +609,7 @@ CAUSAL_CASES = {                # lengths, query heads, key/value heads, head di
 
 @pytest.mark.parametrize("engine", ATTENTION_ENGINES)
 @pytest.mark.parametrize("case", sorted(CAUSAL_CASES))
+@claims(attention.BF16_CAUSAL)
 def test_causal_attention_bf16_matches_masked_attention_and_sdpa(engine, case):
     """`pt_causal_attention_bf16` (the decoder's) on each engine against float64 causal attention within segments
     and against SDPA in bf16, on strided views of one token-major buffer (q | k | v heads). Tolerances as the
@@ -594,9 +647,10 @@ def test_causal_attention_bf16_keeps_nans_and_declines_what_it_does_not_take():
     k[100, 1, 3] = float("nan")                      # segment 2 (tokens 70-169), position 30, key head 1
     out = attention.causal_attention_bf16(q, k, v, [70, 100], engine="fma")
     assert out[:100].isfinite().all() and out[100:, :2].isfinite().all() and out[100:, 2:].isnan().all()
-    assert attention.causal_attention_bf16(q.float(), k.float(), v.float(), [70, 100], engine="fma") is None
-    assert attention.causal_attention_bf16(q[:, :3], k, v, [70, 100], engine="fma") is None
-    assert attention.causal_attention_bf16(q[..., :16], k[..., :16], v[..., :16], [70, 100], engine="fma") is None
+    for args, reason in (((q.float(), k.float(), v.float()), "not bfloat16"), ((q[:, :3], k, v), "multiple"),
+                         ((q[..., :16], k[..., :16], v[..., :16]), "head dims")):
+        with pytest.raises(registry.Declined, match=reason):
+            attention.causal_attention_bf16(*args, [70, 100], engine="fma")
     _far_scores_bad_lengths_long_segments(attention.causal_attention_bf16, True, 65, attention.MAX_CAUSAL)
 
 
@@ -609,8 +663,13 @@ F32_CASES = {                   # lengths, query heads, key/value heads, head di
 }
 
 
+F32_MASKS = [pytest.param(False, id="full", marks=claims(attention.F32_SEGMENTS)),
+             pytest.param(True, id="causal", marks=claims(attention.F32_CAUSAL))]
+
+
+@needs_native
 @pytest.mark.parametrize("case", sorted(F32_CASES))
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", F32_MASKS)
 def test_attention_f32_matches_float64_and_sdpa(case, causal):
     """`pt_attention_f32` (float32 attention within segments: the ViT's images and the decoder's questions) against
     float64 attention and against SDPA, on strided views of one token-major buffer (q | k | v heads), segments of
@@ -634,7 +693,8 @@ def test_attention_f32_matches_float64_and_sdpa(case, causal):
     assert rel(out, sdpa) < 1e-5
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@needs_native
+@pytest.mark.parametrize("causal", F32_MASKS)
 def test_attention_f32_schedules_give_the_same_bits(causal):
     """`pt_attention_f32` packs every K^T and V panel first where it has few (segment, key/value head) tasks per
     thread, and packs each task's panels just before its query blocks where it has many (ATTENTION_F32_TASKS_PER_
@@ -666,7 +726,6 @@ def register_width_library(request, tmp_path_factory):
     The block shapes, panel widths and tails of the float32 attention and the delta rule's products differ by
     width, and each CPU runs only its own."""
     import ctypes
-    import subprocess
 
     from pixeltriage.kernels import native
 
@@ -674,21 +733,25 @@ def register_width_library(request, tmp_path_factory):
     if cc is None or not native.available():
         pytest.skip("no C compiler or no native build here")
     path = tmp_path_factory.mktemp("width") / f"pt_{request.param}.so"
-    cmd = [cc, *native.FLAGS, "-fopenmp", f"-DPT_VR_BYTES={request.param}", str(native.SOURCE), "-o", str(path),
-           "-lm"]
-    subprocess.run(cmd, check=True, capture_output=True)
-    lib = ctypes.CDLL(str(path))
-    native._declare(lib)
-    return lib
+    native.variants.compile(cc, native.chosen(False), path, native.abi.load().check_source(),
+                            extra=[f"-DPT_VR_BYTES={request.param}"])
+    return native.abi.load().bind(ctypes.CDLL(str(path)))
 
 
 @pytest.mark.parametrize("case", ["edges", "gqa4", "wide"])
+@claims(attention.F32_CAUSAL, attention.F32_SEGMENTS, chunk.NATIVE)
 def test_float32_products_at_every_register_width(register_width_library, case, monkeypatch):
     """At each register width: the float32 attention (both masks) within 1e-5 of float64, and the conv + delta
-    pass within 1e-5 of the torch path, as at this CPU's own width above."""
-    from pixeltriage.kernels import attention, native
+    pass within 1e-5 of the torch kernels, as at this CPU's own width above."""
     from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
 
+    gen = torch.Generator().manual_seed(1)
+    t, hk, hv, dk, dv = 150, 2, 4, 32, 48
+    x = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen)
+    weight = torch.randn(x.shape[1], 4, generator=gen) * 0.5
+    g, beta = -F.softplus(torch.randn(t, hv, generator=gen)) * 2.0, torch.rand(t, hv, generator=gen)
+    with torch_only():
+        want = chunk.gated_delta_torch(x, weight, g, beta, hk, dk, hv, dv, [0, 70, 150])
     monkeypatch.setattr(native, "library", lambda: register_width_library)
     lengths, hq, hkv, dim = F32_CASES[case]
     torch.manual_seed(dim)
@@ -696,14 +759,8 @@ def test_float32_products_at_every_register_width(register_width_library, case, 
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     for causal in (False, True):
         out = attention.attention_f32(q, k, v, lengths, causal)
-        assert out is not None and rel(out, _segment_attention_reference(q, k, v, lengths, causal)) < 1e-5
-    gen = torch.Generator().manual_seed(1)
-    t, hk, hv, dk, dv = 150, 2, 4, 32, 48
-    x = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen)
-    weight = torch.randn(x.shape[1], 4, generator=gen) * 0.5
-    g, beta = -F.softplus(torch.randn(t, hv, generator=gen)) * 2.0, torch.rand(t, hv, generator=gen)
+        assert rel(out, _segment_attention_reference(q, k, v, lengths, causal)) < 1e-5
     got = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=[0, 70, 150])
-    want = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=[0, 70, 150], native=False)
     assert rel(got, want) <= 1e-5
 
 
@@ -716,13 +773,11 @@ def test_float32_attention_runs_the_kernel_measured_faster_per_mask(causal_c, se
     this machine (`attention.attention_choice`, here set), SDPA for the other; where SDPA won both the registry
     names SDPA. The C kernel's output does not depend on the thread count (each query block is one thread's, the
     packed K^T and V are complete before any is read)."""
-    from pixeltriage.kernels import attention, native, registry
-
     if not native.available():
         pytest.skip(f"no C kernels: {native.status()}")
     monkeypatch.setattr(attention, "_CHOICE", {(torch.float32, False): {"causal": causal_c, "segments": segments_c}})
-    chosen = registry.choose("attention", "cpu", torch.float32)
-    assert (chosen is attention.FLOAT32) is (causal_c or segments_c)
+    assert (registry.choose("attention", "cpu", torch.float32) is attention.F32_CAUSAL) is causal_c
+    assert (registry.choose("vision_attention", "cpu", torch.float32) is attention.F32_SEGMENTS) is segments_c
     torch.manual_seed(4)
     q, k, v = torch.randn(3, 500, 4, 64).unbind(0)
     lengths = [200, 0, 300]
@@ -737,8 +792,11 @@ def test_float32_attention_runs_the_kernel_measured_faster_per_mask(causal_c, se
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     for causal, c_wins in ((True, causal_c), (False, segments_c)):
         want = (attention.attention_f32(q, k, v, lengths, causal) if c_wins
-                else attention._sdpa_segments(q, k, v, lengths, causal))
-        assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=causal), want)
+                else attention.sdpa_segments(q, k, v, lengths, causal))
+        with registry.recording() as record:
+            assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=causal), want)
+        op = "attention" if causal else "vision_attention"
+        assert record.snapshot().calls == {(op, "native C pt_attention_f32" if c_wins else "torch SDPA"): 1}
 
 
 @pytest.mark.parametrize("unit", isa.params("avx512_bf16", "amx"))
@@ -748,26 +806,31 @@ def test_bf16_attention_runs_the_kernels_measured_faster_per_mask(unit, causal_c
     measured faster than SDPA (here set), SDPA for the other; where SDPA won both the registry names SDPA. Under the
     ISA emulation nothing is measured (its speed means nothing): both masks run the kernels, so the emulated forward
     checks them."""
-    from pixeltriage.kernels import attention, native, registry, tuning
+    from pixeltriage.kernels import tuning
 
     if native.fast_bf16_engine() == "amx" and unit == "avx512_bf16" and not native.isa_emulated():
         assert "avx512_bf16" in native.bf16_engines()              # every CPU with AMX has AVX512-BF16
     monkeypatch.setattr(native, "fast_bf16_engine", lambda: unit)
     key = (torch.bfloat16, native.isa_emulated())
     monkeypatch.setattr(attention, "_CHOICE", {key: {"causal": causal_c, "segments": segments_c}})
-    chosen = registry.choose("attention", "cpu", torch.bfloat16)
-    assert (chosen is attention.BF16) is (causal_c or segments_c)
+    assert (registry.choose("attention", "cpu", torch.bfloat16) is attention.BF16_CAUSAL) is causal_c
+    assert (registry.choose("vision_attention", "cpu", torch.bfloat16) is attention.BF16_SEGMENTS) is segments_c
     torch.manual_seed(5)
     q, k, v = (torch.randn(3, 150, 4, 32) * 1.5).bfloat16().unbind(0)
     lengths = [70, 0, 80]
     for causal, c_wins in ((True, causal_c), (False, segments_c)):
         kernel = attention.causal_attention_bf16 if causal else attention.segment_attention_bf16
-        want = kernel(q, k, v, lengths) if c_wins else attention._sdpa_segments(q, k, v, lengths, causal)
-        assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=causal), want)
+        want = kernel(q, k, v, lengths) if c_wins else attention.sdpa_segments(q, k, v, lengths, causal)
+        with registry.recording() as record:
+            assert torch.equal(attention.segment_attention(q, k, v, lengths, causal=causal), want)
+        c_name = "native C pt_causal_attention_bf16" if causal else "native C pt_segment_attention_bf16"
+        op = "attention" if causal else "vision_attention"
+        assert record.snapshot().calls == {(op, c_name if c_wins else "torch SDPA"): 1}
     if key[1]:
         monkeypatch.setattr(attention, "_CHOICE", {})
         monkeypatch.setattr(tuning, "measured", lambda name, measure: pytest.fail(f"{name} measured under emulation"))
-        assert registry.choose("attention", "cpu", torch.bfloat16) is attention.BF16
+        assert registry.choose("attention", "cpu", torch.bfloat16) is attention.BF16_CAUSAL
+        assert registry.choose("vision_attention", "cpu", torch.bfloat16) is attention.BF16_SEGMENTS
         assert attention.c_wins(torch.bfloat16, True) and attention.c_wins(torch.bfloat16, False)
 
 
@@ -777,7 +840,7 @@ def test_attention_choice_is_measured_per_mask(dtype, monkeypatch, tmp_path):
     with the ratio; a mask the kernel declines here (no library; in bf16, neither AMX nor AVX512-BF16) is SDPA's
     without a measurement; bf16's record names its engine.
     The choice follows the kept record."""
-    from pixeltriage.kernels import attention, native, tuning
+    from pixeltriage.kernels import tuning
 
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))
     monkeypatch.delenv("PIXELTRIAGE_TUNING")            # the records in that cache
@@ -810,10 +873,9 @@ def test_attention_f32_keeps_nans_and_declines_what_it_does_not_take():
     """A NaN key poisons only the queries that see it (causal: from its position to its segment's end, in its own
     key/value head's query heads); scores all far below zero stay finite and right (the softmax shifts by the row's
     max); bf16, query heads not a multiple of the key/value heads, head dims not a multiple of 16 or over 512, a
-    last stride other than 1 and segments over MAX_ATTENTION_F32 are declined (None: SDPA runs); lengths that do not
-    cover the tokens are an error, not a read past them; no tokens give an empty output."""
-    from pixeltriage.kernels import attention, native
-
+    last stride other than 1 and segments over MAX_ATTENTION_F32 are declined (`registry.Declined`; the op runs SDPA
+    on them); lengths that do not cover the tokens are an error, not a read past them; no tokens give an empty
+    output."""
     if not native.available():
         pytest.skip(f"no C kernels: {native.status()}")
     f32 = attention.attention_f32
@@ -830,16 +892,19 @@ def test_attention_f32_keeps_nans_and_declines_what_it_does_not_take():
     for causal in (False, True):
         far = f32(qf, kf, vf, [65], causal)
         assert far.isfinite().all() and rel(far, _segment_attention_reference(qf, kf, vf, [65], causal)) < 1e-5
-    assert f32(q.bfloat16(), k.bfloat16(), v.bfloat16(), [70, 100], True) is None
-    assert f32(q[:, :3], k, v, [70, 100], True) is None
-    assert f32(q[..., :24], k[..., :24], v[..., :24], [70, 100], True) is None
     wide = torch.zeros(4, 1, 528)
-    assert f32(wide, wide, wide, [4], False) is None
-    assert f32(q[..., ::2], k[..., ::2], v[..., ::2], [70, 100], True) is None
+    for args, reason in (((q.bfloat16(), k.bfloat16(), v.bfloat16(), [70, 100], True), "not float32"),
+                         ((q[:, :3], k, v, [70, 100], True), "multiple"),
+                         ((q[..., :24], k[..., :24], v[..., :24], [70, 100], True), "head dims"),
+                         ((wide, wide, wide, [4], False), "head dims"),
+                         ((q[..., ::2], k[..., ::2], v[..., ::2], [70, 100], True), "unit last strides")):
+        with pytest.raises(registry.Declined, match=reason):
+            f32(*args)
     with pytest.raises(ValueError, match="do not cover"):
         f32(q, k, v, [70, 101], True)
     x = torch.zeros(attention.MAX_ATTENTION_F32 + 1, 1, 16)
-    assert f32(x, x, x, [x.shape[0]], True) is None
+    with pytest.raises(registry.Declined, match="a segment over"):
+        f32(x, x, x, [x.shape[0]], True)
     for lengths in ([], [0], [0, 0]):
         empty = f32(x[:0], x[:0], x[:0], lengths, False)
         assert empty.shape == (0, 1, 16) and empty.dtype == torch.float32
@@ -905,7 +970,7 @@ def test_float32_projection_matches_float64_on_awkward_shapes(case, monkeypatch)
     exact = F.linear(x.double(), w.double())
     got = linear(x, w)
     assert got.dtype == torch.float32 and got.shape == exact.shape
-    assert plain_onednn("cpu", torch.float32) is module._fused_available(torch.float32)
+    assert plain_onednn("cpu", torch.float32) is module.onednn_available(torch.float32)
     if plain_onednn("cpu", torch.float32):
         assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     if exact.numel():
@@ -928,7 +993,7 @@ def test_float32_layers_take_the_measured_library_unless_switched(library, switc
         monkeypatch.delenv("PIXELTRIAGE_ONEDNN", raising=False)
     else:
         monkeypatch.setenv("PIXELTRIAGE_ONEDNN", switch)
-    available = switch != "0" and linear._fused_available(torch.float32)
+    available = switch != "0" and linear.onednn_available(torch.float32)
     assert linear.plain_onednn("cpu", torch.float32) is (plain and available)
     assert len(measured) == (1 if switch in (None, "auto") and available else 0)
     assert not linear.plain_onednn("cpu", torch.bfloat16)
@@ -969,18 +1034,19 @@ def test_onednn_switch_off_runs_f_linear(monkeypatch):
     assert torch.equal(linear.linear_act(x, w, b, "gelu"), linear.linear_act_reference(x, w, b, "gelu"))
     assert not linear.plain_onednn("cpu", torch.float32)
     monkeypatch.setattr(linear, "_STATE", {})
-    monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "yes")
-    with pytest.raises(ValueError, match="PIXELTRIAGE_ONEDNN"):
+    monkeypatch.setenv("PIXELTRIAGE_ONEDNN", "sometimes")
+    with pytest.raises(ValueError, match="PIXELTRIAGE_ONEDNN='sometimes': expected auto"):
         linear.linear(x, w)
 
 
+@pytest.mark.parametrize("kernel", paths(rotary.TORCH_NORM_ROTARY, rotary.NATIVE_NORM_ROTARY))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim", [0, 16, 64])
-def test_norm_partial_rotary_matches_float64(dtype, rotary_dim, native):
+def test_norm_partial_rotary_matches_float64(dtype, rotary_dim, kernel):
     """The decoder attention's q/k norm + partial rotary, read from a strided [query | gate] projection as the
     layer's q is: against float64, each path within its roundings (the C pass rounds once, the torch path after
     the norm and after each rotary product: 3 bf16 roundings of unit-scale values, 2^-8 each)."""
-    from pixeltriage.kernels.rotary import apply_partial_rotary, norm_partial_rotary
+    from pixeltriage.kernels.rotary import apply_partial_rotary
 
     g = torch.Generator().manual_seed(rotary_dim)
     t, heads, dim = 37, 3, 64
@@ -988,23 +1054,24 @@ def test_norm_partial_rotary_matches_float64(dtype, rotary_dim, native):
     weight = torch.randn(dim, generator=g) * 0.2
     angles = torch.randn(t, rotary_dim, generator=g)
     cos, sin = angles.cos(), angles.sin()
-    got = norm_partial_rotary(x, weight, 1e-6, cos, sin, native=native)
+    got = registry.run(kernel, x, weight, 1e-6, cos, sin)
     exact = apply_partial_rotary(_rms_norm_zero_centred_f64(x, weight, 1e-6), cos.double(), sin.double())
     assert exact.dtype == torch.float64
     assert got.dtype == dtype and got.shape == (t, heads, dim)
-    tol = 1e-6 if dtype == torch.float32 else (2 ** -8 if native is None else 3 * 2 ** -8)
+    tol = 1e-6 if dtype == torch.float32 else (2 ** -8 if kernel is rotary.NATIVE_NORM_ROTARY else 3 * 2 ** -8)
     assert rel(got.double(), exact) <= tol
 
 
 @pytest.mark.parametrize("rows,heads,dim,gate_stride", [(1, 1, 1, 1), (7, 3, 24, 100), (33, 2, 17, 40),
                                                         (5, 16, 128, 8192), (2, 1, 130, 130)])
 @pytest.mark.parametrize("unit", SIMD)
+@claims(norm.VECTOR_NORM_GATED, norm.NATIVE_NORM_GATED)
 def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(unit, rows, heads, dim, gate_stride):
     """The AVX-512 output norm (`kernels.simd`) on head dims that are not multiples of 16 (masked tails), one row,
     the layer's strided gate (a column slice of the projection) and a strided x, into a NaN-poisoned output:
     within one bf16 rounding of the float32 reference (2^-8 relative), and equal to the C kernel's or one bf16 ulp
     from it."""
-    simd = _vector_kernel()
+    _vector_kernel()
     from pixeltriage.kernels.norm import rms_norm_gated, rms_norm_gated_reference
 
     g = torch.Generator().manual_seed(rows * 100 + dim)
@@ -1014,29 +1081,28 @@ def test_vector_rms_norm_gated_matches_reference_and_the_c_kernel(unit, rows, he
     w = torch.rand(dim, generator=g)
     x0, gate0 = x.clone(), gate.clone()
     with NanPoisonedEmpty():
-        got = simd.rms_norm_gated(x, gate, w, 1e-6)
+        got = registry.run(norm.VECTOR_NORM_GATED, x, gate, w, 1e-6)
     want = rms_norm_gated_reference(x, gate, w, 1e-6)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, heads, dim) and not got.isnan().any()
     assert rel(got.float(), want.float()) <= 2 ** -8
-    c_kernel = rms_norm_gated(x, gate, w, 1e-6, vector=False)
+    c_kernel = registry.run(norm.NATIVE_NORM_GATED, x, gate, w, 1e-6)
     ulp = 2.0 ** (torch.floor(torch.log2(c_kernel.double().abs().clamp_min(1e-38))) - 7)
     assert ((got.double() - c_kernel.double()).abs() <= ulp).all()
     assert rms_norm_gated(x, gate, w, 1e-6).equal(got)      # the op's bf16 choice on this machine is this kernel
     assert torch.equal(x, x0) and torch.equal(gate, gate0)
-    assert simd.rms_norm_gated(x, gate.float(), w, 1e-6) is None              # declined: the op's other kernels
-    assert simd.rms_norm_gated(x.bfloat16(), gate, w, 1e-6) is None
 
 
 @pytest.mark.parametrize("rows,heads,dim", [(1, 1, 1), (7, 3, 17), (33, 8, 256), (5, 2, 130)])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("unit", SIMD)
+@claims(activation.VECTOR_GATE)
 def test_vector_sigmoid_gate_matches_float64_and_torch(unit, rows, heads, dim, transposed):
     """o *= sigmoid(gate) by the AVX-512 pass (`kernels.simd`), the gate a strided half of the projection and o
     contiguous or head-major (the last layer's rows): each element within two bf16 roundings of float64 (2^-7
     relative: the sigmoid's and the product's, as torch rounds them), and equal to torch's or one bf16 ulp from it
     where its float32 sigmoid sits next to a rounding boundary; NaN and inf kept; elements outside o untouched."""
-    simd = _vector_kernel()
-    from pixeltriage.kernels.activation import sigmoid_gate_
+    _vector_kernel()
+    from pixeltriage.kernels.activation import sigmoid_gate_, sigmoid_gate_torch
 
     g = torch.Generator().manual_seed(rows * 10 + dim)
     gate = (torch.randn(rows, heads, 2 * dim + 5, generator=g) * 4).bfloat16()[..., dim + 5:]
@@ -1052,10 +1118,9 @@ def test_vector_sigmoid_gate_matches_float64_and_torch(unit, rows, heads, dim, t
     finite = exact.isfinite()
     assert ((got.double() - exact).abs() <= 2 ** -7 * exact.abs() + 1e-30)[finite].all()
     assert not special or (got[0, 0, 0] == float("inf") and got[-1, -1, -1].isnan())
-    torch_path = sigmoid_gate_(o0.clone(), gate, vector=False)
+    torch_path = sigmoid_gate_torch(o0.clone(), gate)
     ulp = 2.0 ** (torch.floor(torch.log2(torch_path.double().abs().clamp_min(1e-38))) - 7)
     assert ((got.double() - torch_path.double()).abs() <= ulp)[finite].all()
     assert (got == torch_path)[finite].double().mean() >= 0.99
     if transposed:                                   # the columns around o's slice of the buffer
         assert torch.equal(base[..., 0], base0[..., 0]) and torch.equal(base[..., -1], base0[..., -1])
-    assert not simd.sigmoid_gate_(o0.float(), gate.float())          # declined: the op's torch path runs

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from poison import NanPoisonedEmpty
 from triton_interpreter import fla_interpreter  # noqa: F401  (the fixture)
 
-from pixeltriage.kernels import registry
-from pixeltriage.kernels.gated_delta import gated_delta_torch, recurrent_gated_delta_rule
+from kernel_claims import claims
+from pixeltriage.kernels import conv, registry
+from pixeltriage.kernels.gated_delta import chunk, fla, recurrent_gated_delta_rule
 
 HK, HV, DK, DV, WIDTH = 2, 4, 16, 32, 4          # value heads > key heads: each key head serves two
 CONV_DIM = 2 * HK * DK + HV * DV
@@ -56,10 +57,22 @@ def device_bounds(bounds):
 
 
 def run_fla(qkv, conv_weight, g, beta, bounds, cu_device=None):
-    """The registered CUDA kernel; cu_device: the boundaries as a tensor (made here when not given)."""
+    """The "gated_delta" op, whose kernel here is the registered CUDA one; cu_device: the boundaries as a tensor
+    (made here when not given)."""
     cu_device = device_bounds(bounds) if cu_device is None else cu_device
+    fla_kernel(qkv.dtype)
     with NanPoisonedEmpty():
-        return fla_kernel(qkv.dtype).fn(qkv, conv_weight, g, beta, HK, DK, HV, DV, bounds, cu_device)
+        return chunk.GATED_DELTA(qkv, conv_weight, g, beta, HK, DK, HV, DV, bounds, cu_device)
+
+
+def torch_chunked(qkv, conv_weight, g, beta, bounds):
+    """The torch kernels' conv (shifted multiply-adds) and chunked rule, q and k L2-normalised inside it."""
+    from pixeltriage.kernels.conv import conv1d_silu_torch
+
+    seq_len = qkv.shape[0]
+    q, k, v = conv1d_silu_torch(qkv, conv_weight, bounds).split([HK * DK, HK * DK, HV * DV], dim=-1)
+    q, k = (x.reshape(seq_len, HK, DK).repeat_interleave(HV // HK, dim=1) for x in (q, k))
+    return chunk.delta_rule_torch(q, k, v.reshape(seq_len, HV, DV), g, beta, cu_seqlens=bounds, qk_l2norm=True)
 
 
 def recurrence64(qkv, conv_weight, g, beta, bounds):
@@ -93,16 +106,17 @@ def check_against_references(bounds, seq_len, seed, syncs=None):
         out = run_fla(*args, bounds, cu_device)
     assert out.shape == (seq_len, HV, DV) and out.dtype == torch.float32
     assert torch.isfinite(out).all(), "NaN-poisoned or non-finite output rows"
-    torch_chunked = gated_delta_torch(*args, HK, DK, HV, DV, bounds)
-    assert rel(out, torch_chunked) <= O_TOL_TORCH
+    assert rel(out, torch_chunked(*args, bounds)) <= O_TOL_TORCH
     assert rel(out, recurrence64(*args, bounds)) <= O_TOL_EXACT
 
 
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 130])
+@claims(fla.FLA, conv.FLA_CONV)
 def test_fla_matches_torch_chunked_and_recurrence(fla_interpreter, seq_len):  # noqa: F811
     check_against_references(None, seq_len, seed=seq_len)
 
 
+@claims(fla.FLA, conv.FLA_CONV)
 def test_fla_varlen_boundaries_as_a_device_tensor(fla_interpreter):  # noqa: F811
     """Packed sequences, the first of a single token, one empty, the last over two chunks, boundaries on the
     tensors' device: no state or conv window crosses a boundary, and the kernel makes no host sync."""
@@ -116,6 +130,7 @@ def test_fla_varlen_boundaries_as_a_device_tensor(fla_interpreter):  # noqa: F81
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@claims(fla.FLA, conv.FLA_CONV)
 def test_low_precision_model_runs_fla_in_its_dtype(fla_interpreter, monkeypatch, dtype):  # noqa: F811
     """In a bf16 / fp16 model, q, k and v reach fla's chunk_gated_delta_rule in the model's dtype, q and k with their
     key heads as they are ([1, T, Hk, K]: fla takes more value heads than key heads), g and beta in float32 (as
@@ -149,6 +164,7 @@ def test_low_precision_model_runs_fla_in_its_dtype(fla_interpreter, monkeypatch,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@claims(fla.FLA, conv.FLA_CONV)
 def test_low_precision_fla_on_longer_inputs(fla_interpreter, dtype):  # noqa: F811
     """Two chunks and packed sequences (one of a single token, one empty) in the model's dtype, against the float64
     recurrence on the same rounded inputs."""
@@ -160,19 +176,19 @@ def test_low_precision_fla_on_longer_inputs(fla_interpreter, dtype):  # noqa: F8
 
 
 @pytest.mark.parametrize("bounds", [None, [0, 1, 33, 33, 97]], ids=["one-sequence", "varlen"])
+@claims(conv.FLA_CONV)
 def test_fla_conv_matches_torch_conv(fla_interpreter, bounds):  # noqa: F811
     """fla's causal conv1d + SiLU (the registered CUDA conv) against the torch shifted multiply-adds, float32."""
-    from pixeltriage.kernels.conv import causal_conv1d_silu
+    from pixeltriage.kernels.conv import conv1d_silu_torch
 
-    kernel = registry.choose("conv1d", "cpu", torch.float32)
-    assert kernel.name == "fla causal_conv1d"
+    assert registry.choose("conv1d", "cpu", torch.float32) is conv.FLA_CONV
     qkv, conv_weight, _, _ = make_inputs(97, seed=11)
     qkv = torch.cat([qkv, torch.randn(97, 5)], dim=1)[:, :CONV_DIM]      # strided rows, as the projection's split
     cu_device = None if bounds is None else torch.tensor(bounds)
     with NanPoisonedEmpty():
-        out = kernel.fn(qkv, conv_weight, bounds, cu_device)
+        out = conv.CONV1D(qkv, conv_weight, bounds, cu_device)
     assert out.shape == qkv.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
-    assert rel(out, causal_conv1d_silu(qkv, conv_weight, bounds, native=False)) <= CONV_TOL
+    assert rel(out, conv1d_silu_torch(qkv, conv_weight, bounds)) <= CONV_TOL
 
 
 @pytest.mark.parametrize("bounds", [[0, 1, 33, 33, 97], [0, 64, 128], [0, 0, 5], [0, 200, 201, 265]])
@@ -194,11 +210,11 @@ def test_fla_wrapper_refuses_what_it_cannot_run(monkeypatch):
     from pixeltriage.kernels.gated_delta.fla import gated_delta_fla
 
     args = make_inputs(10)
-    monkeypatch.delenv(registry.EMULATE_CUDA, raising=False)
+    monkeypatch.delenv("PIXELTRIAGE_EMULATE_CUDA", raising=False)
     with pytest.raises(BackendUnavailableError, match="runs on CUDA, found cpu"):
         gated_delta_fla(*args, HK, DK, HV, DV, None)
-    monkeypatch.setenv(registry.EMULATE_CUDA, "1")
-    monkeypatch.setenv(registry.TRITON_INTERPRET, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PIXELTRIAGE_EMULATE_CUDA", "1")
     with pytest.raises(ValueError, match="pass cu_seqlens_device"):
         gated_delta_fla(*args, HK, DK, HV, DV, [0, 4, 10])
     with pytest.raises(ValueError, match="does not hold 2 key heads of 16 and 3 value heads"):
@@ -238,7 +254,7 @@ def test_harness_restores_what_it_patched(monkeypatch):
 
     if not triton_interpreter.interpreting():
         pytest.skip("Triton is not interpreting here (a GPU machine)")
-    monkeypatch.delenv(registry.EMULATE_CUDA, raising=False)
+    monkeypatch.delenv("PIXELTRIAGE_EMULATE_CUDA", raising=False)
     prune = autotuner.Autotuner.prune_configs
     with triton_interpreter.fla_interpreter_mode():
         with triton_interpreter.fla_interpreter_mode():           # nested: the outer block restores

@@ -1,12 +1,26 @@
 """The chunked gated delta rule against the plain recurrence, and against transformers' torch version."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 import isa
+from kernel_claims import claims, paths
 from poison import NanPoisonedEmpty
 
-from pixeltriage.kernels.gated_delta import (chunk_gated_delta_rule, conv_chunk_gated_delta_rule,
+from pixeltriage.kernels import native, registry
+from pixeltriage.kernels.gated_delta import (bf16, chunk, chunk_gated_delta_rule, conv_chunk_gated_delta_rule,
                                              recurrent_gated_delta_rule)
+
+TORCH_RULE, NATIVE_RULE = paths(chunk.TORCH_RULE, chunk.NATIVE_RULE)   # the delta rule's torch and C kernels
+
+
+@contextlib.contextmanager
+def torch_only():
+    """No C kernel library inside the block: every op runs its torch kernels (the torch prep and loop)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "library", lambda: None)
+        yield
 
 
 def inputs(seq_len, heads=3, k_dim=12, v_dim=20, seed=0):
@@ -20,70 +34,75 @@ def inputs(seq_len, heads=3, k_dim=12, v_dim=20, seed=0):
 
 
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 500])
-@pytest.mark.parametrize("dims", [(12, 20), (16, 32)])      # the C chunk kernels take multiples of 16 only
-def test_chunk_matches_recurrent(seq_len, dims, native):
+@pytest.mark.parametrize("kernel, dims", [     # the C kernel takes head dims that are multiples of 16 only
+    pytest.param(*TORCH_RULE.values, (12, 20), id="torch-12x20", marks=TORCH_RULE.marks),
+    pytest.param(*TORCH_RULE.values, (16, 32), id="torch-16x32", marks=TORCH_RULE.marks),
+    pytest.param(*NATIVE_RULE.values, (16, 32), id="native-16x32", marks=NATIVE_RULE.marks)])
+def test_chunk_matches_recurrent(seq_len, dims, kernel):
     args = inputs(seq_len, k_dim=dims[0], v_dim=dims[1])
     ref = recurrent_gated_delta_rule(*args)
-    out = chunk_gated_delta_rule(*args, native=native)
+    out = registry.run(kernel, *args)
     assert out.shape == ref.shape == (seq_len, 3, dims[1])
     assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("kernel", [TORCH_RULE, NATIVE_RULE])
 @pytest.mark.parametrize("chunk_size", [16, 32])
-def test_chunk_size_does_not_change_result(chunk_size, native):
-    args = inputs(130, seed=1)
+def test_chunk_size_does_not_change_result(chunk_size, kernel):
+    args = inputs(130, k_dim=16, v_dim=32, seed=1)
     ref = recurrent_gated_delta_rule(*args)
-    out = chunk_gated_delta_rule(*args, chunk_size=chunk_size, native=native)
+    out = registry.run(kernel, *args, chunk_size=chunk_size)
     assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
 
 
-def test_matches_transformers_torch_chunk(native):
+@pytest.mark.parametrize("kernel", [TORCH_RULE, NATIVE_RULE])
+def test_matches_transformers_torch_chunk(kernel):
     from pixeltriage.bench.transformers_baseline import force_transformers_torch_path
 
     force_transformers_torch_path()
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    q, k, v, g, beta = inputs(97, seed=2)
+    q, k, v, g, beta = inputs(97, k_dim=16, v_dim=32, seed=2)
     ref, _ = m.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
                                             use_qk_l2norm_in_kernel=False)
-    out = chunk_gated_delta_rule(q, k, v, g, beta, native=native)
+    out = registry.run(kernel, q, k, v, g, beta)
     assert (out - ref[0]).abs().max().item() / ref.abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("kernel", [TORCH_RULE, NATIVE_RULE])
 @pytest.mark.parametrize("seq_len", [1, 65, 300])
-def test_l2norm_inside_equals_l2norm_before(seq_len, native):
+def test_l2norm_inside_equals_l2norm_before(seq_len, kernel):
     """qk_l2norm=True (the norm's scale multiplied in on the way into the chunk layout) against the layer's
     old separate norm, x * rsqrt(sum x^2 + 1e-6), then the chunked rule: <= 1e-6 relative, float32; varlen too."""
     gen = torch.Generator().manual_seed(seq_len)
-    q, k = torch.randn(seq_len, 3, 12, generator=gen) * 3, torch.randn(seq_len, 3, 12, generator=gen) * 0.2
-    _, _, v, g, beta = inputs(seq_len, seed=seq_len)
+    q, k = torch.randn(seq_len, 3, 16, generator=gen) * 3, torch.randn(seq_len, 3, 16, generator=gen) * 0.2
+    _, _, v, g, beta = inputs(seq_len, v_dim=32, seed=seq_len)
 
     def l2(x):
         return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
     for bounds in (None, [0, seq_len // 3, seq_len]):
-        want = chunk_gated_delta_rule(l2(q), l2(k), v, g, beta, chunk_size=64, cu_seqlens=bounds, native=False)
-        got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, cu_seqlens=bounds, qk_l2norm=True,
-                                     native=native)
+        with torch_only():
+            want = chunk_gated_delta_rule(l2(q), l2(k), v, g, beta, chunk_size=64, cu_seqlens=bounds)
+        got = registry.run(kernel, q, k, v, g, beta, chunk_size=64, cu_seqlens=bounds, qk_l2norm=True)
         assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-6
 
 
 @pytest.mark.parametrize("chunk_size", [16, 48, 64])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen, native_calls):
+@claims(chunk.NATIVE_RULE)
+def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen):
     """`pt_delta_chunked` (per head, each chunk's matrices, triangular products by blocks, u and w written in place,
     then its step of the recurrence) against the torch prep and loop: <= 1e-6 relative in
     float32, and against the plain recurrence. Packed sequences restart the state mid-batch; decays strong enough
     to be cut to zero hit whole chunks; a chunk size not a multiple of 64 leaves the column tails to the kernel."""
-    from pixeltriage.kernels import native
-
     assert native.available(), native.status()
     q, k, v, g, beta = inputs(300, heads=4, k_dim=32, v_dim=48, seed=3)
     g[100:140] -= 25.0                                   # every decay across these tokens under the cut-off
     bounds = [0, 37, 101, 101, 300] if varlen else None
-    want = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=bounds, native=False)
-    got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=bounds, native=None)
-    assert "pt_delta_chunked" in [name for name, _ in native_calls]
+    with torch_only():
+        want = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=bounds)
+    got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=bounds)
     assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-6
     # against the recurrence run in float64 (its default is float32): the chunked form's own float32 error, which
     # both paths share, measured 3.4e-6 (chunk 16, packed) to 3.1e-5 (chunks 48 and 64, packed) on these inputs
@@ -94,26 +113,50 @@ def test_c_chunk_kernels_match_torch_prep_and_loop(chunk_size, varlen, native_ca
         assert (got[b:e] - ref).abs().max().item() / ref.abs().max().item() <= 5e-5
 
 
-def test_c_chunk_kernels_decline_what_they_do_not_handle(native_calls):
+def test_c_chunk_kernels_decline_what_they_do_not_handle():
     """Head dims that are not multiples of 16 (and chunks over 256) go to the torch prep and loop."""
     args = inputs(70, k_dim=12, v_dim=20)
-    out = chunk_gated_delta_rule(*args, native=None)
-    assert "pt_delta_chunked" not in [name for name, _ in native_calls]
+    with registry.recording() as record:
+        out = chunk_gated_delta_rule(*args)
+    counts = record.snapshot()
+    assert counts.ran("delta_rule", chunk.TORCH_RULE.name) == 1
+    if native.available():
+        assert counts.declined("delta_rule", chunk.NATIVE_RULE.name) == {"head dims not multiples of 16": 1}
     ref = recurrent_gated_delta_rule(*args)
     assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
 
 
-def test_default_chunk_is_the_c_kernels_size_where_they_run(native_calls):
+@pytest.mark.parametrize("qk_l2norm", [False, True])
+@pytest.mark.parametrize("bounds", [None, [0, 37, 101, 101, 300]])
+@claims(chunk.NATIVE_LAYOUT)
+def test_c_chunk_layout_matches_the_torch_layout(qk_l2norm, bounds):
+    """The torch rule's chunk layout gathered in C (`pt_chunk_gather`: q, k, k * beta, v * beta, the norms folded in)
+    against torch's gather: the same rows to float32 rounding (<= 1e-6 relative), zero rows padding each sequence's
+    last chunk, from strided token-major inputs."""
+    q, k, v, g, beta = inputs(300, heads=3, k_dim=12, v_dim=20, seed=4)
+    v = torch.cat([v, torch.randn(300, 3, 4)], dim=-1)[..., :20]                 # a strided v, as the layer's
+    plan = chunk._plan(300, bounds, 32, False)
+    got = registry.run(chunk.NATIVE_LAYOUT, q, k, v, beta, qk_l2norm, plan)
+    want = registry.run(chunk.TORCH_LAYOUT, q, k, v, beta, qk_l2norm, plan)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape == (plan.num_chunks, 3, 32, a.shape[-1])
+        assert (a - b).abs().max().item() <= 1e-6 * b.abs().max().item()
+
+
+@claims(chunk.NATIVE_RULE)
+def test_default_chunk_is_the_c_kernels_size_where_they_run(monkeypatch):
     """chunk_size=None: 32-token chunks through the C kernels, 64 on the torch path; either within the chunked
     form's float32 error of the recurrence (the two sizes round differently: 2.4e-6 apart here)."""
-    from pixeltriage.kernels.gated_delta import chunk
-
+    calls, real = [], native.call
+    monkeypatch.setattr(native, "call", lambda name, *args, **kw: calls.append((name, args)) or real(name, *args, **kw))
     args = inputs(200, k_dim=16, v_dim=32, seed=5)
-    got = chunk_gated_delta_rule(*args, native=None)
-    prep = [a for name, a in native_calls if name == "pt_delta_chunked"]
-    assert prep and prep[0][15] == chunk.NATIVE_CHUNK                  # (..., restart, N, H, C, K, V, ...)
+    got = chunk_gated_delta_rule(*args)
+    prep = [a for name, a in calls if name == "pt_delta_chunked"]
+    assert prep and prep[0][0].C == chunk.NATIVE_CHUNK                 # its pt_delta_args' chunk
     ref = recurrent_gated_delta_rule(*args)
-    for out in (got, chunk_gated_delta_rule(*args, native=False)):      # NATIVE_CHUNK, TORCH_CHUNK
+    with torch_only():
+        torch_out = chunk_gated_delta_rule(*args)
+    for out in (got, torch_out):                                       # NATIVE_CHUNK, TORCH_CHUNK
         assert (out - ref).abs().max().item() / ref.abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_gated_delta_rule(*args, chunk_size=0)
@@ -123,14 +166,13 @@ def test_default_chunk_is_the_c_kernels_size_where_they_run(native_calls):
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("bounds", [None, [0, 5, 5, 77, 160]])
 @pytest.mark.parametrize("dk", [16, 32])       # 32: q and k through the conv's AVX-512 loop too, where it is built
-def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, dk, native_calls):
+@claims(chunk.NATIVE)
+def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, dk):
     """The Gated DeltaNet's conv + SiLU, head split and chunked rule in one C pass (conv mode of
     `pt_delta_chunked`: q, k, v made from the projection where they are used) against `causal_conv1d_silu` then
     `chunk_gated_delta_rule` in torch: <= 1e-5 relative (float32 sums in other orders, the conv's multiply-adds
     fused). The projection is a strided slice of a wider one, as the layer's; packed sequences (an empty one too)
     keep the conv from reading across a boundary; key heads shared by `group` value heads."""
-    from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
-
     gen = torch.Generator().manual_seed(group)
     t, hv, dv = 160, 4, 32
     hk = hv // group
@@ -139,22 +181,21 @@ def test_conv_chunk_rule_matches_conv_then_chunk_rule(dtype, group, bounds, dk, 
     weight = torch.randn(conv_dim, 4, generator=gen) * 0.5
     g = -F.softplus(torch.randn(t, hv, generator=gen)) * 2.0
     beta = torch.rand(t, hv, generator=gen)
-    got = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds)
-    assert any(name == "pt_delta_chunked" and args[24] for name, args in native_calls)     # conv mode ran
-    want = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds, native=False)
+    got = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds)     # the C conv mode
+    with torch_only():
+        want = chunk.gated_delta_torch(x, weight, g, beta, hk, dk, hv, dv, bounds)
     assert got.shape == want.shape == (t, hv, dv)
     assert (got - want).abs().max().item() / want.abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="does not hold"):
         conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk + 1, dv)
 
 
+@pytest.mark.parametrize("kernel", paths(chunk.TORCH, chunk.NATIVE))
 @pytest.mark.parametrize("where", ["g", "beta", "projection"])
 @pytest.mark.parametrize("d", [16, 32])            # 32: the conv's AVX-512 column walk, where it is built
-def test_nans_reach_the_output_on_both_paths(where, d):
+def test_nans_reach_the_output_on_both_paths(where, d, kernel):
     """A NaN upstream comes out as NaN, not as plausible numbers: the C pass keeps NaN through its decay cut-off,
     the UT inverse's flush of tiny values and a state update whose decay is exactly zero, as torch's ops do."""
-    from pixeltriage.kernels.gated_delta import conv_chunk_gated_delta_rule
-
     gen = torch.Generator().manual_seed(9)
     t, h = 64, 2
     x = torch.randn(t, 3 * h * d, generator=gen)
@@ -163,9 +204,8 @@ def test_nans_reach_the_output_on_both_paths(where, d):
     g[30:33] = -80.0                                         # a whole-chunk decay of exactly 0 after the NaN too
     beta = torch.rand(t, h, generator=gen)
     {"g": g, "beta": beta, "projection": x}[where][10, 0] = float("nan")
-    for native in (None, False):
-        out = conv_chunk_gated_delta_rule(x, weight, g, beta, h, d, d, chunk_size=16, native=native)
-        assert out[10:, 0].isnan().any(), (where, native)
+    out = registry.run(kernel, x, weight, g, beta, h, d, h, d, None, chunk_size=16)
+    assert out[10:, 0].isnan().any()
 
 
 def test_shape_mismatches_raise_before_any_kernel_runs():
@@ -178,7 +218,6 @@ def test_shape_mismatches_raise_before_any_kernel_runs():
 
 def test_default_chunk_is_the_torch_size_where_the_c_pass_declines(monkeypatch):
     """Inputs the one-pass kernel does not take (bf16 q/k/v here) run the torch path at its own chunk size."""
-    from pixeltriage.kernels.gated_delta import chunk
 
     sizes, real = [], chunk._torch_prep
     monkeypatch.setattr(chunk, "_torch_prep", lambda q, *a: sizes.append(q.shape[-2]) or real(q, *a))
@@ -190,16 +229,15 @@ def test_default_chunk_is_the_torch_size_where_the_c_pass_declines(monkeypatch):
 def test_layers_share_one_chunk_plan_and_leave_it_as_it_was():
     """Every layer of a forward asks for the same packed layout: one plan, built once, unchanged by the runs that
     read it (two runs on the same layout give the same result, bit for bit, on both paths)."""
-    from pixeltriage.kernels.gated_delta import chunk
 
     bounds = [0, 37, 101, 101, 300]
     plan = chunk._plan(300, bounds, None, True)
     assert chunk._plan(300, list(bounds), None, True) is plan and chunk._plan(300, bounds, None, False) is not plan
     restart = plan.restart.clone()
     q, k, v, g, beta = inputs(300, heads=2, k_dim=16, v_dim=16, seed=11)
-    for native in (None, False):
-        first = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, native=native)
-        assert torch.equal(chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, native=native), first)
+    for kernel in (chunk.NATIVE_RULE, chunk.TORCH_RULE):
+        first = registry.run(kernel, q, k, v, g, beta, cu_seqlens=bounds)
+        assert torch.equal(registry.run(kernel, q, k, v, g, beta, cu_seqlens=bounds), first)
     assert torch.equal(plan.restart, restart)
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk._plan(300, [0, 400], None, True)
@@ -285,7 +323,8 @@ def float64_rule(x, weight, g, beta, hk, dk, dv, bounds):
     from pixeltriage.kernels.gated_delta import conv_heads
 
     hv = beta.shape[1]
-    q, k, v = conv_heads(x, weight, hk, dk, hv, dv, bounds, native=False)
+    with torch_only():
+        q, k, v = conv_heads(x, weight, hk, dk, hv, dv, bounds)
     q, k = (F.normalize(t.double(), dim=-1, eps=0) for t in (q, k))
     out = torch.zeros(x.shape[0], hv, dv, dtype=torch.float64)
     for b, e in zip(bounds, bounds[1:]):
@@ -297,6 +336,7 @@ def float64_rule(x, weight, g, beta, hk, dk, dv, bounds):
 
 @pytest.mark.parametrize("engine", BF16_ENGINES)
 @pytest.mark.parametrize("segments", sorted(BF16_SEGMENTS))
+@claims(bf16.BF16)
 @pytest.mark.parametrize("heads", [(2, 2, 32, 64), (2, 4, 32, 64), (1, 2, 8, 24)], ids=["v1k", "v2k", "padded"])
 def test_bf16_pass_matches_float32_pass_and_float64_recurrence(engine, segments, heads):
     """`pt_delta_chunked_bf16` on each engine against the float32 pass on the same bf16 projection and against the
@@ -311,7 +351,9 @@ def test_bf16_pass_matches_float32_pass_and_float64_recurrence(engine, segments,
     with NanPoisonedEmpty():
         got = bf16.conv_chunk_rule_bf16(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds, engine_name=engine)
     assert got.shape == (bounds[-1], hv, dv) and got.dtype == torch.float32 and torch.isfinite(got).all()
-    want = conv_chunk_gated_delta_rule(x, weight, g, beta, hk, dk, dv, cu_seqlens=bounds)
+    # the float32 pass where its C kernel takes the heads, its chunked composition for the padded ones
+    float32_pass = chunk.NATIVE if dk % 16 == 0 and dv % 16 == 0 else chunk.TORCH
+    want = registry.run(float32_pass, x, weight, g, beta, hk, dk, hv, dv, bounds)
     exact = float64_rule(x, weight, g, beta, hk, dk, dv, bounds)
     assert (got - want).abs().max().item() / want.abs().max().item() <= BF16_PASS_TOL
     assert (got - exact).abs().max().item() / exact.abs().max().item() <= BF16_PASS_TOL
@@ -327,7 +369,9 @@ def _heads64(x, weight, hk, dk, hv, dv, rnd=lambda t: t):
     rnd=_bf16, as a bf16 model hands them to its delta rule: the conv's outputs rounded to bf16, then the norms'."""
     from pixeltriage.kernels.gated_delta import conv_heads
 
-    q, k, v = (rnd(t).double() for t in conv_heads(x, weight, hk, dk, hv, dv, native=False))
+    with torch_only():
+        heads = conv_heads(x, weight, hk, dk, hv, dv)
+    q, k, v = (rnd(t).double() for t in heads)
     q, k = (rnd(F.normalize(t, dim=-1, eps=0)) for t in (q, k))
     return q, k, v
 
@@ -367,6 +411,7 @@ BF16_BUDGET_CASES = [(384, 2, 4, 64, 64, 0), (200, 1, 2, 128, 128, 1), (130, 2, 
 
 @pytest.mark.parametrize("engine", BF16_ENGINES)
 @pytest.mark.parametrize("case", BF16_BUDGET_CASES, ids=lambda c: "T{}-{}x{}-{}x{}".format(*c[:5]))
+@claims(bf16.BF16)
 def test_bf16_pass_error_within_what_bf16_models_already_pay(engine, case):
     """The bf16 pass's root-mean-square error against the float64 recurrence, beside two others' on the same bf16
     projection: flash-linear-attention's bf16 numerics (`fla_bf16_numerics`, what a bf16 model runs on a GPU) and
@@ -390,6 +435,7 @@ def test_bf16_pass_error_within_what_bf16_models_already_pay(engine, case):
 
 
 @pytest.mark.parametrize("engine", BF16_ENGINES[1:])
+@claims(bf16.BF16)
 def test_bf16_engines_agree(engine):
     """The matrix units' engines against the float32 multiply-adds of the same bf16 operands: only the order of
     float32 sums differs, and with it, rarely, the rounding of an intermediate (w, v_new) to bf16. Measured, of the
@@ -402,22 +448,38 @@ def test_bf16_engines_agree(engine):
     assert (got - ref).abs().max().item() / ref.abs().max().item() <= 2 ** -12
 
 
-def test_bf16_op_falls_back_to_the_float32_pass_and_refuses_missing_engines(native_calls):
-    """The op takes the float32 pass for what the bf16 pass does not take (a float32 projection here, a conv
-    wider than 16); an engine the machine lacks is a typed error, not a silent substitute."""
-    from pixeltriage.errors import BackendUnavailableError
-    from pixeltriage.kernels.gated_delta import bf16
-
+def test_bf16_pass_declines_what_it_does_not_take():
+    """The bf16 pass declines a float32 projection, a conv wider than 16 and an engine this machine lacks: a typed
+    decline naming why, never a silent substitute."""
     x, weight, g, beta = bf16_projection(70, 2, 2, 32, 32)
-    out = bf16.gated_delta_bf16(x.float(), weight, g, beta, 2, 32, 2, 32, None)
-    assert [name for name, _ in native_calls] == ["pt_delta_chunked"]
-    assert torch.equal(out, conv_chunk_gated_delta_rule(x.float(), weight, g, beta, 2, 32, 32))
     wide = torch.randn(weight.shape[0], 17)
-    assert not bf16.takes(x, wide, 32, 32) and bf16.takes(x, weight, 32, 32)
-    with pytest.raises(ValueError, match="conv widths up to 16"):
+    assert bf16.refusal(x, wide, 32, 32) == "conv width over 16"
+    assert bf16.refusal(x.float(), weight, 32, 32) == "projection not bf16 on the CPU with a unit last stride"
+    with pytest.raises(registry.Declined, match="conv width over 16"):
         bf16.conv_chunk_rule_bf16(x, wide, g, beta, 2, 32, 32)
-    with pytest.raises(BackendUnavailableError, match="'tiles' is not on this machine"):
-        bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 32, 32, engine_name="tiles")
+    if native.available():
+        assert bf16.refusal(x, weight, 32, 32, engine_name="fma") is None
+        with pytest.raises(registry.Declined, match="no such bf16 engine on this machine"):
+            bf16.conv_chunk_rule_bf16(x, weight, g, beta, 2, 32, 32, engine_name="tiles")
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+def test_bf16_op_falls_back_to_the_float32_pass(monkeypatch):
+    """The "gated_delta" op on a float32 projection takes the float32 pass; on a bf16 one whose bf16 pass declines
+    (its entry point forced to, here) it takes the float32 pass too, the decline counted with its reason."""
+    x, weight, g, beta = bf16_projection(70, 2, 2, 32, 32)
+    monkeypatch.setenv(bf16.SWITCH, "1")
+    monkeypatch.setattr(native, "fast_bf16_engine", lambda: "fma")     # a bf16 pass on any machine
+    monkeypatch.setenv("PIXELTRIAGE_TEST_DECLINE", "pt_delta_chunked_bf16")
+    with registry.recording() as record:
+        on_float32 = chunk.GATED_DELTA(x.float(), weight, g, beta, 2, 32, 2, 32, None)
+        on_bf16 = chunk.GATED_DELTA(x, weight, g, beta, 2, 32, 2, 32, None)
+    counts = record.snapshot()
+    assert counts.ran("gated_delta", chunk.NATIVE.name) == 2 and counts.ran("gated_delta", bf16.BF16.name) == 0
+    assert counts.declined("gated_delta", bf16.BF16.name) == {
+        "pt_delta_chunked_bf16 forced to decline by PIXELTRIAGE_TEST_DECLINE": 1}
+    assert torch.equal(on_float32, conv_chunk_gated_delta_rule(x.float(), weight, g, beta, 2, 32, 32))
+    assert torch.equal(on_bf16, conv_chunk_gated_delta_rule(x, weight, g, beta, 2, 32, 32))
 
 
 @pytest.mark.parametrize("ratios, chosen", [([0.5, 0.6, 0.7], "bf16"), ([0.96, 0.98, 1.2], "float32")])
@@ -426,8 +488,7 @@ def test_bf16_pass_is_measured_against_the_float32_pass(ratios, chosen, monkeypa
     float32 pass's on MEASURE_SHAPE, else "float32", with the ratio and the engine; both passes run on the same
     inputs before they are timed. Without an engine, "float32" and nothing timed. The choice follows the kept
     record; one kept from another engine than this process's is measured anew."""
-    from pixeltriage.kernels import native, tuning
-    from pixeltriage.kernels.gated_delta import bf16
+    from pixeltriage.kernels import tuning
 
     if not native.available():
         pytest.skip(f"no C kernels: {native.status()}")
@@ -463,6 +524,7 @@ def test_bf16_pass_is_measured_against_the_float32_pass(ratios, chosen, monkeypa
 
 
 @pytest.mark.parametrize("where", ["g", "beta", "projection"])
+@claims(bf16.BF16)
 def test_bf16_pass_keeps_nans(where):
     """A NaN upstream comes out as NaN on the bf16 pass too (bf16 rounding keeps NaN; a zero decay times a NaN
     state stays NaN)."""

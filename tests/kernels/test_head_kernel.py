@@ -16,8 +16,13 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
+from kernel_claims import claims  # noqa: E402
+from pixeltriage import settings  # noqa: E402
 from pixeltriage.errors import BackendUnavailableError  # noqa: E402
+from pixeltriage.kernels import head  # noqa: E402
 from pixeltriage.kernels.head import HeadOutput, decision_head, decision_head_reference, resolve_head_backend  # noqa: E402
+
+settings.reload()                    # TRITON_INTERPRET as set above
 
 try:
     from pixeltriage.kernels.head import triton as head_triton
@@ -186,6 +191,7 @@ def test_triton_not_installed(monkeypatch):
 
 @needs_triton
 @runs_kernel
+@claims(head.TRITON)
 def test_decision_head_dispatch():
     args = make_batch([2, 0], 24, 16)
     expected = decision_head_reference(*args)
@@ -215,21 +221,24 @@ def test_cpu_path_never_imports_triton():
 
 @needs_triton
 @runs_kernel
+@claims(head.TRITON)
 def test_registry_runs_the_fused_head(monkeypatch):
     """The registry's CUDA head kernel, and decision_head("auto", ...) on top of it, run the fused kernel: on CUDA,
     or on CPU tensors under the test switch (PIXELTRIAGE_EMULATE_CUDA=1 with the interpreter)."""
     from pixeltriage.kernels import registry
+    from pixeltriage.kernels.head import HEAD, TRITON
 
     if DEVICE.type == "cpu":
-        monkeypatch.setenv(registry.EMULATE_CUDA, "1")
-        monkeypatch.setenv(registry.TRITON_INTERPRET, "1")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("PIXELTRIAGE_EMULATE_CUDA", "1")
     kernel = registry.choose("head", DEVICE, torch.float32)
-    assert kernel.name == "triton fused head" and not kernel.slow
+    assert kernel is TRITON and not kernel.slow
     args = make_batch([3, 0, 12], 40, 16)
     calls = []
     real = head_triton.decision_head_triton
     monkeypatch.setattr(head_triton, "decision_head_triton", lambda *a: calls.append(1) or real(*a))
-    assert_matches_reference(kernel.fn(*args), args)
-    assert resolve_head_backend("auto", DEVICE) == "triton"
-    assert_matches_reference(decision_head("auto", *args), args)
-    assert len(calls) == 2
+    with registry.recording() as record:
+        assert_matches_reference(HEAD(*args), args)
+        assert resolve_head_backend("auto", DEVICE) == "triton"
+        assert_matches_reference(decision_head("auto", *args), args)
+    assert len(calls) == 2 and record.snapshot().calls == {("head", "triton fused head"): 2}

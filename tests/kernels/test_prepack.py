@@ -17,7 +17,7 @@ from pixeltriage.kernels import linear as lin
 from pixeltriage.kernels import prepack
 from pixeltriage.kernels.onednn_weights import Packed, Rows, packed_label, row_slice
 
-needs_bf16_primitive = pytest.mark.skipif(not lin._fused_available(torch.bfloat16),
+needs_bf16_primitive = pytest.mark.skipif(not lin.onednn_available(torch.bfloat16),
                                           reason="no oneDNN bf16 linear primitive for this CPU")
 
 
@@ -116,7 +116,7 @@ def test_a_weight_kept_in_row_parts():
 
 def test_which_roles_are_packed(monkeypatch):
     """All six where malloc is tuned or the workspace is off; with malloc as is and the workspace on, not the three
-    whose outputs the workspace keeps. The switch: 0 packs nothing, anything else but 1/auto is an error; float32,
+    whose outputs the workspace keeps. The switch: 0 packs nothing, anything but on, off or auto words is an error; float32,
     CUDA and CPUs without oneDNN's bf16 primitive pack nothing."""
     assert prepack.packed_roles(malloc_tuned=True, workspace_on=True) == prepack.ROLES
     assert prepack.packed_roles(malloc_tuned=False, workspace_on=False) == prepack.ROLES
@@ -129,13 +129,13 @@ def test_which_roles_are_packed(monkeypatch):
     # float32: only where its projections run oneDNN's primitive already (measured against F.linear here)
     assert (prepack.applies("cpu", torch.float32) is None) == lin.plain_onednn("cpu", torch.float32)
     monkeypatch.setenv(prepack.SWITCH, "0")
-    assert prepack.applies("cpu", torch.bfloat16) == "PIXELTRIAGE_PREPACK=0"
+    assert prepack.applies("cpu", torch.bfloat16) == "PIXELTRIAGE_PREPACK=off"
     assert prepack.chosen_roles("cpu", torch.bfloat16) == ()
-    monkeypatch.setenv(prepack.SWITCH, "yes")
-    with pytest.raises(ValueError, match="PIXELTRIAGE_PREPACK='yes'"):
+    monkeypatch.setenv(prepack.SWITCH, "sometimes")
+    with pytest.raises(ValueError, match="PIXELTRIAGE_PREPACK='sometimes'"):
         prepack.chosen_roles("cpu", torch.bfloat16)
-    if lin._fused_available(torch.bfloat16):
-        monkeypatch.setenv(prepack.SWITCH, "1")              # without measuring
+    monkeypatch.setenv(prepack.SWITCH, "1")                  # without measuring
+    if lin.onednn_available(torch.bfloat16):
         monkeypatch.setattr(prepack, "choice", lambda: pytest.fail("measured under PIXELTRIAGE_PREPACK=1"))
         monkeypatch.setattr(prepack.tuning, "malloc_tuned", True)
         assert prepack.chosen_roles("cpu", torch.bfloat16) == prepack.ROLES
@@ -169,11 +169,11 @@ def test_a_scorer_with_packed_weights_scores_as_one_without(tiny_checkpoint, mon
     if dtype == torch.float32:
         # float32 packs where its projections run oneDNN's primitive, which this machine's measurement (timing)
         # decides: forced here (PIXELTRIAGE_ONEDNN=1), so that the case runs the path it names wherever torch has it
-        if not lin._fused_available(torch.float32):
+        if not lin.onednn_available(torch.float32):
             pytest.skip("this torch has no oneDNN linear primitive")
         monkeypatch.setattr(lin, "_STATE", {})
         monkeypatch.setenv(lin.ONEDNN_SWITCH, "1")
-    elif not lin._fused_available(torch.bfloat16):
+    elif not lin.onednn_available(torch.bfloat16):
         pytest.skip("no oneDNN bf16 linear primitive for this CPU")
     assert prepack.applies("cpu", dtype) is None
     question, memories = sample_episode()

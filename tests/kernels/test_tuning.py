@@ -201,7 +201,7 @@ def test_float32_gemm_where_the_primitive_refuses_the_cpu_is_f_linear_and_says_w
 
 
 def test_float32_gemm_measures_both_products_here(cache):
-    if not linear._fused_available(torch.float32):
+    if not linear.onednn_available(torch.float32):
         pytest.skip("this torch has no oneDNN linear primitive")
     record = linear.measure_float32_gemm((64, 32, 48), pairs=3)
     assert record["library"] in ("oneDNN", "F.linear") and record["onednn_over_f_linear"] > 0
@@ -271,7 +271,7 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
         assert first["records"]["bf16 delta pass"]["engine"] == native.fast_bf16_engine()
     from pixeltriage.kernels import linear as lin
 
-    if lin._fused_available(torch.bfloat16):             # the bf16 weights' layout: oneDNN's against plain
+    if lin.onednn_available(torch.bfloat16):             # the bf16 weights' layout: oneDNN's against plain
         assert first["records"]["bf16 prepacked weights"]["layout"] in ("packed", "plain")
     else:
         assert first["not_measured"]["bf16 prepacked weights"] == "no oneDNN bf16 linear primitive for this CPU"

@@ -12,14 +12,13 @@ same bf16 operands, on any machine: what the tests run where the CPU has neither
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
+from pixeltriage import settings
 from pixeltriage.errors import BackendUnavailableError
-from pixeltriage.kernels import native, tuning
-from pixeltriage.kernels.registry import FALSE_WORDS, TRUE_WORDS
+from pixeltriage.kernels import native, registry, tuning
 from pixeltriage.kernels.gated_delta import chunk
 from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value_heads
 
@@ -44,15 +43,8 @@ SWITCH = "PIXELTRIAGE_DELTA_BF16"
 
 
 def switch() -> str:
-    """PIXELTRIAGE_DELTA_BF16 as "auto" (unset or empty: measured), "on" or "off"; ValueError for anything else."""
-    value = os.environ.get(SWITCH, "").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in TRUE_WORDS + FALSE_WORDS:
-        return "on" if value in TRUE_WORDS else "off"
-    raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: expected auto (the default: the bf16 delta pass where it "
-                     f"measured faster than the float32 pass on this machine), 1 / on (wherever the CPU has AMX or "
-                     f"AVX512-BF16) or 0 / off (never)")
+    """PIXELTRIAGE_DELTA_BF16 (`pixeltriage.settings`): "auto" (unset: measured), "on" or "off"."""
+    return settings.current().delta_bf16
 
 
 # The record `tuning` keeps, the layer it is timed on (tokens, heads of q, k and v, their width: a bench-small layer
@@ -87,7 +79,7 @@ def measure_delta(pairs: int = 7) -> dict:
         return {"pass": "float32", **record}
     args = layer_inputs(*MEASURE_SHAPE)
     ratios = tuning.interleaved_ratio(lambda: chunk.conv_chunk_gated_delta_rule(*args),
-                                      lambda: conv_chunk_rule_bf16(*args, engine_name=name), pairs=pairs)
+                                      lambda: conv_chunk_rule_bf16(*args), pairs=pairs)
     ratio = ratios[len(ratios) // 2]
     return {"pass": "bf16" if ratio < MARGIN else "float32", "bf16_over_float32": round(ratio, 4), **record}
 
@@ -113,13 +105,25 @@ def available() -> bool:
     return _CHOICE[RECORD]
 
 
-def takes(x: torch.Tensor, conv_weight: torch.Tensor, k_dim: int, v_dim: int, chunk_size: int = BF16_CHUNK) -> bool:
-    """Whether the bf16 pass takes a projection x: bf16 on the CPU, last dim contiguous; heads up to 512 wide (the
-    kernel pads them to multiples of 32, the matrix units' blocks, with zero columns); conv widths up to 16; the
-    chunk a multiple of 32 up to 256; the library built."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1 and 0 < k_dim <= 512
-            and 0 < v_dim <= 512 and 0 < conv_weight.shape[-1] <= 16 and chunk_size % 32 == 0
-            and 0 < chunk_size <= 256 and native.available())
+def refusal(x: torch.Tensor, conv_weight: torch.Tensor, k_dim: int, v_dim: int, chunk_size: int = BF16_CHUNK,
+            engine_name: str | None = None) -> str | None:
+    """Why the bf16 pass declines a projection x, or None where it takes it: bf16 on the CPU, last dim contiguous;
+    heads up to 512 wide (the kernel pads them to multiples of 32, the matrix units' blocks, with zero columns); conv
+    widths up to 16; the chunk a multiple of 32 up to 256; the library built, with the engine (None:
+    `native.fast_bf16_engine()`)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(-1) != 1:
+        return "projection not bf16 on the CPU with a unit last stride"
+    if not (0 < k_dim <= 512 and 0 < v_dim <= 512):
+        return "heads over 512 wide"
+    if not 0 < conv_weight.shape[-1] <= 16:
+        return "conv width over 16"
+    if chunk_size % 32 or not 0 < chunk_size <= 256:
+        return "a chunk not a multiple of 32 up to 256"
+    if not native.available():
+        return "no C library"
+    if (native.fast_bf16_engine() if engine_name is None else engine_name) not in native.bf16_engines():
+        return "no such bf16 engine on this machine"
+    return None
 
 
 def _round32(n: int) -> int:
@@ -128,12 +132,13 @@ def _round32(n: int) -> int:
 
 def scratch_floats(c: int, k_dim: int, v_dim: int) -> int:
     """Per-thread scratch of `pt_delta_chunked_bf16`, in floats, as the library computes it (its DELTA_BF16_SCRATCH
-    at the padded head dims, which it checks). The library must be built (`takes`)."""
-    return native.library().pt_delta_chunked_bf16_scratch(c, k_dim, v_dim)
+    at the padded head dims, which it checks). The library must be built (`refusal`)."""
+    return native.query("pt_delta_chunked_bf16_scratch", c, k_dim, v_dim)
 
 
-# The pass's operand layouts (`pt_bf16_pack`'s `which`): what each packer makes of a float32 matrix
-PACKERS = {"rows": 0, "pairs": 1, "pairs_t": 2, "rows_t": 3}
+# The pass's operand layouts (`pt_bf16_pack`'s `which`, abi.h's pt_pack_layout): what each packer makes of a float32
+# matrix
+PACKERS = native.abi.load().enums["pt_pack_layout"].by_key()
 
 
 def pack(layout: str, src: torch.Tensor, scale: torch.Tensor | None = None, fast: bool = True) -> torch.Tensor:
@@ -159,16 +164,16 @@ def pack(layout: str, src: torch.Tensor, scale: torch.Tensor | None = None, fast
         scale = scale.float().contiguous()
         if scale.shape != (needs,):
             raise ValueError(f"scale of shape ({needs},) expected for {layout!r}, got {tuple(scale.shape)}")
-    lib = native.library()
-    if lib is None:
+    if native.library() is None:
         raise BackendUnavailableError(f"the native library is not built ({native.status()})")
     out = torch.empty(rows * cols, dtype=torch.bfloat16)
-    rc = lib.pt_bf16_pack(PACKERS[layout], int(fast), src.data_ptr(), rows, cols,
-                          None if scale is None else scale.data_ptr(), out.data_ptr())
-    if rc == 2:
+    rc = native.call("pt_bf16_pack", PACKERS[layout], int(fast), src.data_ptr(), rows, cols,
+                     None if scale is None else scale.data_ptr(), out.data_ptr())
+    if rc == native.DECLINE["isa"]:
         raise BackendUnavailableError("this build has no vector packers (the CPU lacks AVX512-BF16)")
     if rc != 0:
-        raise ValueError(f"pt_bf16_pack refused {layout!r} of {tuple(src.shape)} (code {rc})")
+        raise ValueError(f"pt_bf16_pack refused {layout!r} of {tuple(src.shape)}: "
+                         f"{native.decline_reason('pt_bf16_pack', rc)}")
     shape = {"rows": (rows, cols), "rows_t": (rows, cols), "pairs": (rows // 2, 2 * cols),
              "pairs_t": (rows // 2, 2 * cols)}[layout]
     return out.view(shape)
@@ -177,26 +182,36 @@ def pack(layout: str, src: torch.Tensor, scale: torch.Tensor | None = None, fast
 def conv_chunk_rule_bf16(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          num_k_heads: int, k_dim: int, v_dim: int, cu_seqlens: list[int] | None = None,
                          chunk_size: int = BF16_CHUNK, engine_name: str | None = None) -> torch.Tensor:
-    """`chunk.conv_chunk_gated_delta_rule`'s contract on the bf16 pass: x [T, conv_dim] bf16, conv_weight
-    [conv_dim, W], g, beta [T, Hv] float32 -> [T, Hv, v_dim] float32.
+    """`chunk.conv_chunk_gated_delta_rule`'s contract on the bf16 pass (the "gated_delta" op's kernel BF16, through
+    `registry.run`): x [T, conv_dim] bf16, conv_weight [conv_dim, W], g, beta [T, Hv] float32 -> [T, Hv, v_dim]
+    float32.
 
     engine_name: one of `native.BF16_ENGINES` (None: `native.fast_bf16_engine()`); "fma" runs on any machine with
-    the library. ValueError for inputs it does not take (`takes`); BackendUnavailableError for an engine this
-    machine lacks."""
+    the library. `registry.Declined` for inputs it does not take (`refusal`, an engine this machine lacks
+    included)."""
     num_v_heads = check_projection(x, conv_weight, g, beta, num_k_heads, k_dim, v_dim)
-    if not takes(x, conv_weight, k_dim, v_dim, chunk_size):
-        raise ValueError(f"the bf16 delta pass takes a contiguous-last bf16 CPU projection, heads up to 512 wide, "
-                         f"conv widths up to 16 and a chunk of a multiple of 32 up to 256; got {x.dtype} on "
-                         f"{x.device}, heads of {k_dim} and {v_dim}, conv width {conv_weight.shape[-1]}, chunk "
-                         f"{chunk_size}")
+    return registry.run(BF16, x, conv_weight, g, beta, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens,
+                        chunk_size=chunk_size, engine_name=engine_name)
+
+
+def _accepts(qkv, conv_weight, g, beta, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens, cu_seqlens_device=None,
+             *, chunk_size: int | None = None, engine_name: str | None = None) -> str | None:
+    return refusal(qkv, conv_weight, k_dim, v_dim, BF16_CHUNK if chunk_size is None else chunk_size, engine_name)
+
+
+def gated_delta_bf16(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
+                     cu_seqlens_device: torch.Tensor | None = None, *, chunk_size: int | None = None,
+                     engine_name: str | None = None) -> torch.Tensor:
+    """The "gated_delta" op of a bf16 forward on the matrix units (C `pt_delta_chunked_bf16`): the registry's
+    signature (see `chunk.GATED_DELTA`)."""
+    check_value_heads(beta, num_v_heads)
+    check_projection(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, num_v_heads)
     name = native.fast_bf16_engine() if engine_name is None else engine_name
-    if name not in native.bf16_engines():
-        raise BackendUnavailableError(f"bf16 delta engine {name!r} is not on this machine (has "
-                                      f"{sorted(native.bf16_engines())}; {native.status()})")
-    seq_len = x.shape[0]
-    plan = chunk._plan(seq_len, cu_seqlens, chunk_size, True)
+    seq_len = qkv.shape[0]
+    plan = chunk._plan(seq_len, cu_seqlens, BF16_CHUNK if chunk_size is None else chunk_size, True)
     if plan.num_chunks == 0:
-        return x.new_zeros(seq_len, num_v_heads, v_dim, dtype=torch.float32)
+        return qkv.new_zeros(seq_len, num_v_heads, v_dim, dtype=torch.float32)
     gamma = plan.gamma(g)
     beta = beta.float().contiguous()
     taps = conv_weight.float().t().contiguous()                       # [W, conv_dim]
@@ -205,27 +220,22 @@ def conv_chunk_rule_bf16(x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Te
     state = gamma.new_empty(num_v_heads, _round32(k_dim), _round32(v_dim))
     per_thread = scratch_floats(c, k_dim, v_dim)
     scratch = gamma.new_zeros(torch.get_num_threads(), per_thread)    # the head dims' padding stays zero
+    args = native.struct("pt_delta_args", q=None, q_t=0, q_h=0, k=None, k_t=0, k_h=0, v=None, v_t=0, v_h=0,
+                         beta=beta.data_ptr(), gamma=gamma.data_ptr(), chunk_start=plan.chunk_start.data_ptr(),
+                         chunk_len=plan.chunk_len.data_ptr(), restart=plan.restart.data_ptr(), N=plan.num_chunks,
+                         H=num_v_heads, C=c, K=k_dim, V=v_dim, l2norm=1, eps=chunk.L2NORM_EPS, scale=k_dim ** -0.5,
+                         cutoff=chunk.LOG_DECAY_CUTOFF, tiny=chunk._TINY, x=qkv.data_ptr(), x_t=qkv.stride(0),
+                         x_bf16=1, taps=taps.data_ptr(), W=taps.shape[0], conv_dim=qkv.shape[1],
+                         group=num_v_heads // num_k_heads, seg_start=plan.seg_start.data_ptr())
     with native.part_of_pass(chunk.CONV_PART) as prof:                # a profiler's split of the conv
-        rc = native.library().pt_delta_chunked_bf16(
-            None, 0, 0, None, 0, 0, None, 0, 0, beta.data_ptr(), plan.chunk_start.data_ptr(),
-            plan.chunk_len.data_ptr(), plan.restart.data_ptr(), plan.num_chunks, num_v_heads, c, k_dim, v_dim, 1,
-            chunk.L2NORM_EPS, gamma.data_ptr(), k_dim ** -0.5, chunk.LOG_DECAY_CUTOFF, chunk._TINY, x.data_ptr(), 1,
-            x.stride(0), taps.data_ptr(), taps.shape[0], x.shape[1], num_v_heads // num_k_heads,
-            plan.seg_start.data_ptr(), native.BF16_ENGINES[name], out.data_ptr(), state.data_ptr(),
-            scratch.data_ptr(), per_thread, prof, torch.get_num_threads())
-    if rc != 0:
-        raise BackendUnavailableError(f"pt_delta_chunked_bf16 refused its inputs (code {rc}): conv width "
-                                      f"{taps.shape[0]}, {num_v_heads} value heads over {num_k_heads} key heads")
+        registry.c_call("pt_delta_chunked_bf16", args, native.BF16_ENGINES[name], out.data_ptr(), state.data_ptr(),
+                        scratch.data_ptr(), per_thread, prof)
     return plan.unpad(out.view(plan.num_chunks * c, num_v_heads, v_dim))
 
 
-def gated_delta_bf16(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
-                     cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
-    """The "gated_delta" op of a bf16 forward on the matrix units: the registry's signature (see the package), the
-    float32 pass (`chunk.gated_delta_native`) for the inputs the bf16 pass does not take."""
-    check_value_heads(beta, num_v_heads)
-    if not takes(qkv, conv_weight, k_dim, v_dim):
-        return chunk.gated_delta_native(qkv, conv_weight, g, beta, num_k_heads, k_dim, num_v_heads, v_dim,
-                                        cu_seqlens, cu_seqlens_device)
-    return conv_chunk_rule_bf16(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, cu_seqlens=cu_seqlens)
+# A bf16 forward on a CPU with AMX or AVX512-BF16, where `available` says (PIXELTRIAGE_DELTA_BF16, the measured
+# choice): the chunk's products as bf16 matmuls on those units, float32 state; float32 forwards and CPUs without
+# them keep the float32 pass
+BF16 = chunk.GATED_DELTA.register("native C pt_delta_chunked_bf16", gated_delta_bf16, accepts=_accepts,
+                                  dtypes=(torch.bfloat16,), available=lambda: available(), priority=15,
+                                  entry="pt_delta_chunked_bf16")

@@ -1,8 +1,13 @@
-"""Chunked gated delta rule in PyTorch (the CPU path).
+"""Chunked gated delta rule: in PyTorch and in C (the CPU path).
 
 Within a chunk of C tokens the delta-rule updates are condensed with the UT transform
 T = (I + tril(diag(beta) K K^T * decay, -1))^-1, so the chunk needs only matmuls; the recurrent
 state [K, V] per head is carried across chunks. Intra-chunk work is batched over heads and chunks.
+
+Registers (`kernels.registry`) the "gated_delta" op with its C pass (`pt_delta_chunked` in conv mode) and its chunked
+composition (the "conv1d" op, then the "delta_rule" op), the "delta_rule" op (q, k, v already made: C
+`pt_delta_chunked`, torch) and the "chunk_layout" op the torch rule gathers its chunks by (C `pt_chunk_gather`,
+torch).
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import functools
 
 import torch
 
+from pixeltriage.kernels import native, registry
 from pixeltriage.kernels.gated_delta.shapes import check_projection, check_value_heads
 
 # Decays below e^-30 (~1e-13, far under float32's 6e-8 resolution of unit-scale terms) are set to exactly zero.
@@ -51,56 +57,84 @@ def chunk_gated_delta_rule(
     chunk_size: int | None = None,
     cu_seqlens: list[int] | None = None,
     qk_l2norm: bool = False,
-    native: bool | None = None,
 ) -> torch.Tensor:
-    """Same contract as `naive.recurrent_gated_delta_rule`.
+    """Same contract as `naive.recurrent_gated_delta_rule`, by the "delta_rule" op's kernel (on the CPU the C
+    kernel, `pt_delta_chunked`, where it takes the inputs; else the torch chunked rule).
 
     q, k: [T, H, K] L2-normalised; v: [T, H, V]; g (log decay, <= 0), beta: [T, H]. Returns [T, H, V] float32.
     cu_seqlens: [0, t1, t1 + t2, ..., T] to run several independent sequences packed along T (varlen): each is
     padded to whole chunks on its own and the state restarts from zero at each sequence's first chunk.
     qk_l2norm: q and k arrive unnormalised and are L2-normalised here (x * rsqrt(sum x^2 + 1e-6), as the layer's
     own norm), the scale multiplied in on the way into the chunk layout instead of in two passes of their own.
-    native: on the CPU, the chunk layout (norms, beta, gather), the per-chunk matrices and the recurrence in C
-    (`kernels.native`) when it is built (None: whenever available; False: torch only, which it is tested against).
-    chunk_size: None picks NATIVE_CHUNK where the C kernels run, else TORCH_CHUNK; the result is the same up to
-    float32 rounding (the chunked form is exact algebra at any size).
+    chunk_size: None picks each kernel's own (NATIVE_CHUNK for the C kernel, TORCH_CHUNK for torch); the result is
+    the same up to float32 rounding (the chunked form is exact algebra at any size).
     """
-    seq_len, num_heads, k_dim = k.shape
-    v_dim = v.shape[-1]
+    seq_len, num_heads, _ = k.shape
     if (q.shape != k.shape or v.dim() != 3 or v.shape[:2] != (seq_len, num_heads)
             or g.shape != (seq_len, num_heads) or beta.shape != (seq_len, num_heads)):
         raise ValueError(f"q, k [T, H, K], v [T, H, V], g and beta [T, H] expected; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
-    scale = k_dim ** -0.5 if scale is None else scale
-    c_kernel = _c_kernel_takes(native, (q, k, v), k_dim, v_dim)
-    plan = _plan(seq_len, cu_seqlens, chunk_size, c_kernel)
+    return DELTA_RULE(q, k, v, g, beta, scale, chunk_size, cu_seqlens, qk_l2norm)
+
+
+def _rule_c_accepts(q, k, v, g, beta, scale=None, chunk_size=None, cu_seqlens=None, qk_l2norm=False) -> str | None:
+    if not all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (q, k, v)):
+        return "q, k, v not float32 with unit last strides"
+    return _c_refusal(k.shape[-1], v.shape[-1], chunk_size, beta, q, k, v, beta)
+
+
+def _c_refusal(k_dim: int, v_dim: int, chunk_size: int | None, beta: torch.Tensor, *tensors) -> str | None:
+    """What `pt_delta_chunked` declines of every call: head dims not multiples of 16, a chunk not a multiple of 16 up
+    to 256, beta not float32, a device or dtype the C kernels do not take (or no library)."""
+    if k_dim % 16 or v_dim % 16:
+        return "head dims not multiples of 16"
+    chunk = NATIVE_CHUNK if chunk_size is None else chunk_size
+    if chunk % 16 or chunk > 256:
+        return "a chunk not a multiple of 16 up to 256"
+    if beta.dtype != torch.float32:
+        return "beta not float32"
+    return None if native.handles(*tensors) else "a device or dtype the C kernels do not take, or no C library"
+
+
+def _rule_c(q, k, v, g, beta, scale=None, chunk_size=None, cu_seqlens=None, qk_l2norm=False) -> torch.Tensor:
+    """The "delta_rule" op in C (`pt_delta_chunked`): the chunk layout, the per-chunk matrices and the recurrence in
+    one pass per head."""
+    seq_len, num_heads, k_dim = k.shape
+    v_dim = v.shape[-1]
+    plan = _plan(seq_len, cu_seqlens, chunk_size, True)
     if plan.num_chunks == 0:
         return q.new_zeros(seq_len, num_heads, v_dim, dtype=torch.float32)
-    use_native = native is not False and q.device.type == "cpu"     # each C kernel checks its own inputs
-    gamma = plan.gamma(g)
-    # In C: one pass per head over its chunks, each chunk's matrices made and used while in cache (the state's
-    # products included), straight from the token-major inputs
-    out = _native_chunked(plan, (q, k, v), beta, gamma, qk_l2norm, scale) if c_kernel else None
-    if out is None:
-        # In torch: the chunk layout (gathered in C where it can be), everything but the carried state batched
-        # over chunks and heads (u, w: the UT transform's outputs; the causal intra-chunk scores; q decayed from
-        # its chunk's start, k decayed to its chunk's end, transposed; each chunk's total decay), then the loop
-        laid_out = (_native_layout(q, k, v, beta, qk_l2norm, plan.segments, plan.seg_chunks, plan.c) if use_native
-                    else None)
-        if laid_out is not None:
-            q, k, k_beta, v_beta = laid_out
-        else:
-            q_mult = k_mult = None
-            if qk_l2norm:
-                # vector_norm reads strided rows 3x faster than vecdot or (x * x).sum; squaring its sqrt back
-                # costs ~1 ulp in the scale
-                q_mult = torch.linalg.vector_norm(q, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()   # [T, H]
-                k_mult = torch.linalg.vector_norm(k, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()
-            k_beta = plan.chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
-            v_beta = plan.chunked(v, beta)                                         # [N, H, C, V]
-            q, k = plan.chunked(q, q_mult), plan.chunked(k, k_mult)
-        out = _torch_loop(*_torch_prep(q, k, k_beta, v_beta, gamma, scale), plan.restart)
+    out = _c_pass(plan, (q, k, v), beta, plan.gamma(g), qk_l2norm, k_dim ** -0.5 if scale is None else scale)
     return plan.unpad(out.view(plan.num_chunks * plan.c, num_heads, v_dim))
+
+
+def delta_rule_torch(q, k, v, g, beta, scale=None, chunk_size=None, cu_seqlens=None, qk_l2norm=False) -> torch.Tensor:
+    """The "delta_rule" op in torch: the chunk layout (the "chunk_layout" op: gathered in C where it can be), then
+    everything but the carried state batched over chunks and heads (u, w: the UT transform's outputs; the causal
+    intra-chunk scores; q decayed from its chunk's start, k decayed to its chunk's end, transposed; each chunk's
+    total decay), then the loop over chunks."""
+    seq_len, num_heads, k_dim = k.shape
+    v_dim = v.shape[-1]
+    plan = _plan(seq_len, cu_seqlens, chunk_size, False)
+    if plan.num_chunks == 0:
+        return q.new_zeros(seq_len, num_heads, v_dim, dtype=torch.float32)
+    gamma = plan.gamma(g)
+    laid_out = CHUNK_LAYOUT(q, k, v, beta, qk_l2norm, plan)
+    out = _torch_loop(*_torch_prep(*laid_out, gamma, k_dim ** -0.5 if scale is None else scale), plan.restart)
+    return plan.unpad(out.view(plan.num_chunks * plan.c, num_heads, v_dim))
+
+
+def _layout_torch(q, k, v, beta, qk_l2norm, plan):
+    """(q, k, k * beta, v * beta) in the chunk layout [N, H, C, K|V], q and k L2-normalised if asked."""
+    q_mult = k_mult = None
+    if qk_l2norm:
+        # vector_norm reads strided rows 3x faster than vecdot or (x * x).sum; squaring its sqrt back costs ~1 ulp in
+        # the scale
+        q_mult = torch.linalg.vector_norm(q, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()   # [T, H]
+        k_mult = torch.linalg.vector_norm(k, dim=-1).square_().add_(L2NORM_EPS).rsqrt_()
+    k_beta = plan.chunked(k, beta if k_mult is None else k_mult * beta)   # [N, H, C, K]
+    v_beta = plan.chunked(v, beta)                                         # [N, H, C, V]
+    return plan.chunked(q, q_mult), plan.chunked(k, k_mult), k_beta, v_beta
 
 
 def conv_chunk_gated_delta_rule(
@@ -113,83 +147,68 @@ def conv_chunk_gated_delta_rule(
     v_dim: int,
     chunk_size: int | None = None,
     cu_seqlens: list[int] | None = None,
-    native: bool | None = None,
 ) -> torch.Tensor:
-    """The Gated DeltaNet's token mixing from its projection: causal conv1d + SiLU over x ([T, conv_dim], conv_dim =
-    2 * num_k_heads * k_dim + Hv * v_dim; conv_weight [conv_dim, W]), split into q, k ([T, num_k_heads, k_dim],
-    each key head shared by Hv / num_k_heads value heads) and v ([T, Hv, v_dim]), then the chunked rule with
-    q and k L2-normalised: [T, Hv, v_dim] float32.
-
-    On the CPU the C kernel does it all in one pass per head (`pt_delta_chunked` in conv mode): each chunk's q, k
-    and v rows are made from x where they are used, so the conv's [T, conv_dim] float32 output (56 MB at
-    bench-small) is never written or read back. Elsewhere, or native=False, it is `causal_conv1d_silu` then
-    `chunk_gated_delta_rule`, which it is tested against.
-    """
-    seq_len = x.shape[0]
+    """The float32 pass: the "gated_delta" op's C kernel (`pt_delta_chunked` in conv mode), through
+    `registry.run`, `registry.Declined` where it declines the inputs. x: [T, conv_dim] (conv_dim = 2 * num_k_heads
+    * k_dim + Hv * v_dim); conv_weight [conv_dim, W]; g, beta [T, Hv] -> [T, Hv, v_dim] float32 (see
+    `gated_delta_native`)."""
     num_v_heads = check_projection(x, conv_weight, g, beta, num_k_heads, k_dim, v_dim)
-    if _c_kernel_takes(native, (x, conv_weight), k_dim, v_dim):
-        plan = _plan(seq_len, cu_seqlens, chunk_size, True)
-        if plan.num_chunks == 0:
-            return x.new_zeros(seq_len, num_v_heads, v_dim, dtype=torch.float32)
-        out = _native_chunked(plan, (x, conv_weight, num_v_heads // num_k_heads, k_dim, v_dim), beta, plan.gamma(g),
-                              True, k_dim ** -0.5)
-        if out is not None:
-            return plan.unpad(out.view(plan.num_chunks * plan.c, num_v_heads, v_dim))
-    q, k, v = conv_heads(x, conv_weight, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens, native)
-    return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, qk_l2norm=True,
-                                  native=native)
+    return registry.run(NATIVE, x, conv_weight, g, beta, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens,
+                        chunk_size=chunk_size)
+
+
+def _gated_delta_c_accepts(qkv, conv_weight, g, beta, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens,
+                           cu_seqlens_device=None, *, chunk_size=None) -> str | None:
+    if qkv.dtype not in (torch.float32, torch.bfloat16) or qkv.stride(-1) != 1:
+        return "projection not float32 or bf16 with a unit last stride"
+    return _c_refusal(k_dim, v_dim, chunk_size, beta, qkv, conv_weight, beta)
 
 
 def gated_delta_native(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
-                       cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
-    """The "gated_delta" op on the CPU's C kernel (`pt_delta_chunked` in conv mode), the torch path where it
-    declines. qkv: [T, conv_dim]; conv_weight: [conv_dim, W]; g, beta: [T, Hv] float32 -> [T, Hv, v_dim] float32.
-    cu_seqlens_device is not used (the boundaries are read from the list)."""
+                       cu_seqlens_device: torch.Tensor | None = None, *, chunk_size: int | None = None) -> torch.Tensor:
+    """The "gated_delta" op on the CPU's C kernel (`pt_delta_chunked` in conv mode): the Gated DeltaNet's causal
+    conv1d + SiLU over its projection, q and k L2-normalised, the chunked rule, all in one pass per head: each
+    chunk's q, k and v rows are made from qkv where they are used, so the conv's [T, conv_dim] float32 output (56 MB
+    at bench-small) is never written or read back. qkv: [T, conv_dim]; conv_weight: [conv_dim, W]; g, beta: [T, Hv]
+    float32 -> [T, Hv, v_dim] float32. cu_seqlens_device is not used (the boundaries are read from the list)."""
     check_value_heads(beta, num_v_heads)
-    return conv_chunk_gated_delta_rule(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, cu_seqlens=cu_seqlens)
+    check_projection(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, num_v_heads)
+    seq_len = qkv.shape[0]
+    plan = _plan(seq_len, cu_seqlens, chunk_size, True)
+    if plan.num_chunks == 0:
+        return qkv.new_zeros(seq_len, num_v_heads, v_dim, dtype=torch.float32)
+    out = _c_pass(plan, (qkv, conv_weight, num_v_heads // num_k_heads, k_dim, v_dim), beta, plan.gamma(g), True,
+                  k_dim ** -0.5)
+    return plan.unpad(out.view(plan.num_chunks * plan.c, num_v_heads, v_dim))
 
 
 def gated_delta_torch(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int, cu_seqlens: list[int] | None,
-                      cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
-    """The "gated_delta" op in torch alone (the conv's shifted multiply-adds, then the chunked rule): the same
-    contract as `gated_delta_native`, on any device; float32 throughout."""
+                      cu_seqlens_device: torch.Tensor | None = None, *, chunk_size: int | None = None) -> torch.Tensor:
+    """The "gated_delta" op as the "conv1d" op's conv + SiLU, split into heads, then the "delta_rule" op with q and
+    k L2-normalised: the same contract as `gated_delta_native`, on any device; float32 throughout."""
     check_value_heads(beta, num_v_heads)
-    return conv_chunk_gated_delta_rule(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, cu_seqlens=cu_seqlens,
-                                       native=False)
+    check_projection(qkv, conv_weight, g, beta, num_k_heads, k_dim, v_dim, num_v_heads)
+    q, k, v = conv_heads(qkv, conv_weight, num_k_heads, k_dim, num_v_heads, v_dim, cu_seqlens)
+    return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, qk_l2norm=True)
 
 
 def conv_heads(x: torch.Tensor, conv_weight: torch.Tensor, num_k_heads: int, k_dim: int, num_v_heads: int,
-               v_dim: int, cu_seqlens: list[int] | None = None, native: bool | None = None):
-    """The Gated DeltaNet's conv1d + SiLU over its projection x [T, conv_dim], split into heads: q, k [T, Hv, k_dim]
-    (each key head repeated for its Hv / num_k_heads value heads) and v [T, Hv, v_dim], float32."""
+               v_dim: int, cu_seqlens: list[int] | None = None):
+    """The Gated DeltaNet's conv1d + SiLU (the "conv1d" op) over its projection x [T, conv_dim], split into heads:
+    q, k [T, Hv, k_dim] (each key head repeated for its Hv / num_k_heads value heads) and v [T, Hv, v_dim],
+    float32."""
     from pixeltriage.kernels.conv import causal_conv1d_silu
 
     seq_len = x.shape[0]
-    qkv = causal_conv1d_silu(x, conv_weight, cu_seqlens, native=native)
+    qkv = causal_conv1d_silu(x, conv_weight, cu_seqlens).float()
     q, k, v = qkv.split([num_k_heads * k_dim, num_k_heads * k_dim, num_v_heads * v_dim], dim=-1)
     q, k = q.view(seq_len, num_k_heads, k_dim), k.view(seq_len, num_k_heads, k_dim)
     if num_v_heads != num_k_heads:
         q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
         k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
     return q, k, v.view(seq_len, num_v_heads, v_dim)
-
-
-def _c_kernel_takes(native: bool | None, inputs: tuple, k_dim: int, v_dim: int) -> bool:
-    """Whether `pt_delta_chunked` takes these inputs: (q, k, v) float32, or (x, conv_weight) for conv mode (x
-    float32 or bf16, shapes checked by the caller), last dims contiguous, on the CPU; head dims multiples of 16;
-    the library built.
-    It decides the path and the default chunk size (the chunk itself is checked where it is known)."""
-    if native is False or k_dim % 16 or v_dim % 16:
-        return False
-    from pixeltriage.kernels import native as native_kernels
-
-    if len(inputs) == 3:
-        return (all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in inputs)
-                and native_kernels.handles(*inputs))
-    x, conv_weight = inputs
-    return x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and native_kernels.handles(x, conv_weight)
 
 
 def _plan(seq_len: int, cu_seqlens: list[int] | None, chunk_size: int | None, c_kernel: bool) -> "_Plan":
@@ -314,19 +333,19 @@ def _torch_loop(u, w, intra, q_start, k_end_t, chunk_decay, restart):
     return out.view(num_chunks * c, num_heads, v_dim)
 
 
-def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
-    """(q, k, k * beta, v * beta) in the chunk layout, L2-normalised q and k if asked, from one C pass per input
-    (k and k * beta from the same read); None where the C kernels do not apply."""
-    from pixeltriage.kernels import native
+def _layout_c_accepts(q, k, v, beta, qk_l2norm, plan) -> str | None:
+    if any(t.dtype != torch.float32 for t in (q, k, v, beta)) or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "q, k, v, beta not float32 with unit last strides"
+    return None if native.handles(q, k, v, beta) else "a device or dtype the C kernels do not take, or no C library"
 
-    if (any(t.dtype != torch.float32 for t in (q, k, v, beta)) or any(t.stride(-1) != 1 for t in (q, k, v))
-            or not native.handles(q, k, v, beta)):
-        return None
+
+def _layout_c(q, k, v, beta, qk_l2norm, plan):
+    """`_layout_torch` in C (`pt_chunk_gather`): one pass per input (k and k * beta from the same read)."""
     seq_len, num_heads = k.shape[:2]
-    num_chunks = sum(seg_chunks)
+    c = plan.c
     rows = torch.empty(seq_len, dtype=torch.int64)                   # each token's row in the chunk layout
     pads, n0 = [], 0
-    for (b, e), n in zip(segments, seg_chunks):
+    for (b, e), n in zip(plan.segments, plan.seg_chunks):
         torch.arange(n0 * c, n0 * c + (e - b), out=rows[b:e])
         if (e - b) % c:
             pads.append((n0 + n - 1, (e - b) % c))                     # (chunk, first padding row)
@@ -334,56 +353,79 @@ def _native_layout(q, k, v, beta, qk_l2norm, segments, seg_chunks, c):
     beta = beta.contiguous()
 
     def gather(x, l2norm, mult=None, mult2=None):
-        out = [torch.empty(num_chunks, num_heads, c, x.shape[-1]) for _ in range(1 if mult2 is None else 2)]
+        out = [torch.empty(plan.num_chunks, num_heads, c, x.shape[-1]) for _ in range(1 if mult2 is None else 2)]
         for buf in out:
             for n, first in pads:
                 buf[n, :, first:].zero_()
-        ok = native.call("pt_chunk_gather", x.data_ptr(), x.stride(0), x.stride(1), seq_len, num_heads, x.shape[-1],
-                         rows.data_ptr(), c, None if mult is None else mult.data_ptr(),
-                         None if mult2 is None else mult2.data_ptr(), int(l2norm), L2NORM_EPS, out[0].data_ptr(),
-                         None if mult2 is None else out[1].data_ptr())
-        return out if ok else None
+        args = native.struct("pt_gather_args", src=x.data_ptr(), src_t=x.stride(0), src_h=x.stride(1), T=seq_len,
+                             H=num_heads, D=x.shape[-1], row=rows.data_ptr(), C=c,
+                             mult=None if mult is None else mult.data_ptr(),
+                             mult2=None if mult2 is None else mult2.data_ptr(), l2norm=int(l2norm), eps=L2NORM_EPS)
+        registry.c_call("pt_chunk_gather", args, out[0].data_ptr(), None if mult2 is None else out[1].data_ptr())
+        return out
 
     k_pair, q_c, v_beta = gather(k, qk_l2norm, None, beta), gather(q, qk_l2norm), gather(v, False, beta)
-    if k_pair is None or q_c is None or v_beta is None:
-        return None
     return q_c[0], k_pair[0], k_pair[1], v_beta[0]
 
 
-def _native_chunked(plan, inputs, beta, gamma, qk_l2norm, scale):
+def _c_pass(plan, inputs, beta, gamma, qk_l2norm, scale):
     """`_torch_prep` then `_torch_loop`, in C (`pt_delta_chunked`): heads split over threads, each running through
     its chunks with the state and the chunk's matrices in cache (rows gathered and L2-normalised on the way in;
     triangular products over their nonzero blocks). inputs: (q, k, v) token-major [T, H, K|V] float32, last dim
-    contiguous; or (x, conv_weight, group, k_dim, v_dim) for conv mode (see `conv_chunk_gated_delta_rule`).
-    The inputs are ones `_c_kernel_takes`; -> [N * C, H, V] token-major, or None where the kernel does not apply
-    all the same (the chunk a multiple of 16 of at most 256, conv widths up to 16)."""
-    from pixeltriage.kernels import native
-
+    contiguous; or (x, conv_weight, group, k_dim, v_dim) for conv mode (see `gated_delta_native`), which the
+    kernel's `accepts` took -> [N * C, H, V] token-major."""
     num_chunks, num_heads, c = gamma.shape
     if len(inputs) == 5:
         x, conv_weight, group, k_dim, v_dim = inputs
         taps = conv_weight.float().t().contiguous()                  # [W, conv_dim]
         q = k = v = x.new_empty(0, 0, 0, dtype=torch.float32)
-        conv_args = (x.data_ptr(), native.is_bf16(x), x.stride(0), taps.data_ptr(), taps.shape[0], x.shape[1], group,
-                     plan.seg_start.data_ptr())
+        conv_args = dict(x=x.data_ptr(), x_t=x.stride(0), x_bf16=native.is_bf16(x), taps=taps.data_ptr(),
+                         W=taps.shape[0], conv_dim=x.shape[1], group=group, seg_start=plan.seg_start.data_ptr())
     else:
         q, k, v = inputs
         k_dim, v_dim = k.shape[-1], v.shape[-1]
-        conv_args = (None, 0, 0, None, 0, 0, 1, None)
-    if (beta.dtype != torch.float32 or gamma.dtype != torch.float32 or not gamma.is_contiguous()
-            or not native.handles(beta, gamma) or c % 16 or c > 256):
-        return None
+        conv_args = dict(x=None, x_t=0, x_bf16=0, taps=None, W=0, conv_dim=0, group=1, seg_start=None)
     beta = beta.contiguous()
     out = gamma.new_empty(num_chunks * c, num_heads, v_dim)
     state = gamma.new_empty(num_heads, k_dim, v_dim)
     # per thread: the decay matrix and T (2 C^2), q_start, w, normalised k (C K each), u (C V), intra (C^2),
     # k_end^T (K C)
     scratch = gamma.new_empty(torch.get_num_threads(), 3 * c * c + 4 * c * k_dim + c * v_dim)
+    args = native.struct("pt_delta_args", q=q.data_ptr(), q_t=q.stride(0), q_h=q.stride(1), k=k.data_ptr(),
+                         k_t=k.stride(0), k_h=k.stride(1), v=v.data_ptr(), v_t=v.stride(0), v_h=v.stride(1),
+                         beta=beta.data_ptr(), gamma=gamma.data_ptr(), chunk_start=plan.chunk_start.data_ptr(),
+                         chunk_len=plan.chunk_len.data_ptr(), restart=plan.restart.data_ptr(), N=num_chunks,
+                         H=num_heads, C=c, K=k_dim, V=v_dim, l2norm=int(qk_l2norm), eps=L2NORM_EPS, scale=scale,
+                         cutoff=LOG_DECAY_CUTOFF, tiny=_TINY, **conv_args)
     with native.part_of_pass(CONV_PART if len(inputs) == 5 else None) as prof:    # a profiler's split of the conv
-        ok = native.call("pt_delta_chunked", q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                         k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), beta.data_ptr(),
-                         plan.chunk_start.data_ptr(), plan.chunk_len.data_ptr(), plan.restart.data_ptr(), num_chunks,
-                         num_heads, c, k_dim, v_dim, int(qk_l2norm), L2NORM_EPS, gamma.data_ptr(), scale,
-                         LOG_DECAY_CUTOFF, _TINY, *conv_args, out.data_ptr(), state.data_ptr(), scratch.data_ptr(),
-                         prof)
-    return out if ok else None
+        registry.c_call("pt_delta_chunked", args, out.data_ptr(), state.data_ptr(), scratch.data_ptr(), prof)
+    return out
+
+
+_C_DTYPES = (torch.float32, torch.bfloat16)
+# fn(q, k, v, g, beta, scale, chunk_size, cu_seqlens, qk_l2norm) -> [T, H, V] float32
+DELTA_RULE = registry.op("delta_rule", lambda q, *args: (q.device, q.dtype))
+NATIVE_RULE = DELTA_RULE.register("native C pt_delta_chunked", _rule_c, accepts=_rule_c_accepts,
+                                  dtypes=(torch.float32,), available=lambda: native.available(), priority=10,
+                                  entry="pt_delta_chunked")
+TORCH_RULE = DELTA_RULE.register("torch chunked", delta_rule_torch, devices=("cpu", "cuda"))
+# fn(q, k, v, beta, qk_l2norm, plan) -> (q, k, k * beta, v * beta) in the chunk layout
+CHUNK_LAYOUT = registry.op("chunk_layout", lambda q, *args: (q.device, q.dtype))
+NATIVE_LAYOUT = CHUNK_LAYOUT.register("native C pt_chunk_gather", _layout_c, accepts=_layout_c_accepts,
+                                      dtypes=(torch.float32,), available=lambda: native.available(), priority=10,
+                                      entry="pt_chunk_gather")
+TORCH_LAYOUT = CHUNK_LAYOUT.register("torch", _layout_torch, devices=("cpu", "cuda"))
+# The "gated_delta" op (the Gated DeltaNet's token mixing), its kernels all fn(qkv [T, conv_dim], conv_weight
+# [conv_dim, W], g [T, Hv] f32, beta [T, Hv] f32, hk, dk, hv, dv, cu_seqlens: list[int] | None, cu_seqlens_device:
+# torch.Tensor | None) -> o [T, Hv, dv] float32: the C pass and the chunked composition here, the bf16 pass in
+# `bf16.py`, flash-linear-attention's in `fla.py`
+GATED_DELTA = registry.op("gated_delta", lambda qkv, *args, **kwargs: (qkv.device, qkv.dtype))
+NATIVE = GATED_DELTA.register("native C pt_delta_chunked", gated_delta_native, accepts=_gated_delta_c_accepts,
+                              dtypes=_C_DTYPES, available=lambda: native.available(), priority=10,
+                              entry="pt_delta_chunked")
+TORCH = GATED_DELTA.register("chunked (conv1d, then delta_rule)", gated_delta_torch, devices=("cpu",))
+# fla's kernels take bf16/fp16 (their fp32 dots may run as TF32): a float32 forward on CUDA stays on the exact
+# chunked path, so float32 remains the reference on every device; other dtypes on CUDA without fla run it slowly
+GATED_DELTA.register("chunked (conv1d, then delta_rule)", gated_delta_torch, devices=("cuda",), dtypes=(torch.float32,))
+GATED_DELTA.register("chunked (conv1d, then delta_rule; slow)", gated_delta_torch, devices=("cuda",), priority=-10,
+                     slow=True)

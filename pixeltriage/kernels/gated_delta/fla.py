@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from pixeltriage.errors import BackendUnavailableError
 from pixeltriage.kernels import registry
+from pixeltriage.kernels.conv import CONV1D
+from pixeltriage.kernels.gated_delta.chunk import GATED_DELTA
 from pixeltriage.kernels.gated_delta.shapes import check_projection
 
 FLA_CHUNK = 64           # fla's chunk size for the gated delta rule and its conv's rows per program
@@ -75,9 +77,9 @@ def gated_delta_fla(qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tenso
     cu_device = cu_seqlens_device if varlen else None
     indices = varlen_chunk_indices(cu_seqlens, cu_device) if varlen else None
     dtype = qkv.dtype if qkv.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    conv = registry.choose("conv1d", qkv.device, qkv.dtype)
-    # fla's conv returns qkv's dtype (rounded once), the torch fallback float32: q, k, v reach fla in `dtype`
-    mixed = conv.fn(qkv, conv_weight, cu_seqlens if varlen else None, cu_device, chunk_indices=indices).to(dtype)
+    # the "conv1d" op: fla's conv returns qkv's dtype (rounded once), the torch fallback float32: q, k, v reach fla
+    # in `dtype`
+    mixed = CONV1D(qkv, conv_weight, cu_seqlens if varlen else None, cu_device, chunk_indices=indices).to(dtype)
     q, k, v = mixed.split([num_k_heads * k_dim, num_k_heads * k_dim, num_v_heads * v_dim], dim=-1)
     o, _ = chunk_gated_delta_rule(
         q.unflatten(-1, (num_k_heads, k_dim))[None], k.unflatten(-1, (num_k_heads, k_dim))[None],
@@ -135,3 +137,9 @@ def causal_conv1d_silu_fla(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: li
                          cu_seqlens=cu_seqlens_device if varlen else None,
                          chunk_indices=chunk_indices if varlen else None)
     return y[0]
+
+
+# bf16/fp16 on CUDA (float32 under the test switch, where the interpreter runs it)
+FLA = GATED_DELTA.register("fla chunk_gated_delta_rule", gated_delta_fla, devices=("cuda",),
+                           dtypes=(torch.bfloat16, torch.float16), available=lambda: available(), priority=20,
+                           package=FLA_REQUIREMENT)

@@ -9,10 +9,10 @@ Registers the "head" op (`kernels.registry`), its kernels fn(*args of `decision_
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from pixeltriage import settings
 from pixeltriage.errors import BackendUnavailableError
 from pixeltriage.kernels import registry
 from pixeltriage.kernels.head.reference import HeadOutput, decision_head_reference, final_norm_rows
@@ -27,7 +27,7 @@ def _triton_installed() -> bool:
 
 
 def _triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
+    return settings.current().triton_interpret
 
 
 def _run_triton(*args) -> HeadOutput:
@@ -38,11 +38,11 @@ def _run_triton(*args) -> HeadOutput:
     return decision_head_triton(*args)
 
 
-TRITON = registry.register("head", "triton fused head", _run_triton, devices=("cuda",),
-                           available=lambda: _triton_installed(), priority=10, package="triton")
-TORCH = registry.register("head", "torch reference", decision_head_reference, devices=("cpu",))
-registry.register("head", "torch reference", decision_head_reference, devices=("cuda",), slow=True)
-_BACKEND_KERNELS = {"triton": TRITON, "torch": TORCH}
+HEAD = registry.op("head", lambda hidden, *args: (hidden.device, hidden.dtype))
+TRITON = HEAD.register("triton fused head", _run_triton, devices=("cuda",), available=lambda: _triton_installed(),
+                       priority=10, package="triton")
+TORCH = HEAD.register("torch reference", decision_head_reference, devices=("cpu",))
+TORCH_CUDA = HEAD.register("torch reference", decision_head_reference, devices=("cuda",), slow=True)
 
 
 def resolve_head_backend(name: str, device: torch.device) -> str:
@@ -69,9 +69,13 @@ def resolve_head_backend(name: str, device: torch.device) -> str:
 
 
 def decision_head(backend: str, *args) -> HeadOutput:
-    """Run the decision head on `backend` ("auto" | "triton" | "torch"); args as `decision_head_reference`
-    (hidden [T, H] first) -> HeadOutput(p_vis [B], gains [M], relevance [M], relevance_none [B])."""
-    return _BACKEND_KERNELS[resolve_head_backend(backend, args[0].device)].fn(*args)
+    """Run the decision head on `backend` ("auto": the "head" op's kernel; "triton" | "torch": that kernel, through
+    `registry.run`); args as `decision_head_reference` (hidden [T, H] first) -> HeadOutput(p_vis [B], gains [M],
+    relevance [M], relevance_none [B])."""
+    if backend == "auto":
+        return HEAD(*args)
+    chosen = resolve_head_backend(backend, args[0].device)
+    return registry.run(TRITON if chosen == "triton" else TORCH, *args)
 
 
 def __getattr__(name: str):

@@ -1,22 +1,31 @@
-"""Small C kernels for the CPU path, compiled on first use with the machine's C compiler and loaded with ctypes.
+"""Small C kernels for the CPU path, built with the package and loaded with ctypes.
 
 torch runs the engine's elementwise chains as one pass over memory per op; where a chain sits between two
 matmuls a C loop that keeps each row in registers does the same arithmetic in one pass. The largest is the
 Gated DeltaNet's token mixing (`pt_delta_chunked`): conv1d + SiLU, L2 norms, each chunk's decays, UT inverse
 and small products (register-blocked FMA outer products) and the recurrence, in one pass per head whose
-working set stays in cache. The source ships with the package (`cpu_kernels.c`, plain C11 + OpenMP, no torch
-headers: it builds in about a second) and is built with `-O3 -march=native` into the engine's cache
-directory, keyed by the source, the compiler binary and this CPU's flags, so a cache shared between machines
-never hands one machine another's instructions. Built by GCC, the library links libgomp, which resolves to the
-copy torch has already loaded (same soname), so its threads are torch's threads; clang's `-fopenmp` links
-libomp instead, a second thread pool beside torch's. `CC` names one compiler executable (no extra words).
+working set stays in cache. The sources ship with the package (a file per op family: norm_act.c and its AVX-512
+twin, conv.c, delta.c, delta_bf16.c, attention.c, attention_bf16.c, features.c, over the shared headers vec.h,
+matmul.h, matmul_bf16.h; plain C11 + OpenMP, no torch headers).
 
-Every native kernel has a torch implementation beside it, used when there is no compiler, the build fails, or
+The package build (setup.py) compiles them once per x86 level (`variants`: x86-64-v3, x86-64-v4, AVX512-BF16,
+AMX), once portable, once emulated, into `prebuilt/`; at load the probe library reads this CPU's instruction sets
+(`cpu_features`: CPUID, and for AMX the tile state Linux grants) and the best build they run is loaded
+(`variant()`). A source checkout whose prebuilt libraries are missing or older than its sources builds the one it
+needs on first use with the machine's C compiler (`CC`: one executable, no extra words) into the engine's cache
+directory, keyed by the sources, the compiler and the flags. Built by GCC, the library links libgomp, which
+resolves to the copy torch has already loaded (the same soname: it is loaded after torch), so its threads are
+torch's threads; clang's `-fopenmp` links libomp instead, a second thread pool beside torch's.
+
+Every entry point is declared once, in `abi.h` (`abi.py` binds the library from it and writes the checks each build
+compiles), and called through `call`, the one place Python calls into the library: it returns 0 where the kernel
+ran, else a decline code (`decline_reason`), which `kernels.registry.c_call` turns into a decline: the op's next
+kernel runs the call, counted and logged once per reason. Every native kernel has a torch
+implementation beside it, used when no library loads (no prebuilt one and no compiler, a failed build) or
 `PIXELTRIAGE_NATIVE=0` is set; `available()` says which is in use and `status()` why. The tests compare the two.
 
-The AVX-512 and AMX paths (the bf16 kernels, the vector conv and math) are built where `-march=native` finds those
-units. `PIXELTRIAGE_NATIVE_ISA=emulated` (or `emulated_isa()`, for a block of code) builds and loads the same sources
-with `isa_emulation.h` in place of the CPU's intrinsics instead: every such path then runs on any CPU, slowly, so
+`PIXELTRIAGE_NATIVE_ISA=emulated` (or `emulated_isa()`, for a block of code) loads the emulated build instead, with
+`isa_emulation.h` in place of the CPU's AVX-512 and AMX intrinsics: every such path then runs on any CPU, slowly, so
 that their tests check them on machines without the units (`isa.h` says what the sources test).
 """
 from __future__ import annotations
@@ -30,42 +39,32 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
+
+from pixeltriage import settings
+from pixeltriage.errors import BackendUnavailableError
+from pixeltriage.kernels.native import abi, variants
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# -fno-trapping-math: nothing here reads the floating-point exception flags, and with them kept GCC does not
-# if-convert the clamps and selects of the scalar loops (exp, SiLU), so e.g. the AVX2 build's conv stayed scalar
-# (its bench-small delta pass 0.61x with the flag; outputs bit-identical)
-FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-         "-fopenmp-simd"]
-# the emulated build's (isa.h); its 64-byte vectors between inline functions draw GCC's ABI note, which means nothing
-EMULATION_FLAGS = ["-DPT_ISA_EMULATION", "-Wno-psabi"]
 ISA_SWITCH = "PIXELTRIAGE_NATIVE_ISA"       # "native" (the default) or "emulated"
-_state: dict[str, str] = {}        # each C source's build status, by its file name (+ " emulated")
+_state: dict[str, str] = {}        # what loading each build did, by its name
 _isa_override: list[bool] = []     # emulated_isa()'s, innermost last: before the environment
 
 
 def _disabled() -> bool:
-    return os.environ.get("PIXELTRIAGE_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+    return not settings.current().native
 
 
-@functools.cache
 def _isa_switch() -> bool:
-    """PIXELTRIAGE_NATIVE_ISA, read once per process (like the libraries it picks): True for "emulated"."""
-    value = os.environ.get(ISA_SWITCH, "native").strip().lower() or "native"
-    if value not in ("native", "emulated"):
-        raise ValueError(f"{ISA_SWITCH}={value!r}: expected 'native' (the CPU's own instructions) or 'emulated' "
-                         "(AVX-512 and AMX in portable C, for tests)")
-    return value == "emulated"
+    """PIXELTRIAGE_NATIVE_ISA (`pixeltriage.settings`): True for "emulated"."""
+    return settings.current().native_isa == "emulated"
 
 
 def isa_emulated() -> bool:
@@ -92,8 +91,8 @@ def per_isa(fn: Callable[[bool], T]) -> Callable[[], T]:
 
 @contextlib.contextmanager
 def emulated_isa(on: bool = True) -> Iterator[None]:
-    """Inside the block, every kernel library (this one's and `kernels.simd`'s) is the emulated build (on=True) or
-    the CPU's own (False), whatever PIXELTRIAGE_NATIVE_ISA says; both stay loaded. Process-wide, not per thread: for
+    """Inside the block, the kernel library is the emulated build (on=True) or the one this CPU runs (False),
+    whatever PIXELTRIAGE_NATIVE_ISA says; both stay loaded. Process-wide, not per thread: for
     tests and tools, not for a server with requests in flight."""
     _isa_override.append(on)
     try:
@@ -111,8 +110,9 @@ def _compiler() -> str | None:
 
 def cpuinfo_fields(text: str | None = None) -> dict[str, str]:
     """/proc/cpuinfo's fields (or `text`'s), each key's first value: "vendor_id", "model name" and "flags" on x86,
-    "Features" and "CPU implementer" on aarch64; {} where there is no such file. The one reader of the file for the
-    build's key, `kernels.tuning.machine_key` and `bench.timing.cpu_machine`."""
+    "Features" and "CPU implementer" on aarch64; {} where there is no such file. The one reader of the file, for
+    `kernels.tuning.machine_key` and `bench.timing.cpu_machine` (the kernels' build is chosen from CPUID instead:
+    `cpu_features`)."""
     if text is None:
         try:
             text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
@@ -137,101 +137,117 @@ def _build_dir() -> Path:
     return cache_dir() / "native"
 
 
-def _compile(cc: str, source: Path, out: Path, flags: list[str]) -> None:
-    """Build `source` into the library at `out` (atomically: concurrent builders each rename a complete file into
-    place)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        errors = []
-        for openmp in (["-fopenmp"], []):              # without OpenMP the pragmas are ignored: one thread
-            cmd = [cc, *flags, *openmp, str(source), "-o", tmp, "-lm"]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                if not openmp:
-                    log.warning("%s built without OpenMP (%s): it runs on one thread", source.name, cc)
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o755 & ~umask)       # mkstemp made it 0600: readable by every user of the cache
-                os.replace(tmp, out)
-                return
-            errors.append(f"$ {' '.join(cmd)}\n{r.stderr.strip()[-2000:]}")
-        raise RuntimeError("\n".join(errors))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def build(source: Path, prefix: str, what: str, instead: str = "the torch implementations",
-          emulated: bool = False) -> ctypes.CDLL | None:
-    """Build (once per source, compiler binary, flags and CPU) and load the C library of `source`, named
-    `{prefix}_{key}.so` in the build directory (`emulated_{prefix}_{key}.so` for the emulated build, `isa.h`); None
-    when disabled, not on Linux, without a compiler, or when the build fails (`build_status(source, emulated)` says
-    which; the warning names `instead`, what runs in its place). Every C source of the package goes through here."""
+def _load(variant: variants.Variant, names: Sequence[str] | None = None) -> ctypes.CDLL | None:
+    """The library of `variant`, bound from abi.h (its entry points `names`; None: all): the package's prebuilt one,
+    else built here on first use (once per sources, compiler and flags) as `{prefix}_{key}.so` in the cache; None
+    when disabled, not on Linux, without either, or when the build fails (`status()` says which, a warning names
+    the torch implementations running instead). Loaded after torch, whose OpenMP runtime it then shares."""
     def done(status: str, lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
-        _state[_state_key(source, emulated)] = status
+        _state[variant.name] = status
         return lib
-
-    flags = FLAGS + EMULATION_FLAGS if emulated else FLAGS
-    if emulated:
-        prefix, what = f"emulated_{prefix}", f"{what} (AVX-512 and AMX emulated)"   # not in the native build's glob
 
     if _disabled():
         return done("disabled by PIXELTRIAGE_NATIVE=0")
     if platform.system() != "Linux":
         return done(f"not built on {platform.system()} (Linux only)")
-    cc = _compiler()
-    if cc is None:
-        log.warning("%s: no C compiler found (set CC); using %s", what, instead)
-        return done("no C compiler found (set CC)")
-    try:                              # the compiler binary itself (cheaper than running `cc --version` per process)
-        real = os.path.realpath(cc)
-        st = os.stat(real)
-        compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
-    except OSError:
-        compiler = cc
-    # the headers beside the source (`#include "..."`) are part of what is built: a changed header is a new build
-    headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(flags).encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
-    path = _build_dir() / f"{prefix}_{key}.so"
+    check = abi.load().check_source(names)
+    path, how = variants.prebuilt(variant), "prebuilt"
     try:
-        if not path.is_file():
-            log.info("building %s with %s -> %s", what, cc, path)
-            _compile(cc, source, path, flags)
-            _prune(path, prefix)
+        if path is None:
+            cc = _compiler()
+            if cc is None:
+                log.warning("native CPU kernels (%s): no prebuilt library and no C compiler found (set CC); using the "
+                            "torch implementations", variant.name)
+                return done("no prebuilt library and no C compiler found (set CC)")
+            key = hashlib.sha256("\0".join([variants.sources_key(), check, _compiler_key(cc), *variant.flags,
+                                            variants.machine()]).encode()).hexdigest()[:20]
+            prefix = f"pixeltriage_{variant.name}"
+            path, how = _build_dir() / f"{prefix}_{key}.so", "built on first use"
+            if not path.is_file():
+                log.info("building the native CPU kernels (%s) with %s -> %s", variant.name, cc, path)
+                if not variants.compile(cc, variant, path, check):
+                    log.warning("native CPU kernels (%s) built without OpenMP (%s): one thread", variant.name, cc)
+                _prune(path, prefix)
         import torch  # noqa: F401  (torch's OpenMP runtime is loaded first, so the library binds to it)
 
-        lib = ctypes.CDLL(str(path))
+        lib = abi.load().bind(ctypes.CDLL(str(path)), names)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         status = f"build or load failed: {str(e).strip()[:4000]}"
-        log.warning("%s unavailable, using %s: %s", what, instead, status)
+        log.warning("native CPU kernels (%s) unavailable, using the torch implementations: %s", variant.name, status)
         return done(status)
-    return done(f"loaded {path}", lib)
+    return done(f"loaded {variant.name} ({how}): {path}", lib)
 
 
-def _state_key(source: Path, emulated: bool) -> str:
-    return source.name + (" emulated" if emulated else "")
+def _compiler_key(cc: str) -> str:
+    """The compiler binary itself (cheaper than running `cc --version` per process)."""
+    try:
+        real = os.path.realpath(cc)
+        st = os.stat(real)
+        return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        return cc
 
 
-def build_status(source: Path, emulated: bool | None = None) -> str:
-    """What `build` did with `source` (its emulated build if emulated; None: the one `isa_emulated()` says) in this
+# the probe library's entry points (features.c alone: `variants.probe`)
+PROBE = ("pt_build_features", "pt_bf16_engines", "pt_cpu_features")
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """This CPU's instruction sets, abi.h's pt_feature keys ("avx2", "avx512f", "avx512_bf16", "amx", ...): CPUID and
+    what the OS saves, read by the probe library, which asks Linux for the AMX tile state; empty where the probe
+    does not load (then no kernel build does either)."""
+    lib = _load(variants.probe(), PROBE)
+    return frozenset() if lib is None else _features(lib, "pt_cpu_features")
+
+
+def _features(lib: ctypes.CDLL, query: str) -> frozenset[str]:
+    """A feature query of a library being loaded (the probe, or a build before it is put in use: `call` runs only
+    the library in use) as pt_feature keys."""
+    bits = ctypes.c_uint64()
+    getattr(lib, query)(ctypes.byref(bits))
+    return _feature_keys(bits.value)
+
+
+def _feature_keys(bits: int) -> frozenset[str]:
+    return frozenset(m.key for m in abi.load().enums["pt_feature"].members if bits & m.value)
+
+
+def chosen(emulated: bool) -> variants.Variant:
+    """The build this process loads: the emulated one, or the best this CPU runs (`variants.choose`)."""
+    return variants.emulated() if emulated else variants.choose(cpu_features())
+
+
+def build_status(emulated: bool | None = None) -> str:
+    """What loading the build in use did (the emulated one if emulated; None: the one `isa_emulated()` says) in this
     process ("not loaded" before it was asked)."""
-    return _state.get(_state_key(source, isa_emulated() if emulated is None else emulated), "not loaded")
+    return _state.get(chosen(isa_emulated() if emulated is None else emulated).name, "not loaded")
 
 
 @per_isa
 def library(emulated: bool) -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (then callers take their torch path); built once per machine (and once
-    more for the emulated build, `isa_emulated()`)."""
-    lib = build(SOURCE, "pixeltriage_cpu", "native CPU kernels", emulated=emulated)
-    if lib is not None:
-        _declare(lib)
+    """The loaded kernel library, bound from abi.h, or None (then no op runs a C kernel): the build this CPU
+    runs best (`chosen`), or the emulated one (`isa_emulated()`). A build compiled for instruction sets the CPU
+    lacks (a mistake in `variants`' table) is refused before any kernel runs."""
+    variant = chosen(emulated)
+    lib = _load(variant)
+    if lib is None or emulated:
+        return lib
+    missing = _features(lib, "pt_build_features") - cpu_features()
+    if missing:
+        _state[variant.name] = f"refused: {variant.name} is built for {sorted(missing)}, which this CPU lacks"
+        log.error("native CPU kernels: %s; using the torch implementations", _state[variant.name])
+        return None
     return lib
 
 
-KEEP_BUILDS = 8     # builds kept per cache directory (other sources, compilers or CPUs sharing it), newest first
+def variant() -> str | None:
+    """The name of the build in use ("amx", "avx512bf16", "x86-64-v4", "x86-64-v3", "portable", or "emulated"
+    under `isa_emulated()`), or None where no library is loaded."""
+    return chosen(isa_emulated()).name if library() is not None else None
+
+
+KEEP_BUILDS = 8     # first-use builds kept per build in the cache (other sources or compilers sharing it), newest first
 
 
 def _prune(keep: Path, prefix: str) -> None:
@@ -272,14 +288,69 @@ def checked_out(out, shape: tuple[int, ...], like):
     return out
 
 
-def call(kernel: str, *args) -> bool:
-    """Run `kernel` with `args` and this process's torch thread count appended; True when the library is built
-    and the kernel returned 0 (a kernel refuses arguments it does not handle before it writes anything, so on
-    False the caller takes its torch path)."""
+# `call`'s code of its own, beside abi.h's: the entry point is named by PIXELTRIAGE_TEST_DECLINE and was not called
+FORCED_DECLINE = -1
+
+
+def call(kernel: str, *args) -> int:
+    """Run C entry point `kernel` (abi.h) with `args`, and torch's thread count where its last parameter is nthreads:
+    0 where it ran, else its decline code (`decline_reason`; a kernel declines before it writes anything, and the
+    registry runs the op's next kernel: `kernels.registry.c_call`). FORCED_DECLINE, without calling it, for an entry
+    point PIXELTRIAGE_TEST_DECLINE names (tests). The one place Python calls into the library.
+    BackendUnavailableError where no library is loaded (callers ask `handles` or `available` first)."""
     import torch
 
+    if kernel in settings.current().test_decline:
+        return FORCED_DECLINE
     lib = library()
-    return lib is not None and getattr(lib, kernel)(*args, torch.get_num_threads()) == 0
+    if lib is None:
+        raise BackendUnavailableError(f"{kernel}: the native CPU kernels are not loaded ({status()})")
+    if abi.load().functions[kernel].threaded:
+        args = (*args, torch.get_num_threads())
+    return getattr(lib, kernel)(*args)
+
+
+def struct(name: str, **fields) -> ctypes.Structure:
+    """abi.h's struct `name` with every field given (TypeError for one missing or unknown): an entry point's argument
+    block, passed to `call` as it is."""
+    header = abi.load()
+    if name not in header.structs:
+        raise TypeError(f"abi.h has no struct {name!r}")
+    names = [f.name for f in header.structs[name]]
+    if set(fields) != set(names):
+        missing, unknown = sorted(set(names) - set(fields)), sorted(set(fields) - set(names))
+        raise TypeError(f"{name}: fields missing {missing}, unknown {unknown}")
+    return header.struct(name)(**fields)
+
+
+def query(name: str, *args) -> int | tuple[int, ...]:
+    """A query entry point (abi.h: scratch sizes, the build's engines and features) with `args`, its trailing
+    pointer parameters filled by the library: their value (a tuple for several)."""
+    header = abi.load()
+    outs = [header.ctype(abi.Decl(p.base, p.name))() for p in header.functions[name].params[len(args):]]
+    code = call(name, *args, *map(ctypes.byref, outs))
+    if code:
+        raise RuntimeError(f"{name}{args}: {decline_reason(name, code)}")
+    values = tuple(o.value for o in outs)
+    return values[0] if len(values) == 1 else values
+
+
+# abi.h's decline codes by key ("shape", "isa", "workspace", "argument", "dtype"): what `call` returns besides 0
+DECLINE = {m.key: m.value for m in abi.load().status.members if m.value}
+
+
+def decline_reason(name: str, code: int) -> str:
+    """Why entry point `name` returned `code`: abi.h's words for it, e.g. "shape (T < 0, D < 1)"; "ran" for 0."""
+    if code == FORCED_DECLINE:
+        return "forced by PIXELTRIAGE_TEST_DECLINE"
+    header = abi.load()
+    member = next((m for m in header.status.members if m.value == code), None)
+    if member is None:
+        return f"code {code}, not one of abi.h's pt_status"
+    if member.value == 0:
+        return "ran"
+    detail = header.functions[name].declines.get(member.key)
+    return f"{member.key} ({detail})" if detail else f"{member.key}: {member.text}"
 
 
 # ---- parts of a kernel's call measured inside it (the delta passes' conv + SiLU), for a profiler ----------------
@@ -328,8 +399,9 @@ def available() -> bool:
 
 
 # The engines of the bf16 kernels' products (`pt_delta_chunked_bf16`, the bf16 attention), by the number the kernels
-# take: float32 multiply-adds of the bf16 operands (any machine), AVX512-BF16 dot products, AMX tiles.
-BF16_ENGINES = {"fma": 0, "avx512_bf16": 1, "amx": 2}
+# take (abi.h's pt_bf16_engine): float32 multiply-adds of the bf16 operands (any machine), AVX512-BF16 dot products,
+# AMX tiles.
+BF16_ENGINES = abi.load().enums["pt_bf16_engine"].by_key()
 # The engines a bf16 forward's kernels run on, best first: "fma" is the others' reference, for the tests, slower
 # than the float32 kernels it would replace.
 FAST_BF16_ENGINES = ("amx", "avx512_bf16")
@@ -340,11 +412,22 @@ def bf16_engines(emulated: bool) -> frozenset[str]:
     """The bf16 engines this machine's build runs (empty without the library): the build has what `-march=native`
     found on this CPU, and AMX only once Linux has granted the process its tile state (asked here, once); the
     emulated build has all three."""
-    lib = library.of(emulated)
-    if lib is None:
-        return frozenset()
-    bits = lib.pt_bf16_engines()
+    with emulated_isa(emulated):
+        if library() is None:
+            return frozenset()
+        bits = query("pt_bf16_engines")
     return frozenset(name for name, number in BF16_ENGINES.items() if bits >> number & 1)
+
+
+@per_isa
+def build_features(emulated: bool) -> frozenset[str]:
+    """The instruction sets the library was compiled for (abi.h's pt_feature: "avx2", "avx512f", "avx512_bf16",
+    "amx", "emulated", ...); empty without the library."""
+    with emulated_isa(emulated):
+        if library() is None:
+            return frozenset()
+        bits = query("pt_build_features")
+    return frozenset(m.key for m in abi.load().enums["pt_feature"].members if bits & m.value)
 
 
 def fast_bf16_engine() -> str | None:
@@ -359,8 +442,8 @@ def on_this_engine(record: dict) -> bool:
     return record.get("engine") == fast_bf16_engine()
 
 
-# vec_math.h's functions that `vec_math` evaluates (`pt_vec_math`'s `which`)
-VEC_MATH = {"exp": 0, "exp2_bf16": 1, "silu": 2, "silu_bf16": 3}
+# vec_math.h's functions that `vec_math` evaluates (`pt_vec_math`'s `which`, abi.h's pt_vec_fn)
+VEC_MATH = abi.load().enums["pt_vec_fn"].by_key()
 
 
 def vec_math(name: str, x: torch.Tensor) -> torch.Tensor | None:
@@ -373,67 +456,15 @@ def vec_math(name: str, x: torch.Tensor) -> torch.Tensor | None:
         raise ValueError(f"{name!r} is not one of {sorted(VEC_MATH)}")
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"a float32 CPU tensor expected, got {x.dtype} on {x.device}")
-    lib = library()
-    if lib is None:
+    if library() is None:
         return None
     x = x.contiguous()
     out = torch.empty_like(x)
-    return out if lib.pt_vec_math(VEC_MATH[name], x.data_ptr(), x.numel(), out.data_ptr()) == 0 else None
+    return out if call("pt_vec_math", VEC_MATH[name], x.data_ptr(), x.numel(), out.data_ptr()) == 0 else None
 
 
 def status() -> str:
+    """The build in use and how it was found, e.g. "loaded avx512bf16 (prebuilt): <path>", or why none is."""
     library()
     emulated = isa_emulated()
-    return build_status(SOURCE, emulated) + (" (AVX-512 and AMX emulated in portable C)" if emulated else "")
-
-
-_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.pt_causal_conv1d_silu.argtypes = [_ptr, _i32, _i64, _ptr, _i32, _ptr, _i64, _i64, _ptr, _i32]
-    lib.pt_causal_conv1d_silu.restype = _i32
-    lib.pt_chunk_gather.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32,
-                                    ctypes.c_float, _ptr, _ptr, _i32]
-    lib.pt_chunk_gather.restype = _i32
-    lib.pt_rms_norm_gated.argtypes = [_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i64, _i64,
-                                      ctypes.c_float, _ptr, _i32]
-    lib.pt_rms_norm_gated.restype = _i32
-    lib.pt_add_norm.argtypes = [_ptr, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i64, _i64, ctypes.c_float, _ptr, _i32,
-                                _i32]
-    lib.pt_add_norm.restype = _i32
-    lib.pt_silu_mul.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i32]
-    lib.pt_silu_mul.restype = _i32
-    lib.pt_gelu_tanh.argtypes, lib.pt_gelu_tanh.restype = [_ptr, _i64, _i32], _i32
-    lib.pt_rotary.argtypes = [_ptr, _i32, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
-                              _i32]
-    lib.pt_rotary.restype = _i32
-    lib.pt_delta_chunked.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-                                     _i64, _i64, _i64, _i64, _i64, _i32, ctypes.c_float, _ptr, ctypes.c_float,
-                                     ctypes.c_float, ctypes.c_float, _ptr, _i32, _i64, _ptr, _i32, _i64, _i64, _ptr,
-                                     _ptr, _ptr, _ptr, _ptr, _i32]
-    lib.pt_delta_chunked.restype = _i32
-    lib.pt_bf16_engines.argtypes = []
-    lib.pt_bf16_engines.restype = _i32
-    lib.pt_delta_chunked_bf16.argtypes = [*lib.pt_delta_chunked.argtypes[:-5], _i32, _ptr, _ptr, _ptr, _i64, _ptr,
-                                          _i32]
-    lib.pt_delta_chunked_bf16.restype = _i32
-    lib.pt_bf16_pack.argtypes = [_i32, _i32, _ptr, _i64, _i64, _ptr, _ptr]
-    lib.pt_bf16_pack.restype = _i32
-    lib.pt_vec_math.argtypes, lib.pt_vec_math.restype = [_i32, _ptr, _i64, _ptr], _i32
-    lib.pt_segment_attention_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                              _ptr, _ptr, _i64, ctypes.c_float, _i32, _ptr, _ptr, _i64, _i32]
-    lib.pt_segment_attention_bf16.restype = _i32
-    lib.pt_delta_chunked_bf16_scratch.argtypes = [_i64, _i64, _i64]
-    lib.pt_delta_chunked_bf16_scratch.restype = _i64
-    lib.pt_segment_attention_scratch.argtypes = [_i64, _i64]
-    lib.pt_segment_attention_scratch.restype = _i64
-    lib.pt_causal_attention_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
-                                             _ptr, _ptr, _i64, ctypes.c_float, _i32, _ptr, _ptr, _i64, _ptr, _i64, _i32]
-    lib.pt_causal_attention_bf16.restype = _i32
-    for name in ("pt_causal_attention_scratch", "pt_causal_attention_kv"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [_i64, _i64], _i64
-    lib.pt_attention_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr,
-                                     _ptr, _i64, _i32, ctypes.c_float, _ptr, _ptr, _i64, _ptr, _i64, _i32]
-    lib.pt_attention_f32.restype = _i32
-    lib.pt_attention_f32_scratch.argtypes, lib.pt_attention_f32_scratch.restype = [_i64, _i64], _i64
+    return build_status(emulated) + (" (AVX-512 and AMX emulated in portable C)" if emulated else "")

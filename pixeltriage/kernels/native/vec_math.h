@@ -1,4 +1,4 @@
-/* AVX-512F vector math shared by the native sources (simd.c, cpu_kernels.c): e^x, 2^x, sigmoid and SiLU on 16
+/* AVX-512F vector math shared by the native sources (through vec.h): e^x, 2^x, sigmoid and SiLU on 16
  * floats, bf16 widening and lane masks. Included inside each source's AVX-512 section, after isa.h (the CPU's
  * intrinsics, or isa_emulation.h's); kernels/native hashes it into every build's cache key with the source. */
 #ifndef PT_VEC_MATH_H

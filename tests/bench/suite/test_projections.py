@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pixeltriage.kernels import linear
 
-pytestmark = [pytest.mark.bench, pytest.mark.skipif(not linear._fused_available(torch.float32),
+pytestmark = [pytest.mark.bench, pytest.mark.skipif(not linear.onednn_available(torch.float32),
                                                     reason="this torch has no oneDNN linear primitive")]
 ROUNDS = 15
 ROWS = 2296

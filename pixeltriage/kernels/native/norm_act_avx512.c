@@ -1,8 +1,9 @@
 /* AVX-512 passes of the bf16 forward's SiLU-gated products (pixeltriage/kernels/simd.py has their story): SwiGLU's
- * silu(gate) * up, the Gated DeltaNet's output norm, the attention output gate. Built by kernels/native like
- * cpu_kernels.c; without AVX512-F/BW/VL/BF16 every function declines (returns 1) and pt_simd_available is 0. */
+ * silu(gate) * up, the Gated DeltaNet's output norm, the attention output gate. Without AVX512-F/BW/VL/BF16 every
+ * function declines (PT_DECLINE_ISA). Contracts, Python references and tests: abi.h. */
 #include <stdint.h>
 
+#include "abi.h"
 #include "isa.h"
 #if defined(PT_AVX512F) && defined(PT_AVX512BW) && defined(PT_AVX512VL) && defined(PT_AVX512BF16)
 
@@ -14,12 +15,10 @@ static inline void store16(uint16_t *p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-int pt_simd_available(void) { return 1; }
-
 /* out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu: bf16 rows of stride gu_t, out: bf16 [T, I] contiguous */
-int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) {
+PT_API int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) {
     if (T < 0 || I < 0 || gu_t < 2 * I)
-        return 1;
+        return PT_DECLINE_SHAPE;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = (const uint16_t *)gu + t * gu_t, *u = g + I;
@@ -35,17 +34,22 @@ int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *o
             store16(o + i, m, _mm512_mul_ps(silu16(y), load16(u + i, m)));
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 /* The Gated DeltaNet's output norm, pt_rms_norm_gated's bf16 case:
  *   out[r, h, :] = x[r, h, :] / sqrt(mean(x[r, h, :]^2) + eps) * w * silu(z[r, h, :])
  * x: float32 [R, H, D] with strides (x_r, x_h, 1); z: bf16 with strides (z_r, z_h, 1); w: float32 [D];
  * out: bf16 [R, H * D] contiguous */
-int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, int64_t z_r, int64_t z_h,
-                           const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int nthreads) {
+PT_API int pt_simd_rms_norm_gated(const pt_norm_gated_args *a, void *out, int nthreads) {
+    const float *x = a->x, *w = a->w;
+    const void *z = a->z;
+    int64_t x_r = a->x_r, x_h = a->x_h, z_r = a->z_r, z_h = a->z_h, R = a->R, H = a->H, D = a->D;
+    float eps = a->eps;
     if (R < 0 || H < 0 || D < 1)
-        return 1;
+        return PT_DECLINE_SHAPE;
+    if (a->z_bf16 != 1)
+        return PT_DECLINE_DTYPE;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < H; h++) {
@@ -70,7 +74,7 @@ int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void 
             }
         }
     }
-    return 0;
+    return PT_OK;
 }
 
 /* float32 -> bf16 (round to nearest even) -> float32 */
@@ -81,10 +85,12 @@ static inline __m512 round16(__m512 v) {
 /* o[r, h, :] *= sigmoid(g[r, h, :]) in place: the gated attention's output gate, with the sigmoid rounded to bf16
  * before the product, as torch's bf16 sigmoid then multiply (and transformers) round it. o, g: bf16 [R, H, D] with
  * strides (o_r, o_h, 1) and (g_r, g_h, 1) */
-int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64_t g_r, int64_t g_h, int64_t R,
-                         int64_t H, int64_t D, int nthreads) {
+PT_API int pt_simd_sigmoid_gate(const pt_gate_args *a, int nthreads) {
+    void *o = a->o;
+    const void *g = a->g;
+    int64_t o_r = a->o_r, o_h = a->o_h, g_r = a->g_r, g_h = a->g_h, R = a->R, H = a->H, D = a->D;
     if (R < 0 || H < 0 || D < 0)
-        return 1;
+        return PT_DECLINE_SHAPE;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < H; h++) {
@@ -101,17 +107,19 @@ int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64
             }
         }
     }
-    return 0;
+    return PT_OK;
 }
 #else
-int pt_simd_available(void) { return 0; }
-int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) { return 1; }
-int pt_simd_rms_norm_gated(const float *x, int64_t x_r, int64_t x_h, const void *z, int64_t z_r, int64_t z_h,
-                           const float *w, int64_t R, int64_t H, int64_t D, float eps, void *out, int nthreads) {
-    return 1;
+PT_API int pt_simd_silu_mul(const void *gu, int64_t gu_t, int64_t T, int64_t I, void *out, int nthreads) {
+    (void)gu, (void)gu_t, (void)T, (void)I, (void)out, (void)nthreads;
+    return PT_DECLINE_ISA;
 }
-int pt_simd_sigmoid_gate(void *o, int64_t o_r, int64_t o_h, const void *g, int64_t g_r, int64_t g_h, int64_t R,
-                         int64_t H, int64_t D, int nthreads) {
-    return 1;
+PT_API int pt_simd_rms_norm_gated(const pt_norm_gated_args *a, void *out, int nthreads) {
+    (void)a, (void)out, (void)nthreads;
+    return PT_DECLINE_ISA;
+}
+PT_API int pt_simd_sigmoid_gate(const pt_gate_args *a, int nthreads) {
+    (void)a, (void)nthreads;
+    return PT_DECLINE_ISA;
 }
 #endif
