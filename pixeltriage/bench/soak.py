@@ -21,16 +21,16 @@ scored in this process first (`Scorer.score`: every normal response's expected a
    - overload bursts (3 x `--max-queued` concurrent normal requests at once, every 15 s: 200s checked like
      the normal ones, 429s must carry Retry-After).
 
-Every normal or burst answer is checked against its own request (echoed id, expected scores to 1e-5); a response
-for another request counts as mixed up, a request without an answer (connection error, timeout) as lost. The
-server's RSS (VmRSS) is sampled every second; its peak is the largest sample and the kernel's VmHWM. Both the
-"after warm-up" and the "end" figures are read once the server has been idle SETTLE_S seconds, past the second
-after which it gives freed memory back (`ServeConfig.trim_idle_s`): the same idle state twice, so that their
-difference is memory the server still holds, not what malloc kept at one moment and not at the other. Normal p99
-during the mix is given over the whole mix and split into the requests that overlapped a burst and those that did
-not (the ones sent during the oversized, malformed and disconnect traffic alone). The samples taken while serving
-from SETTLED_S seconds in (half-way in shorter runs) are summed up as ten of them, their largest growth over the
-first, and their least-squares slope in MiB per hour.
+Every normal or burst answer is checked against its own request (echoed id, expected scores to 1e-5 in float32,
+`serve_load.ANSWER_TOLERANCES`); a response for another request counts as mixed up, a request without an answer
+(connection error, timeout) as lost. The server's RSS (VmRSS) is sampled every second; its peak is the largest
+sample and the kernel's VmHWM. Both the "after warm-up" and the "end" figures are read once the server has been idle
+SETTLE_S seconds, past the second after which it gives freed memory back (`ServeConfig.trim_idle_s`): the same idle
+state twice, so that their difference is memory the server still holds, not what malloc kept at one moment and not
+at the other. Normal p99 during the mix is given over the whole mix and split into the requests that overlapped a
+burst and those that did not (the ones sent during the oversized, malformed and disconnect traffic alone). The
+samples taken while serving from SETTLED_S seconds in (half-way in shorter runs) are summed up as ten of them, their
+largest growth over the first, and their least-squares slope in MiB per hour.
 
 --kinds sends only the kinds named (each in the warm-up and the mix): what grows under each. Without normal
 traffic there is no baseline and no p99 goal.
@@ -210,7 +210,7 @@ class Soak:
         if r.status_code == 200:
             result = r.json()
             phase.record("200", mixed_up=result.get("id") != request_id
-                         or not answer_matches(result, self.driver.expected[episode]))
+                         or not answer_matches(result, self.driver.expected[episode], self.driver.tolerance))
             return
         if r.status_code == 429 and "retry-after" not in r.headers:
             with self._lock:
@@ -280,7 +280,8 @@ def run_soak(args: argparse.Namespace) -> int:
     try:
         server.wait_ready()
         burst = BURST_FACTOR * args.max_queued
-        driver = Driver(server.url, eps, local.expected, connections=args.clients + burst + 8)
+        driver = Driver(server.url, eps, local.expected, connections=args.clients + burst + 8,
+                        tolerance=local.tolerance)
         soak = Soak(server, driver, eps, args.max_queued, args.seed)
         sampler = threading.Thread(target=soak.sample_rss, args=(stop,), daemon=True)
         try:

@@ -80,3 +80,25 @@ def test_serving_rss_summary():
     assert abs(r["growth"] - (530 - r["reference"]) / r["reference"]) < 1e-12
     short = serving_rss(times[:21], rss[:21], 100.0, 120.0)
     assert short["settled_s"] == 10 and short["samples"] == 11 and len(short["ten"]) == 10
+
+
+def test_answers_are_checked_at_their_dtype_s_tolerance():
+    """A bf16 server's batched answer may differ from the question scored alone by a rounding (up to 5.6e-4 seen on
+    bench-small); float32's may not. Another question's answer (other scores, another count of gains) is refused at
+    either tolerance."""
+    from types import SimpleNamespace
+
+    from pixeltriage.bench.serve_load import ANSWER_TOLERANCES, answer_matches
+
+    want = SimpleNamespace(p_vis=0.5, relevance_none=0.4, gains=[0.31, 0.62], relevance=[0.2, 0.7])
+
+    def answer(shift, gains=None):
+        return {"p_vis": 0.5 + shift, "relevance_none": 0.4 - shift, "gains": gains or [0.31 + shift, 0.62],
+                "relevance": [0.2, 0.7 - shift]}
+
+    bf16, f32 = ANSWER_TOLERANCES["bfloat16"], ANSWER_TOLERANCES["float32"]
+    assert answer_matches(answer(5.6e-4), want, bf16) and not answer_matches(answer(5.6e-4), want, f32)
+    assert answer_matches(answer(5e-6), want, f32)
+    for tolerance in (bf16, f32):
+        assert not answer_matches(answer(0.0, gains=[0.31]), want, tolerance)
+        assert not answer_matches(answer(0.05), want, tolerance)
