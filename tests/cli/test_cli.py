@@ -122,7 +122,11 @@ def test_module_and_demo(tmp_path):
                          text=True, env={**ENV, "PIXELTRIAGE_CACHE": str(tmp_path)}, timeout=900)
     assert out.returncode == 0, out.stderr
     assert "p_vis" in out.stdout and "k=1 opens memories" in out.stdout and "meaningless" in out.stdout
-    assert f"{sys.executable} -m pixeltriage score --checkpoint DIR" in out.stdout     # how to run it again
+    # how to run it again: the interpreter as the shell reaches it from here (a relative path inside this directory,
+    # as make's .venv/bin/python, else the absolute one)
+    relative = os.path.relpath(sys.executable)
+    python = sys.executable if relative.startswith("..") else relative
+    assert f"{python} -m pixeltriage score --checkpoint DIR" in out.stdout
 
 
 def test_the_demo_names_the_command_the_shell_can_run(tmp_path, monkeypatch):

@@ -477,7 +477,7 @@ def test_bf16_op_falls_back_to_the_float32_pass(monkeypatch):
     counts = record.snapshot()
     assert counts.ran("gated_delta", chunk.NATIVE.name) == 2 and counts.ran("gated_delta", bf16.BF16.name) == 0
     assert counts.declined("gated_delta", bf16.BF16.name) == {
-        "pt_delta_chunked_bf16 forced to decline by PIXELTRIAGE_TEST_DECLINE": 1}
+        "pt_delta_chunked_bf16: forced by PIXELTRIAGE_TEST_DECLINE": 1}
     assert torch.equal(on_float32, conv_chunk_gated_delta_rule(x.float(), weight, g, beta, 2, 32, 32))
     assert torch.equal(on_bf16, conv_chunk_gated_delta_rule(x, weight, g, beta, 2, 32, 32))
 
