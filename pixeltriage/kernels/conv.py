@@ -2,9 +2,10 @@
 
 Registers the "conv1d" op (`kernels.registry`), its kernels all fn(x [T, C], weight [C, W], cu_seqlens: list[int]
 | None, cu_seqlens_device: torch.Tensor | None) -> [T, C]: the C kernel on the CPU and the torch shifted
-multiply-adds everywhere (float32 out: they feed the float32 chunked rule), flash-linear-attention's Triton conv
-on CUDA for bf16/fp16 (out in x's dtype, rounded once: it feeds fla's bf16 gated delta rule). `causal_conv1d_silu`
-is the op: a float32 result from the first two, x's dtype from fla's.
+multiply-adds everywhere (float32 out: they feed the float32 chunked rule); flash-linear-attention's Triton conv
+on CUDA for bf16/fp16 (out in x's dtype, rounded once: it feeds fla's bf16 gated delta rule) is registered on it by
+`kernels.gated_delta.fla`, beside fla's rule. `causal_conv1d_silu` is the op: a float32 result from the first two,
+x's dtype from fla's.
 """
 from __future__ import annotations
 
@@ -103,24 +104,9 @@ def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch
     return F.silu(y[0, :, :seq_len]).t()
 
 
-def _fla_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None,
-              cu_seqlens_device: torch.Tensor | None = None, *, chunk_indices: torch.Tensor | None = None):
-    from pixeltriage.kernels.gated_delta.fla import causal_conv1d_silu_fla
-
-    return causal_conv1d_silu_fla(x, weight, cu_seqlens, cu_seqlens_device, chunk_indices=chunk_indices)
-
-
-def _fla_conv_available() -> bool:
-    from pixeltriage.kernels.gated_delta.fla import conv_available
-
-    return conv_available()
-
-
 # The "conv1d" op's kernels share one signature: fn(x [T, C], weight [C, W], cu_seqlens, cu_seqlens_device=None, *,
 # chunk_indices=None) -> [T, C]; the device boundaries and fla's chunk table are read by fla's kernel only.
 CONV1D = registry.op("conv1d", lambda x, *args, **kwargs: (x.device, x.dtype))
-FLA_CONV = CONV1D.register("fla causal_conv1d", _fla_conv, devices=("cuda",), dtypes=(torch.bfloat16, torch.float16),
-                           available=_fla_conv_available, priority=20, package="flash-linear-attention>=0.6")
 NATIVE = CONV1D.register("native C pt_causal_conv1d_silu", _conv_c, accepts=_conv_c_accepts,
                          dtypes=(torch.float32, torch.bfloat16), available=lambda: _native.available(), priority=10,
                          entry="pt_causal_conv1d_silu")

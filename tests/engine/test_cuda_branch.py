@@ -28,7 +28,7 @@ from pixeltriage.bench.gpu_check import max_diff
 from pixeltriage.engine import scorer as scorer_module
 from pixeltriage.engine.model import decoder_forward
 from kernel_claims import claims
-from pixeltriage.kernels import conv, head, native, registry
+from pixeltriage.kernels import head, native, registry
 from pixeltriage.kernels.gated_delta import fla
 from pixeltriage.bench.emulation import EMULATE_CUDA
 from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
@@ -86,7 +86,7 @@ def counted(monkeypatch, module, name) -> list:
     return calls
 
 
-@claims(fla.FLA, conv.FLA_CONV, head.TRITON)
+@claims(fla.FLA, fla.FLA_CONV, head.TRITON)
 def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scores, fla_interpreter, monkeypatch):
     """Each question alone through the static path a CUDA graph captures (one 64-token bucket), then both packed
     (varlen, the head's rows), through fla and the Triton head: the CPU forward's scores within TOLERANCE, and no
@@ -135,7 +135,7 @@ def test_cuda_branch_forward_equals_the_cpu_forward(grouped_checkpoint, cpu_scor
         rec.check()
 
 
-@claims(fla.FLA, conv.FLA_CONV)
+@claims(fla.FLA, fla.FLA_CONV)
 def test_a_bf16_model_hands_fla_bf16_and_grouped_heads(grouped_checkpoint, fla_interpreter, monkeypatch):
     """What reaches fla in a bf16 model (two questions packed): q, k and v in bf16 (not float32: fla's float32
     kernels would move twice the bytes and skip the tensor cores), q and k with their one key head as it is (not
@@ -237,7 +237,7 @@ def cuda_branch_scores(scorer):
     return list(zip(singles, scorer.score_states(states), strict=True))
 
 
-@claims(fla.FLA, conv.FLA_CONV, head.TRITON)
+@claims(fla.FLA, fla.FLA_CONV, head.TRITON)
 def test_bf16_cuda_branch_no_further_from_float64_than_transformers_bf16(grouped_checkpoint, references,
                                                                          fla_interpreter, monkeypatch):
     """The bf16 CUDA branch, every kernel the registry picks for bf16 on CUDA (fla's conv and chunked rule, the fused

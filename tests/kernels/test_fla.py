@@ -111,12 +111,12 @@ def check_against_references(bounds, seq_len, seed, syncs=None):
 
 
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 130])
-@claims(fla.FLA, conv.FLA_CONV)
+@claims(fla.FLA, fla.FLA_CONV)
 def test_fla_matches_torch_chunked_and_recurrence(fla_interpreter, seq_len):  # noqa: F811
     check_against_references(None, seq_len, seed=seq_len)
 
 
-@claims(fla.FLA, conv.FLA_CONV)
+@claims(fla.FLA, fla.FLA_CONV)
 def test_fla_varlen_boundaries_as_a_device_tensor(fla_interpreter):  # noqa: F811
     """Packed sequences, the first of a single token, one empty, the last over two chunks, boundaries on the
     tensors' device: no state or conv window crosses a boundary, and the kernel makes no host sync."""
@@ -130,7 +130,7 @@ def test_fla_varlen_boundaries_as_a_device_tensor(fla_interpreter):  # noqa: F81
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@claims(fla.FLA, conv.FLA_CONV)
+@claims(fla.FLA, fla.FLA_CONV)
 def test_low_precision_model_runs_fla_in_its_dtype(fla_interpreter, monkeypatch, dtype):  # noqa: F811
     """In a bf16 / fp16 model, q, k and v reach fla's chunk_gated_delta_rule in the model's dtype, q and k with their
     key heads as they are ([1, T, Hk, K]: fla takes more value heads than key heads), g and beta in float32 (as
@@ -164,7 +164,7 @@ def test_low_precision_model_runs_fla_in_its_dtype(fla_interpreter, monkeypatch,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@claims(fla.FLA, conv.FLA_CONV)
+@claims(fla.FLA, fla.FLA_CONV)
 def test_low_precision_fla_on_longer_inputs(fla_interpreter, dtype):  # noqa: F811
     """Two chunks and packed sequences (one of a single token, one empty) in the model's dtype, against the float64
     recurrence on the same rounded inputs."""
@@ -176,12 +176,12 @@ def test_low_precision_fla_on_longer_inputs(fla_interpreter, dtype):  # noqa: F8
 
 
 @pytest.mark.parametrize("bounds", [None, [0, 1, 33, 33, 97]], ids=["one-sequence", "varlen"])
-@claims(conv.FLA_CONV)
+@claims(fla.FLA_CONV)
 def test_fla_conv_matches_torch_conv(fla_interpreter, bounds):  # noqa: F811
     """fla's causal conv1d + SiLU (the registered CUDA conv) against the torch shifted multiply-adds, float32."""
     from pixeltriage.kernels.conv import conv1d_silu_torch
 
-    assert registry.choose("conv1d", "cpu", torch.float32) is conv.FLA_CONV
+    assert registry.choose("conv1d", "cpu", torch.float32) is fla.FLA_CONV
     qkv, conv_weight, _, _ = make_inputs(97, seed=11)
     qkv = torch.cat([qkv, torch.randn(97, 5)], dim=1)[:, :CONV_DIM]      # strided rows, as the projection's split
     cu_device = None if bounds is None else torch.tensor(bounds)

@@ -117,7 +117,7 @@ def conv_available() -> bool:
     return True
 
 
-def causal_conv1d_silu_fla(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None,
+def causal_conv1d_silu_fla(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int] | None = None,
                            cu_seqlens_device: torch.Tensor | None = None, *,
                            chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
     """The "conv1d" op on CUDA: fla's Triton causal conv1d + SiLU. x: [T, C] bf16/fp16 (float32 under the test
@@ -139,7 +139,11 @@ def causal_conv1d_silu_fla(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: li
     return y[0]
 
 
-# bf16/fp16 on CUDA (float32 under the test switch, where the interpreter runs it)
+# bf16/fp16 on CUDA (float32 under the test switch, where the interpreter runs it): fla's rule, and its conv as the
+# "conv1d" op's CUDA kernel (`kernels.conv`)
+FLA_CONV = CONV1D.register("fla causal_conv1d", causal_conv1d_silu_fla, devices=("cuda",),
+                           dtypes=(torch.bfloat16, torch.float16), available=lambda: conv_available(), priority=20,
+                           package=FLA_REQUIREMENT)
 FLA = GATED_DELTA.register("fla chunk_gated_delta_rule", gated_delta_fla, devices=("cuda",),
                            dtypes=(torch.bfloat16, torch.float16), available=lambda: available(), priority=20,
                            package=FLA_REQUIREMENT)
