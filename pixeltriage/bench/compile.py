@@ -438,12 +438,11 @@ def print_report(report: dict, out=sys.stdout) -> None:
 
 
 def run_compile(args: argparse.Namespace) -> int:
+    from pixeltriage.bench.timing import emit, progress_line
+
     report = compile_report(args.target, args.preset, args.dtype, args.configs,
-                            progress=lambda s: print(s, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+                            progress=progress_line)
+    emit(report, args.json, print_report)
     return 0 if report["ok"] else 1
 
 

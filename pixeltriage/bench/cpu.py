@@ -20,7 +20,6 @@ to ~2.3k tokens in all), then prints
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,8 @@ import torch
 from pixeltriage.bench import tune
 from pixeltriage.bench.models.flops import (PROFILER_STAGES, UNSPLIT_STAGES, profiler_stage_flops, scorer_flops,
                                             total)
-from pixeltriage.bench.timing import cpu_machine, flop_rate, gemm_tflops, machine_line, set_threads, threads_label
+from pixeltriage.bench.timing import (cpu_machine, emit, flop_rate, gemm_tflops, machine_line, progress_line,
+                                      set_threads, threads_label)
 from pixeltriage.bench.transformers_baseline import force_transformers_torch_path, transformers_hidden
 from pixeltriage.bench.workloads import packed_episode
 
@@ -244,9 +244,6 @@ def print_table(r: dict, out=None) -> None:
 def run_cpu(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     r = cpu_report(args.preset, args.dtype, args.repeats, args.memories, args.tokens,
-                   progress=lambda s: print(s, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(r, indent=2))
-    else:
-        print_table(r)
+                   progress=progress_line)
+    emit(r, args.json, print_table)
     return 0

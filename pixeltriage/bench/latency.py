@@ -24,7 +24,6 @@ one of those.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -35,8 +34,8 @@ from PIL import Image
 from pixeltriage.bench import workloads
 from pixeltriage.bench.models.flops import ANSWERING_SHAPES, profiler_stage_flops, scorer_flops
 from pixeltriage.bench.models.prefill_cost import cost_report
-from pixeltriage.bench.timing import (cpu_machine, device_peak_tflops, flop_rate, gemm_tflops, machine_line,
-                                      percentiles, set_threads, threads_label, timed)
+from pixeltriage.bench.timing import (cpu_machine, device_peak_tflops, emit, flop_rate, gemm_tflops, machine_line,
+                                      percentiles, progress_line, set_threads, threads_label, timed)
 from pixeltriage.config import default_dtype
 from pixeltriage.delivery.profiles import DEFAULT_CHECKPOINT
 
@@ -269,11 +268,8 @@ def run_latency(args: argparse.Namespace) -> int:
     dtype = args.dtype or default_dtype(args.device)
     ks = tuple(args.k)
     r = latency_report(args.preset, args.device, dtype, args.batch, args.questions, ks, args.answering_scale,
-                       args.profile, args.seed, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(r, indent=2, default=str))
-    else:
-        print_report(r)
+                       args.profile, args.seed, progress=progress_line)
+    emit(r, args.json, print_report)
     if args.plot:
         plot(r, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)

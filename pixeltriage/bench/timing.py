@@ -1,7 +1,9 @@
 """Timing shared by the benchmarks: wall or CUDA-event timings with warm-up, percentiles, the GEMM rate, the machine."""
 from __future__ import annotations
 
+import json
 import os
+import sys
 import platform
 import random
 import statistics
@@ -155,3 +157,16 @@ def set_threads(threads: int | None) -> None:
 
 def threads_label(threads: int) -> str:
     return f"{threads} thread{'s' * (threads != 1)}"
+
+
+def progress_line(line: str) -> None:
+    """A measuring command's progress: one line to stderr, flushed (stdout carries its report alone)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def emit(report: dict, as_json: bool, print_text: Callable[[dict], None]) -> None:
+    """A measuring command's report to stdout: JSON (values JSON lacks as their str) or its text form."""
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print_text(report)

@@ -16,7 +16,6 @@ The process's malloc stays as glibc set it (the condition of a host that did not
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -24,7 +23,7 @@ import time
 
 import torch
 
-from pixeltriage.bench.timing import cpu_machine, machine_line, set_threads
+from pixeltriage.bench.timing import cpu_machine, emit, machine_line, progress_line, set_threads
 from pixeltriage.bench.workloads import packed_episode
 
 
@@ -106,9 +105,6 @@ def run_workspace(args: argparse.Namespace) -> int:
         tune_malloc()
     set_threads(args.threads)
     r = workspace_report(args.preset, args.dtype, args.pairs, args.memories, args.tokens,
-                         progress=lambda s: print(s, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(r, indent=2))
-    else:
-        print_report(r)
+                         progress=progress_line)
+    emit(r, args.json, print_report)
     return 0 if r["same_scores"] else 1
