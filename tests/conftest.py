@@ -6,6 +6,14 @@ import os
 if not os.path.exists("/dev/nvidiactl") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Parallel workers (pytest-xdist, `make test`) share the machine's cores: each worker, and every process it starts,
+# runs torch's intra-op pool on its share of them, not on all of them (a pool per worker as wide as the machine spins
+# its idle threads against the other workers': a quarter of the suite's CPU time). The kernels' own thread partitions
+# are checked at several thread counts by the tests that set them (tests/engine/test_threads.py).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+
 import atexit
 import shutil
 import tempfile
