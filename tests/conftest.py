@@ -20,10 +20,16 @@ import tempfile
 
 # The choices measured once per machine (kernels.tuning) go to a file of this test run's own, inherited by the
 # processes it starts: measurements taken under a test run's load never become the records every later forward on
-# this machine follows, and a record a test forces (row blocks, a library) stays in the run.
-_tuning_dir = tempfile.mkdtemp(prefix="pixeltriage-test-tuning-")
-atexit.register(shutil.rmtree, _tuning_dir, ignore_errors=True)
-os.environ["PIXELTRIAGE_TUNING"] = os.path.join(_tuning_dir, "tuning.json")
+# this machine follows, and a record a test forces (row blocks, a library) stays in the run. One file for the whole
+# run: xdist's workers take the one their controller made (it outlives them and removes it), so the run measures
+# each choice once, not once per worker (a first measurement under the other workers' load takes ~30 s).
+_RUN_TUNING = "_PIXELTRIAGE_TEST_RUN_TUNING"
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_RUN_TUNING):
+    os.environ["PIXELTRIAGE_TUNING"] = os.environ[_RUN_TUNING]
+else:
+    _tuning_dir = tempfile.mkdtemp(prefix="pixeltriage-test-tuning-")
+    atexit.register(shutil.rmtree, _tuning_dir, ignore_errors=True)
+    os.environ["PIXELTRIAGE_TUNING"] = os.environ[_RUN_TUNING] = os.path.join(_tuning_dir, "tuning.json")
 
 import pytest
 
