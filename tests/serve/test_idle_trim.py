@@ -130,10 +130,10 @@ def test_real_servers_give_their_workspace_back_when_idle_and_not_without_the_tr
     once idle after a question; one started with --trim-idle-s 0 keeps them after the same question and an idle
     spell longer than the main one's."""
     import httpx
-    from serving import API_KEY, ServerProcess, episode, metric
+    from serving import API_KEY, ServerProcess, episode, get, metric
 
     def held(server) -> float:
-        page = httpx.get(server.url + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}, timeout=30)
+        page = get(server.url + "/metrics", headers={"authorization": f"Bearer {API_KEY}"})
         assert page.status_code == 200
         return metric(page.text, "pixeltriage_workspace_bytes")
 
