@@ -199,4 +199,4 @@ def run_serve(args: argparse.Namespace) -> int:
     server.run(service, sock, access_log=args.access_log,
                on_ready=lambda: print(f"pixeltriage serve: ready on {url}", file=sys.stderr, flush=True))
     print("pixeltriage serve: stopped", file=sys.stderr, flush=True)
-    return 0
+    server.end_process(0)

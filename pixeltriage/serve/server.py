@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import asyncio
+import atexit
 import errno
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 
 import uvicorn
@@ -114,3 +117,18 @@ def run(service: Service, sock: socket.socket, *, access_log: bool = False, on_r
     server.run(sockets=[sock])
     if service.error is not None:
         raise service.error
+
+
+def end_process(code: int = 0):
+    """End a server process that has stopped cleanly (drained, its batcher and cache closed): the atexit handlers
+    run and the output is flushed, then the process exits without the interpreter's finalization, which tears down
+    torch's ~1,200 modules one by one (0.5 s of a quiet 2-core machine, up to 4 s of a busy one, measured), time
+    in which the port is closed yet a supervisor or a rolling restart still waits for the exit. Called only from the
+    main thread of the `pixeltriage serve` command."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):       # a closed or broken stream: nothing left to say on it
+            pass
+    os._exit(code)

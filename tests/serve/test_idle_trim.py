@@ -130,17 +130,17 @@ def test_real_servers_give_their_workspace_back_when_idle_and_not_without_the_tr
     once idle after a question; one started with --trim-idle-s 0 keeps them after the same question and an idle
     spell longer than the main one's."""
     import httpx
-    from serving import API_KEY, ServerProcess, episode, metric
+    from serving import API_KEY, ServerProcess, episode, get, metric
 
     def held(server) -> float:
-        page = httpx.get(server.url + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}, timeout=30)
+        page = get(server.url + "/metrics", headers={"authorization": f"Bearer {API_KEY}"})
         assert page.status_code == 200
         return metric(page.text, "pixeltriage_workspace_bytes")
 
-    client.score(*episode(31))
-    wait_for("the main server's workspace given back at idle", lambda: held(served) == 0, 60)
-    keeper = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--trim-idle-s", "0")
+    keeper = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--trim-idle-s", "0")   # loads meanwhile
     try:
+        client.score(*episode(31))
+        wait_for("the main server's workspace given back at idle", lambda: held(served) == 0, 60)
         keeper.wait_ready()
         question, memories = episode(32)
         from pixeltriage.serve import Client

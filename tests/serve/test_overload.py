@@ -11,7 +11,7 @@ import threading
 
 import httpx
 import pytest
-from serving import GatedServer, b64, image_bytes, metric, wait_for
+from serving import GatedServer, b64, get, image_bytes, metric, wait_for
 
 from pixeltriage.errors import DeadlineExceededError, OverloadedError
 
@@ -60,12 +60,12 @@ def finish(sent: dict) -> httpx.Response:
 
 
 def admitted(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
+    text = get(url + "/metrics").text
     return metric(text, "pixeltriage_queue_size") + metric(text, "pixeltriage_queue_running")
 
 
 def metrics(url: str) -> str:
-    return httpx.get(url + "/metrics").text
+    return get(url + "/metrics").text
 
 
 def questions_run(server: GatedServer, since: int) -> int:

@@ -17,7 +17,7 @@ from collections import Counter
 
 import httpx
 import pytest
-from serving import ENV, assert_scores_close, episode, wait_for
+from serving import ENV, assert_scores_close, episode, get, wait_for
 
 from pixeltriage.errors import PixelTriageError
 from pixeltriage.serve.client import question_body
@@ -140,7 +140,7 @@ def _samples(url: str, name: str) -> dict[tuple, float]:
     """{(replica, labels...): value} of the metric `name` on the deployment's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = get(url + "/metrics").text
     return {(s.labels.get("replica"), *sorted(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
 

@@ -59,7 +59,7 @@ def put(url: str, image: bytes) -> httpx.Response:
 
 def test_a_locked_sqlite_cache_answers_503_and_the_next_put_succeeds(tiny_checkpoint, tmp_path):
     db = tmp_path / "cache.db"
-    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--cache", str(db), "--request-timeout", "2")
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--cache", str(db), "--request-timeout", "1")
     try:
         server.wait_ready()
         first = put(server.url, image_bytes(seed=1))
