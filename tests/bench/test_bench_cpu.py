@@ -1,4 +1,5 @@
 """`pixeltriage bench cpu` end to end on the tiny preset (its figures are the benchmark's business, not a test's)."""
+import functools
 import io
 import json
 import statistics
@@ -11,6 +12,7 @@ from pixeltriage.bench.models.flops import PROFILER_STAGES
 from pixeltriage.bench.timing import cpu_machine, machine_line
 from pixeltriage.kernels import native, tuning
 from pixeltriage.cli import main
+from pixeltriage.paths import cache_dir
 
 # a report as `cpu.bench` returns it, for print_table (figures made up)
 _TABLE = {"preset": "tiny", "dtype": "float32", "threads": 1, "tokens": 600, "memories": 3, "tflop": 0.01,
@@ -27,7 +29,12 @@ def restore_threads():
 
 
 def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, capsys, restore_threads):
+    (tmp_path / "cache").mkdir()                    # a cache of its own, with the test run's built C kernels
+    (tmp_path / "cache" / "native").symlink_to(cache_dir() / "native", target_is_directory=True)
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path / "cache"))
+    # the GEMM rate on 512 x 512 matrices (the command's 2048: 64 times the work, most of this test's time); what is
+    # checked is how the samples make the run's rate, not the rate
+    monkeypatch.setattr(cpu, "gemm_tflops", functools.partial(cpu.gemm_tflops, n=512))
     assert main(["bench", "cpu", "--preset", "tiny", "--dtype", "float32", "--repeats", "2", "--memories", "3",
                  "--tokens", "600", "--threads", "1", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)

@@ -1,6 +1,7 @@
 """`pixeltriage bench workspace`: the forward with and without the Scorer's workspace, alternating in one process,
 with malloc left as the process found it (a host's condition) unless --tune-malloc. No timing is asserted."""
 import json
+import os
 import subprocess
 import sys
 
@@ -8,10 +9,10 @@ import pytest
 
 from pixeltriage.bench.workspace_ab import print_report, workspace_report
 from pixeltriage.cli import main
+from pixeltriage.paths import cache_dir
 
 
-def test_the_report_pairs_the_two_ways_on_one_scorer(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path / "cache"))
+def test_the_report_pairs_the_two_ways_on_one_scorer(capsys):
     r = workspace_report("tiny", "float32", pairs=2, memories=2, tokens=500)
     assert r["pairs"] == 2 and r["memories"] == 2 and 0 < r["tokens"] <= 500
     for way in ("with", "without"):
@@ -28,8 +29,12 @@ def test_the_report_pairs_the_two_ways_on_one_scorer(tmp_path, monkeypatch, caps
 
 @pytest.mark.parametrize("flags, malloc", [([], "malloc as is"), (["--tune-malloc"], "malloc tuned")])
 def test_the_command_leaves_malloc_as_it_found_it_unless_asked(flags, malloc, tmp_path):
-    """Every other bench tunes malloc first (as the engine's processes do); this one measures a host's condition."""
-    env = {"PATH": "/usr/bin:/bin", "PIXELTRIAGE_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    """Every other bench tunes malloc first (as the engine's processes do); this one measures a host's condition.
+    The command runs without the test run's environment (no malloc switch inherited) but with its cache (the built C
+    kernels, the demo checkpoint), its kept kernel choices and its thread count, so that it builds and measures
+    nothing the run already has."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PIXELTRIAGE_CACHE": str(cache_dir()),
+           **{k: os.environ[k] for k in ("PIXELTRIAGE_TUNING", "OMP_NUM_THREADS") if k in os.environ}}
     out = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "workspace", "--preset", "tiny",
                           "--dtype", "float32", "--pairs", "1", "--memories", "1", "--tokens", "300", *flags,
                           "--json"], capture_output=True, text=True, env=env, timeout=600)

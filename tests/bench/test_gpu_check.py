@@ -5,6 +5,7 @@ import shutil
 import torch
 
 from pixeltriage.bench import gpu_check
+from pixeltriage.paths import cache_dir
 
 SECTIONS = ["environment", "budget_s", "kernels", "compile", "parity", "timing", "roofline", "serve", "wall_s", "skipped",
             "failures"]
@@ -12,10 +13,19 @@ MARKDOWN_SECTIONS = ["# gpu_check: cpu", "## Compile report", "## Parity", "## L
                      "## Kernels", "## Skipped", "## Failures"]
 
 
-def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+def own_cache(tmp_path, tiny_checkpoint):
+    """A cache of the test's own holding the tiny checkpoint (demo_checkpoint("tiny"): not rewritten) and the test
+    run's built C kernels (a link to them: the processes the check starts, the compile report's and the server, do
+    not build them anew)."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    shutil.copytree(tiny_checkpoint, cache / "demo-tiny-seed0")             # demo_checkpoint("tiny"): not rewritten
+    shutil.copytree(tiny_checkpoint, cache / "demo-tiny-seed0")
+    (cache / "native").symlink_to(cache_dir() / "native", target_is_directory=True)
+    return cache
+
+
+def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    cache = own_cache(tmp_path, tiny_checkpoint)
     monkeypatch.setenv("PIXELTRIAGE_CACHE", str(cache))
     rc = gpu_check.main(["--device", "cpu", "--parity-presets", "tiny", "--timing-preset", "tiny", "--iters", "3",
                          "--memories", "2", "--tokens", "300", "--batches", "1,2", "--serve-seconds", "1",
@@ -148,10 +158,7 @@ def test_parity_fails_a_device_forward_that_differs(tiny_checkpoint, tmp_path, m
     with a device scorer whose gains are off by 1e-3: outside float32's 1e-5 at tiny, inside bfloat16's 2e-2."""
     import dataclasses
 
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    shutil.copytree(tiny_checkpoint, cache / "demo-tiny-seed0")
-    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(cache))
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(own_cache(tmp_path, tiny_checkpoint)))
 
     class Shifted(gpu_check.Scorers):
         calls = 0
