@@ -6,11 +6,11 @@ import sys
 
 
 def test_soak_smoke():
-    """Four seconds of mixed traffic (after a 2 s baseline: the serving RSS is judged from 3 s on, three samples or
-    so, of which the summary needs two): every kind is sent and answered as specified (a burst starts the mix),
-    nothing is lost, mixed up or answered 500, the server survives and exits 0, and the report carries every figure
-    it promises."""
-    run = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "soak", "--duration", "4", "--baseline", "2",
+    """Five seconds of mixed traffic (after a 2 s baseline: the serving RSS, one sample a second, is judged over the
+    second half, three or four samples, of which the summary needs two): every kind is sent and answered as
+    specified (a burst starts the mix), nothing is lost, mixed up or answered 500, the server survives and exits 0,
+    and the report carries every figure it promises."""
+    run = subprocess.run([sys.executable, "-m", "pixeltriage", "bench", "soak", "--duration", "5", "--baseline", "2",
                           "--preset", "tiny", "--clients", "2", "--json"], capture_output=True, text=True, timeout=600)
     assert run.returncode in (0, 1), run.stderr[-4000:]          # 1: a goal not met (RSS and p99 are not asserted)
     r = json.loads(run.stdout)
