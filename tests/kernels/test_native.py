@@ -5,8 +5,10 @@ kernel's exp differs from torch's by at most a few ulp.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,11 +228,19 @@ def test_conv_without_native_library_takes_the_torch_path(monkeypatch):
     assert torch.equal(causal_conv1d_silu(x, w), conv1d_silu_torch(x, w))
 
 
+@pytest.fixture(scope="module")
+def first_use_build(tmp_path_factory) -> tuple[Path, str]:
+    """A cache in which a process without prebuilt libraries built the probe and this CPU's build on first use, and
+    what that process said."""
+    cache = tmp_path_factory.mktemp("first-use")
+    return cache, _library_in_subprocess({}, cache)
+
+
 @needs_native
-def test_first_use_build_is_cached_per_sources_compiler_and_flags(tmp_path):
+def test_first_use_build_is_cached_per_sources_compiler_and_flags(first_use_build):
     """Without prebuilt libraries the probe and this CPU's build are built on first use; a second process loads the
     same files instead of building again."""
-    first = _library_in_subprocess({}, tmp_path)
+    tmp_path, first = first_use_build
     built = sorted((tmp_path / "native").glob("*.so"))
     assert first.startswith("True") and f"loaded {native.chosen(False).name} (built on first use)" in first
     assert sorted(p.name.rsplit("_", 1)[0] for p in built) == ["pixeltriage_" + native.chosen(False).name,
@@ -272,12 +282,15 @@ def test_edited_sources_are_a_new_build_and_make_the_prebuilt_stale(tmp_path, mo
 
 
 @needs_native
-def test_a_new_build_prunes_all_but_the_newest_builds(tmp_path):
+def test_a_new_build_prunes_all_but_the_newest_builds(first_use_build, tmp_path):
     """First-use builds of other sources or compilers pile up across upgrades: a new one keeps the KEEP_BUILDS
-    newest of its own build."""
-    name = native.chosen(False).name
+    newest of its own build. Here the new build is the probe's (this CPU's build is in the cache already, as
+    `first_use_build` left it, and loads from there: the probe is the one compiled, in a second)."""
+    name = "probe"
     builds = tmp_path / "native"
     builds.mkdir()
+    (kept,) = (first_use_build[0] / "native").glob(f"pixeltriage_{native.chosen(False).name}_*.so")
+    shutil.copy2(kept, builds / kept.name)
     for i in range(native.KEEP_BUILDS + 3):
         old = builds / f"pixeltriage_{name}_old{i:02d}.so"
         old.write_bytes(b"")
@@ -292,6 +305,7 @@ def test_a_new_build_prunes_all_but_the_newest_builds(tmp_path):
     assert len(left) == native.KEEP_BUILDS
     newest_old = [f"pixeltriage_{name}_old{i:02d}.so" for i in range(4, native.KEEP_BUILDS + 3)]
     assert set(newest_old) <= set(left) and unrelated.exists() and other_library.exists()
+    assert (builds / kept.name).exists() and not list(builds.glob("*.tmp"))
 
 
 @needs_native
