@@ -31,16 +31,18 @@ def run_cli(*argv, stdin=None, timeout=120):
                           input=stdin, env=ENV, timeout=timeout)
 
 
-def used_cache(path: Path, demo_checkpoint: Path | None = None) -> Path:
+def used_cache(path: Path, demo_checkpoint: Path | None = None, emulated: bool = False) -> Path:
     """A cache directory (PIXELTRIAGE_CACHE) for a process a test starts, holding what a user's holds after a first
-    run: this process's first-use builds of the C library, under the names the other process looks up (it loads
-    them instead of compiling them again), and, given `demo_checkpoint` (the tiny preset at seed 0, as
-    `weights.demo.demo_checkpoint("tiny")` writes it), that checkpoint under its cache name. The first-use build and
-    the demo checkpoint's first write have tests of their own (tests/kernels/test_native.py,
-    tests/weights/test_demo_checkpoint.py)."""
+    run: this process's first-use builds of the C library (with `emulated`, the emulated build's too), under the
+    names the other process looks up (it loads them instead of compiling them again), and, given `demo_checkpoint`
+    (the tiny preset at seed 0, as `weights.demo.demo_checkpoint("tiny")` writes it), that checkpoint under its cache
+    name. The first-use build and the demo checkpoint's first write have tests of their own
+    (tests/kernels/test_native.py, tests/weights/test_demo_checkpoint.py)."""
     from pixeltriage.kernels import native
 
-    native.available()                                 # built here on first use where nothing is prebuilt
+    for isa in (False, True) if emulated else (False,):
+        with native.emulated_isa(isa):
+            native.available()                         # built here on first use where nothing is prebuilt
     (path / "native").mkdir(parents=True, exist_ok=True)
     for library in native._build_dir().glob("pixeltriage_*.so"):
         shutil.copy2(library, path / "native" / library.name)

@@ -17,6 +17,7 @@ from pixeltriage.kernels import activation, conv, native, norm, registry, rotary
 from pixeltriage.kernels.gated_delta import chunk
 from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference, conv1d_silu_torch
 import isa
+from cli_inputs import used_cache
 from kernel_claims import claims
 from reference import rel
 
@@ -312,11 +313,12 @@ def test_a_new_build_prunes_all_but_the_newest_builds(first_use_build, tmp_path)
 def test_emulated_isa_build_runs_every_path_and_a_bad_switch_is_an_error(tmp_path):
     """PIXELTRIAGE_NATIVE_ISA=emulated loads the emulated build (isa_emulation.h in place of the CPU's AVX-512 and
     AMX instructions), which has all three bf16 engines and the AVX-512 passes on any CPU; a value other than
-    native / emulated is an error that names both."""
+    native / emulated is an error that names both. The cache holds the emulated build this process loads (the suite
+    builds it for the AVX-512 and AMX paths a CPU lacks); its first-use build is that of any build, tested above."""
     code = ("from pixeltriage.kernels import native, simd; print(native.available(), sorted(native.bf16_engines()),"
             " simd.available(), native.variant(), 'emulated' in native.build_features());"
             " print(native.status())")
-    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path), native.ISA_SWITCH: "emulated"}
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(used_cache(tmp_path, emulated=True)), native.ISA_SWITCH: "emulated"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == "True ['amx', 'avx512_bf16', 'fma'] True emulated True"
