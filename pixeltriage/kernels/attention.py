@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from pixeltriage.kernels import native, registry, tuning
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool) -> torch.Tensor:
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                      causal: bool) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (Hq a multiple of Hkv), token-major -> [T, Hq, D]; no token attends
     outside its segment (`lengths` sum to T); by the "attention" op's kernel (causal) or the "vision_attention"
     op's (not causal)."""

@@ -126,13 +126,16 @@ _C_DTYPES = (torch.float32, torch.bfloat16)
 # the call's device and the dtype its kernels are chosen by: the output's (add_norm), the gate's (rms_norm_gated)
 ADD_NORM = registry.op("add_norm", lambda h, delta, weight, bias, eps, out_dtype: (h.device, out_dtype))
 NATIVE_ADD_NORM = ADD_NORM.register("native C pt_add_norm", _add_norm_c, accepts=_add_norm_c_accepts,
-                                    dtypes=_C_DTYPES, available=lambda: _native.available(), priority=10, entry="pt_add_norm")
+                                    dtypes=_C_DTYPES, available=lambda: _native.available(), priority=10,
+                                    entry="pt_add_norm")
 TORCH_ADD_NORM = ADD_NORM.register("torch", add_norm_torch, devices=("cpu", "cuda"))
 RMS_NORM_GATED = registry.op("rms_norm_gated", lambda x, gate, weight, eps: (x.device, gate.dtype))
 VECTOR_NORM_GATED = RMS_NORM_GATED.register("AVX-512 pt_simd_rms_norm_gated", simd.rms_norm_gated,
                                             accepts=simd.rms_norm_gated_accepts, dtypes=(torch.bfloat16,),
-                                            available=lambda: simd.available(), priority=20, entry="pt_simd_rms_norm_gated")
+                                            available=lambda: simd.available(), priority=20,
+                                            entry="pt_simd_rms_norm_gated")
 NATIVE_NORM_GATED = RMS_NORM_GATED.register("native C pt_rms_norm_gated", _norm_gated_c,
                                             accepts=_norm_gated_c_accepts, dtypes=_C_DTYPES,
-                                            available=lambda: _native.available(), priority=10, entry="pt_rms_norm_gated")
+                                            available=lambda: _native.available(), priority=10,
+                                            entry="pt_rms_norm_gated")
 TORCH_NORM_GATED = RMS_NORM_GATED.register("torch fused rms_norm", rms_norm_gated_torch, devices=("cpu", "cuda"))

@@ -15,8 +15,9 @@ Every call and every decline is counted, per (op, kernel) and per reason: for th
 
 The test switch: with PIXELTRIAGE_EMULATE_CUDA=1 and TRITON_INTERPRET=1 (`pixeltriage.settings`), CPU tensors get
 the CUDA kernels (the Triton and flash-linear-attention ones run in Triton's interpreter), so the CUDA forward runs
-in CI without a GPU. The interpreter cannot run bf16 dots, so under emulation float32 stands in for the dtypes a
-CUDA kernel was registered for.
+in CI without a GPU. Under emulation float32 also takes the kernels a CUDA device runs only for bf16 and fp16, so
+that they are checked against the CPU forward at float32's tolerance; Triton's interpreter multiplies bf16 operands
+as raw integers, so a bf16 run under emulation needs `pixeltriage.bench.emulation` (tensor cores' `tl.dot`).
 """
 from __future__ import annotations
 

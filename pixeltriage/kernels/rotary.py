@@ -26,7 +26,8 @@ def mrope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float, mro
     (1 if j % 3 == 1 and j < 3*sec_h, 2 if j % 3 == 2 and j < 3*sec_w, else 0).
     Returns cos, sin: [T, rotary_dim] float32.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device) / rotary_dim))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device) / rotary_dim
+    inv_freq = 1.0 / (theta ** exponents)
     freqs = position_ids.float()[..., None] * inv_freq                # [3, T, rotary_dim/2]
     index = torch.arange(rotary_dim // 2, device=position_ids.device)
     # torch.where, not a boolean-mask assignment: that counts the mask on the host (a device sync, and no CUDA

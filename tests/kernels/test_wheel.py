@@ -15,31 +15,28 @@ import torch
 from pixeltriage.kernels import native
 
 ROOT = Path(__file__).parents[2]
-# Scores the checkpoint argv[1] in both dtypes, counting the C entry points that ran (returned 0): JSON on stdout
+# Scores the checkpoint argv[1] in both dtypes inside a kernel record (kernels.registry): the C entry points whose
+# kernels ran, and every decline, as JSON on stdout
 SCRIPT = r"""
 import json, shutil, sys
 import torch
 from pixeltriage import Scorer
 from pixeltriage.episode import sample_episode
-from pixeltriage.kernels import native
+from pixeltriage.kernels import native, registry
 
-ran = set()
-call = native.call
-
-def counted(name, *args):
-    code = call(name, *args)
-    if code == 0:
-        ran.add(name)
-    return code
-
-native.call = counted
 torch.set_num_threads(2)
 scores = {}
-for dtype in ("float32", "bfloat16"):
-    s = Scorer.load(sys.argv[1], dtype=getattr(torch, dtype)).score(*sample_episode())
-    scores[dtype] = [v.hex() for v in (s.p_vis, *s.gains, *s.relevance, s.relevance_none)]
-print(json.dumps({"scores": scores, "ran": sorted(ran), "status": native.status(), "variant": native.variant(),
-                  "package": native.__file__, "compilers": [shutil.which(c) for c in ("cc", "gcc", "clang")]}))
+with registry.recording() as record:
+    for dtype in ("float32", "bfloat16"):
+        s = Scorer.load(sys.argv[1], dtype=getattr(torch, dtype)).score(*sample_episode())
+        scores[dtype] = [v.hex() for v in (s.p_vis, *s.gains, *s.relevance, s.relevance_none)]
+counts = record.snapshot()
+entries = {(op.name, k.name): k.entry for op in registry.ops().values() for k in op.kernels if k.entry}
+ran = sorted({entries[key] for key in counts.calls if key in entries})
+declines = sorted(" / ".join(key) for key in counts.declines)
+print(json.dumps({"scores": scores, "ran": ran, "declines": declines, "status": native.status(),
+                  "variant": native.variant(), "package": native.__file__,
+                  "compilers": [shutil.which(c) for c in ("cc", "gcc", "clang")]}))
 """
 # what runs in a float32 forward on every CPU with the library (bf16's engines and AVX-512 passes depend on the CPU)
 EVERYWHERE = {"pt_add_norm", "pt_delta_chunked", "pt_gelu_tanh", "pt_rms_norm_gated", "pt_rotary", "pt_silu_mul"}
@@ -86,5 +83,6 @@ def test_a_wheel_runs_its_prebuilt_kernels_with_no_compiler(tiny_checkpoint, tmp
     assert installed["status"].startswith(f"loaded {here['variant']} (prebuilt): {venv}")
     assert not (tmp_path / "cache" / "native").exists()                  # nothing built on first use
     assert EVERYWHERE <= set(installed["ran"]) and installed["ran"] == here["ran"]
+    assert installed["declines"] == here["declines"]
     assert installed["scores"] == here["scores"]
     shutil.rmtree(venv)
