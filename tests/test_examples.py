@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_inputs import used_cache
+
 from pixeltriage.episode import load_episodes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +21,8 @@ def test_the_example_episode_loads_and_its_images_are_kilobytes():
         assert Path(memory.image).stat().st_size < 32 * 1024
 
 
-def test_host_example_scores_and_builds_a_pixel_prompt(tmp_path):
-    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path),
+def test_host_example_scores_and_builds_a_pixel_prompt(tiny_checkpoint, tmp_path):
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(used_cache(tmp_path, tiny_checkpoint)),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, str(EXAMPLES / "host.py"), "--k", "2"], capture_output=True, text=True,
                          env=env, timeout=600)
@@ -41,7 +43,7 @@ def test_host_example_reports_bad_input_in_one_line(tmp_path):
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_frameworks_example_runs_both_pipelines_with_the_librarys_gains(tmp_path, monkeypatch):
+def test_frameworks_example_runs_both_pipelines_with_the_librarys_gains(tiny_checkpoint, tmp_path, monkeypatch):
     import pytest
 
     pytest.importorskip("llama_index.core", reason="llama-index-core (the integrations extra) is not installed")
@@ -50,7 +52,7 @@ def test_frameworks_example_runs_both_pipelines_with_the_librarys_gains(tmp_path
     from pixeltriage import Scorer, top_k
     from pixeltriage.weights.demo import demo_checkpoint
 
-    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path),
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(used_cache(tmp_path, tiny_checkpoint)),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, str(EXAMPLES / "frameworks.py"), "--k", "2"], capture_output=True,
                          text=True, env=env, timeout=600)
@@ -58,7 +60,7 @@ def test_frameworks_example_runs_both_pipelines_with_the_librarys_gains(tmp_path
     lines = out.stdout.splitlines()
     assert lines[0].startswith("LlamaIndex") and lines[5].startswith("LangChain") and lines[10].startswith("mem0")
     (question, memories), = load_episodes(EXAMPLES / "episode.json")
-    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))      # the demo checkpoint the example built
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path))      # the demo checkpoint the example scored with
     scores = Scorer.load(demo_checkpoint("tiny")).score(question, memories)
     order = sorted(range(len(memories)), key=lambda i: -scores.gains[i])
     opened = top_k(scores, 2)

@@ -721,21 +721,28 @@ def test_attention_f32_schedules_give_the_same_bits(causal):
 
 @pytest.fixture(scope="module", params=[16, 32, 64], ids=["sse", "avx2", "avx512"])
 def register_width_library(request, tmp_path_factory):
-    """The C library built with its products' vector registers (`vr`) as wide as another machine's: 16, 32 or 64
-    bytes, whatever this CPU has (a 64-byte vector on an AVX2 machine is two registers: slow, but the same code).
-    The block shapes, panel widths and tails of the float32 attention and the delta rule's products differ by
-    width, and each CPU runs only its own."""
+    """The C library's float32 attention, conv and delta rule (attention.c, conv.c, delta.c: what the test below
+    runs, a third of the whole library's compile time) built with its products' vector registers (`vr`) as wide as
+    another machine's: 16, 32 or 64 bytes, whatever this CPU has (a 64-byte vector on an AVX2 machine is two
+    registers: slow, but the same code). The block shapes, panel widths and tails of the float32 attention and the
+    delta rule's products differ by width, and each CPU runs only its own. An entry point the test reaches and these
+    sources lack fails it (no such symbol), it does not fall back."""
     import ctypes
+    import dataclasses
 
     from pixeltriage.kernels import native
 
     cc = native._compiler()
     if cc is None or not native.available():
         pytest.skip("no C compiler or no native build here")
+    build = dataclasses.replace(native.chosen(False), sources=tuple(
+        native.variants.HERE / name for name in ("attention.c", "conv.c", "delta.c")))
+    names = ("pt_attention_f32", "pt_attention_f32_scratch", "pt_causal_conv1d_silu", "pt_chunk_gather",
+             "pt_delta_chunked")
     path = tmp_path_factory.mktemp("width") / f"pt_{request.param}.so"
-    native.variants.compile(cc, native.chosen(False), path, native.abi.load().check_source(),
+    native.variants.compile(cc, build, path, native.abi.load().check_source(names),
                             extra=[f"-DPT_VR_BYTES={request.param}"])
-    return native.abi.load().bind(ctypes.CDLL(str(path)))
+    return native.abi.load().bind(ctypes.CDLL(str(path)), names)
 
 
 @pytest.mark.parametrize("case", ["edges", "gqa4", "wide"])

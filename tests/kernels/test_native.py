@@ -5,8 +5,10 @@ kernel's exp differs from torch's by at most a few ulp.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from pixeltriage.kernels import activation, conv, native, norm, registry, rotary
 from pixeltriage.kernels.gated_delta import chunk
 from pixeltriage.kernels.conv import causal_conv1d_silu, causal_conv1d_silu_reference, conv1d_silu_torch
 import isa
+from cli_inputs import used_cache
 from kernel_claims import claims
 from reference import rel
 
@@ -226,11 +229,19 @@ def test_conv_without_native_library_takes_the_torch_path(monkeypatch):
     assert torch.equal(causal_conv1d_silu(x, w), conv1d_silu_torch(x, w))
 
 
+@pytest.fixture(scope="module")
+def first_use_build(tmp_path_factory) -> tuple[Path, str]:
+    """A cache in which a process without prebuilt libraries built the probe and this CPU's build on first use, and
+    what that process said."""
+    cache = tmp_path_factory.mktemp("first-use")
+    return cache, _library_in_subprocess({}, cache)
+
+
 @needs_native
-def test_first_use_build_is_cached_per_sources_compiler_and_flags(tmp_path):
+def test_first_use_build_is_cached_per_sources_compiler_and_flags(first_use_build):
     """Without prebuilt libraries the probe and this CPU's build are built on first use; a second process loads the
     same files instead of building again."""
-    first = _library_in_subprocess({}, tmp_path)
+    tmp_path, first = first_use_build
     built = sorted((tmp_path / "native").glob("*.so"))
     assert first.startswith("True") and f"loaded {native.chosen(False).name} (built on first use)" in first
     assert sorted(p.name.rsplit("_", 1)[0] for p in built) == ["pixeltriage_" + native.chosen(False).name,
@@ -272,12 +283,15 @@ def test_edited_sources_are_a_new_build_and_make_the_prebuilt_stale(tmp_path, mo
 
 
 @needs_native
-def test_a_new_build_prunes_all_but_the_newest_builds(tmp_path):
+def test_a_new_build_prunes_all_but_the_newest_builds(first_use_build, tmp_path):
     """First-use builds of other sources or compilers pile up across upgrades: a new one keeps the KEEP_BUILDS
-    newest of its own build."""
-    name = native.chosen(False).name
+    newest of its own build. Here the new build is the probe's (this CPU's build is in the cache already, as
+    `first_use_build` left it, and loads from there: the probe is the one compiled, in a second)."""
+    name = "probe"
     builds = tmp_path / "native"
     builds.mkdir()
+    (kept,) = (first_use_build[0] / "native").glob(f"pixeltriage_{native.chosen(False).name}_*.so")
+    shutil.copy2(kept, builds / kept.name)
     for i in range(native.KEEP_BUILDS + 3):
         old = builds / f"pixeltriage_{name}_old{i:02d}.so"
         old.write_bytes(b"")
@@ -292,17 +306,19 @@ def test_a_new_build_prunes_all_but_the_newest_builds(tmp_path):
     assert len(left) == native.KEEP_BUILDS
     newest_old = [f"pixeltriage_{name}_old{i:02d}.so" for i in range(4, native.KEEP_BUILDS + 3)]
     assert set(newest_old) <= set(left) and unrelated.exists() and other_library.exists()
+    assert (builds / kept.name).exists() and not list(builds.glob("*.tmp"))
 
 
 @needs_native
 def test_emulated_isa_build_runs_every_path_and_a_bad_switch_is_an_error(tmp_path):
     """PIXELTRIAGE_NATIVE_ISA=emulated loads the emulated build (isa_emulation.h in place of the CPU's AVX-512 and
     AMX instructions), which has all three bf16 engines and the AVX-512 passes on any CPU; a value other than
-    native / emulated is an error that names both."""
+    native / emulated is an error that names both. The cache holds the emulated build this process loads (the suite
+    builds it for the AVX-512 and AMX paths a CPU lacks); its first-use build is that of any build, tested above."""
     code = ("from pixeltriage.kernels import native, simd; print(native.available(), sorted(native.bf16_engines()),"
             " simd.available(), native.variant(), 'emulated' in native.build_features());"
             " print(native.status())")
-    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path), native.ISA_SWITCH: "emulated"}
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(used_cache(tmp_path, emulated=True)), native.ISA_SWITCH: "emulated"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == "True ['amx', 'avx512_bf16', 'fma'] True emulated True"

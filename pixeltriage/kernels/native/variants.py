@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -118,37 +120,55 @@ def sources_key() -> str:
 
 def compile(cc: str, variant: Variant, out: Path, check: str = "", extra: Sequence[str] = ()) -> bool:
     """Build `variant` (its sources, the C text `check` beside them, `extra` flags) into the library `out`,
-    atomically: concurrent builders each rename a complete file into place. With OpenMP where the compiler has it
-    (GCC: libgomp, which resolves to the copy torch has loaded), else without (one thread): returns which.
-    RuntimeError with the compiler's messages where neither builds."""
+    atomically: concurrent builders each rename a complete file into place. Each source is compiled on its own
+    (`-c`, as one compiler invocation over all of them does, a few at a time on this machine's cores), then linked
+    once. With OpenMP where the compiler has it (GCC: libgomp, which resolves to the copy torch has loaded), else
+    without (one thread): returns which. RuntimeError with the compiler's messages where neither builds."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
-    generated = []
+    work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))     # the objects, and the check's source
+    sources, include = list(variant.sources), []
     if check:                        # under one name wherever it is built: the same library's bytes from any build
-        path = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent)) / "abi_check.c"
-        path.write_text(check)
-        generated = [str(path), f"-I{HERE}"]
+        (work / "abi_check.c").write_text(check)
+        sources.append(work / "abi_check.c")
+        include = [f"-I{HERE}"]
     try:
         errors = []
         for openmp in (["-fopenmp"], []):              # without OpenMP the pragmas are ignored: one thread
-            cmd = [cc, *variant.flags, *extra, *openmp, *map(str, variant.sources), *generated, "-o", tmp,
-                   *LINK_FLAGS]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if r.returncode == 0:
+            failed = _compile_and_link(cc, [*variant.flags, *extra, *openmp], include, sources, work, tmp)
+            if not failed:
                 umask = os.umask(0)
                 os.umask(umask)
                 os.chmod(tmp, 0o755 & ~umask)       # mkstemp made it 0600: readable by every user of a cache
                 os.replace(tmp, out)
                 return bool(openmp)
-            errors.append(f"$ {' '.join(cmd)}\n{r.stderr.strip()[-2000:]}")
+            errors.append(failed)
         raise RuntimeError("\n".join(errors))
     finally:
-        for path in [tmp, *generated[:1]]:
-            if os.path.exists(path):
-                os.unlink(path)
-        if generated:
-            os.rmdir(os.path.dirname(generated[0]))
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _compile_and_link(cc: str, flags: list[str], include: list[str], sources: list[Path], work: Path,
+                      library: str) -> str:
+    """Compile each of `sources` into an object in `work`, the largest first, on a pool as wide as the cores this
+    process may run on, then link the objects into `library`: the compiler's messages of the step that failed, ""
+    where none did."""
+    def run(cmd: list[str]) -> str:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        return "" if r.returncode == 0 else f"$ {' '.join(cmd)}\n{r.stderr.strip()[-2000:]}"
+
+    objects = [str(work / f"{source.stem}.o") for source in sources]
+    commands = [[cc, *flags, *include, "-c", str(source), "-o", obj] for source, obj in zip(sources, objects)]
+    order = sorted(range(len(sources)), key=lambda i: -sources[i].stat().st_size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ThreadPoolExecutor(max(1, min(len(sources), cores))) as pool:
+        failures = [f for f in pool.map(run, [commands[i] for i in order]) if f]
+    if failures:
+        return "\n".join(failures)
+    return run([cc, *flags, *objects, "-o", library, *LINK_FLAGS])
 
 
 def compiler_id(cc: str) -> str:
