@@ -39,11 +39,12 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/pixeltriage demo
 
-# the suite on TEST_WORKERS parallel processes (pytest-xdist; each test file on one worker, its tests in file order),
-# without the tests marked slow: those are `make test-slow`'s (.ci/run runs both)
+# the suite on TEST_WORKERS parallel processes (pytest-xdist; each test file on one worker, its tests in file order,
+# the files marked long first: tests/conftest.py), without the tests marked slow: those are `make test-slow`'s
+# (.ci/run runs both)
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 test-slow: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m slow; status=$$?; \

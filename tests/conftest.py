@@ -81,6 +81,14 @@ def pytest_configure(config):
                                        "each ran and declined nothing (tests/kernel_claims.py)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files marked `long` first, each file's tests in their order, the rest after them in collection order: with
+    `make test`'s workers taking whole files in this order (xdist's --dist loadfile --no-loadscope-reorder), the files
+    of tens of seconds start early and the run ends on short ones, where xdist's own order (most tests first) left a
+    one-test file of 40 s to run alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """A test marked `claims` runs inside its own kernel record and fails unless each kernel it claims ran and

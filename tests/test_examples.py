@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from cli_inputs import used_cache
 
 from pixeltriage.episode import load_episodes
+
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

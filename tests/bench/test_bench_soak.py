@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 
 def test_soak_smoke():
     """Five seconds of mixed traffic (after a 2 s baseline: the serving RSS, one sample a second, is judged over the

@@ -15,6 +15,8 @@ import torch
 from pixeltriage.bench import compile as report_module
 from pixeltriage.bench.compile import LIMITS, headline, occupancy, problems
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 FLA_GATED_DELTA = {"chunk_gated_delta_rule_fwd_kkt_solve_kernel", "recompute_w_u_fwd_kernel",
                    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_fwd_kernel_o",
                    "chunk_local_cumsum_scalar_kernel", "l2norm_fwd_kernel"}

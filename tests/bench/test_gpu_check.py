@@ -2,10 +2,13 @@
 import json
 import shutil
 
+import pytest
 import torch
 
 from pixeltriage.bench import gpu_check
 from pixeltriage.paths import cache_dir
+
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
 
 SECTIONS = ["environment", "budget_s", "kernels", "compile", "parity", "timing", "roofline", "serve", "wall_s", "skipped",
             "failures"]

@@ -16,6 +16,8 @@ from PIL import Image
 from pixeltriage import Cache
 from pixeltriage.cli import COMMANDS, main
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 
 def assert_one_line_error(err: str, *needles: str):
     lines = err.strip().splitlines()

@@ -20,6 +20,8 @@ from PIL import Image
 from pixeltriage import Cache, Memory, Scorer
 from pixeltriage.cli import main
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 TOL = 1e-5
 
 

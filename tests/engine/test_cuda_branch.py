@@ -36,6 +36,8 @@ from reference import float64_head, tiny_config, write_reference_checkpoint
 from sync_guard import HostSyncs, tensors_of
 from triton_interpreter import fla_interpreter  # noqa: F401  (the fixture)
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 TOLERANCE = 1e-5
 GROUPED = tiny_config(
     text=dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,

@@ -5,6 +5,8 @@ from PIL import Image
 
 from pixeltriage import Memory, Scorer, StateTooLongError
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def scorer(tiny_checkpoint):

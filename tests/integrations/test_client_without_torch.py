@@ -16,6 +16,8 @@ from integration_inputs import COLORS, QUESTION, png
 
 from pixeltriage import Memory
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 PIP_S = 600                                  # the install's own bound (the frameworks' dependencies included)

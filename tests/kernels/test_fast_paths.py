@@ -17,6 +17,8 @@ from kernel_claims import claims, paths
 from poison import NanPoisonedEmpty
 from reference import rel
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 @contextlib.contextmanager
 def torch_only():
     """No C kernel library inside the block: every op runs its torch kernels."""

@@ -25,6 +25,8 @@ from kernel_claims import claims
 from pixeltriage.kernels import conv, registry
 from pixeltriage.kernels.gated_delta import chunk, fla, recurrent_gated_delta_rule
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 HK, HV, DK, DV, WIDTH = 2, 4, 16, 32, 4          # value heads > key heads: each key head serves two
 CONV_DIM = 2 * HK * DK + HV * DV
 O_TOL_EXACT = 1.2e-5      # against the float64 recurrence

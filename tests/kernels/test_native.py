@@ -21,6 +21,8 @@ from cli_inputs import used_cache
 from kernel_claims import claims
 from reference import rel
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
 

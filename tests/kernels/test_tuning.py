@@ -15,6 +15,8 @@ import torch
 
 from pixeltriage.kernels import linear, tuning
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):

@@ -15,6 +15,8 @@ from serving import b64, image_bytes
 from pixeltriage.serve.app import BODY_ROUTES, ROUTES
 from pixeltriage.serve.schemas import DOCUMENT_TAGS, TEXT_LIMIT
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 PNG = b64(image_bytes((32, 24)))
 KEY = "a" * 64
 DOCUMENTS = ["plain text", {"text": "t", "image": PNG, "dialogue": "d", "date": "2026-01-01"},

@@ -13,10 +13,13 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 from PIL import Image
 from serving import ENV, ServerProcess, b64, image_bytes, metric, wait_for
 
 from pixeltriage import Cache
+
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
 
 
 def test_start_up_errors_are_one_line(tmp_path, tiny_checkpoint):

@@ -22,6 +22,8 @@ from pixeltriage.errors import ServiceError
 from pixeltriage.serve.client import error_of
 from pixeltriage.serve.schemas import DATE_LIMIT, TEXT_LIMIT
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 MAX_QUEUED = 4
 PAYLOAD_MIB = 4
 PNG = b64(image_bytes())

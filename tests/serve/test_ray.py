@@ -22,6 +22,8 @@ from serving import ENV, assert_scores_close, episode, get, wait_for
 from pixeltriage.errors import PixelTriageError
 from pixeltriage.serve.client import question_body
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'pixeltriage[ray]')")
 
 START_TIMEOUT = 240.0

@@ -24,6 +24,8 @@ from pixeltriage import Memory
 from pixeltriage.errors import StoreFullError, StoreLockedError, StoreUnavailableError
 from pixeltriage.serve.schemas import error_for
 
+pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
+
 LOCK = textwrap.dedent("""
     import sqlite3, sys
     conn = sqlite3.connect(sys.argv[1], isolation_level=None)
