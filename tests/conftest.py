@@ -17,31 +17,40 @@ if _workers > 1:
 import atexit
 import shutil
 import tempfile
+from pathlib import Path
 
-# The choices measured once per machine (kernels.tuning) go to a file of this test run's own, inherited by the
-# processes it starts: measurements taken under a test run's load never become the records every later forward on
-# this machine follows, and a record a test forces (row blocks, a library) stays in the run. One file for the whole
-# run: xdist's workers take the one their controller made (it outlives them and removes it), so the run measures
-# each choice once, not once per worker (a first measurement under the other workers' load takes ~30 s).
-_RUN_TUNING = "_PIXELTRIAGE_TEST_RUN_TUNING"
-if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_RUN_TUNING):
-    os.environ["PIXELTRIAGE_TUNING"] = os.environ[_RUN_TUNING]
-else:
-    _tuning_dir = tempfile.mkdtemp(prefix="pixeltriage-test-tuning-")
-    atexit.register(shutil.rmtree, _tuning_dir, ignore_errors=True)
-    os.environ["PIXELTRIAGE_TUNING"] = os.environ[_RUN_TUNING] = os.path.join(_tuning_dir, "tuning.json")
+# The test run's own directory, shared by xdist's workers (they take the one their controller made: it outlives
+# them and removes it). The choices measured once per machine (kernels.tuning) go to a file there, inherited by the
+# processes the tests start: measurements taken under a test run's load never become the records every later forward
+# on this machine follows, a record a test forces (row blocks, a library) stays in the run, and the run measures each
+# choice once, not once per worker (a first measurement under the other workers' load takes ~30 s).
+_RUN_DIR = "_PIXELTRIAGE_TEST_RUN_DIR"
+if not (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_RUN_DIR)):
+    os.environ[_RUN_DIR] = tempfile.mkdtemp(prefix="pixeltriage-test-run-")
+    atexit.register(shutil.rmtree, os.environ[_RUN_DIR], ignore_errors=True)
+RUN_DIR = Path(os.environ[_RUN_DIR])
+os.environ["PIXELTRIAGE_TUNING"] = str(RUN_DIR / "tuning.json")
 
 import pytest
 
 from pixeltriage import settings
+from pixeltriage.paths import locked
 from pixeltriage.weights.demo import write_demo_checkpoint
 from postgres import postgres_server, postgres_url  # noqa: F401  (fixtures: a real PostgreSQL, tests/postgres.py)
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    """The tiny demo checkpoint (float32, random weights), written once per session."""
-    return write_demo_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", preset="tiny", seed=0)
+def tiny_checkpoint():
+    """The tiny demo checkpoint (float32, random weights), written once per run in the run's directory: the first
+    worker to need it writes it (under a lock), the others read it. Read-only: a test that breaks one takes
+    `tiny_copy`."""
+    path = RUN_DIR / "tiny"
+    with locked(RUN_DIR / ".tiny.lock"):
+        if not (RUN_DIR / "tiny.written").exists():
+            shutil.rmtree(path, ignore_errors=True)            # a write cut short by a killed worker
+            write_demo_checkpoint(path, preset="tiny", seed=0)
+            (RUN_DIR / "tiny.written").touch()
+    return path
 
 
 @pytest.fixture
