@@ -6,13 +6,13 @@ import statistics
 
 import pytest
 import torch
+from cli_inputs import used_cache
 
 from pixeltriage.bench import cpu
 from pixeltriage.bench.models.flops import PROFILER_STAGES
 from pixeltriage.bench.timing import cpu_machine, machine_line
 from pixeltriage.kernels import native, tuning
 from pixeltriage.cli import main
-from pixeltriage.paths import cache_dir
 
 # a report as `cpu.bench` returns it, for print_table (figures made up)
 _TABLE = {"preset": "tiny", "dtype": "float32", "threads": 1, "tokens": 600, "memories": 3, "tflop": 0.01,
@@ -29,9 +29,8 @@ def restore_threads():
 
 
 def test_bench_cpu_runs_and_reports_interleaved_timings(tmp_path, monkeypatch, capsys, restore_threads):
-    (tmp_path / "cache").mkdir()                    # a cache of its own, with the test run's built C kernels
-    (tmp_path / "cache" / "native").symlink_to(cache_dir() / "native", target_is_directory=True)
-    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path / "cache"))
+    # a cache of its own, with the test run's built C kernels
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(used_cache(tmp_path / "cache")))
     # the GEMM rate on 512 x 512 matrices (the command's 2048: 64 times the work, most of this test's time); what is
     # checked is how the samples make the run's rate, not the rate
     monkeypatch.setattr(cpu, "gemm_tflops", functools.partial(cpu.gemm_tflops, n=512))

@@ -1,12 +1,11 @@
 """The GPU check script's logic, run on the CPU with tiny shapes (its GPU figures come only from a GPU run)."""
 import json
-import shutil
 
 import pytest
 import torch
+from cli_inputs import used_cache
 
 from pixeltriage.bench import gpu_check
-from pixeltriage.paths import cache_dir
 
 pytestmark = pytest.mark.long            # tens of seconds of processes: scheduled first (tests/conftest.py)
 
@@ -18,13 +17,8 @@ MARKDOWN_SECTIONS = ["# gpu_check: cpu", "## Compile report", "## Parity", "## L
 
 def own_cache(tmp_path, tiny_checkpoint):
     """A cache of the test's own holding the tiny checkpoint (demo_checkpoint("tiny"): not rewritten) and the test
-    run's built C kernels (a link to them: the processes the check starts, the compile report's and the server, do
-    not build them anew)."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    shutil.copytree(tiny_checkpoint, cache / "demo-tiny-seed0")
-    (cache / "native").symlink_to(cache_dir() / "native", target_is_directory=True)
-    return cache
+    run's built C kernels: the processes the check starts, the compile report's and the server, build nothing."""
+    return used_cache(tmp_path / "cache", tiny_checkpoint)
 
 
 def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeypatch, capsys):

@@ -243,10 +243,9 @@ def test_bench_tune_shows_the_kept_choices_and_measures_them_again(tmp_path):
     """`pixeltriage bench tune`, a real process: measures what is not kept yet, shows what is kept without
     measuring (a record edited in the file comes back as written), and with --again measures anew. The cache is the
     test's own (its records file) with the test run's built C kernels in it, which it would otherwise build anew."""
-    from pixeltriage.paths import cache_dir
+    from cli_inputs import used_cache
 
-    (tmp_path / "native").symlink_to(cache_dir() / "native", target_is_directory=True)
-    env = {**os.environ, "PIXELTRIAGE_CACHE": str(tmp_path)}
+    env = {**os.environ, "PIXELTRIAGE_CACHE": str(used_cache(tmp_path))}
     env.pop(tuning.ENV)
     env.pop("PIXELTRIAGE_ONEDNN", None)
     env.pop("PIXELTRIAGE_DELTA_BF16", None)
