@@ -172,6 +172,13 @@ CONV_COLUMN_VR(conv_column_vr_bf16, LOAD_VR_BF16, ADDR_BF16)
 #undef ADDR_BF16
 #endif
 
+/* the column step for one input layout (LOAD), with the SiLU rounding the call asks for */
+#define CONV_COLUMN_STEPS(LOAD)                                                                                    \
+    if (a->silu_bf16)                                                                                             \
+        CONV_COLUMN_STEP(LOAD, silu16_bf16)                                                                       \
+    else                                                                                                          \
+        CONV_COLUMN_STEP(LOAD, silu16)
+
 static void conv_silu_chunk(const conv_source *a, int64_t t0, int64_t len, int64_t seg0, int64_t c0, int64_t n,
                             float *out, int64_t ldo) {
     int64_t i = 0;
@@ -184,20 +191,14 @@ static void conv_silu_chunk(const conv_source *a, int64_t t0, int64_t len, int64
                 const uint16_t *xb = (const uint16_t *)a->x + c0;
 #define LOAD_ROW(t, c) load_bf16x16(xb + (t) * a->x_t + (c))
 #define LOAD_ADDR(t, c) xb[(t) * a->x_t + (c)]
-                if (a->silu_bf16)
-                    CONV_COLUMN_STEP(LOAD_ROW, silu16_bf16)
-                else
-                    CONV_COLUMN_STEP(LOAD_ROW, silu16)
+                CONV_COLUMN_STEPS(LOAD_ROW)
 #undef LOAD_ROW
 #undef LOAD_ADDR
             } else {
                 const float *xf = (const float *)a->x + c0;
 #define LOAD_ROW(t, c) _mm512_loadu_ps(xf + (t) * a->x_t + (c))
 #define LOAD_ADDR(t, c) xf[(t) * a->x_t + (c)]
-                if (a->silu_bf16)
-                    CONV_COLUMN_STEP(LOAD_ROW, silu16_bf16)
-                else
-                    CONV_COLUMN_STEP(LOAD_ROW, silu16)
+                CONV_COLUMN_STEPS(LOAD_ROW)
 #undef LOAD_ROW
 #undef LOAD_ADDR
             }
