@@ -22,6 +22,7 @@ from netns import Hosts, kill_session
 ROOT = Path(__file__).resolve().parents[2]
 RAY_PORT = 6379
 OBJECT_STORE = 80 * 2**20            # bytes of /dev/shm per node: the tests move no large objects
+NODES_MARK = "pixeltriage-test-nodes: "   # prefix of the node list a driver prints
 NODE_TIMEOUT = 120.0                 # seconds for a node to join (two shared cores, other work beside)
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
        "RAY_USAGE_STATS_ENABLED": "0", "PIXELTRIAGE_MALLOC_TUNING": "0"}     # this checkout, for every process
@@ -98,14 +99,19 @@ class Cluster:
 
     def alive_nodes(self) -> list[dict]:
         """Ray's view of its live nodes ([{"ip":, "id":, "cpus":}]), asked by a short driver in the head's
-        namespace."""
+        namespace. The answer is the one stdout line after NODES_MARK: the driver also prints the cluster's error
+        reports to stdout (a node marked dead, with its possible causes), in its own threads, before or after."""
         script = ("import json, ray; ray.init(address='%s', log_to_driver=False); "
-                  "print(json.dumps([{'ip': n['NodeManagerAddress'], 'id': n['NodeID'], "
-                  "'cpus': n['Resources'].get('CPU', 0)} for n in ray.nodes() if n['Alive']]))") % self.address
+                  "print(%r + json.dumps([{'ip': n['NodeManagerAddress'], 'id': n['NodeID'], "
+                  "'cpus': n['Resources'].get('CPU', 0)} for n in ray.nodes() if n['Alive']]), flush=True)"
+                  ) % (self.address, NODES_MARK)
         done = self.hosts.run(self.head, [sys.executable, "-c", script], env=self.env, timeout=NODE_TIMEOUT)
         if done.returncode != 0:
             raise RuntimeError(f"cannot ask Ray for its nodes:\n{done.stderr[-3000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        answers = [line[len(NODES_MARK):] for line in done.stdout.splitlines() if line.startswith(NODES_MARK)]
+        if len(answers) != 1:
+            raise RuntimeError(f"Ray's driver printed {len(answers)} node lists:\n{done.stdout[-3000:]}")
+        return json.loads(answers[0])
 
     def wait_nodes(self, count: int, timeout: float = NODE_TIMEOUT) -> list[dict]:
         deadline = time.monotonic() + timeout
