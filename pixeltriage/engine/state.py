@@ -301,6 +301,20 @@ class StatePacker:
         gets at most half of them, the dialogue the rest."""
         return self.cfg.max_memory_text_tokens - date.tokens
 
+    def client_cut(self, date, note: str | None, dialogue: str, max_tokens: int) -> tuple[str | None, str, bool]:
+        """A memory's note, then its dialogue, cut to a caller's own budget of `max_tokens` shared (a rerank's
+        max_tokens_per_doc) where that is below the library's `text_budget` for the memory: -> (note, dialogue,
+        whether this cut anything), the texts unchanged where not. A note of None (one a cache holds, the server's
+        own) stays None; the dialogue gets what the caller's budget leaves of it. `pack` cuts the result again to
+        the library's budgets."""
+        if max_tokens >= self.text_budget(self.cut_date(date)):
+            return note, dialogue, False
+        kept_note = self.encoder.truncate_counted(note or "", max_tokens)
+        kept_dialogue, dialogue_cut = self.encoder.cut(dialogue, max_tokens - kept_note.tokens)
+        if not (kept_note.cut or dialogue_cut):
+            return note, dialogue, False
+        return (kept_note.text if note is not None else None), kept_dialogue, True
+
     def images(self, memories, thumbnails=None) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
         """Preprocess each memory's image (or its cached thumbnail) -> (pixel_values, grid_thw)."""
         out = []

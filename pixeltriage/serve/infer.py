@@ -376,20 +376,14 @@ class Infer:
 
     def _cut_to(self, documents: Sequence[RerankDoc], max_tokens: int | None) -> tuple[list[MemoryIn], list[bool]]:
         """The documents' memories with note, then dialogue, cut to the client's `max_tokens` (None: no cut of its
-        own) where that is below the library's budget for them, and per memory whether this cut anything."""
-        packer = self.scorer.packer
+        own; `StatePacker.client_cut`), and per memory whether this cut anything."""
+        if max_tokens is None:
+            return [d.memory for d in documents], [False] * len(documents)
         memories, cuts = [], []
         for d in documents:
-            m, cut = d.memory, False
-            if max_tokens is not None and max_tokens < packer.text_budget(packer.cut_date(m.date)):
-                note = m.note or ""      # a cached note (null) is the server's own: not cut
-                kept_note = packer.encoder.truncate_counted(note, max_tokens)
-                kept_dialogue, dialogue_cut = packer.encoder.cut(m.dialogue, max_tokens - kept_note.tokens)
-                if kept_note.cut or dialogue_cut:
-                    cut = True
-                    m = m.model_copy(update={"note": kept_note.text if m.note is not None else None,
-                                             "dialogue": kept_dialogue})
-            memories.append(m)
+            m = d.memory
+            note, dialogue, cut = self.scorer.packer.client_cut(m.date, m.note, m.dialogue, max_tokens)
+            memories.append(m.model_copy(update={"note": note, "dialogue": dialogue}) if cut else m)
             cuts.append(cut)
         return memories, cuts
 

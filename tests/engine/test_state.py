@@ -321,6 +321,27 @@ def test_the_packer_reports_what_it_cut(scorer, tiny_checkpoint):
     assert packer.text_budget(date) == cfg.max_memory_text_tokens - date.tokens
 
 
+
+def test_a_callers_budget_cuts_the_note_first_then_the_dialogue(scorer):
+    """`StatePacker.client_cut`: under a caller's budget below the library's, the note is cut to it first and the
+    dialogue gets what is left; at or above the library's budget, or where everything fits, nothing changes; a note
+    of None (a cached note) stays None and leaves the whole budget to the dialogue."""
+    packer = scorer.packer
+    encoder = packer.encoder
+    note, dialogue = "a long note about the red mug " * 10, "we talked about the mug at length " * 10
+    library = packer.text_budget(packer.cut_date("2026-01-02"))
+    assert packer.client_cut("2026-01-02", note, dialogue, library) == (note, dialogue, False)
+    assert packer.client_cut("2026-01-02", "mug", "hi", 8) == ("mug", "hi", False)
+    kept_note = encoder.truncate_counted(note, 8)
+    assert kept_note.cut
+    assert packer.client_cut("2026-01-02", note, dialogue, 8) == (kept_note.text, encoder.truncate(
+        dialogue, 8 - kept_note.tokens), True)
+    short = "a red mug"
+    tokens = len(encoder.encode_plain(short))
+    assert packer.client_cut(None, short, dialogue, 12) == (short, encoder.truncate(dialogue, 12 - tokens), True)
+    assert packer.client_cut(None, None, dialogue, 12) == (None, encoder.truncate(dialogue, 12), True)
+    assert packer.client_cut(None, None, "hi", 12) == (None, "hi", False)
+
 def test_head_rows_name_every_row_of_head_positions_once(tiny_checkpoint):
     """The head's row layout (`HeadRows`) and `State.head_positions` describe the same rows in the same order."""
     from pixeltriage import Scorer
