@@ -11,8 +11,8 @@ from cli_inputs import used_cache
 from pixeltriage.bench import cpu
 from pixeltriage.bench.models.flops import PROFILER_STAGES
 from pixeltriage.bench.timing import cpu_machine, machine_line
-from pixeltriage.kernels import native, tuning
 from pixeltriage.cli import main
+from pixeltriage.kernels import native, tuning
 
 # a report as `cpu.bench` returns it, for print_table (figures made up)
 _TABLE = {"preset": "tiny", "dtype": "float32", "threads": 1, "tokens": 600, "memories": 3, "tflop": 0.01,
