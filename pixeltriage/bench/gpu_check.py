@@ -79,8 +79,10 @@ SERVE_MODULES = ("fastapi", "uvicorn", "httpx")     # the serve extra, which the
 
 
 def max_diff(a, b) -> float:
-    pairs = [(a.p_vis, b.p_vis), (a.relevance_none, b.relevance_none), *zip(a.gains, b.gains),
-             *zip(a.relevance, b.relevance)]
+    """The largest absolute difference between two `Scores` of the same memories (p_vis, gains, relevance and the
+    none share); ValueError where their memory counts differ."""
+    pairs = [(a.p_vis, b.p_vis), (a.relevance_none, b.relevance_none), *zip(a.gains, b.gains, strict=True),
+             *zip(a.relevance, b.relevance, strict=True)]
     return max(abs(x - y) for x, y in pairs)
 
 

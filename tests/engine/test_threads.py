@@ -12,16 +12,11 @@ import torch
 from reference import episode
 
 from pixeltriage import Scorer
+from pixeltriage.bench.gpu_check import max_diff
 from pixeltriage.bench.serve_load import ANSWER_TOLERANCES
 from pixeltriage.kernels import native, registry
 
 THREADS = (1, 2, 3)
-
-
-def _max_diff(a, b) -> float:
-    pairs = [(a.p_vis, b.p_vis), (a.relevance_none, b.relevance_none), *zip(a.gains, b.gains, strict=True),
-             *zip(a.relevance, b.relevance, strict=True)]
-    return max(abs(x - y) for x, y in pairs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -41,7 +36,7 @@ def test_the_forward_at_each_thread_count_scores_as_at_one(tiny_checkpoint, dtyp
         torch.set_num_threads(before)
     tolerance = ANSWER_TOLERANCES[str(dtype).removeprefix("torch.")]
     for n in THREADS[1:]:
-        assert _max_diff(scores[n], scores[1]) <= tolerance, (n, scores[n], scores[1])
+        assert max_diff(scores[n], scores[1]) <= tolerance, (n, scores[n], scores[1])
     for n, record in records.items():
         assert set(record.declines) == set(records[1].declines), (n, record.declines, records[1].declines)
         if native.available():
