@@ -18,11 +18,11 @@ def cache_dir() -> Path:
     return settings.current().cache or Path.home() / ".cache" / "pixeltriage"
 
 
-def cached_directory(name: str, write: Callable[[Path], Path]) -> Path:
-    """`cache_dir() / name`, made by `write(target)` on first use. Safe across processes: writers serialise on a lock
-    file, `write` must make the directory appear by rename, and what a killed writer left (`.NAME.tmp-*`) is
-    removed first."""
-    root = cache_dir()
+def cached_directory(name: str, write: Callable[[Path], Path], root: Path | None = None) -> Path:
+    """`root / name` (`root`: `cache_dir()` by default), made by `write(target)` on first use. Safe across
+    processes: writers serialise on a lock file, `write` must make the directory appear by rename, and what a killed
+    writer left (`.NAME.tmp-*`) is removed first."""
+    root = cache_dir() if root is None else Path(root)
     root.mkdir(parents=True, exist_ok=True)
     target = root / name
     if target.is_dir():

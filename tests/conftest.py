@@ -34,23 +34,17 @@ os.environ["PIXELTRIAGE_TUNING"] = str(RUN_DIR / "tuning.json")
 import pytest
 
 from pixeltriage import settings
-from pixeltriage.paths import locked
+from pixeltriage.paths import cached_directory
 from pixeltriage.weights.demo import write_demo_checkpoint
 from postgres import postgres_server, postgres_url  # noqa: F401  (fixtures: a real PostgreSQL, tests/postgres.py)
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint():
-    """The tiny demo checkpoint (float32, random weights), written once per run in the run's directory: the first
-    worker to need it writes it (under a lock), the others read it. Read-only: a test that breaks one takes
-    `tiny_copy`."""
-    path = RUN_DIR / "tiny"
-    with locked(RUN_DIR / ".tiny.lock"):
-        if not (RUN_DIR / "tiny.written").exists():
-            shutil.rmtree(path, ignore_errors=True)            # a write cut short by a killed worker
-            write_demo_checkpoint(path, preset="tiny", seed=0)
-            (RUN_DIR / "tiny.written").touch()
-    return path
+    """The tiny demo checkpoint (float32, random weights), written once per run in the run's directory
+    (`paths.cached_directory`: the first worker to need it writes it, the others read it). Read-only: a test that
+    breaks one takes `tiny_copy`."""
+    return cached_directory("tiny", lambda target: write_demo_checkpoint(target, preset="tiny", seed=0), root=RUN_DIR)
 
 
 @pytest.fixture

@@ -56,3 +56,11 @@ def test_cached_directory_writes_once_across_threads_and_clears_leftovers(tmp_pa
         t.join()
     assert len(calls) == 1 and len(set(results)) == 1 and results[0] == tmp_path / "thing"
     assert not (tmp_path / ".thing.tmp-killed").exists()
+
+
+def test_cached_directory_under_a_root_of_its_own(tmp_path, monkeypatch):
+    """With `root`, the directory is made there (the test run's shared checkpoint), not in the cache."""
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(tmp_path / "cache"))
+    made = cached_directory("thing", lambda target: write_directory(target, _write_two), root=tmp_path / "run")
+    assert made == tmp_path / "run" / "thing" and made.is_dir() and not (tmp_path / "cache" / "thing").exists()
+    assert cached_directory("thing", lambda target: pytest.fail("written twice"), root=tmp_path / "run") == made
