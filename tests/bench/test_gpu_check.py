@@ -15,15 +15,10 @@ MARKDOWN_SECTIONS = ["# gpu_check: cpu", "## Compile report", "## Parity", "## L
                      "## Kernels", "## Skipped", "## Failures"]
 
 
-def own_cache(tmp_path, tiny_checkpoint):
-    """A cache of the test's own holding the tiny checkpoint (demo_checkpoint("tiny"): not rewritten) and the test
-    run's built C kernels: the processes the check starts, the compile report's and the server, build nothing."""
-    return used_cache(tmp_path / "cache", tiny_checkpoint)
-
-
 def test_gpu_check_runs_end_to_end_on_the_cpu(tiny_checkpoint, tmp_path, monkeypatch, capsys):
-    cache = own_cache(tmp_path, tiny_checkpoint)
-    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(cache))
+    # a cache of the test's own with the tiny checkpoint (demo_checkpoint("tiny"): not rewritten) and the run's built
+    # C kernels: the processes the check starts, the compile report's and the server, build nothing
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(used_cache(tmp_path / "cache", tiny_checkpoint)))
     rc = gpu_check.main(["--device", "cpu", "--parity-presets", "tiny", "--timing-preset", "tiny", "--iters", "3",
                          "--memories", "2", "--tokens", "300", "--batches", "1,2", "--serve-seconds", "1",
                          "--device-spec", "h100", "--budget-s", "600", "--out", str(tmp_path / "out")])
@@ -155,7 +150,7 @@ def test_parity_fails_a_device_forward_that_differs(tiny_checkpoint, tmp_path, m
     with a device scorer whose gains are off by 1e-3: outside float32's 1e-5 at tiny, inside bfloat16's 2e-2."""
     import dataclasses
 
-    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(own_cache(tmp_path, tiny_checkpoint)))
+    monkeypatch.setenv("PIXELTRIAGE_CACHE", str(used_cache(tmp_path / "cache", tiny_checkpoint)))
 
     class Shifted(gpu_check.Scorers):
         calls = 0
